@@ -1,0 +1,32 @@
+# pagedllm developer tasks. `make test` is what CI runs (.ci/run calls it).
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+TORCH_VERSION ?= 2.13.0
+
+.PHONY: venv test test-fast demo bench-scheduler bench clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first, pinned: the CPU build; the package's own range then installs nothing more.
+	$(BIN)/pip install -q torch==$(TORCH_VERSION)
+	$(BIN)/pip install -q -e '.[test,serve,bench]'
+	touch $@
+
+venv: $(BIN)/.installed
+
+test: venv
+	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+test-fast: venv
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow"
+
+demo: venv
+	$(BIN)/pagedllm generate "Once upon a time" --max-tokens 64
+
+bench-scheduler: venv
+	$(BIN)/python -m pagedllm.benchmarks.scheduler_overhead
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,120 @@
+"""Engine configuration: frozen dataclasses built once at the edge and passed down read-only.
+
+Every field carries a ``help`` text in its metadata; the CLI turns each field into a flag with it.
+Values discovered at run time (the number of KV blocks, EOS ids) live in their own objects,
+never in these.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from pagedllm.errors import ValidationError
+
+# The demo model lives in the shared folder beside the repository; PAGEDLLM_MODEL overrides it.
+_REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_MODEL_DIR = _REPO_ROOT.parent / "shared" / "models" / "stories260K" / "hf"
+
+
+def default_model() -> str:
+    return os.environ.get("PAGEDLLM_MODEL", str(DEFAULT_MODEL_DIR))
+
+
+def _doc(text: str, **kw):
+    return field(metadata={"help": text}, **kw)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str = _doc("Path of a local Hugging Face model folder.", default_factory=default_model)
+    tokenizer: str | None = _doc("Tokenizer folder; defaults to the model folder.", default=None)
+    dtype: str = _doc("Weights and activations: auto (float32 on CPU, bfloat16 on CUDA), "
+                      "float32, bfloat16 or float16.", default="auto")
+    max_model_len: int | None = _doc("Longest prompt + output, in tokens; defaults to the "
+                                     "model's max_position_embeddings.", default=None)
+    seed: int = _doc("Seed of the engine's random generator (unseeded requests).", default=0)
+    device: str = _doc("cpu, cuda, or auto (cuda when available).", default="auto")
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16", "half", "float", "fp32", "bf16", "fp16"):
+            raise ValidationError(
+                f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}", "dtype")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValidationError(f"max_model_len must be >= 1, got {self.max_model_len}", "max_model_len")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValidationError(f"device must be auto, cpu or cuda, got {self.device!r}", "device")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = _doc("Tokens per KV cache block.", default=16)
+    enable_prefix_caching: bool = _doc("Reuse the KV blocks of identical prompt prefixes.", default=True)
+    kv_cache_memory_bytes: int | None = _doc(
+        "Bytes of KV cache to allocate (CPU default: 1 GiB, capped at a quarter of RAM).", default=None)
+    gpu_memory_utilization: float = _doc(
+        "Share of GPU memory the engine may use, KV cache included (CUDA only).", default=0.9)
+    num_gpu_blocks_override: int | None = _doc(
+        "Force this many KV blocks, whatever the memory budget says (tests use tiny caches).", default=None)
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size > 1024:
+            raise ValidationError(f"block_size must be in [1, 1024], got {self.block_size}", "block_size")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValidationError("gpu_memory_utilization must be in (0, 1]", "gpu_memory_utilization")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ValidationError("num_gpu_blocks_override must be >= 1", "num_gpu_blocks_override")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise ValidationError("kv_cache_memory_bytes must be >= 1", "kv_cache_memory_bytes")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = _doc("Most requests running in one step.", default=256)
+    max_num_batched_tokens: int = _doc("Token budget of one step (prefill chunks + decodes).", default=2048)
+    long_prefill_token_threshold: int = _doc(
+        "Most tokens one request may take in a step (0: no cap); keeps a long prompt from "
+        "taking the whole budget.", default=0)
+    scheduling_policy: str = _doc("fcfs or priority (lower value first, then arrival).", default="fcfs")
+    max_skip_ahead: int = _doc(
+        "How many later waiting requests may be admitted past a head-of-line request that does "
+        "not fit, before the queue waits for it.", default=16)
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValidationError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}", "max_num_seqs")
+        if self.max_num_batched_tokens < 1:
+            raise ValidationError("max_num_batched_tokens must be >= 1", "max_num_batched_tokens")
+        if self.long_prefill_token_threshold < 0:
+            raise ValidationError("long_prefill_token_threshold must be >= 0", "long_prefill_token_threshold")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValidationError(
+                f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}",
+                "scheduling_policy")
+        if self.max_skip_ahead < 0:
+            raise ValidationError("max_skip_ahead must be >= 0", "max_skip_ahead")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_config: ModelConfig = field(default_factory=ModelConfig)
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative_config: dict | None = None
+
+    @classmethod
+    def from_kwargs(cls, model: str | None = None, **kwargs) -> "EngineConfig":
+        """Build from vLLM-style flat engine arguments (``LLM(model, max_num_seqs=...)``)."""
+        parts: dict[type, dict] = {ModelConfig: {}, CacheConfig: {}, SchedulerConfig: {}}
+        if model is not None:
+            parts[ModelConfig]["model"] = str(model)
+        speculative_config = kwargs.pop("speculative_config", None)
+        for key, value in kwargs.items():
+            for klass, values in parts.items():
+                if key in {f.name for f in fields(klass)}:
+                    values[key] = value
+                    break
+            else:
+                raise ValidationError(f"unknown engine argument {key!r}", key)
+        return cls(ModelConfig(**parts[ModelConfig]), CacheConfig(**parts[CacheConfig]),
+                   SchedulerConfig(**parts[SchedulerConfig]), speculative_config)

@@ -1,0 +1,191 @@
+"""KVCacheManager: per-request block tables on top of the BlockPool.
+
+It answers three questions for the scheduler: which prompt blocks are already cached
+(``get_computed_blocks``), can this request get slots for N more tokens (``allocate_slots``,
+all-or-nothing), and give everything back (``free``). ``fork`` shares a request's blocks with a
+child; the first write into a shared block copies it (copy-on-write) and the copy is reported to
+the runner through ``take_block_copies``.
+"""
+from __future__ import annotations
+
+from pagedllm.core.block_hash import extend_block_hashes
+from pagedllm.core.block_pool import BlockPool, KVCacheBlock
+from pagedllm.core.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, block_size, enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # How many leading blocks of each request are already published in the prefix cache.
+        self.num_cached_blocks: dict[str, int] = {}
+        self.prefix_cache_queries = 0  # prompt tokens looked up
+        self.prefix_cache_hits = 0  # of which found cached
+        self._block_copies: list[tuple[int, int]] = []
+        self._replaced_tables: set[str] = set()
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_pool.num_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.get_usage()
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size)
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+
+    # -- prefix cache lookup -----------------------------------------------------------------
+    def update_block_hashes(self, request: Request) -> None:
+        if self.enable_caching:
+            extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size,
+                                request.cache_salt)
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The longest run of cached full blocks at the start of the request's tokens.
+
+        Never covers the last token: its logits are needed to sample the next one. Requests that
+        want prompt logprobs skip the cache, since every prompt position must be computed.
+        """
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            return [], 0
+        self.update_block_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    def record_prefix_cache_query(self, num_queried: int, num_hit: int) -> None:
+        self.prefix_cache_queries += num_queried
+        self.prefix_cache_hits += num_hit
+
+    # -- allocation --------------------------------------------------------------------------
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: list[KVCacheBlock] | None = None,
+        num_lookahead_tokens: int = 0,
+    ) -> list[KVCacheBlock] | None:
+        """Make room for ``num_new_tokens`` more tokens after the computed ones (plus the prefix
+        hit ``new_computed_blocks`` on admission). Returns the newly allocated blocks, or None
+        (changing nothing) when the pool cannot supply them."""
+        new_computed_blocks = new_computed_blocks or []
+        rid = request.request_id
+        blocks = self.req_to_blocks.get(rid)
+        if blocks is None:
+            blocks = []
+        num_computed = request.num_computed_tokens + num_new_computed_tokens
+        num_required = cdiv(num_computed + num_new_tokens + num_lookahead_tokens, self.block_size)
+        num_new_blocks = max(0, num_required - len(blocks) - len(new_computed_blocks))
+        # Hit blocks that sit in the free queue are taken from it too: count them.
+        num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        cow_indices = self._shared_blocks_to_write(blocks, num_computed, num_new_tokens)
+        needed = num_new_blocks + num_evictable_hits + len(cow_indices)
+        if needed > self.block_pool.get_num_free_blocks():
+            return None
+
+        self.block_pool.touch(new_computed_blocks)
+        blocks.extend(new_computed_blocks)
+        self.req_to_blocks[rid] = blocks
+        if cow_indices:
+            self._copy_on_write(rid, blocks, cow_indices)
+        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+        blocks.extend(new_blocks)
+        self._cache_full_blocks(request, blocks, num_computed + num_new_tokens,
+                                len(new_computed_blocks))
+        return new_blocks
+
+    def _shared_blocks_to_write(self, blocks: list[KVCacheBlock], num_computed: int,
+                                num_new_tokens: int) -> list[int]:
+        if not blocks or num_new_tokens <= 0:
+            return []
+        first = num_computed // self.block_size
+        last = min(len(blocks), cdiv(num_computed + num_new_tokens, self.block_size))
+        return [i for i in range(first, last) if blocks[i].ref_cnt > 1]
+
+    def _copy_on_write(self, rid: str, blocks: list[KVCacheBlock], indices: list[int]) -> None:
+        fresh = self.block_pool.get_new_blocks(len(indices))
+        for i, new in zip(indices, fresh):
+            old = blocks[i]
+            self._block_copies.append((old.block_id, new.block_id))
+            blocks[i] = new
+            self.block_pool.free_blocks([old])  # drops our reference; the others keep it
+        self._replaced_tables.add(rid)
+
+    def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock],
+                           num_tokens: int, num_hit_blocks: int) -> None:
+        """Publish every full block whose tokens are known, as soon as it is allocated, so that
+        identical prompts scheduled in the same step share it (the runner writes a layer's new
+        K/V before that layer reads the cache)."""
+        if not self.enable_caching:
+            return
+        rid = request.request_id
+        num_full = min(num_tokens, request.num_tokens) // self.block_size
+        start = self.num_cached_blocks.get(rid, 0) + num_hit_blocks
+        if num_full > start:
+            self.update_block_hashes(request)
+            for i in range(start, num_full):
+                self.block_pool.cache_block(blocks[i], request.block_hashes[i])
+        self.num_cached_blocks[rid] = max(start, num_full)
+
+    def take_block_copies(self) -> tuple[list[tuple[int, int]], set[str]]:
+        """The (src, dst) copies made since the last call, and the requests whose tables changed."""
+        copies, replaced = self._block_copies, self._replaced_tables
+        self._block_copies, self._replaced_tables = [], set()
+        return copies, replaced
+
+    # -- sharing -----------------------------------------------------------------------------
+    def fork(self, parent: Request, child: Request) -> None:
+        """Share every block of ``parent`` with ``child`` (the partial last one included)."""
+        blocks = self.req_to_blocks.get(parent.request_id, [])
+        self.block_pool.touch(blocks)
+        self.req_to_blocks[child.request_id] = list(blocks)
+        self.num_cached_blocks[child.request_id] = self.num_cached_blocks.get(parent.request_id, 0)
+        child.block_hashes = list(parent.block_hashes)
+
+    # -- release -----------------------------------------------------------------------------
+    def free(self, request: Request, num_valid_tokens: int | None = None) -> None:
+        """Give back every block of the request, last block first (so its tail is evicted first).
+
+        ``num_valid_tokens``: blocks past this many tokens were published but their KV will never
+        be computed (a victim preempted in the step that scheduled it); unpublish those.
+        """
+        rid = request.request_id
+        blocks = self.req_to_blocks.pop(rid, None)
+        self.num_cached_blocks.pop(rid, None)
+        self._replaced_tables.discard(rid)
+        if not blocks:
+            return
+        if num_valid_tokens is not None:
+            for block in blocks[num_valid_tokens // self.block_size:]:
+                if block.ref_cnt == 1:
+                    self.block_pool.uncache_block(block)
+        self.block_pool.free_blocks(reversed(blocks))
+
+    def reset_prefix_cache(self) -> bool:
+        return self.block_pool.reset_prefix_cache()
+
+    def check_integrity(self) -> None:
+        self.block_pool.check_integrity()
+        refs: dict[int, int] = {}
+        for blocks in self.req_to_blocks.values():
+            for b in blocks:
+                refs[b.block_id] = refs.get(b.block_id, 0) + 1
+        for b in self.block_pool.blocks:
+            assert b.ref_cnt == refs.get(b.block_id, 0), \
+                f"block {b.block_id}: ref_cnt {b.ref_cnt} but {refs.get(b.block_id, 0)} tables hold it"

@@ -1,0 +1,99 @@
+"""The contracts between scheduler, runner and engine: plain data (ints, lists, dicts), no torch.
+
+``SchedulerOutput`` is the work order for one step; ``RunnerOutput`` is what the runner sampled;
+``EngineCoreOutput`` is what the scheduler reports per request after applying it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """A request the runner has not seen (first admission, or resumed after preemption)."""
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # non-empty only when resumed after preemption (recompute)
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int  # tokens already in the cache (prefix-cache hit) before this step
+    eos_token_ids: frozenset[int] = frozenset()
+    min_tokens: int = 0
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    """Requests the runner already holds, as diffs (parallel lists)."""
+    req_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)  # appended to the block table
+    num_computed_tokens: list[int] = field(default_factory=list)  # before this step
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]  # req_id -> tokens computed this step
+    total_num_scheduled_tokens: int
+    # Copy-on-write: copy block src into dst (every layer) before the forward pass ...
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # ... and these requests' block tables changed beyond appending: full table to use.
+    replaced_block_tables: dict[str, list[int]] = field(default_factory=dict)
+    # Draft tokens to verify this step (speculative decoding): req_id -> draft ids.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    finished_req_ids: set[str] = field(default_factory=set)  # runner drops their state
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """Logprobs at one position: entry 0 is the chosen token, then the top-k by rank."""
+    token_ids: list[int]
+    logprobs: list[float]
+    ranks: list[int]  # 1 = most likely in the vocabulary
+
+
+@dataclass(slots=True)
+class PromptLogprobsChunk:
+    """Prompt logprobs computed this step: ``entries[i]`` scores prompt token ``start + i``."""
+    start: int
+    entries: list[TokenLogprobs]
+
+
+@dataclass(slots=True)
+class RunnerOutput:
+    req_ids: list[str]
+    req_id_to_index: dict[str, int]
+    # Per request: the tokens sampled this step (empty for a partial prefill; 1 + accepted
+    # drafts with speculative decoding).
+    sampled_token_ids: list[list[int]]
+    # Per request, None or one TokenLogprobs per sampled token (SamplingParams.logprobs).
+    logprobs: list[list[TokenLogprobs] | None] | None = None
+    prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
+    num_draft_tokens: int = 0  # drafts verified this step (speculative decoding metrics)
+    num_accepted_tokens: int = 0
+
+    @classmethod
+    def empty(cls) -> "RunnerOutput":
+        return cls([], {}, [])
+
+
+@dataclass(slots=True)
+class EngineCoreOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None  # "stop", "length", "abort"
+    stop_reason: int | str | None = None
+    new_logprobs: list[TokenLogprobs] | None = None
+    new_prompt_logprobs: PromptLogprobsChunk | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

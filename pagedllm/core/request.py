@@ -1,0 +1,134 @@
+"""Request: one prompt's journey waiting -> running -> finished, in plain Python."""
+from __future__ import annotations
+
+import time
+from enum import IntEnum
+
+from pagedllm.sampling_params import SamplingParams
+
+
+class RequestStatus(IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    # Everything from here on is finished.
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH_CAPPED = 4
+    FINISHED_ABORTED = 5
+
+    @staticmethod
+    def is_finished(status: "RequestStatus") -> bool:
+        return status >= RequestStatus.FINISHED_STOPPED
+
+    @staticmethod
+    def finish_reason(status: "RequestStatus") -> str | None:
+        return _FINISH_REASONS.get(status)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Request:
+    """The scheduler's view of one sequence.
+
+    ``num_computed_tokens`` chases ``num_tokens``: the scheduler's only job is to let the first
+    catch up with the second. Output tokens are appended by ``append_output_token_ids``.
+    """
+
+    __slots__ = (
+        "request_id", "prompt_token_ids", "sampling_params", "eos_token_ids", "arrival_time",
+        "priority", "cache_salt", "max_tokens", "status", "num_computed_tokens", "num_cached_tokens",
+        "stop_reason", "num_preemptions", "block_hashes", "spec_token_ids", "num_skipped_past",
+        "_all_token_ids", "_output_token_ids", "_num_prompt_tokens",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_ids: frozenset[int] = frozenset(),
+        max_tokens: int | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = eos_token_ids
+        # The scheduler resolves the effective limit (it knows max_model_len); None until then.
+        self.max_tokens = max_tokens if max_tokens is not None else sampling_params.max_tokens
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.priority = priority
+        self.cache_salt = cache_salt
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit at first admission; -1 until admitted
+        self.stop_reason: int | str | None = None
+        self.num_preemptions = 0
+        self.block_hashes: list[int] = []  # hashes of the full blocks of all_token_ids, in order
+        self.spec_token_ids: list[int] = []
+        self.num_skipped_past = 0  # later requests admitted while this one waited at the head
+        self._num_prompt_tokens = len(self.prompt_token_ids)
+        self._all_token_ids = list(self.prompt_token_ids)
+        self._output_token_ids: list[int] = []
+
+    # -- token bookkeeping -------------------------------------------------------------------
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self._num_prompt_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return len(self._all_token_ids) + len(self.spec_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self._output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self._all_token_ids
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self._output_token_ids
+
+    def append_output_token_ids(self, token_ids: int | list[int]) -> None:
+        if isinstance(token_ids, int):
+            self._output_token_ids.append(token_ids)
+            self._all_token_ids.append(token_ids)
+        else:
+            self._output_token_ids.extend(token_ids)
+            self._all_token_ids.extend(token_ids)
+
+    def trim_output_token_ids(self, num_tokens: int) -> None:
+        """Drop the last ``num_tokens`` outputs (tokens sampled past a stop condition)."""
+        if num_tokens > 0:
+            del self._output_token_ids[-num_tokens:]
+            del self._all_token_ids[-num_tokens:]
+
+    # -- status ------------------------------------------------------------------------------
+    def is_finished(self) -> bool:
+        return self.status >= RequestStatus.FINISHED_STOPPED
+
+    def get_finished_reason(self) -> str | None:
+        return RequestStatus.finish_reason(self.status)
+
+    def __lt__(self, other: "Request") -> bool:
+        # Priority order: lower priority value first, then earlier arrival, then id (stable).
+        return (self.priority, self.arrival_time, self.request_id) < (
+            other.priority, other.arrival_time, other.request_id)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status.name}, "
+                f"computed={self.num_computed_tokens}/{self.num_tokens})")

@@ -1,0 +1,353 @@
+"""Scheduler: one rule, no phases (vLLM V1 style).
+
+Every request has ``num_computed_tokens`` and ``num_tokens``; each step hands out a token budget so
+the first catches up with the second. Prefill chunks and decodes share one batch. Running
+requests go first (low inter-token latency), then waiting ones. A running request that cannot
+get a block preempts a victim (recompute); a waiting request never preempts anyone.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from pagedllm.config import SchedulerConfig
+from pagedllm.core.kv_cache_manager import KVCacheBlock, KVCacheManager
+from pagedllm.core.outputs import (CachedRequestData, EngineCoreOutput, NewRequestData,
+                                   RunnerOutput, SchedulerOutput)
+from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.request_queue import create_request_queue
+from pagedllm.errors import ValidationError
+
+
+class Scheduler:
+    def __init__(self, scheduler_config: SchedulerConfig, num_blocks: int, block_size: int,
+                 max_model_len: int, enable_caching: bool = True) -> None:
+        self.max_num_seqs = scheduler_config.max_num_seqs
+        self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
+        self.long_prefill_token_threshold = scheduler_config.long_prefill_token_threshold
+        self.policy = scheduler_config.scheduling_policy
+        self.max_skip_ahead = scheduler_config.max_skip_ahead
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.kv_cache_manager = KVCacheManager(num_blocks, block_size, enable_caching)
+
+        self.requests: dict[str, Request] = {}
+        self.waiting = create_request_queue(self.policy)
+        self.running: list[Request] = []
+        # Finished or aborted since the last schedule(): the runner must drop their state.
+        self.finished_req_ids: set[str] = set()
+
+        # Counters for metrics (monotonic).
+        self.num_preemptions = 0
+        self.num_prompt_tokens_computed = 0  # prompt tokens run through the model, recompute included
+        self.num_generation_tokens = 0
+        self.num_draft_tokens = 0  # speculative decoding
+        self.num_accepted_tokens = 0
+
+    # ------------------------------------------------------------------------------------------
+    # Admission
+    # ------------------------------------------------------------------------------------------
+    @property
+    def max_cache_tokens(self) -> int:
+        return self.kv_cache_manager.num_blocks * self.block_size
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request, or reject it now (ValidationError) if it could never run."""
+        if request.request_id in self.requests:
+            raise ValidationError(f"request id {request.request_id!r} is already in use", "request_id")
+        num_prompt = request.num_prompt_tokens
+        if num_prompt == 0:
+            raise ValidationError("the prompt is empty; give at least one token", "prompt")
+        if num_prompt >= self.max_model_len:
+            raise ValidationError(
+                f"the prompt has {num_prompt} tokens but max_model_len is {self.max_model_len} "
+                f"(prompt + at least one output token must fit); shorten the prompt", "prompt")
+        if request.max_tokens is None:
+            # Up to max_model_len, and never more than the whole KV cache could hold (the
+            # last sampled token is never written, hence + 1).
+            request.max_tokens = max(1, min(self.max_model_len, self.max_cache_tokens + 1) - num_prompt)
+        total = num_prompt + request.max_tokens
+        if total > self.max_model_len:
+            raise ValidationError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but "
+                f"{total} were requested ({num_prompt} in the prompt, {request.max_tokens} in "
+                f"max_tokens); lower max_tokens or shorten the prompt", "max_tokens")
+        # The last sampled token is never written to the cache, hence total - 1.
+        needed = self.kv_cache_manager.num_blocks_for(total - 1)
+        if needed > self.kv_cache_manager.num_blocks:
+            raise ValidationError(
+                f"the request needs {needed} KV blocks ({total} tokens) but the whole cache has "
+                f"{self.kv_cache_manager.num_blocks}; lower max_tokens, shorten the prompt or give "
+                f"the KV cache more memory", "max_tokens")
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.add_request(request)
+
+    # ------------------------------------------------------------------------------------------
+    # schedule()
+    # ------------------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        kv = self.kv_cache_manager
+        budget = self.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_blocks_of: dict[str, list[KVCacheBlock]] = {}
+        scheduled_new: list[Request] = []
+        preempted: set[str] = set()
+
+        # 1. Running requests first.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = self._num_new_tokens(req, req.num_tokens_with_spec - req.num_computed_tokens, budget)
+            if n <= 0:
+                i += 1
+                continue
+            while (new_blocks := kv.allocate_slots(req, n)) is None:
+                victim = self.running[-1] if self.policy == "fcfs" else max(self.running)
+                victim_index = self.running.index(victim) if victim is not req else i
+                budget += num_scheduled.pop(victim.request_id, 0)
+                new_blocks_of.pop(victim.request_id, None)
+                self._preempt(victim)
+                preempted.add(victim.request_id)
+                if victim is req:
+                    break
+                if victim_index < i:
+                    i -= 1
+            if new_blocks is None:
+                continue  # req preempted itself; running[i] is now the next request
+            num_scheduled[req.request_id] = n
+            new_blocks_of[req.request_id] = new_blocks
+            budget -= n
+            i += 1
+
+        # 2. Then waiting requests, unless this step already had to preempt (memory is tight).
+        if not preempted:
+            budget = self._schedule_waiting(budget, num_scheduled, scheduled_new)
+
+        return self._build_output(num_scheduled, new_blocks_of, scheduled_new, preempted)
+
+    def _num_new_tokens(self, req: Request, num_wanted: int, budget: int) -> int:
+        n = num_wanted
+        if self.long_prefill_token_threshold and n > self.long_prefill_token_threshold:
+            n = self.long_prefill_token_threshold
+        return min(n, budget)
+
+    def _schedule_waiting(self, budget: int, num_scheduled: dict[str, int],
+                          scheduled_new: list[Request]) -> int:
+        """Admit waiting requests in queue order while budget, sequence slots and blocks last.
+
+        Bounded skip-ahead: when the head does not fit in the KV cache, later requests may be
+        admitted past it, but each admission past a waiting request counts against it; once any
+        skipped request has been passed ``max_skip_ahead`` times, admission stops until it fits.
+        Its wait is thus bounded by ``max_skip_ahead`` admissions plus the time the running
+        requests need to finish (they never wait for it, and waiting requests preempt nobody,
+        so blocks only free up), and it fits once they are gone: admission checked that it fits
+        the whole cache.
+        """
+        kv = self.kv_cache_manager
+        skipped: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting.pop_request()
+            hit_blocks, num_hit = kv.get_computed_blocks(req)
+            n = self._num_new_tokens(req, req.num_tokens - num_hit, budget)
+            new_blocks = kv.allocate_slots(req, n, num_hit, hit_blocks)
+            if new_blocks is None:
+                skipped.append(req)
+                if len(skipped) > self.max_skip_ahead or any(
+                        s.num_skipped_past >= self.max_skip_ahead for s in skipped):
+                    break
+                continue
+            for s in skipped:
+                s.num_skipped_past += 1
+            kv.record_prefix_cache_query(req.num_tokens, num_hit)
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit
+            req.num_computed_tokens = num_hit
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled_new.append(req)
+            num_scheduled[req.request_id] = n
+            budget -= n
+        if skipped:
+            self.waiting.prepend_requests(skipped)
+        return budget
+
+    def _preempt(self, req: Request) -> None:
+        """Recompute preemption: free every block and go back to the head of the queue.
+
+        Blocks it published are kept in the prefix cache only as far as their KV was computed
+        (a victim can be preempted in the very step that scheduled it), so its resume may hit them.
+        """
+        self.running.remove(req)
+        self.kv_cache_manager.free(req, num_valid_tokens=req.num_computed_tokens)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.spec_token_ids = []
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.prepend_request(req)
+
+    def _build_output(self, num_scheduled: dict[str, int], new_blocks_of: dict[str, list[KVCacheBlock]],
+                      scheduled_new: list[Request], preempted: set[str]) -> SchedulerOutput:
+        kv = self.kv_cache_manager
+        new_ids = {r.request_id for r in scheduled_new}
+        new_reqs = [
+            NewRequestData(
+                req_id=r.request_id,
+                prompt_token_ids=r.prompt_token_ids,
+                output_token_ids=list(r.output_token_ids),
+                sampling_params=r.sampling_params,
+                block_ids=kv.get_block_ids(r.request_id),
+                num_computed_tokens=r.num_computed_tokens,
+                eos_token_ids=r.eos_token_ids,
+            )
+            for r in scheduled_new
+        ]
+        cached = CachedRequestData()
+        for rid, blocks in new_blocks_of.items():
+            if rid in new_ids:
+                continue
+            req = self.requests[rid]
+            cached.req_ids.append(rid)
+            cached.new_block_ids.append([b.block_id for b in blocks])
+            cached.num_computed_tokens.append(req.num_computed_tokens)
+        block_copies, replaced = kv.take_block_copies()
+        out = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            block_copies=block_copies,
+            replaced_block_tables={rid: kv.get_block_ids(rid) for rid in replaced
+                                   if rid in num_scheduled and rid not in new_ids},
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids=preempted,
+        )
+        self.finished_req_ids = set()
+        # Advance now: the next schedule() sees these tokens as computed (the runner computes
+        # them before then), and preemption frees exactly what was computed.
+        for rid, n in num_scheduled.items():
+            req = self.requests[rid]
+            start = req.num_computed_tokens
+            if start < req.num_prompt_tokens:
+                self.num_prompt_tokens_computed += min(req.num_prompt_tokens, start + n) - start
+            req.num_computed_tokens = start + n
+        return out
+
+    # ------------------------------------------------------------------------------------------
+    # update_from_output()
+    # ------------------------------------------------------------------------------------------
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: RunnerOutput) -> list[EngineCoreOutput]:
+        outputs: list[EngineCoreOutput] = []
+        any_stopped = False
+        index_of = runner_output.req_id_to_index
+        for rid in scheduler_output.num_scheduled_tokens:
+            req = self.requests.get(rid)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue  # aborted (or finished) after it was scheduled
+            idx = index_of.get(rid)
+            new_ids = runner_output.sampled_token_ids[idx] if idx is not None else []
+            new_logprobs = runner_output.logprobs[idx] if (idx is not None and runner_output.logprobs) else None
+            stopped = False
+            if new_ids:
+                kept = 0
+                for tok in new_ids:
+                    req.append_output_token_ids(tok)
+                    kept += 1
+                    if self._check_stop(req):
+                        stopped = True
+                        break
+                if kept < len(new_ids):  # tokens sampled past a stop condition are dropped
+                    new_ids = new_ids[:kept]
+                    new_logprobs = new_logprobs[:kept] if new_logprobs else new_logprobs
+                self.num_generation_tokens += kept
+            prompt_lp = runner_output.prompt_logprobs.get(rid)
+            if new_ids or prompt_lp is not None:
+                outputs.append(EngineCoreOutput(
+                    request_id=rid, new_token_ids=new_ids,
+                    finish_reason=req.get_finished_reason(), stop_reason=req.stop_reason,
+                    new_logprobs=new_logprobs, new_prompt_logprobs=prompt_lp,
+                    num_cached_tokens=max(req.num_cached_tokens, 0)))
+            if stopped:
+                self._free_request(req)
+                any_stopped = True
+        if any_stopped:
+            self.running = [r for r in self.running if not r.is_finished()]
+        return outputs
+
+    def _check_stop(self, req: Request) -> bool:
+        """Stop checks for the token just appended: min_tokens, EOS, stop ids, then length."""
+        sp = req.sampling_params
+        if req.num_output_tokens >= sp.min_tokens:
+            last = req.output_token_ids[-1]
+            if not sp.ignore_eos and last in req.eos_token_ids:
+                req.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if last in sp.all_stop_token_ids:
+                req.status = RequestStatus.FINISHED_STOPPED
+                req.stop_reason = last
+                return True
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False
+
+    # ------------------------------------------------------------------------------------------
+    # Finishing from outside: abort, stop strings
+    # ------------------------------------------------------------------------------------------
+    def finish_requests(self, request_ids: str | Iterable[str],
+                        status: RequestStatus = RequestStatus.FINISHED_ABORTED,
+                        stop_reason: int | str | None = None) -> list[Request]:
+        """Finish requests now and free their blocks at once. Idempotent: unknown or already
+        finished ids are ignored. Returns the requests it finished."""
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        done = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None or req.is_finished():
+                continue
+            done.append(req)
+        if not done:
+            return done
+        running_drop = {id(r) for r in done if r.status == RequestStatus.RUNNING}
+        if running_drop:
+            self.running = [r for r in self.running if id(r) not in running_drop]
+        waiting_drop = [r for r in done if r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)]
+        if waiting_drop:
+            self.waiting.remove_requests(waiting_drop)
+        for req in done:
+            req.status = status
+            if stop_reason is not None:
+                req.stop_reason = stop_reason
+            self._free_request(req)
+        return done
+
+    abort_requests = finish_requests
+
+    def _free_request(self, req: Request) -> None:
+        self.kv_cache_manager.free(req)
+        self.finished_req_ids.add(req.request_id)
+        del self.requests[req.request_id]
+
+    # ------------------------------------------------------------------------------------------
+    # Introspection
+    # ------------------------------------------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def has_finished_requests(self) -> bool:
+        return bool(self.finished_req_ids)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def check_integrity(self) -> None:
+        self.kv_cache_manager.check_integrity()
+        for req in self.running:
+            assert req.status == RequestStatus.RUNNING
+        assert len(self.running) <= self.max_num_seqs
+        assert len(self.running) + len(self.waiting) == len(self.requests)

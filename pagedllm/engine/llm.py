@@ -1,0 +1,122 @@
+"""LLM: the offline API, compatible with vLLM's (``from pagedllm import LLM, SamplingParams``)."""
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from pagedllm.config import EngineConfig
+from pagedllm.engine.input_processor import PromptType
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.tokenizer import apply_chat_template
+from pagedllm.errors import ValidationError
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+
+class LLM:
+    """An engine for offline batch inference.
+
+    ``LLM(model, **engine_args)`` takes vLLM's engine argument names (max_num_seqs,
+    max_num_batched_tokens, max_model_len, block_size, enable_prefix_caching,
+    long_prefill_token_threshold, scheduling_policy, num_gpu_blocks_override,
+    kv_cache_memory_bytes, gpu_memory_utilization, dtype, seed, device, ...).
+    """
+
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        engine_args.pop("trust_remote_code", None)  # accepted for vLLM compatibility; unused
+        engine_args.pop("enforce_eager", None)
+        self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model, **engine_args))
+        self._counter = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        return self.llm_engine.default_sampling_params()
+
+    # -- generate ----------------------------------------------------------------------------
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt; results come back in input order."""
+        if isinstance(prompts, (str, dict)) or (
+                isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        params_list = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
+                       else [sampling_params] * len(prompts))
+        if len(params_list) != len(prompts):
+            raise ValidationError("give one SamplingParams, or one per prompt", "sampling_params")
+        if priority is not None and len(priority) != len(prompts):
+            raise ValidationError("priority needs one value per prompt", "priority")
+        request_ids = []
+        try:
+            for i, (prompt, params) in enumerate(zip(prompts, params_list)):
+                rid = str(next(self._counter))
+                self.llm_engine.add_request(rid, prompt, params,
+                                            priority=priority[i] if priority is not None else 0)
+                request_ids.append(rid)
+        except Exception:
+            # Bad input loses nothing: the requests queued before the bad one are withdrawn.
+            self.llm_engine.abort_request(request_ids)
+            raise
+        return self._run_engine(request_ids, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, chat_template: str | None = None,
+             add_generation_prompt: bool = True, **template_kwargs: Any) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, through the chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tokenizer = self.llm_engine.tokenizer
+        if tokenizer is None:
+            raise ValidationError("chat() needs a tokenizer", "messages")
+        prompts: list[PromptType] = [
+            {"prompt_token_ids": apply_chat_template(tokenizer, conv, chat_template,
+                                                     add_generation_prompt, **template_kwargs)}
+            for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        pbar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            pbar = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True,
+                        postfix="est. speed input: 0.00 toks/s, output: 0.00 toks/s")
+        finished: dict[str, RequestOutput] = {}
+        start = time.perf_counter()
+        num_in = num_out = 0
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if not out.finished:
+                        continue
+                    finished[out.request_id] = out
+                    if pbar is not None:
+                        num_in += len(out.prompt_token_ids)
+                        num_out += sum(len(c.token_ids) for c in out.outputs)
+                        elapsed = max(time.perf_counter() - start, 1e-9)
+                        pbar.postfix = (f"est. speed input: {num_in / elapsed:.2f} toks/s, "
+                                        f"output: {num_out / elapsed:.2f} toks/s")
+                        pbar.update(1)
+        except BaseException:
+            engine.abort_request(request_ids)  # leave the engine clean for the next call
+            raise
+        finally:
+            if pbar is not None:
+                pbar.close()
+        return [finished[rid] for rid in request_ids if rid in finished]
+
+    # -- misc --------------------------------------------------------------------------------
+    def get_metrics(self) -> dict[str, float]:
+        return self.llm_engine.get_metrics()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.llm_engine.reset_prefix_cache()

@@ -1,0 +1,156 @@
+"""LLMEngine: the synchronous engine loop.
+
+    schedule() -> execute_model() -> update_from_output() -> process_outputs()
+
+Everything above the runner is plain Python; the real runner (torch) is created through a lazy
+factory so that importing the engine never imports torch.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.engine.input_processor import InputProcessor, PromptType
+from pagedllm.engine.model_info import ModelInfo
+from pagedllm.engine.output_processor import OutputProcessor, ParentRequest
+from pagedllm.errors import ValidationError
+from pagedllm.outputs import RequestMetrics, RequestOutput
+from pagedllm.runner.base import Runner
+from pagedllm.sampling_params import SamplingParams
+
+
+def create_model_runner(config: EngineConfig, model_info: ModelInfo) -> Runner:
+    from pagedllm.runner.model_runner import ModelRunner  # torch lives below this line
+
+    return ModelRunner(config, model_info)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, runner: Runner | None = None,
+                 model_info: ModelInfo | None = None, tokenizer: Any | None = None,
+                 load_tokenizer: bool = True) -> None:
+        mc, cc = config.model_config, config.cache_config
+        self.config = config
+        self.model_info = model_info or ModelInfo.from_folder(mc.model)
+        if tokenizer is None and load_tokenizer:
+            from pagedllm.engine.tokenizer import load_tokenizer as _load
+
+            tokenizer = _load(mc.tokenizer or mc.model)
+        self.tokenizer = tokenizer
+        max_pos = self.model_info.max_position_embeddings
+        if mc.max_model_len is not None and mc.max_model_len > max_pos:
+            raise ValidationError(
+                f"max_model_len={mc.max_model_len} exceeds the model's max_position_embeddings "
+                f"({max_pos}); lower it", "max_model_len")
+        self.max_model_len = mc.max_model_len or max_pos
+
+        self.runner = runner if runner is not None else create_model_runner(config, self.model_info)
+        num_blocks = cc.num_gpu_blocks_override or self.runner.determine_num_blocks(cc.block_size)
+        self.runner.initialize_kv_cache(num_blocks, cc.block_size)
+        self.num_blocks = num_blocks
+        self.scheduler = Scheduler(config.scheduler_config, num_blocks, cc.block_size,
+                                   self.max_model_len, cc.enable_prefix_caching)
+        self.input_processor = InputProcessor(tokenizer, self.model_info.vocab_size)
+        self.output_processor = OutputProcessor(tokenizer)
+        self.num_prompt_tokens = 0
+        self.num_requests_finished = 0
+
+    @classmethod
+    def from_engine_args(cls, model: str | None = None, **engine_args: Any) -> "LLMEngine":
+        return cls(EngineConfig.from_kwargs(model, **engine_args))
+
+    @property
+    def num_cache_tokens(self) -> int:
+        return self.num_blocks * self.config.cache_config.block_size
+
+    def default_sampling_params(self) -> SamplingParams:
+        """vLLM's default: the model's generation_config.json sampling values, if any."""
+        return SamplingParams(**self.model_info.generation_defaults)
+
+    # -- requests ----------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
+                    arrival_time: float | None = None, priority: int = 0,
+                    cache_salt: str | None = None) -> None:
+        """Validate and queue a request; raises ValidationError (and queues nothing) if bad."""
+        if request_id in self.output_processor.parents:
+            raise ValidationError(f"request id {request_id!r} is already in use", "request_id")
+        params = params if params is not None else self.default_sampling_params()
+        if not isinstance(params, SamplingParams):
+            raise ValidationError("sampling_params must be a SamplingParams", "sampling_params")
+        if params.logit_bias and any(not 0 <= t < self.model_info.vocab_size for t in params.logit_bias):
+            raise ValidationError("logit_bias has a token id outside the vocabulary", "logit_bias")
+        if not isinstance(priority, int):
+            raise ValidationError(f"priority must be an integer, got {priority!r}", "priority")
+        text, prompt_ids = self.input_processor.process_prompt(prompt)
+        arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        child_ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
+        children = []
+        for i, cid in enumerate(child_ids):
+            child_params = params
+            if params.n > 1:
+                # Each sample is its own sequence; a seeded request seeds sample i with seed + i.
+                child_params = params.clone(n=1, seed=None if params.seed is None else params.seed + i)
+            children.append(Request(cid, prompt_ids, child_params, self.model_info.eos_token_ids,
+                                    arrival_time=arrival_time, priority=priority, cache_salt=cache_salt))
+        added = []
+        try:
+            for child in children:
+                self.scheduler.add_request(child)
+                added.append(child.request_id)
+        except Exception:
+            self.scheduler.finish_requests(added)
+            raise
+        parent = ParentRequest(request_id, text, prompt_ids, params, RequestMetrics(arrival_time))
+        self.output_processor.add_request(parent, child_ids)
+        self.num_prompt_tokens += len(prompt_ids)
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        """Abort now (idempotent): blocks are freed at once; no further output is produced."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        child_ids = self.output_processor.abort_requests(list(request_ids))
+        self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
+
+    # -- the loop ----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.runner.execute_model(scheduler_output)
+        core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs, stopped = self.output_processor.process_outputs(core_outputs)
+        for child_id, stop_str in stopped:
+            self.scheduler.finish_requests(child_id, RequestStatus.FINISHED_STOPPED, stop_str)
+        self.num_requests_finished += sum(1 for o in outputs if o.finished)
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or self.output_processor.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.output_processor.parents)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.reset_prefix_cache()
+
+    # -- metrics -----------------------------------------------------------------------------
+    def get_metrics(self) -> dict[str, float]:
+        """Counters and gauges, named as the server exports them."""
+        s = self.scheduler
+        kv = s.kv_cache_manager
+        return {
+            "pagedllm:num_requests_running": len(s.running),
+            "pagedllm:num_requests_waiting": len(s.waiting),
+            "pagedllm:kv_cache_usage_perc": kv.usage,
+            "pagedllm:num_preemptions": s.num_preemptions,
+            "pagedllm:prefix_cache_queries": kv.prefix_cache_queries,
+            "pagedllm:prefix_cache_hits": kv.prefix_cache_hits,
+            "pagedllm:prompt_tokens": self.num_prompt_tokens,
+            "pagedllm:prompt_tokens_computed": s.num_prompt_tokens_computed,
+            "pagedllm:generation_tokens": s.num_generation_tokens,
+            "pagedllm:request_success": self.num_requests_finished,
+            "pagedllm:num_gpu_blocks": self.num_blocks,
+            "pagedllm:spec_decode_num_draft_tokens": s.num_draft_tokens,
+            "pagedllm:spec_decode_num_accepted_tokens": s.num_accepted_tokens,
+        }

@@ -1,0 +1,55 @@
+"""ModelInfo: what the engine needs to know about a model folder, read from its JSON files alone
+(no torch, no transformers), so the engine can validate requests before any weight is loaded."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pagedllm.errors import ModelLoadError
+
+_GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    vocab_size: int
+    max_position_embeddings: int
+    eos_token_ids: frozenset[int] = frozenset()
+    bos_token_id: int | None = None
+    architectures: tuple[str, ...] = ()
+    generation_defaults: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_folder(cls, path: str | Path) -> "ModelInfo":
+        folder = Path(path)
+        cfg_path = folder / "config.json"
+        if not cfg_path.is_file():
+            raise ModelLoadError(
+                f"{folder} is not a Hugging Face model folder: config.json is missing "
+                f"(pass --model or set PAGEDLLM_MODEL to a folder with config.json and safetensors)")
+        cfg = json.loads(cfg_path.read_text())
+        # Multimodal-style configs nest the language model's fields.
+        text_cfg = cfg.get("text_config", cfg)
+        gen: dict = {}
+        gen_path = folder / "generation_config.json"
+        if gen_path.is_file():
+            gen = json.loads(gen_path.read_text())
+        eos = gen.get("eos_token_id", text_cfg.get("eos_token_id"))
+        if eos is None:
+            eos_ids: frozenset[int] = frozenset()
+        elif isinstance(eos, int):
+            eos_ids = frozenset([eos])
+        else:
+            eos_ids = frozenset(int(e) for e in eos)
+        vocab_size = text_cfg.get("vocab_size")
+        if not isinstance(vocab_size, int):
+            raise ModelLoadError(f"{cfg_path} has no integer vocab_size")
+        return cls(
+            vocab_size=vocab_size,
+            max_position_embeddings=int(text_cfg.get("max_position_embeddings", 2048)),
+            eos_token_ids=eos_ids,
+            bos_token_id=gen.get("bos_token_id", text_cfg.get("bos_token_id")),
+            architectures=tuple(cfg.get("architectures") or ()),
+            generation_defaults={k: gen[k] for k in _GENERATION_DEFAULT_KEYS if k in gen},
+        )

@@ -1,0 +1,186 @@
+"""OutputProcessor: EngineCoreOutputs -> RequestOutputs (detokenize, stop strings, logprobs,
+stream deltas, and the gathering of n > 1 samples under their parent request)."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedllm.core.outputs import EngineCoreOutput, TokenLogprobs
+from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+
+
+@dataclass
+class ParentRequest:
+    """The user's request; its ``n`` samples run as child requests in the scheduler."""
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    metrics: RequestMetrics
+    children: list["RequestState"] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    num_cached_tokens: int = 0
+    num_finished: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.num_finished == len(self.children)
+
+
+@dataclass
+class RequestState:
+    """One child sequence (index ``index`` among the parent's n)."""
+    request_id: str
+    index: int
+    parent: ParentRequest
+    detokenizer: IncrementalDetokenizer | None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_sent_tokens: int = 0
+    num_sent_chars: int = 0
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any | None) -> None:
+        self.tokenizer = tokenizer
+        self.request_states: dict[str, RequestState] = {}
+        self.parents: dict[str, ParentRequest] = {}
+
+    def add_request(self, parent: ParentRequest, child_ids: list[str]) -> None:
+        params = parent.params
+        self.parents[parent.request_id] = parent
+        if params.prompt_logprobs is not None:
+            parent.prompt_logprobs = [None] * len(parent.prompt_token_ids)
+        for i, cid in enumerate(child_ids):
+            detok = None
+            if self.tokenizer is not None and params.detokenize:
+                detok = IncrementalDetokenizer(self.tokenizer, parent.prompt_token_ids,
+                                               params.skip_special_tokens, params.stop,
+                                               params.include_stop_str_in_output)
+            state = RequestState(cid, i, parent, detok,
+                                 logprobs=[] if params.logprobs is not None else None,
+                                 cumulative_logprob=0.0 if params.logprobs is not None else None)
+            parent.children.append(state)
+            self.request_states[cid] = state
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.parents)
+
+    def abort_requests(self, request_ids: list[str]) -> list[str]:
+        """Forget parents (or children) and return the child ids the scheduler must abort."""
+        child_ids: list[str] = []
+        for rid in request_ids:
+            parent = self.parents.pop(rid, None)
+            if parent is not None:
+                for child in parent.children:
+                    self.request_states.pop(child.request_id, None)
+                    child_ids.append(child.request_id)
+            elif rid in self.request_states:
+                child_ids.append(rid)
+                state = self.request_states.pop(rid)
+                self.parents.pop(state.parent.request_id, None)
+        return child_ids
+
+    def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[tuple[str, str]]]:
+        """Returns the RequestOutputs to show and the (child id, stop string) pairs that the
+        scheduler must now finish because a stop string appeared in their text."""
+        now = time.monotonic()
+        results: dict[str, RequestOutput] = {}
+        stopped_by_string: list[tuple[str, str]] = []
+        for out in outputs:
+            state = self.request_states.get(out.request_id)
+            if state is None:
+                continue
+            parent = state.parent
+            if parent.metrics.first_token_time is None and out.new_token_ids:
+                parent.metrics.first_token_time = now
+            if out.new_token_ids:
+                parent.metrics.last_token_time = now
+            parent.num_cached_tokens = out.num_cached_tokens
+            if out.new_prompt_logprobs is not None and parent.prompt_logprobs is not None:
+                self._add_prompt_logprobs(parent, out.new_prompt_logprobs.start, out.new_prompt_logprobs.entries)
+            finish_reason, stop_reason = out.finish_reason, out.stop_reason
+            new_ids = out.new_token_ids
+            state.token_ids.extend(new_ids)
+            if out.new_logprobs and state.logprobs is not None:
+                for tl in out.new_logprobs:
+                    state.logprobs.append(self._logprob_dict(tl))
+                    state.cumulative_logprob += tl.logprobs[0]
+            if state.detokenizer is not None and new_ids:
+                # The EOS / stop token itself is never shown as text.
+                ids = new_ids
+                ended_by_token = finish_reason == "stop" and (stop_reason is None or isinstance(stop_reason, int))
+                if ended_by_token and not parent.params.include_stop_str_in_output:
+                    ids = new_ids[:-1]
+                stop_str = state.detokenizer.update(ids)
+                if stop_str is not None:
+                    if finish_reason is None:  # still running in the scheduler: finish it there
+                        stopped_by_string.append((state.request_id, stop_str))
+                    finish_reason, stop_reason = "stop", stop_str
+            if finish_reason is not None:
+                state.finish_reason, state.stop_reason = finish_reason, stop_reason
+                parent.num_finished += 1
+            ro = self._make_output(parent, state)
+            if ro is not None:
+                results[parent.request_id] = ro
+            if parent.finished:
+                parent.metrics.finished_time = now
+                self.parents.pop(parent.request_id, None)
+                for child in parent.children:
+                    self.request_states.pop(child.request_id, None)
+        return list(results.values()), stopped_by_string
+
+    def _add_prompt_logprobs(self, parent: ParentRequest, start: int, entries: list[TokenLogprobs]) -> None:
+        assert parent.prompt_logprobs is not None
+        for i, tl in enumerate(entries):
+            pos = start + i
+            if 0 < pos < len(parent.prompt_logprobs):
+                parent.prompt_logprobs[pos] = self._logprob_dict(tl)
+
+    def _logprob_dict(self, tl: TokenLogprobs) -> dict[int, Logprob]:
+        d: dict[int, Logprob] = {}
+        for tok, lp, rank in zip(tl.token_ids, tl.logprobs, tl.ranks):
+            if tok not in d:
+                text = self.tokenizer.decode([tok]) if self.tokenizer is not None else None
+                d[tok] = Logprob(lp, rank, text)
+        return d
+
+    def _make_output(self, parent: ParentRequest, state: RequestState) -> RequestOutput | None:
+        kind = parent.params.output_kind
+        if kind == RequestOutputKind.FINAL_ONLY:
+            if not parent.finished:
+                return None
+            completions = [self._completion(c, delta=False) for c in parent.children]
+        elif kind == RequestOutputKind.DELTA:
+            completions = [self._completion(state, delta=True)]
+        else:
+            completions = [self._completion(c, delta=False) for c in parent.children]
+        return RequestOutput(
+            request_id=parent.request_id, prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids, prompt_logprobs=parent.prompt_logprobs,
+            outputs=completions, finished=parent.finished,
+            num_cached_tokens=parent.num_cached_tokens, metrics=parent.metrics)
+
+    def _completion(self, state: RequestState, delta: bool) -> CompletionOutput:
+        finished = state.finish_reason is not None
+        detok = state.detokenizer
+        if delta:
+            tokens = state.token_ids[state.num_sent_tokens:]
+            logprobs = state.logprobs[state.num_sent_tokens:] if state.logprobs is not None else None
+            state.num_sent_tokens = len(state.token_ids)
+            text = ""
+            if detok is not None:
+                text = detok.text_to_stream(state.num_sent_chars, finished)
+                state.num_sent_chars += len(text)
+        else:
+            tokens, logprobs = list(state.token_ids), state.logprobs
+            text = detok.output_text if detok is not None else ""
+        return CompletionOutput(index=state.index, text=text, token_ids=tokens,
+                                cumulative_logprob=state.cumulative_logprob, logprobs=logprobs,
+                                finish_reason=state.finish_reason, stop_reason=state.stop_reason)

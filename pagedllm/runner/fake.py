@@ -1,0 +1,122 @@
+"""FakeRunner: a deterministic stand-in for the model, with no torch.
+
+It keeps a real paged "KV cache" of token ids: each step writes the scheduled tokens into their
+slots through the block tables, then (with ``verify_kv``) reads every request's whole context back
+through its block table and checks it against the tokens the request should have. A scheduler or
+block-manager bug (a wrong block id, a bad prefix hit, a missed copy-on-write) therefore fails
+loudly instead of passing silently. The next token is a function of the request's own tokens
+only, so batching, chunking and preemption can never change a result.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedllm.core.outputs import RunnerOutput, SchedulerOutput
+
+
+def fake_next_token(token_ids: list[int], vocab_size: int) -> int:
+    """Deterministic next token from the first token, the last three and the length (O(1), so
+    the scheduler benchmark is not dominated by it)."""
+    a = token_ids[-1]
+    b = token_ids[-2] if len(token_ids) > 1 else 7
+    c = token_ids[-3] if len(token_ids) > 2 else 13
+    return (a * 1_000_003 + b * 7_919 + c * 101 + token_ids[0] * 17 + len(token_ids) * 31) % vocab_size
+
+
+def fake_generate(prompt_token_ids: list[int], max_tokens: int, vocab_size: int,
+                  eos_token_ids: frozenset[int] = frozenset(), ignore_eos: bool = False,
+                  min_tokens: int = 0, stop_token_ids: frozenset[int] = frozenset()) -> list[int]:
+    """What the FakeRunner produces for one request run alone (the test oracle)."""
+    tokens = list(prompt_token_ids)
+    out: list[int] = []
+    while len(out) < max_tokens:
+        tok = fake_next_token(tokens, vocab_size)
+        tokens.append(tok)
+        out.append(tok)
+        if len(out) >= min_tokens and ((not ignore_eos and tok in eos_token_ids) or tok in stop_token_ids):
+            break
+    return out
+
+
+class KVMismatchError(AssertionError):
+    pass
+
+
+@dataclass(slots=True)
+class _ReqState:
+    token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+class FakeRunner:
+    def __init__(self, vocab_size: int = 1000, verify_kv: bool = True) -> None:
+        self.vocab_size = vocab_size
+        self.verify_kv = verify_kv
+        self.block_size = 0
+        self.cache: list[list[int]] = []
+        self.requests: dict[str, _ReqState] = {}
+        self.num_steps = 0
+        self.max_tokens_in_step = 0
+
+    def determine_num_blocks(self, block_size: int) -> int:
+        return 1024
+
+    def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.cache = [[-1] * block_size for _ in range(num_blocks)]
+
+    def execute_model(self, so: SchedulerOutput) -> RunnerOutput:
+        for rid in so.finished_req_ids:
+            self.requests.pop(rid, None)
+        for rid in so.preempted_req_ids:
+            self.requests.pop(rid, None)
+        for src, dst in so.block_copies:
+            self.cache[dst] = list(self.cache[src])
+        for new in so.scheduled_new_reqs:
+            self.requests[new.req_id] = _ReqState(
+                new.prompt_token_ids + new.output_token_ids, list(new.block_ids), new.num_computed_tokens)
+        cached = so.scheduled_cached_reqs
+        for rid, blocks, num_computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
+            state = self.requests[rid]
+            state.block_ids.extend(blocks)
+            if state.num_computed_tokens != num_computed:
+                raise KVMismatchError(f"{rid}: runner computed {state.num_computed_tokens}, "
+                                      f"scheduler says {num_computed}")
+        for rid, table in so.replaced_block_tables.items():
+            self.requests[rid].block_ids = list(table)
+        self.num_steps += 1
+        self.max_tokens_in_step = max(self.max_tokens_in_step, so.total_num_scheduled_tokens)
+
+        # Write every new token first (like each layer writes its K/V before attending), so a
+        # request may read blocks that another request fills in this same step.
+        bs = self.block_size
+        for rid, n in so.num_scheduled_tokens.items():
+            state = self.requests[rid]
+            for pos in range(state.num_computed_tokens, state.num_computed_tokens + n):
+                self.cache[state.block_ids[pos // bs]][pos % bs] = state.token_ids[pos]
+
+        req_ids = list(so.num_scheduled_tokens)
+        sampled: list[list[int]] = []
+        for rid in req_ids:
+            state = self.requests[rid]
+            end = state.num_computed_tokens + so.num_scheduled_tokens[rid]
+            state.num_computed_tokens = end
+            if self.verify_kv:
+                self._verify(rid, state, end)
+            if end < len(state.token_ids):
+                sampled.append([])  # partial prefill: nothing to sample
+                continue
+            tok = fake_next_token(state.token_ids, self.vocab_size)
+            state.token_ids.append(tok)
+            sampled.append([tok])
+        return RunnerOutput(req_ids, {rid: i for i, rid in enumerate(req_ids)}, sampled)
+
+    def _verify(self, rid: str, state: _ReqState, end: int) -> None:
+        bs = self.block_size
+        for pos in range(end):
+            got = self.cache[state.block_ids[pos // bs]][pos % bs]
+            if got != state.token_ids[pos]:
+                raise KVMismatchError(
+                    f"{rid}: position {pos} (block {state.block_ids[pos // bs]}) holds {got}, "
+                    f"expected {state.token_ids[pos]}")
