@@ -83,40 +83,57 @@ class KVCacheManager:
     ) -> list[KVCacheBlock] | None:
         """Make room for ``num_new_tokens`` more tokens after the computed ones (plus the prefix
         hit ``new_computed_blocks`` on admission). Returns the newly allocated blocks, or None
-        (changing nothing) when the pool cannot supply them."""
-        new_computed_blocks = new_computed_blocks or []
+        (changing nothing) when the pool cannot supply them.
+
+        This runs for every scheduled request every step, so the common decode case (no hit, no
+        shared block, no new block) touches only a few integers.
+        """
         rid = request.request_id
         blocks = self.req_to_blocks.get(rid)
         if blocks is None:
             blocks = []
+        bs = self.block_size
         num_computed = request.num_computed_tokens + num_new_computed_tokens
-        num_required = cdiv(num_computed + num_new_tokens + num_lookahead_tokens, self.block_size)
-        num_new_blocks = max(0, num_required - len(blocks) - len(new_computed_blocks))
-        # Hit blocks that sit in the free queue are taken from it too: count them.
-        num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        cow_indices = self._shared_blocks_to_write(blocks, num_computed, num_new_tokens)
-        needed = num_new_blocks + num_evictable_hits + len(cow_indices)
-        if needed > self.block_pool.get_num_free_blocks():
+        end = num_computed + num_new_tokens
+        num_required = (end + num_lookahead_tokens + bs - 1) // bs
+        num_hits = len(new_computed_blocks) if new_computed_blocks else 0
+        num_new_blocks = num_required - len(blocks) - num_hits
+        if num_new_blocks < 0:
+            num_new_blocks = 0
+        # Blocks already in the table that this step writes into: copy them if shared.
+        cow_indices = None
+        first = num_computed // bs
+        if first < len(blocks) and num_new_tokens > 0:
+            last = min(len(blocks), (end + bs - 1) // bs)
+            if last - first == 1:  # the usual case: a decode writes into one block
+                if blocks[first].ref_cnt > 1:
+                    cow_indices = [first]
+            else:
+                cow_indices = [i for i in range(first, last) if blocks[i].ref_cnt > 1] or None
+        needed = num_new_blocks + (len(cow_indices) if cow_indices else 0)
+        if num_hits:
+            # Hit blocks that sit in the free queue are taken from it too: count them.
+            needed += sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if needed > self.block_pool.free_block_queue.num_free_blocks:
             return None
 
-        self.block_pool.touch(new_computed_blocks)
-        blocks.extend(new_computed_blocks)
+        if num_hits:
+            self.block_pool.touch(new_computed_blocks)
+            blocks.extend(new_computed_blocks)
         self.req_to_blocks[rid] = blocks
         if cow_indices:
             self._copy_on_write(rid, blocks, cow_indices)
-        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
-        blocks.extend(new_blocks)
-        self._cache_full_blocks(request, blocks, num_computed + num_new_tokens,
-                                len(new_computed_blocks))
+        new_blocks = self.block_pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
+        if new_blocks:
+            blocks.extend(new_blocks)
+        if self.enable_caching:
+            num_cached = self.num_cached_blocks.get(rid, 0) + num_hits
+            num_full = (end if end < request.num_tokens else request.num_tokens) // bs
+            if num_full > num_cached:
+                self._cache_full_blocks(request, blocks, num_cached, num_full)
+                num_cached = num_full
+            self.num_cached_blocks[rid] = num_cached
         return new_blocks
-
-    def _shared_blocks_to_write(self, blocks: list[KVCacheBlock], num_computed: int,
-                                num_new_tokens: int) -> list[int]:
-        if not blocks or num_new_tokens <= 0:
-            return []
-        first = num_computed // self.block_size
-        last = min(len(blocks), cdiv(num_computed + num_new_tokens, self.block_size))
-        return [i for i in range(first, last) if blocks[i].ref_cnt > 1]
 
     def _copy_on_write(self, rid: str, blocks: list[KVCacheBlock], indices: list[int]) -> None:
         fresh = self.block_pool.get_new_blocks(len(indices))
@@ -128,20 +145,14 @@ class KVCacheManager:
         self._replaced_tables.add(rid)
 
     def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock],
-                           num_tokens: int, num_hit_blocks: int) -> None:
-        """Publish every full block whose tokens are known, as soon as it is allocated, so that
-        identical prompts scheduled in the same step share it (the runner writes a layer's new
-        K/V before that layer reads the cache)."""
-        if not self.enable_caching:
-            return
-        rid = request.request_id
-        num_full = min(num_tokens, request.num_tokens) // self.block_size
-        start = self.num_cached_blocks.get(rid, 0) + num_hit_blocks
-        if num_full > start:
-            self.update_block_hashes(request)
-            for i in range(start, num_full):
-                self.block_pool.cache_block(blocks[i], request.block_hashes[i])
-        self.num_cached_blocks[rid] = max(start, num_full)
+                           start: int, stop: int) -> None:
+        """Publish blocks [start, stop) as soon as they are allocated, so that identical prompts
+        scheduled in the same step share them (the runner writes a layer's new K/V before that
+        layer reads the cache). Their tokens are known even if their KV is computed this step."""
+        self.update_block_hashes(request)
+        hashes = request.block_hashes
+        for i in range(start, stop):
+            self.block_pool.cache_block(blocks[i], hashes[i])
 
     def take_block_copies(self) -> tuple[list[tuple[int, int]], set[str]]:
         """The (src, dst) copies made since the last call, and the requests whose tables changed."""

@@ -43,7 +43,7 @@ class Request:
         "request_id", "prompt_token_ids", "sampling_params", "eos_token_ids", "arrival_time",
         "priority", "cache_salt", "max_tokens", "status", "num_computed_tokens", "num_cached_tokens",
         "stop_reason", "num_preemptions", "block_hashes", "spec_token_ids", "num_skipped_past",
-        "_all_token_ids", "_output_token_ids", "_num_prompt_tokens",
+        "all_token_ids", "output_token_ids", "_num_prompt_tokens",
     )
 
     def __init__(
@@ -75,8 +75,9 @@ class Request:
         self.spec_token_ids: list[int] = []
         self.num_skipped_past = 0  # later requests admitted while this one waited at the head
         self._num_prompt_tokens = len(self.prompt_token_ids)
-        self._all_token_ids = list(self.prompt_token_ids)
-        self._output_token_ids: list[int] = []
+        # Plain attributes, not properties: they are read on the per-step hot path.
+        self.all_token_ids = list(self.prompt_token_ids)
+        self.output_token_ids: list[int] = []
 
     # -- token bookkeeping -------------------------------------------------------------------
     @property
@@ -85,37 +86,29 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self._all_token_ids)
+        return len(self.all_token_ids)
 
     @property
     def num_tokens_with_spec(self) -> int:
-        return len(self._all_token_ids) + len(self.spec_token_ids)
+        return len(self.all_token_ids) + len(self.spec_token_ids)
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self._output_token_ids)
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self._all_token_ids
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self._output_token_ids
+        return len(self.output_token_ids)
 
     def append_output_token_ids(self, token_ids: int | list[int]) -> None:
         if isinstance(token_ids, int):
-            self._output_token_ids.append(token_ids)
-            self._all_token_ids.append(token_ids)
+            self.output_token_ids.append(token_ids)
+            self.all_token_ids.append(token_ids)
         else:
-            self._output_token_ids.extend(token_ids)
-            self._all_token_ids.extend(token_ids)
+            self.output_token_ids.extend(token_ids)
+            self.all_token_ids.extend(token_ids)
 
     def trim_output_token_ids(self, num_tokens: int) -> None:
         """Drop the last ``num_tokens`` outputs (tokens sampled past a stop condition)."""
         if num_tokens > 0:
-            del self._output_token_ids[-num_tokens:]
-            del self._all_token_ids[-num_tokens:]
+            del self.output_token_ids[-num_tokens:]
+            del self.all_token_ids[-num_tokens:]
 
     # -- status ------------------------------------------------------------------------------
     def is_finished(self) -> bool:

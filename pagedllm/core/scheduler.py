@@ -88,24 +88,34 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         kv = self.kv_cache_manager
         budget = self.max_num_batched_tokens
+        threshold = self.long_prefill_token_threshold
         num_scheduled: dict[str, int] = {}
-        new_blocks_of: dict[str, list[KVCacheBlock]] = {}
+        # Running requests scheduled this step, with the blocks appended for them (parallel lists).
+        sched_running: list[Request] = []
+        sched_blocks: list[list[KVCacheBlock]] = []
         scheduled_new: list[Request] = []
         preempted: set[str] = set()
 
-        # 1. Running requests first.
+        # 1. Running requests first (hot path: keep it to a few integer operations per request).
+        running = self.running
         i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            n = self._num_new_tokens(req, req.num_tokens_with_spec - req.num_computed_tokens, budget)
+        while i < len(running) and budget > 0:
+            req = running[i]
+            n = len(req.all_token_ids) + len(req.spec_token_ids) - req.num_computed_tokens
+            if threshold and n > threshold:
+                n = threshold
+            if n > budget:
+                n = budget
             if n <= 0:
                 i += 1
                 continue
             while (new_blocks := kv.allocate_slots(req, n)) is None:
-                victim = self.running[-1] if self.policy == "fcfs" else max(self.running)
-                victim_index = self.running.index(victim) if victim is not req else i
-                budget += num_scheduled.pop(victim.request_id, 0)
-                new_blocks_of.pop(victim.request_id, None)
+                victim = running[-1] if self.policy == "fcfs" else max(running)
+                victim_index = running.index(victim)
+                if victim.request_id in num_scheduled:  # give back what it was given this step
+                    budget += num_scheduled.pop(victim.request_id)
+                    j = sched_running.index(victim)
+                    del sched_running[j], sched_blocks[j]
                 self._preempt(victim)
                 preempted.add(victim.request_id)
                 if victim is req:
@@ -115,17 +125,18 @@ class Scheduler:
             if new_blocks is None:
                 continue  # req preempted itself; running[i] is now the next request
             num_scheduled[req.request_id] = n
-            new_blocks_of[req.request_id] = new_blocks
+            sched_running.append(req)
+            sched_blocks.append(new_blocks)
             budget -= n
             i += 1
 
         # 2. Then waiting requests, unless this step already had to preempt (memory is tight).
         if not preempted:
-            budget = self._schedule_waiting(budget, num_scheduled, scheduled_new)
+            self._schedule_waiting(budget, num_scheduled, scheduled_new)
 
-        return self._build_output(num_scheduled, new_blocks_of, scheduled_new, preempted)
+        return self._build_output(num_scheduled, sched_running, sched_blocks, scheduled_new, preempted)
 
-    def _num_new_tokens(self, req: Request, num_wanted: int, budget: int) -> int:
+    def _num_new_tokens(self, num_wanted: int, budget: int) -> int:
         n = num_wanted
         if self.long_prefill_token_threshold and n > self.long_prefill_token_threshold:
             n = self.long_prefill_token_threshold
@@ -148,7 +159,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting.pop_request()
             hit_blocks, num_hit = kv.get_computed_blocks(req)
-            n = self._num_new_tokens(req, req.num_tokens - num_hit, budget)
+            n = self._num_new_tokens(req.num_tokens - num_hit, budget)
             new_blocks = kv.allocate_slots(req, n, num_hit, hit_blocks)
             if new_blocks is None:
                 skipped.append(req)
@@ -186,10 +197,15 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.prepend_request(req)
 
-    def _build_output(self, num_scheduled: dict[str, int], new_blocks_of: dict[str, list[KVCacheBlock]],
-                      scheduled_new: list[Request], preempted: set[str]) -> SchedulerOutput:
+    def _build_output(self, num_scheduled: dict[str, int], sched_running: list[Request],
+                      sched_blocks: list[list[KVCacheBlock]], scheduled_new: list[Request],
+                      preempted: set[str]) -> SchedulerOutput:
         kv = self.kv_cache_manager
-        new_ids = {r.request_id for r in scheduled_new}
+        cached = CachedRequestData()
+        for req, blocks in zip(sched_running, sched_blocks):
+            cached.req_ids.append(req.request_id)
+            cached.new_block_ids.append([b.block_id for b in blocks] if blocks else [])
+            cached.num_computed_tokens.append(req.num_computed_tokens)
         new_reqs = [
             NewRequestData(
                 req_id=r.request_id,
@@ -202,14 +218,6 @@ class Scheduler:
             )
             for r in scheduled_new
         ]
-        cached = CachedRequestData()
-        for rid, blocks in new_blocks_of.items():
-            if rid in new_ids:
-                continue
-            req = self.requests[rid]
-            cached.req_ids.append(rid)
-            cached.new_block_ids.append([b.block_id for b in blocks])
-            cached.num_computed_tokens.append(req.num_computed_tokens)
         block_copies, replaced = kv.take_block_copies()
         out = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
@@ -218,19 +226,20 @@ class Scheduler:
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             block_copies=block_copies,
             replaced_block_tables={rid: kv.get_block_ids(rid) for rid in replaced
-                                   if rid in num_scheduled and rid not in new_ids},
+                                   if rid in cached.req_ids},
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=preempted,
         )
         self.finished_req_ids = set()
         # Advance now: the next schedule() sees these tokens as computed (the runner computes
         # them before then), and preemption frees exactly what was computed.
-        for rid, n in num_scheduled.items():
-            req = self.requests[rid]
-            start = req.num_computed_tokens
-            if start < req.num_prompt_tokens:
-                self.num_prompt_tokens_computed += min(req.num_prompt_tokens, start + n) - start
-            req.num_computed_tokens = start + n
+        for reqs in (sched_running, scheduled_new):
+            for req in reqs:
+                start = req.num_computed_tokens
+                n = num_scheduled[req.request_id]
+                if start < req._num_prompt_tokens:
+                    self.num_prompt_tokens_computed += min(req._num_prompt_tokens, start + n) - start
+                req.num_computed_tokens = start + n
         return out
 
     # ------------------------------------------------------------------------------------------
@@ -240,19 +249,20 @@ class Scheduler:
                            runner_output: RunnerOutput) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
         any_stopped = False
-        index_of = runner_output.req_id_to_index
-        for rid in scheduler_output.num_scheduled_tokens:
-            req = self.requests.get(rid)
+        requests = self.requests
+        all_logprobs = runner_output.logprobs
+        prompt_logprobs = runner_output.prompt_logprobs
+        for idx, (rid, new_ids) in enumerate(zip(runner_output.req_ids, runner_output.sampled_token_ids)):
+            req = requests.get(rid)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # aborted (or finished) after it was scheduled
-            idx = index_of.get(rid)
-            new_ids = runner_output.sampled_token_ids[idx] if idx is not None else []
-            new_logprobs = runner_output.logprobs[idx] if (idx is not None and runner_output.logprobs) else None
+            new_logprobs = all_logprobs[idx] if all_logprobs else None
             stopped = False
             if new_ids:
                 kept = 0
                 for tok in new_ids:
-                    req.append_output_token_ids(tok)
+                    req.output_token_ids.append(tok)
+                    req.all_token_ids.append(tok)
                     kept += 1
                     if self._check_stop(req):
                         stopped = True
@@ -261,24 +271,23 @@ class Scheduler:
                     new_ids = new_ids[:kept]
                     new_logprobs = new_logprobs[:kept] if new_logprobs else new_logprobs
                 self.num_generation_tokens += kept
-            prompt_lp = runner_output.prompt_logprobs.get(rid)
+            prompt_lp = prompt_logprobs.get(rid) if prompt_logprobs else None
             if new_ids or prompt_lp is not None:
                 outputs.append(EngineCoreOutput(
-                    request_id=rid, new_token_ids=new_ids,
-                    finish_reason=req.get_finished_reason(), stop_reason=req.stop_reason,
-                    new_logprobs=new_logprobs, new_prompt_logprobs=prompt_lp,
-                    num_cached_tokens=max(req.num_cached_tokens, 0)))
+                    rid, new_ids, req.get_finished_reason() if stopped else None, req.stop_reason,
+                    new_logprobs, prompt_lp, req.num_cached_tokens if req.num_cached_tokens > 0 else 0))
             if stopped:
                 self._free_request(req)
                 any_stopped = True
         if any_stopped:
-            self.running = [r for r in self.running if not r.is_finished()]
+            self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
         return outputs
 
     def _check_stop(self, req: Request) -> bool:
         """Stop checks for the token just appended: min_tokens, EOS, stop ids, then length."""
         sp = req.sampling_params
-        if req.num_output_tokens >= sp.min_tokens:
+        num_output = len(req.output_token_ids)
+        if num_output >= sp.min_tokens:
             last = req.output_token_ids[-1]
             if not sp.ignore_eos and last in req.eos_token_ids:
                 req.status = RequestStatus.FINISHED_STOPPED
@@ -287,7 +296,7 @@ class Scheduler:
                 req.status = RequestStatus.FINISHED_STOPPED
                 req.stop_reason = last
                 return True
-        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+        if num_output >= req.max_tokens or len(req.all_token_ids) >= self.max_model_len:
             req.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True
         return False
