@@ -1,0 +1,230 @@
+"""ModelRunner: SchedulerOutput -> tensors -> model -> sampler -> RunnerOutput.
+
+The runner keeps a small state per request (its tokens, block table, progress) and receives only
+diffs each step. It writes nothing the scheduler did not ask for: block ids and slot positions come
+from the scheduler's block tables, so prefix hits and copy-on-write are the scheduler's decisions.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.outputs import PromptLogprobsChunk, RunnerOutput, SchedulerOutput, TokenLogprobs
+from pagedllm.engine.model_info import ModelInfo
+from pagedllm.layers.attention_metadata import build_attention_metadata
+from pagedllm.layers.forward_context import set_forward_context
+from pagedllm.layers.kv_cache import bind_kv_caches, copy_blocks, kv_cache_shape
+from pagedllm.models.loader import load_model
+from pagedllm.runner.sampler import Sampler, SamplingMetadata, compute_topk_logprobs
+from pagedllm.sampling_params import SamplingParams
+
+_DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "half": torch.float16, "fp16": torch.float16}
+_CPU_DEFAULT_KV_BYTES = 1 << 30
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+@dataclass(slots=True)
+class CachedRequestState:
+    req_id: str
+    token_ids: list[int]  # prompt + outputs known to the runner
+    num_prompt_tokens: int
+    params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    eos_token_ids: frozenset[int]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_info: ModelInfo) -> None:
+        mc = config.model_config
+        self.config = config
+        self.device = resolve_device(mc.device)
+        self.dtype = resolve_dtype(mc.dtype, self.device)
+        torch.manual_seed(mc.seed)
+        self.model, self.hf_config = load_model(mc.model, self.dtype, self.device)
+        self.vocab_size = self.model.vocab_size
+        self.sampler = Sampler()
+        self.requests: dict[str, CachedRequestState] = {}
+        self.kv_caches: list[torch.Tensor] = []
+        self.block_size = 0
+        self.max_model_len = mc.max_model_len or model_info.max_position_embeddings
+
+    # -- KV cache ----------------------------------------------------------------------------
+    def bytes_per_block(self, block_size: int) -> int:
+        m = self.model
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * m.num_layers * block_size * m.num_kv_heads * m.head_dim * elem
+
+    def determine_num_blocks(self, block_size: int) -> int:
+        cc = self.config.cache_config
+        if cc.kv_cache_memory_bytes is not None:
+            budget = cc.kv_cache_memory_bytes
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            # Leave room for activations: a generous fixed reserve plus the step's logits.
+            reserve = (1 << 30) + 4 * self.config.scheduler_config.max_num_batched_tokens * self.vocab_size
+            budget = int(total * cc.gpu_memory_utilization) - (total - free) - reserve
+        else:
+            budget = min(_CPU_DEFAULT_KV_BYTES, _total_ram_bytes() // 4)
+        num_blocks = max(budget // self.bytes_per_block(block_size), 0)
+        # Never more than every running request could fill at full length.
+        useful = self.config.scheduler_config.max_num_seqs * (-(-self.max_model_len // block_size))
+        if cc.kv_cache_memory_bytes is None:
+            num_blocks = min(num_blocks, useful)
+        if num_blocks < 1:
+            raise ValueError("the KV cache budget does not hold a single block; give it more memory")
+        return int(num_blocks)
+
+    def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        m = self.model
+        shape = kv_cache_shape(num_blocks, block_size, m.num_kv_heads, m.head_dim)
+        # Zeros, not empty: masked-out slots are multiplied by zero weights, and 0 * NaN = NaN.
+        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+                          for _ in range(m.num_layers)]
+        bind_kv_caches(m, self.kv_caches)
+        self.block_size = block_size
+
+    # -- one step ----------------------------------------------------------------------------
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for rid in so.finished_req_ids:
+            self.requests.pop(rid, None)
+        for rid in so.preempted_req_ids:
+            self.requests.pop(rid, None)
+        for new in so.scheduled_new_reqs:
+            self.requests[new.req_id] = CachedRequestState(
+                new.req_id, new.prompt_token_ids + new.output_token_ids, len(new.prompt_token_ids),
+                new.sampling_params, list(new.block_ids), new.num_computed_tokens, new.eos_token_ids)
+        cached = so.scheduled_cached_reqs
+        for rid, blocks in zip(cached.req_ids, cached.new_block_ids):
+            if blocks:
+                self.requests[rid].block_ids.extend(blocks)
+        for rid, table in so.replaced_block_tables.items():
+            self.requests[rid].block_ids = list(table)
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> RunnerOutput:
+        self._update_states(so)
+        copy_blocks(self.kv_caches, so.block_copies)
+        if so.total_num_scheduled_tokens == 0:
+            return RunnerOutput.empty()
+
+        req_ids = list(so.num_scheduled_tokens)
+        input_ids: list[int] = []
+        positions: list[int] = []
+        query_lens: list[int] = []
+        num_computed: list[int] = []
+        block_tables: list[list[int]] = []
+        sample_rows: list[int] = []  # flat-batch row whose logits pick the next token
+        sample_reqs: list[CachedRequestState] = []
+        prompt_lp_jobs: list[tuple[str, int, int, int]] = []  # (rid, first row, first pos, count)
+        for rid in req_ids:
+            state = self.requests[rid]
+            n = so.num_scheduled_tokens[rid]
+            start = state.num_computed_tokens
+            row0 = len(input_ids)
+            input_ids.extend(state.token_ids[start:start + n])
+            positions.extend(range(start, start + n))
+            query_lens.append(n)
+            num_computed.append(start)
+            block_tables.append(state.block_ids)
+            if state.params.prompt_logprobs is not None and start < state.num_prompt_tokens - 1:
+                # Logits at position p score prompt token p + 1.
+                count = min(start + n, state.num_prompt_tokens - 1) - start
+                prompt_lp_jobs.append((rid, row0, start, count))
+            state.num_computed_tokens = start + n
+            if start + n >= len(state.token_ids):  # caught up: sample (a partial prefill does not)
+                sample_rows.append(row0 + n - 1)
+                sample_reqs.append(state)
+
+        device = self.device
+        ids_t = torch.tensor(input_ids, dtype=torch.long, device=device)
+        pos_t = torch.tensor(positions, dtype=torch.long, device=device)
+        attn_md = build_attention_metadata(query_lens, num_computed, block_tables, self.block_size, device)
+        with set_forward_context(attn_md):
+            hidden = self.model(ids_t, pos_t)
+
+        prompt_logprobs = self._prompt_logprobs(hidden, prompt_lp_jobs) if prompt_lp_jobs else {}
+        sampled: dict[str, list[int]] = {}
+        logprobs_of: dict[str, list[TokenLogprobs]] = {}
+        if sample_rows:
+            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=device)])
+            md = self._sampling_metadata(sample_reqs)
+            out = self.sampler(logits, md)
+            for i, (state, tok) in enumerate(zip(sample_reqs, out.sampled_token_ids)):
+                state.token_ids.append(tok)
+                sampled[state.req_id] = [tok]
+                if out.logprobs is not None and out.logprobs[i] is not None:
+                    ids, lps, ranks = out.logprobs[i]
+                    logprobs_of[state.req_id] = [TokenLogprobs(ids, lps, ranks)]
+        return RunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+            sampled_token_ids=[sampled.get(rid, []) for rid in req_ids],
+            logprobs=[logprobs_of.get(rid) for rid in req_ids] if logprobs_of else None,
+            prompt_logprobs=prompt_logprobs,
+        )
+
+    def _sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
+        params = [s.params for s in states]
+        outputs = [s.output_token_ids for s in states]
+        generators: list[torch.Generator | None] = []
+        stop_masks: list[frozenset[int]] = []
+        for s, out in zip(states, outputs):
+            p = s.params
+            if p.seed is not None and not p.sampling_type_greedy:
+                # One stream per (seed, output position): the draw for token i does not depend
+                # on the batch, on earlier steps, or on whether the request was preempted.
+                g = torch.Generator(device=self.device)
+                g.manual_seed((p.seed * 1_000_003 + len(out)) % (1 << 63))
+                generators.append(g)
+            else:
+                generators.append(None)
+            if len(out) < p.min_tokens:
+                ids = p.all_stop_token_ids if p.ignore_eos else (p.all_stop_token_ids | s.eos_token_ids)
+                stop_masks.append(ids)
+            else:
+                stop_masks.append(frozenset())
+        prompts = [s.token_ids[:s.num_prompt_tokens] for s in states]
+        return SamplingMetadata.build(params, prompts, outputs, generators, stop_masks,
+                                      self.vocab_size, self.device)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor,
+                         jobs: list[tuple[str, int, int, int]]) -> dict[str, PromptLogprobsChunk]:
+        result = {}
+        for rid, row0, pos0, count in jobs:
+            if count <= 0:
+                continue
+            state = self.requests[rid]
+            logits = self.model.compute_logits(hidden[row0:row0 + count])
+            targets = state.token_ids[pos0 + 1:pos0 + 1 + count]
+            entries = compute_topk_logprobs(logits, targets, state.params.prompt_logprobs)
+            result[rid] = PromptLogprobsChunk(pos0 + 1, [TokenLogprobs(*e) for e in entries])
+        return result
+
+
+def _total_ram_bytes() -> int:
+    try:
+        import os
+
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 8 << 30
