@@ -1,0 +1,20 @@
+"""Model building blocks: paged attention, norms, rotary embedding, linear layers."""
+from __future__ import annotations
+
+from pagedllm.layers.activation import GatedActivation
+from pagedllm.layers.attention import Attention, write_kv
+from pagedllm.layers.attention_metadata import (AttentionMetadata, DecodeBatch, PrefillChunk,
+                                                build_attention_metadata)
+from pagedllm.layers.embed_head import LMHead, VocabEmbedding
+from pagedllm.layers.forward_context import get_attn_metadata, set_forward_context
+from pagedllm.layers.kv_cache import attention_layers, bind_kv_caches, copy_blocks, kv_cache_shape
+from pagedllm.layers.layernorm import RMSNorm
+from pagedllm.layers.linear import Linear, MergedLinear
+from pagedllm.layers.rotary import RopeConfig, RotaryEmbedding, apply_rotary
+
+__all__ = [
+    "Attention", "AttentionMetadata", "DecodeBatch", "GatedActivation", "LMHead", "Linear",
+    "MergedLinear", "PrefillChunk", "RMSNorm", "RopeConfig", "RotaryEmbedding", "VocabEmbedding",
+    "apply_rotary", "attention_layers", "bind_kv_caches", "build_attention_metadata",
+    "copy_blocks", "get_attn_metadata", "kv_cache_shape", "set_forward_context", "write_kv",
+]

@@ -1,0 +1,36 @@
+"""The per-step attention metadata, reachable from every attention layer without being threaded
+through each model's forward signature (models keep the plain ``model(input_ids, positions)``).
+
+    with set_forward_context(attn_metadata):
+        hidden_states = model(input_ids, positions)
+
+Outside any context the metadata is ``None`` and attention treats the whole input as one causal
+sequence without touching the KV cache (handy for a warm-up or a memory-profiling pass).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pagedllm.layers.attention_metadata import AttentionMetadata
+
+# A module-level value rather than a ContextVar: one forward pass runs on one thread at a time and
+# the lookup happens once per layer, so the simplest thing is also the cheapest.
+_attn_metadata: AttentionMetadata | None = None
+
+
+@contextmanager
+def set_forward_context(attn_metadata: AttentionMetadata | None) -> Iterator[None]:
+    global _attn_metadata
+    previous = _attn_metadata
+    _attn_metadata = attn_metadata
+    try:
+        yield
+    finally:
+        _attn_metadata = previous
+
+
+def get_attn_metadata() -> AttentionMetadata | None:
+    return _attn_metadata

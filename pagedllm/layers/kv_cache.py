@@ -1,0 +1,44 @@
+"""KV cache helpers the model runner calls: layout, binding to layers, copy-on-write."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedllm.layers.attention import Attention
+
+
+def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
+                   head_dim: int) -> tuple[int, int, int, int, int]:
+    """Shape of one layer's cache: keys at index 0, values at index 1."""
+    return (2, num_blocks, block_size, num_kv_heads, head_dim)
+
+
+def attention_layers(model: nn.Module) -> list[Attention]:
+    """The model's attention layers, ordered by layer index."""
+    return sorted((m for m in model.modules() if isinstance(m, Attention)),
+                  key=lambda m: m.layer_idx)
+
+
+def bind_kv_caches(model: nn.Module, kv_caches: list[torch.Tensor]) -> None:
+    """Give attention layer i the cache ``kv_caches[i]`` (shape from ``kv_cache_shape``)."""
+    layers = attention_layers(model)
+    if len(layers) != len(kv_caches):
+        raise ValueError(f"model has {len(layers)} attention layers, got {len(kv_caches)} caches")
+    for layer, cache in zip(layers, kv_caches):
+        if cache.dim() != 5 or cache.shape[0] != 2 or tuple(cache.shape[3:]) != (
+                layer.num_kv_heads, layer.head_dim):
+            raise ValueError(f"layer {layer.layer_idx}: cache shape {tuple(cache.shape)} is not "
+                             f"[2, blocks, block_size, {layer.num_kv_heads}, {layer.head_dim}]")
+        layer.kv_cache = cache
+
+
+def copy_blocks(kv_caches: list[torch.Tensor], block_copies: list[tuple[int, int]]) -> None:
+    """Copy-on-write: copy block ``src`` to block ``dst`` for every pair, in every layer."""
+    if not block_copies:
+        return
+    device = kv_caches[0].device
+    src = torch.tensor([s for s, _ in block_copies], dtype=torch.long, device=device)
+    dst = torch.tensor([d for _, d in block_copies], dtype=torch.long, device=device)
+    for cache in kv_caches:
+        # Advanced indexing reads every src block before any dst is written.
+        cache[:, dst] = cache[:, src]

@@ -1,0 +1,182 @@
+"""Llama-family decoder (Llama 2/3, Mistral without sliding window), and the building blocks
+Qwen2 and Qwen3 reuse: they differ only in the flags of ``DecoderArgs``.
+
+Module names follow HF checkpoints (``model.layers.N.self_attn...``) so the loader maps tensor
+names one to one; q/k/v and gate/up are fused (``MergedLinear``) and loaded part by part.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pagedllm.errors import ModelLoadError
+from pagedllm.layers import (Attention, GatedActivation, Linear, LMHead, MergedLinear, RMSNorm,
+                             RopeConfig, RotaryEmbedding, VocabEmbedding, apply_rotary)
+
+
+@dataclass(frozen=True)
+class DecoderArgs:
+    """The model dimensions and variant flags, read once from config.json."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeConfig
+    tie_word_embeddings: bool
+    hidden_act: str = "silu"
+    qkv_bias: bool = False     # Qwen2: always; Llama/Qwen3: attention_bias
+    o_bias: bool = False       # Llama/Qwen3: attention_bias; Qwen2: never
+    mlp_bias: bool = False
+    qk_norm: bool = False      # Qwen3: RMSNorm over each head of q and k before rope
+
+    @classmethod
+    def from_hf(cls, config: dict, **overrides) -> DecoderArgs:
+        def need(key: str):
+            if config.get(key) is None:
+                raise ModelLoadError(f"config.json lacks required field {key!r}")
+            return config[key]
+
+        hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
+        kv_heads = int(config.get("num_key_value_heads") or heads)
+        if heads % kv_heads:
+            raise ModelLoadError(f"num_attention_heads ({heads}) is not a multiple of "
+                                 f"num_key_value_heads ({kv_heads})")
+        attention_bias = bool(config.get("attention_bias", False))
+        args = dict(
+            vocab_size=int(need("vocab_size")), hidden_size=hidden,
+            intermediate_size=int(need("intermediate_size")),
+            num_layers=int(need("num_hidden_layers")), num_heads=heads, num_kv_heads=kv_heads,
+            head_dim=int(config.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=_usable_context(config),
+            rope=RopeConfig.from_hf(config),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            hidden_act=config.get("hidden_act", "silu"),
+            qkv_bias=attention_bias, o_bias=attention_bias,
+            mlp_bias=bool(config.get("mlp_bias", False)))
+        args.update(overrides)
+        return cls(**args)
+
+
+def _usable_context(config: dict) -> int:
+    max_pos = int(config.get("max_position_embeddings", 2048))
+    window = config.get("sliding_window")
+    # No sliding-window attention here. Within the window, full attention is exactly what a
+    # sliding-window model computes, so capping the context at the window keeps outputs exact.
+    if window and config.get("use_sliding_window", True):
+        return min(max_pos, int(window))
+    return max_pos
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, args: DecoderArgs, layer_idx: int) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
+        q_size, kv_size = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
+        self.qkv_proj = MergedLinear(args.hidden_size, [q_size, kv_size, kv_size],
+                                     ["q_proj", "k_proj", "v_proj"], bias=args.qkv_bias)
+        self.o_proj = Linear(q_size, args.hidden_size, bias=args.o_bias)
+        if args.qk_norm:
+            self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
+            self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
+        self.qk_norm = args.qk_norm
+        self.attn = Attention(args.num_heads, args.num_kv_heads, args.head_dim,
+                              scale=args.head_dim ** -0.5, layer_idx=layer_idx)
+
+    def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        num_tokens = hidden_states.shape[0]
+        q, k, v = self.qkv_proj(hidden_states).split(self.qkv_proj.output_sizes, dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, args: DecoderArgs) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedLinear(args.hidden_size, [args.intermediate_size] * 2,
+                                         ["gate_proj", "up_proj"], bias=args.mlp_bias)
+        self.act = GatedActivation(args.hidden_act)
+        self.down_proj = Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, args: DecoderArgs, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.self_attn = LlamaAttention(args, layer_idx)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.mlp = LlamaMLP(args)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, args: DecoderArgs) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(args, i) for i in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(args.head_dim, args.rope)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        cos, sin = self.rotary_emb(positions, x.dtype)  # [T, head_dim] each, shared by all layers
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    """``forward(input_ids [T], positions [T]) -> hidden [T, hidden]`` on a flat batch (the
+    attention metadata comes from the forward context); ``compute_logits`` -> float32 logits.
+
+    Attributes the runner reads: num_layers, num_kv_heads, head_dim, vocab_size,
+    max_position_embeddings (and hidden_size, num_heads).
+    """
+
+    @classmethod
+    def args_from_hf(cls, config: dict) -> DecoderArgs:
+        return DecoderArgs.from_hf(config)
+
+    def __init__(self, config: dict) -> None:
+        super().__init__()
+        args = self.args_from_hf(config)
+        self.args = args
+        self.num_layers, self.num_heads = args.num_layers, args.num_heads
+        self.num_kv_heads, self.head_dim = args.num_kv_heads, args.head_dim
+        self.hidden_size, self.vocab_size = args.hidden_size, args.vocab_size
+        self.max_position_embeddings = args.max_position_embeddings
+        self.model = LlamaModel(args)
+        self.lm_head = LMHead(args.hidden_size, args.vocab_size)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the lm_head if the config says so. The loader calls it
+        again after moving the model: ``to_empty``/``to`` give each module its own new tensor."""
+        if self.args.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden] -> [N, vocab]`` float32."""
+        return self.lm_head(hidden_states)
