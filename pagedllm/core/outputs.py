@@ -29,6 +29,9 @@ class CachedRequestData:
     req_ids: list[str] = field(default_factory=list)
     new_block_ids: list[list[int]] = field(default_factory=list)  # appended to the block table
     num_computed_tokens: list[int] = field(default_factory=list)  # before this step
+    # Tokens appended since the runner last saw the request (the sampled token, accepted drafts,
+    # a beam's chosen token): the scheduler is the single source of truth for token ids.
+    new_token_ids: list[list[int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -45,6 +48,9 @@ class SchedulerOutput:
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     finished_req_ids: set[str] = field(default_factory=set)  # runner drops their state
     preempted_req_ids: set[str] = field(default_factory=set)
+    # Parallel sampling: requests whose prompt completes this step and whose children must each
+    # get a first token sampled from the same logits: leader id -> [(child id, params)].
+    pending_forks: dict[str, list[tuple[str, SamplingParams]]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -76,8 +82,9 @@ class RunnerOutput:
     # Per request, None or one TokenLogprobs per sampled token (SamplingParams.logprobs).
     logprobs: list[list[TokenLogprobs] | None] | None = None
     prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
-    num_draft_tokens: int = 0  # drafts verified this step (speculative decoding metrics)
-    num_accepted_tokens: int = 0
+    # Parallel sampling: leader id -> first token of each pending child (SchedulerOutput.pending_forks).
+    fork_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    fork_logprobs: dict[str, list[TokenLogprobs | None]] = field(default_factory=dict)
 
     @classmethod
     def empty(cls) -> "RunnerOutput":

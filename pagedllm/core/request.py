@@ -43,6 +43,7 @@ class Request:
         "request_id", "prompt_token_ids", "sampling_params", "eos_token_ids", "arrival_time",
         "priority", "cache_salt", "max_tokens", "status", "num_computed_tokens", "num_cached_tokens",
         "stop_reason", "num_preemptions", "block_hashes", "spec_token_ids", "num_skipped_past",
+        "num_sent_tokens", "pending_forks", "fork_leader",
         "all_token_ids", "output_token_ids", "_num_prompt_tokens",
     )
 
@@ -74,6 +75,11 @@ class Request:
         self.block_hashes: list[int] = []  # hashes of the full blocks of all_token_ids, in order
         self.spec_token_ids: list[int] = []
         self.num_skipped_past = 0  # later requests admitted while this one waited at the head
+        self.num_sent_tokens = 0  # how many of all_token_ids the runner has been given
+        # Parallel sampling: the leader prefills the prompt once; at its first sampled token the
+        # pending children fork from it (sharing every block) and run on their own.
+        self.pending_forks: list[Request] = []
+        self.fork_leader: Request | None = None
         self._num_prompt_tokens = len(self.prompt_token_ids)
         # Plain attributes, not properties: they are read on the per-step hot path.
         self.all_token_ids = list(self.prompt_token_ids)

@@ -11,16 +11,19 @@ from collections.abc import Iterable
 
 from pagedllm.config import SchedulerConfig
 from pagedllm.core.kv_cache_manager import KVCacheBlock, KVCacheManager
+from pagedllm.core.ngram_proposer import NgramProposer
 from pagedllm.core.outputs import (CachedRequestData, EngineCoreOutput, NewRequestData,
                                    RunnerOutput, SchedulerOutput)
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.request_queue import create_request_queue
 from pagedllm.errors import ValidationError
+from pagedllm.sampling_params import SamplingParams
 
 
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, num_blocks: int, block_size: int,
-                 max_model_len: int, enable_caching: bool = True) -> None:
+                 max_model_len: int, enable_caching: bool = True,
+                 proposer: NgramProposer | None = None) -> None:
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.long_prefill_token_threshold = scheduler_config.long_prefill_token_threshold
@@ -35,6 +38,12 @@ class Scheduler:
         self.running: list[Request] = []
         # Finished or aborted since the last schedule(): the runner must drop their state.
         self.finished_req_ids: set[str] = set()
+        # Running requests the runner has not seen yet (children forked after their leader's
+        # prefill): they go out as new requests the next time they are scheduled.
+        self._unsent: set[str] = set()
+        # Running leaders whose children have not forked yet: their sequence slots are reserved.
+        self._running_leaders: set[Request] = set()
+        self.proposer = proposer  # speculative decoding (None: off)
 
         # Counters for metrics (monotonic).
         self.num_preemptions = 0
@@ -50,8 +59,32 @@ class Scheduler:
     def max_cache_tokens(self) -> int:
         return self.kv_cache_manager.num_blocks * self.block_size
 
-    def add_request(self, request: Request) -> None:
-        """Queue a request, or reject it now (ValidationError) if it could never run."""
+    def add_request(self, request: Request, forks: list[Request] | None = None) -> None:
+        """Queue a request, or reject it now (ValidationError) if it could never run.
+
+        ``forks``: parallel samples of the same prompt. Only ``request`` (the leader) is queued;
+        the forks wait until its prefill completes, then share all its blocks (no recompute).
+        """
+        forks = forks or []
+        for r in [request, *forks]:
+            self._validate(r)
+        if 1 + len(forks) > self.max_num_seqs:
+            raise ValidationError(
+                f"n={1 + len(forks)} parallel samples exceed max_num_seqs={self.max_num_seqs}; "
+                f"lower n or raise max_num_seqs", "n")
+        ids = [r.request_id for r in [request, *forks]]
+        if len(set(ids)) != len(ids):
+            raise ValidationError("duplicate request ids in one group", "request_id")
+        request.status = RequestStatus.WAITING
+        request.pending_forks = list(forks)
+        self.requests[request.request_id] = request
+        for child in forks:
+            child.status = RequestStatus.WAITING
+            child.fork_leader = request
+            self.requests[child.request_id] = child
+        self.waiting.add_request(request)
+
+    def _validate(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValidationError(f"request id {request.request_id!r} is already in use", "request_id")
         num_prompt = request.num_prompt_tokens
@@ -78,9 +111,6 @@ class Scheduler:
                 f"the request needs {needed} KV blocks ({total} tokens) but the whole cache has "
                 f"{self.kv_cache_manager.num_blocks}; lower max_tokens, shorten the prompt or give "
                 f"the KV cache more memory", "max_tokens")
-        request.status = RequestStatus.WAITING
-        self.requests[request.request_id] = request
-        self.waiting.add_request(request)
 
     # ------------------------------------------------------------------------------------------
     # schedule()
@@ -156,8 +186,12 @@ class Scheduler:
         """
         kv = self.kv_cache_manager
         skipped: list[Request] = []
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        reserved = sum(len(r.pending_forks) for r in self._running_leaders)
+        while self.waiting and budget > 0 and len(self.running) + reserved < self.max_num_seqs:
             req = self.waiting.pop_request()
+            if len(self.running) + reserved + 1 + len(req.pending_forks) > self.max_num_seqs:
+                skipped.append(req)  # its children will need sequence slots too
+                break
             hit_blocks, num_hit = kv.get_computed_blocks(req)
             n = self._num_new_tokens(req.num_tokens - num_hit, budget)
             new_blocks = kv.allocate_slots(req, n, num_hit, hit_blocks)
@@ -175,6 +209,9 @@ class Scheduler:
             req.num_computed_tokens = num_hit
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            if req.pending_forks:
+                self._running_leaders.add(req)
+                reserved += len(req.pending_forks)
             scheduled_new.append(req)
             num_scheduled[req.request_id] = n
             budget -= n
@@ -193,6 +230,9 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.spec_token_ids = []
+        req.num_sent_tokens = 0  # the runner drops it; it is resent whole on resume
+        self._running_leaders.discard(req)
+        self._unsent.discard(req.request_id)
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.prepend_request(req)
@@ -202,10 +242,21 @@ class Scheduler:
                       preempted: set[str]) -> SchedulerOutput:
         kv = self.kv_cache_manager
         cached = CachedRequestData()
+        if self._unsent:
+            # Forked children reach the runner as new requests the first time they run.
+            scheduled_new = scheduled_new + [r for r in sched_running if r.request_id in self._unsent]
+            keep = [(r, b) for r, b in zip(sched_running, sched_blocks) if r.request_id not in self._unsent]
+            sched_running = [r for r, _ in keep]
+            sched_blocks = [b for _, b in keep]
+            self._unsent.difference_update(r.request_id for r in scheduled_new)
         for req, blocks in zip(sched_running, sched_blocks):
             cached.req_ids.append(req.request_id)
             cached.new_block_ids.append([b.block_id for b in blocks] if blocks else [])
             cached.num_computed_tokens.append(req.num_computed_tokens)
+            cached.new_token_ids.append(req.all_token_ids[req.num_sent_tokens:])
+            req.num_sent_tokens = len(req.all_token_ids)
+        for req in scheduled_new:
+            req.num_sent_tokens = len(req.all_token_ids)
         new_reqs = [
             NewRequestData(
                 req_id=r.request_id,
@@ -218,6 +269,17 @@ class Scheduler:
             )
             for r in scheduled_new
         ]
+        spec_tokens: dict[str, list[int]] = {}
+        pending_forks: dict[str, list[tuple[str, SamplingParams]]] = {}
+        for reqs in (sched_running, scheduled_new):
+            for req in reqs:
+                n = num_scheduled[req.request_id]
+                end = req.num_computed_tokens + n
+                if req.spec_token_ids and end > len(req.all_token_ids):
+                    spec_tokens[req.request_id] = req.spec_token_ids[:end - len(req.all_token_ids)]
+                if req.pending_forks and end == len(req.all_token_ids):
+                    pending_forks[req.request_id] = [(c.request_id, c.sampling_params)
+                                                     for c in req.pending_forks]
         block_copies, replaced = kv.take_block_copies()
         out = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
@@ -227,8 +289,10 @@ class Scheduler:
             block_copies=block_copies,
             replaced_block_tables={rid: kv.get_block_ids(rid) for rid in replaced
                                    if rid in cached.req_ids},
+            scheduled_spec_decode_tokens=spec_tokens,
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=preempted,
+            pending_forks=pending_forks,
         )
         self.finished_req_ids = set()
         # Advance now: the next schedule() sees these tokens as computed (the runner computes
@@ -257,6 +321,16 @@ class Scheduler:
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # aborted (or finished) after it was scheduled
             new_logprobs = all_logprobs[idx] if all_logprobs else None
+            if req.pending_forks and rid in runner_output.fork_token_ids:
+                outputs.extend(self._fork_children(req, runner_output))
+            drafts = scheduler_output.scheduled_spec_decode_tokens.get(rid)
+            if drafts:
+                # Rejected drafts were computed but are not part of the sequence: roll back so
+                # their slots are rewritten next step.
+                num_accepted = len(new_ids) - 1
+                req.num_computed_tokens -= len(drafts) - num_accepted
+                self.num_draft_tokens += len(drafts)
+                self.num_accepted_tokens += num_accepted
             stopped = False
             if new_ids:
                 kept = 0
@@ -279,9 +353,47 @@ class Scheduler:
             if stopped:
                 self._free_request(req)
                 any_stopped = True
+            elif self.proposer is not None and new_ids:
+                self._propose(req)
         if any_stopped:
             self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
         return outputs
+
+    def _fork_children(self, leader: Request, runner_output: RunnerOutput) -> list[EngineCoreOutput]:
+        """The leader's prompt is computed: each pending child shares all its blocks (the partial
+        last one included; the first write into it copies it) and takes its own first token."""
+        outputs = []
+        tokens = runner_output.fork_token_ids[leader.request_id]
+        logprobs = runner_output.fork_logprobs.get(leader.request_id)
+        for i, child in enumerate(leader.pending_forks):
+            self.kv_cache_manager.fork(leader, child)
+            child.num_computed_tokens = leader.num_computed_tokens
+            child.num_cached_tokens = leader.num_cached_tokens
+            child.status = RequestStatus.RUNNING
+            self.running.append(child)
+            self._unsent.add(child.request_id)
+            child.output_token_ids.append(tokens[i])
+            child.all_token_ids.append(tokens[i])
+            self.num_generation_tokens += 1
+            stopped = self._check_stop(child)
+            lp = [logprobs[i]] if logprobs and logprobs[i] is not None else None
+            outputs.append(EngineCoreOutput(
+                child.request_id, [tokens[i]], child.get_finished_reason() if stopped else None,
+                child.stop_reason, lp, None, max(child.num_cached_tokens, 0)))
+            if stopped:
+                self._free_request(child)
+                self.running.remove(child)
+            elif self.proposer is not None:
+                self._propose(child)
+        leader.pending_forks = []
+        self._running_leaders.discard(leader)
+        return outputs
+
+    def _propose(self, req: Request) -> None:
+        """Draft tokens for the next step; never more than the request may still produce."""
+        room = min(req.max_tokens - len(req.output_token_ids),
+                   self.max_model_len - len(req.all_token_ids)) - 1
+        req.spec_token_ids = self.proposer.propose(req.all_token_ids, room) if room > 0 else []
 
     def _check_stop(self, req: Request) -> bool:
         """Stop checks for the token just appended: min_tokens, EOS, stop ids, then length."""
@@ -322,10 +434,23 @@ class Scheduler:
         running_drop = {id(r) for r in done if r.status == RequestStatus.RUNNING}
         if running_drop:
             self.running = [r for r in self.running if id(r) not in running_drop]
-        waiting_drop = [r for r in done if r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)]
+        waiting_drop = [r for r in done if r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+                        and not (r.fork_leader is not None and r in r.fork_leader.pending_forks)]
         if waiting_drop:
             self.waiting.remove_requests(waiting_drop)
         for req in done:
+            leader = req.fork_leader
+            if leader is not None and req in leader.pending_forks:
+                leader.pending_forks.remove(req)  # never forked: it holds no blocks
+            self._unsent.discard(req.request_id)
+            if req.pending_forks:
+                # An aborted leader hands its unforked siblings to the first of them.
+                heir, rest = req.pending_forks[0], req.pending_forks[1:]
+                req.pending_forks = []
+                heir.fork_leader, heir.pending_forks = None, rest
+                for child in rest:
+                    child.fork_leader = heir
+                self.waiting.add_request(heir)
             req.status = status
             if stop_reason is not None:
                 req.stop_reason = stop_reason
@@ -335,6 +460,7 @@ class Scheduler:
     abort_requests = finish_requests
 
     def _free_request(self, req: Request) -> None:
+        self._running_leaders.discard(req)
         self.kv_cache_manager.free(req)
         self.finished_req_ids.add(req.request_id)
         del self.requests[req.request_id]
@@ -358,5 +484,6 @@ class Scheduler:
         self.kv_cache_manager.check_integrity()
         for req in self.running:
             assert req.status == RequestStatus.RUNNING
-        assert len(self.running) <= self.max_num_seqs
-        assert len(self.running) + len(self.waiting) == len(self.requests)
+        assert len(self.running) + sum(len(r.pending_forks) for r in self._running_leaders) <= self.max_num_seqs
+        num_pending = sum(len(r.pending_forks) for r in self.requests.values())
+        assert len(self.running) + len(self.waiting) + num_pending == len(self.requests)

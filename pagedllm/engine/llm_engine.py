@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 from pagedllm.config import EngineConfig
+from pagedllm.core.ngram_proposer import NgramProposer
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.input_processor import InputProcessor, PromptType
@@ -20,6 +21,31 @@ from pagedllm.errors import ValidationError
 from pagedllm.outputs import RequestMetrics, RequestOutput
 from pagedllm.runner.base import Runner
 from pagedllm.sampling_params import SamplingParams
+
+
+def make_proposer(speculative_config: dict | None) -> NgramProposer | None:
+    """vLLM's speculative_config: {"method": "ngram", "num_speculative_tokens": k,
+    "prompt_lookup_max": 4, "prompt_lookup_min": 2}."""
+    if not speculative_config:
+        return None
+    if not isinstance(speculative_config, dict):
+        raise ValidationError("speculative_config must be a JSON object", "speculative_config")
+    cfg = dict(speculative_config)
+    method = cfg.pop("method", "ngram")
+    if method not in ("ngram", "ngram-prompt-lookup"):
+        raise ValidationError(f"speculative method {method!r} is not supported; use 'ngram'",
+                              "speculative_config")
+    k = cfg.pop("num_speculative_tokens", None)
+    lo, hi = cfg.pop("prompt_lookup_min", None), cfg.pop("prompt_lookup_max", None)
+    if cfg:
+        raise ValidationError(f"unknown speculative_config keys: {sorted(cfg)}", "speculative_config")
+    if not isinstance(k, int) or k < 1:
+        raise ValidationError("speculative_config needs num_speculative_tokens >= 1", "speculative_config")
+    hi = hi if hi is not None else (lo if lo is not None else 4)
+    lo = lo if lo is not None else min(2, hi)
+    if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
+        raise ValidationError("need 1 <= prompt_lookup_min <= prompt_lookup_max", "speculative_config")
+    return NgramProposer(k, lo, hi)
 
 
 def create_model_runner(config: EngineConfig, model_info: ModelInfo) -> Runner:
@@ -52,7 +78,8 @@ class LLMEngine:
         self.runner.initialize_kv_cache(num_blocks, cc.block_size)
         self.num_blocks = num_blocks
         self.scheduler = Scheduler(config.scheduler_config, num_blocks, cc.block_size,
-                                   self.max_model_len, cc.enable_prefix_caching)
+                                   self.max_model_len, cc.enable_prefix_caching,
+                                   proposer=make_proposer(config.speculative_config))
         self.input_processor = InputProcessor(tokenizer, self.model_info.vocab_size)
         self.output_processor = OutputProcessor(tokenizer)
         self.num_prompt_tokens = 0
@@ -95,14 +122,8 @@ class LLMEngine:
                 child_params = params.clone(n=1, seed=None if params.seed is None else params.seed + i)
             children.append(Request(cid, prompt_ids, child_params, self.model_info.eos_token_ids,
                                     arrival_time=arrival_time, priority=priority, cache_salt=cache_salt))
-        added = []
-        try:
-            for child in children:
-                self.scheduler.add_request(child)
-                added.append(child.request_id)
-        except Exception:
-            self.scheduler.finish_requests(added)
-            raise
+        # The first child prefills the prompt; the others fork from it (sharing its blocks).
+        self.scheduler.add_request(children[0], forks=children[1:])
         parent = ParentRequest(request_id, text, prompt_ids, params, RequestMetrics(arrival_time))
         self.output_processor.add_request(parent, child_ids)
         self.num_prompt_tokens += len(prompt_ids)
@@ -117,6 +138,8 @@ class LLMEngine:
     # -- the loop ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         scheduler_output = self.scheduler.schedule()
+        if scheduler_output.scheduled_new_reqs:
+            self._record_first_scheduled(scheduler_output.scheduled_new_reqs)
         runner_output = self.runner.execute_model(scheduler_output)
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         outputs, stopped = self.output_processor.process_outputs(core_outputs)
@@ -124,6 +147,15 @@ class LLMEngine:
             self.scheduler.finish_requests(child_id, RequestStatus.FINISHED_STOPPED, stop_str)
         self.num_requests_finished += sum(1 for o in outputs if o.finished)
         return outputs
+
+    def _record_first_scheduled(self, new_reqs: list) -> None:
+        """Stamp RequestMetrics.first_scheduled_time (the server's queue-time histogram)."""
+        now = time.monotonic()
+        states = self.output_processor.request_states
+        for new in new_reqs:
+            state = states.get(new.req_id)
+            if state is not None and state.parent.metrics.first_scheduled_time is None:
+                state.parent.metrics.first_scheduled_time = now
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self.output_processor.has_unfinished_requests()

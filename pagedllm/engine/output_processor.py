@@ -128,6 +128,9 @@ class OutputProcessor:
                 parent.num_finished += 1
             ro = self._make_output(parent, state)
             if ro is not None:
+                prev = results.get(parent.request_id)
+                if prev is not None and parent.params.output_kind == RequestOutputKind.DELTA:
+                    ro.outputs = prev.outputs + ro.outputs  # n > 1: every child's delta of this step
                 results[parent.request_id] = ro
             if parent.finished:
                 parent.metrics.finished_time = now

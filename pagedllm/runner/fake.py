@@ -77,12 +77,15 @@ class FakeRunner:
             self.requests[new.req_id] = _ReqState(
                 new.prompt_token_ids + new.output_token_ids, list(new.block_ids), new.num_computed_tokens)
         cached = so.scheduled_cached_reqs
-        for rid, blocks, num_computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
+        for rid, blocks, num_computed, new_ids in zip(cached.req_ids, cached.new_block_ids,
+                                                      cached.num_computed_tokens, cached.new_token_ids):
             state = self.requests[rid]
             state.block_ids.extend(blocks)
-            if state.num_computed_tokens != num_computed:
+            state.token_ids.extend(new_ids)
+            if num_computed > state.num_computed_tokens:
                 raise KVMismatchError(f"{rid}: runner computed {state.num_computed_tokens}, "
                                       f"scheduler says {num_computed}")
+            state.num_computed_tokens = num_computed  # lower after rejected drafts
         for rid, table in so.replaced_block_tables.items():
             self.requests[rid].block_ids = list(table)
         self.num_steps += 1
@@ -93,24 +96,39 @@ class FakeRunner:
         bs = self.block_size
         for rid, n in so.num_scheduled_tokens.items():
             state = self.requests[rid]
+            tokens = state.token_ids + so.scheduled_spec_decode_tokens.get(rid, [])
             for pos in range(state.num_computed_tokens, state.num_computed_tokens + n):
-                self.cache[state.block_ids[pos // bs]][pos % bs] = state.token_ids[pos]
+                self.cache[state.block_ids[pos // bs]][pos % bs] = tokens[pos]
 
         req_ids = list(so.num_scheduled_tokens)
         sampled: list[list[int]] = []
+        fork_tokens: dict[str, list[int]] = {}
         for rid in req_ids:
             state = self.requests[rid]
-            end = state.num_computed_tokens + so.num_scheduled_tokens[rid]
-            state.num_computed_tokens = end
+            drafts = so.scheduled_spec_decode_tokens.get(rid, [])
+            n_real = so.num_scheduled_tokens[rid] - len(drafts)
+            end = state.num_computed_tokens + n_real
+            state.num_computed_tokens = end + len(drafts)
             if self.verify_kv:
                 self._verify(rid, state, end)
             if end < len(state.token_ids):
                 sampled.append([])  # partial prefill: nothing to sample
                 continue
-            tok = fake_next_token(state.token_ids, self.vocab_size)
-            state.token_ids.append(tok)
-            sampled.append([tok])
-        return RunnerOutput(req_ids, {rid: i for i, rid in enumerate(req_ids)}, sampled)
+            # Greedy verification of drafts against the deterministic "model".
+            context = list(state.token_ids)
+            out: list[int] = []
+            for d in [*drafts, None]:
+                tok = fake_next_token(context, self.vocab_size)
+                out.append(tok)
+                if d is None or d != tok:
+                    break
+                context.append(tok)
+            sampled.append(out)
+            forks = so.pending_forks.get(rid)
+            if forks:
+                fork_tokens[rid] = [fake_next_token(state.token_ids, self.vocab_size)] * len(forks)
+        return RunnerOutput(req_ids, {rid: i for i, rid in enumerate(req_ids)}, sampled,
+                            fork_token_ids=fork_tokens)
 
     def _verify(self, rid: str, state: _ReqState, end: int) -> None:
         bs = self.block_size

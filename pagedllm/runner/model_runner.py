@@ -18,6 +18,7 @@ from pagedllm.layers.forward_context import set_forward_context
 from pagedllm.layers.kv_cache import bind_kv_caches, copy_blocks, kv_cache_shape
 from pagedllm.models.loader import load_model
 from pagedllm.runner.sampler import Sampler, SamplingMetadata, compute_topk_logprobs
+from pagedllm.runner.spec_decode import verify_drafts
 from pagedllm.sampling_params import SamplingParams
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
@@ -114,9 +115,15 @@ class ModelRunner:
                 new.req_id, new.prompt_token_ids + new.output_token_ids, len(new.prompt_token_ids),
                 new.sampling_params, list(new.block_ids), new.num_computed_tokens, new.eos_token_ids)
         cached = so.scheduled_cached_reqs
-        for rid, blocks in zip(cached.req_ids, cached.new_block_ids):
+        for rid, blocks, num_computed, new_ids in zip(cached.req_ids, cached.new_block_ids,
+                                                      cached.num_computed_tokens, cached.new_token_ids):
+            state = self.requests[rid]
             if blocks:
-                self.requests[rid].block_ids.extend(blocks)
+                state.block_ids.extend(blocks)
+            if new_ids:
+                state.token_ids.extend(new_ids)
+            # The scheduler's count wins: it rolls back past rejected drafts.
+            state.num_computed_tokens = num_computed
         for rid, table in so.replaced_block_tables.items():
             self.requests[rid].block_ids = list(table)
 
@@ -133,27 +140,29 @@ class ModelRunner:
         query_lens: list[int] = []
         num_computed: list[int] = []
         block_tables: list[list[int]] = []
-        sample_rows: list[int] = []  # flat-batch row whose logits pick the next token
-        sample_reqs: list[CachedRequestState] = []
+        # Requests that sample this step: (state, first logits row, drafts to verify).
+        samplers: list[tuple[CachedRequestState, int, list[int]]] = []
         prompt_lp_jobs: list[tuple[str, int, int, int]] = []  # (rid, first row, first pos, count)
         for rid in req_ids:
             state = self.requests[rid]
             n = so.num_scheduled_tokens[rid]
+            drafts = so.scheduled_spec_decode_tokens.get(rid, [])
             start = state.num_computed_tokens
+            n_real = n - len(drafts)
             row0 = len(input_ids)
-            input_ids.extend(state.token_ids[start:start + n])
+            input_ids.extend(state.token_ids[start:start + n_real])
+            input_ids.extend(drafts)
             positions.extend(range(start, start + n))
             query_lens.append(n)
             num_computed.append(start)
             block_tables.append(state.block_ids)
             if state.params.prompt_logprobs is not None and start < state.num_prompt_tokens - 1:
                 # Logits at position p score prompt token p + 1.
-                count = min(start + n, state.num_prompt_tokens - 1) - start
+                count = min(start + n_real, state.num_prompt_tokens - 1) - start
                 prompt_lp_jobs.append((rid, row0, start, count))
             state.num_computed_tokens = start + n
-            if start + n >= len(state.token_ids):  # caught up: sample (a partial prefill does not)
-                sample_rows.append(row0 + n - 1)
-                sample_reqs.append(state)
+            if start + n_real >= len(state.token_ids):  # caught up: sample (a partial prefill does not)
+                samplers.append((state, row0 + n_real - 1, drafts))
 
         device = self.device
         ids_t = torch.tensor(input_ids, dtype=torch.long, device=device)
@@ -162,50 +171,67 @@ class ModelRunner:
         with set_forward_context(attn_md):
             hidden = self.model(ids_t, pos_t)
 
-        prompt_logprobs = self._prompt_logprobs(hidden, prompt_lp_jobs) if prompt_lp_jobs else {}
-        sampled: dict[str, list[int]] = {}
-        logprobs_of: dict[str, list[TokenLogprobs]] = {}
-        if sample_rows:
-            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=device)])
-            md = self._sampling_metadata(sample_reqs)
-            out = self.sampler(logits, md)
-            for i, (state, tok) in enumerate(zip(sample_reqs, out.sampled_token_ids)):
-                state.token_ids.append(tok)
-                sampled[state.req_id] = [tok]
-                if out.logprobs is not None and out.logprobs[i] is not None:
-                    ids, lps, ranks = out.logprobs[i]
-                    logprobs_of[state.req_id] = [TokenLogprobs(ids, lps, ranks)]
-        return RunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
-            sampled_token_ids=[sampled.get(rid, []) for rid in req_ids],
-            logprobs=[logprobs_of.get(rid) for rid in req_ids] if logprobs_of else None,
-            prompt_logprobs=prompt_logprobs,
-        )
+        out = RunnerOutput(req_ids=req_ids, req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+                           sampled_token_ids=[[] for _ in req_ids])
+        if prompt_lp_jobs:
+            out.prompt_logprobs = self._prompt_logprobs(hidden, prompt_lp_jobs)
+        if samplers:
+            self._sample(hidden, samplers, so, out)
+        return out
 
-    def _sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
-        params = [s.params for s in states]
-        outputs = [s.output_token_ids for s in states]
-        generators: list[torch.Generator | None] = []
-        stop_masks: list[frozenset[int]] = []
-        for s, out in zip(states, outputs):
-            p = s.params
-            if p.seed is not None and not p.sampling_type_greedy:
-                # One stream per (seed, output position): the draw for token i does not depend
-                # on the batch, on earlier steps, or on whether the request was preempted.
-                g = torch.Generator(device=self.device)
-                g.manual_seed((p.seed * 1_000_003 + len(out)) % (1 << 63))
-                generators.append(g)
-            else:
-                generators.append(None)
-            if len(out) < p.min_tokens:
-                ids = p.all_stop_token_ids if p.ignore_eos else (p.all_stop_token_ids | s.eos_token_ids)
-                stop_masks.append(ids)
-            else:
-                stop_masks.append(frozenset())
-        prompts = [s.token_ids[:s.num_prompt_tokens] for s in states]
-        return SamplingMetadata.build(params, prompts, outputs, generators, stop_masks,
-                                      self.vocab_size, self.device)
+    def _sample(self, hidden: torch.Tensor, samplers: list[tuple[CachedRequestState, int, list[int]]],
+                so: SchedulerOutput, out: RunnerOutput) -> None:
+        """Sample one token per request (plus draft verification and the first token of forked
+        children), filling ``out`` in place."""
+        # One virtual row per logits position: (state, params, draft prefix, hidden row).
+        rows: list[tuple[CachedRequestState, SamplingParams, list[int], int]] = []
+        groups: list[tuple[int, list[int]]] = []
+        for state, row, drafts in samplers:
+            groups.append((len(rows), drafts))
+            for j in range(len(drafts) + 1):
+                rows.append((state, state.params, drafts[:j], row + j))
+            for _child_id, child_params in so.pending_forks.get(state.req_id, ()):
+                rows.append((state, child_params, [], row))
+        logits = self.model.compute_logits(hidden[torch.tensor([r[3] for r in rows], device=self.device)])
+        md, generators = self._sampling_metadata(rows)
+        index = {rid: i for i, rid in enumerate(out.req_ids)}
+
+        # chosen[r]: the token picked at virtual row r; outputs[k]: request k's new tokens.
+        if not any(drafts for _, _, drafts in samplers):
+            result = self.sampler(logits, md)
+            chosen: list[int | None] = list(result.sampled_token_ids)
+            outputs = [[chosen[first]] for first, _ in groups]
+            row_logprobs = result.logprobs
+        else:
+            greedy = [p.sampling_type_greedy for _, p, _, _ in rows]
+            outputs = verify_drafts(logits, md, greedy, groups, generators)
+            chosen = [None] * len(rows)
+            for (first, _), toks in zip(groups, outputs):
+                chosen[first:first + len(toks)] = toks
+            for r, (state, params, _, _) in enumerate(rows):
+                if state.params is not params:  # a fork's first token: plain sampling
+                    chosen[r] = self.sampler(logits[r:r + 1], self._sampling_metadata([rows[r]])[0]).sampled_token_ids[0]
+            row_logprobs = None
+            if md.max_num_logprobs is not None:
+                ks = [p.logprobs or 0 for _, p, _, _ in rows]
+                entries = compute_topk_logprobs(logits, [c if c is not None else 0 for c in chosen], ks)
+                row_logprobs = [e if p.logprobs is not None and c is not None else None
+                                for e, (_, p, _, _), c in zip(entries, rows, chosen)]
+
+        for (state, _row, drafts), (first, _), toks in zip(samplers, groups, outputs):
+            rid = state.req_id
+            out.sampled_token_ids[index[rid]] = toks
+            if row_logprobs is not None and row_logprobs[first] is not None:
+                if out.logprobs is None:
+                    out.logprobs = [None] * len(out.req_ids)
+                out.logprobs[index[rid]] = [TokenLogprobs(*row_logprobs[first + j]) for j in range(len(toks))]
+            forks = so.pending_forks.get(rid, ())
+            if forks:
+                base = first + len(drafts) + 1
+                out.fork_token_ids[rid] = [chosen[base + c] for c in range(len(forks))]
+                if row_logprobs is not None:
+                    out.fork_logprobs[rid] = [TokenLogprobs(*row_logprobs[base + c]) if row_logprobs[base + c] else None
+                                              for c in range(len(forks))]
 
     def _prompt_logprobs(self, hidden: torch.Tensor,
                          jobs: list[tuple[str, int, int, int]]) -> dict[str, PromptLogprobsChunk]:
@@ -220,6 +246,32 @@ class ModelRunner:
             result[rid] = PromptLogprobsChunk(pos0 + 1, [TokenLogprobs(*e) for e in entries])
         return result
 
+    def _sampling_metadata(self, rows: list[tuple[CachedRequestState, SamplingParams, list[int], int]]
+                           ) -> tuple[SamplingMetadata, list[torch.Generator | None]]:
+        params, prompts, outputs = [], [], []
+        generators: list[torch.Generator | None] = []
+        stop_masks: list[frozenset[int]] = []
+        for state, p, prefix, _ in rows:
+            out = state.output_token_ids + prefix if prefix else state.output_token_ids
+            params.append(p)
+            prompts.append(state.token_ids[:state.num_prompt_tokens])
+            outputs.append(out)
+            if p.seed is not None and not p.sampling_type_greedy:
+                # One stream per (seed, output position): the draw for token i does not depend
+                # on the batch, on earlier steps, or on whether the request was preempted.
+                g = torch.Generator(device=self.device)
+                g.manual_seed((p.seed * 1_000_003 + len(out)) % (1 << 63))
+                generators.append(g)
+            else:
+                generators.append(None)
+            if len(out) < p.min_tokens:
+                ids = p.all_stop_token_ids if p.ignore_eos else (p.all_stop_token_ids | state.eos_token_ids)
+                stop_masks.append(ids)
+            else:
+                stop_masks.append(frozenset())
+        md = SamplingMetadata.build(params, prompts, outputs, generators, stop_masks,
+                                    self.vocab_size, self.device)
+        return md, generators
 
 def _total_ram_bytes() -> int:
     try:

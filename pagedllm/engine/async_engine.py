@@ -1,0 +1,317 @@
+"""AsyncLLM: the engine for a server, one asyncio stream per request.
+
+One background task drives ``LLMEngine.step()``. Every engine call (add, abort, step, metrics,
+tokenizer work) runs on a single worker thread, so the event loop stays responsive while a step
+computes and the engine is never touched by two threads at once (the lock makes that explicit for
+the few synchronous callers). Each request's outputs go to its own ``asyncio.Queue``.
+
+Lifecycle of a stream: ``generate()`` validates and queues the request (a ``ValidationError``
+reaches the caller, nothing is queued), then yields RequestOutputs until the finished one. If the
+consumer goes away (the generator is closed or cancelled), the request is aborted before the next
+step, so its KV blocks are free for that step. If the loop itself fails, the engine is marked dead
+and every open stream raises :class:`EngineDeadError` instead of hanging.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncGenerator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from pagedllm.config import EngineConfig
+from pagedllm.engine.input_processor import PromptType
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.errors import EngineDeadError, ValidationError
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass
+class RequestStats:
+    """Latencies of one finished request, for the server's histograms (seconds)."""
+    e2e: float
+    queue: float | None
+    ttft: float | None
+    inter_token: list[float] = field(default_factory=list)
+
+
+StatLogger = Callable[[RequestStats], None]
+
+
+class AsyncLLM:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._lock = threading.Lock()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-engine")
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._pending_aborts: list[str] = []
+        self._wake: asyncio.Event | None = None
+        self._loop_task: asyncio.Task | None = None
+        self._dead: EngineDeadError | None = None
+        self.stat_loggers: list[StatLogger] = []
+        self.num_aborted_requests = 0
+
+    @classmethod
+    def from_engine_args(cls, model: str | None = None, **engine_args: Any) -> "AsyncLLM":
+        return cls(LLMEngine(EngineConfig.from_kwargs(model, **engine_args)))
+
+    # -- what the server reads -----------------------------------------------------------------
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def model_info(self) -> Any:
+        return self.engine.model_info
+
+    @property
+    def model_path(self) -> str:
+        return self.engine.config.model_config.model
+
+    @property
+    def errored(self) -> bool:
+        return self._dead is not None
+
+    @property
+    def dead_error(self) -> EngineDeadError | None:
+        return self._dead
+
+    def default_sampling_params(self) -> SamplingParams:
+        return self.engine.default_sampling_params()
+
+    # -- engine thread -------------------------------------------------------------------------
+    def _locked(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        with self._lock:
+            return fn(*args, **kwargs)
+
+    async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run ``fn`` on the engine thread, between steps (tokenizer work, engine calls)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, lambda: self._locked(fn, *args, **kwargs))
+
+    async def get_metrics(self) -> dict[str, float]:
+        metrics = await self.run(self.engine.get_metrics)
+        metrics["pagedllm:request_aborted"] = self.num_aborted_requests
+        return metrics
+
+    async def reset_prefix_cache(self) -> bool:
+        return await self.run(self.engine.reset_prefix_cache)
+
+    async def abort(self, request_id: str) -> None:
+        await self.run(self.engine.abort_request, request_id)
+
+    # -- the loop ------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the background loop on the running event loop (done lazily by generate())."""
+        if self._loop_task is None:
+            self._wake = asyncio.Event()
+            self._loop_task = asyncio.get_running_loop().create_task(self._run_loop(), name="pagedllm-loop")
+
+    def _step(self, aborts: list[str]) -> tuple[list[RequestOutput], bool]:
+        with self._lock:
+            if aborts:
+                self.engine.abort_request(aborts)
+            if not self.engine.has_unfinished_requests():
+                return [], False
+            outputs = self.engine.step()
+            return outputs, self.engine.has_unfinished_requests()
+
+    async def _run_loop(self) -> None:
+        assert self._wake is not None
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                await self._wake.wait()
+                # Cleared before the step: an add or abort during the step wakes the next one.
+                self._wake.clear()
+                aborts, self._pending_aborts = self._pending_aborts, []
+                outputs, busy = await loop.run_in_executor(self._executor, self._step, aborts)
+                now = time.monotonic()
+                for out in outputs:
+                    # Popped once finished: the stream keeps its queue, and a stream that is
+                    # never read (its client left before the first byte) leaves nothing behind.
+                    queue = (self._streams.pop(out.request_id, None) if out.finished
+                             else self._streams.get(out.request_id))
+                    if queue is not None:
+                        queue.put_nowait((now, out))
+                if busy:
+                    self._wake.set()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # noqa: BLE001 - any failure kills the engine, loudly
+            logger.exception("engine loop failed; the engine is dead")
+            self._fail_all(EngineDeadError(f"the engine loop failed: {type(e).__name__}: {e}"), e)
+
+    def _fail_all(self, error: EngineDeadError, cause: BaseException | None = None) -> None:
+        if cause is not None:
+            error.__cause__ = cause
+        if self._dead is None:
+            self._dead = error
+        for queue in self._streams.values():
+            queue.put_nowait((time.monotonic(), self._dead))
+
+    async def shutdown(self) -> None:
+        """Stop the loop; open streams end with EngineDeadError. Idempotent."""
+        self._fail_all(EngineDeadError("the engine was shut down"))
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            try:
+                await self._loop_task
+            except (asyncio.CancelledError, Exception):
+                pass
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # -- requests ------------------------------------------------------------------------------
+    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                          priority: int = 0, cache_salt: str | None = None,
+                          arrival_time: float | None = None) -> "RequestStream":
+        """Queue a request now (a ValidationError raises here, nothing queued) and return its
+        stream. A server validates every prompt this way before it sends a status line."""
+        if self._dead is not None:
+            raise self._dead
+        self.start()
+        if request_id in self._streams:
+            raise ValidationError(f"request id {request_id!r} is already in use", "request_id")
+        arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = queue
+        try:
+            await self.run(self.engine.add_request, request_id, prompt, params,
+                           arrival_time, priority, cache_salt)
+        except BaseException as e:
+            self._streams.pop(request_id, None)
+            if isinstance(e, asyncio.CancelledError):
+                self._abort_soon(request_id)  # the add may still complete on the engine thread
+            raise
+        assert self._wake is not None
+        self._wake.set()
+        return RequestStream(self, request_id, queue, _LatencyTracker(arrival_time, params.output_kind))
+
+    async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str, *,
+                       priority: int = 0, cache_salt: str | None = None,
+                       arrival_time: float | None = None) -> AsyncGenerator[RequestOutput, None]:
+        """Yield the request's outputs (as many as ``params.output_kind`` gives), the last one
+        finished. Closing or cancelling the generator aborts the request."""
+        stream = await self.add_request(request_id, prompt, params, priority, cache_salt, arrival_time)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.close()
+
+    def _abort_soon(self, request_id: str) -> None:
+        """Abort before the next step (callable from a generator's finally, which cannot wait)."""
+        self.num_aborted_requests += 1
+        self._pending_aborts.append(request_id)
+        if self._wake is not None:
+            self._wake.set()
+
+    def _log_stats(self, stats: RequestStats) -> None:
+        for stat_logger in self.stat_loggers:
+            try:
+                stat_logger(stats)
+            except Exception:  # noqa: BLE001 - metrics never break a request
+                logger.exception("stat logger failed")
+
+
+class RequestStream:
+    """One request's outputs as an async iterator. Closing it before the finished output, or
+    cancelling a wait on it, aborts the request (before the engine's next step)."""
+
+    def __init__(self, llm: AsyncLLM, request_id: str, queue: asyncio.Queue,
+                 tracker: "_LatencyTracker") -> None:
+        self.llm = llm
+        self.request_id = request_id
+        self._queue = queue
+        self._tracker = tracker
+        self._done = False
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            now, item = await self._queue.get()
+        except BaseException:  # cancelled: the consumer is gone
+            self.close()
+            raise
+        if isinstance(item, BaseException):
+            self._done = True
+            self.llm._streams.pop(self.request_id, None)
+            raise item
+        self._tracker.update(now, item)
+        if item.finished:
+            self._done = True
+            self.llm._streams.pop(self.request_id, None)
+            self.llm._log_stats(self._tracker.finish(item))
+        return item
+
+    def close(self) -> None:
+        """Abort the request unless it finished (idempotent; safe in any finally block)."""
+        if not self._done:
+            self._done = True
+            self.llm._streams.pop(self.request_id, None)
+            if self.llm._dead is None:
+                self.llm._abort_soon(self.request_id)
+
+    async def aclose(self) -> None:
+        self.close()
+
+
+class _LatencyTracker:
+    """Collects one request's token timings as its outputs arrive (exact for streams; a final-only
+    request sees its tokens at once, so its inter-token latency is the mean over its tokens)."""
+
+    def __init__(self, arrival_time: float, kind: RequestOutputKind) -> None:
+        self.arrival_time = arrival_time
+        self.kind = kind
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.num_tokens: dict[int, int] = {}
+        self.inter_token: list[float] = []
+
+    def update(self, now: float, out: RequestOutput) -> None:
+        got = False
+        for c in out.outputs:
+            if c.token_ids:
+                got = True
+                if self.kind == RequestOutputKind.DELTA:
+                    self.num_tokens[c.index] = self.num_tokens.get(c.index, 0) + len(c.token_ids)
+                else:
+                    self.num_tokens[c.index] = len(c.token_ids)
+        if not got or self.kind == RequestOutputKind.FINAL_ONLY:
+            return
+        if self.first_token_time is None:
+            self.first_token_time = now
+        else:
+            self.inter_token.append(now - self.last_token_time)
+        self.last_token_time = now
+
+    def finish(self, out: RequestOutput) -> RequestStats:
+        m = out.metrics
+        end = m.finished_time if m is not None and m.finished_time else time.monotonic()
+        queue = None
+        if m is not None and m.first_scheduled_time is not None:
+            queue = m.first_scheduled_time - self.arrival_time
+        ttft, itl = None, self.inter_token
+        if self.kind == RequestOutputKind.FINAL_ONLY and m is not None and m.first_token_time is not None:
+            ttft = m.first_token_time - self.arrival_time
+            num_tokens = max(self.num_tokens.values(), default=0)
+            if num_tokens > 1 and m.last_token_time is not None:
+                itl = [(m.last_token_time - m.first_token_time) / (num_tokens - 1)] * (num_tokens - 1)
+        elif self.first_token_time is not None:
+            ttft = self.first_token_time - self.arrival_time
+        return RequestStats(e2e=end - self.arrival_time, queue=queue, ttft=ttft, inter_token=itl)
