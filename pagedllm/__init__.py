@@ -8,13 +8,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.config import EngineConfig
+from pagedllm.engine.beam_search import BeamSearchParams
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from pagedllm.engine.llm import LLM
 
-__all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "EngineConfig", "RequestOutput",
+           "CompletionOutput"]
 __version__ = "0.1.0"
 
 

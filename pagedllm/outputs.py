@@ -49,14 +49,18 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = field(default=None, repr=False)
+    # Beam search only: each output's length-penalised score, best first.
+    beam_scores: list[float] | None = None
 
 
 @dataclass
 class BeamSearchSequence:
+    """One beam: ``tokens`` holds the prompt and the generated tokens, as in vLLM."""
     tokens: list[int]
     text: str | None
     cum_logprob: float
     finish_reason: str | None = None
+    score: float = 0.0  # cum_logprob / generated_len ** length_penalty (transformers' score)
 
 
 @dataclass

@@ -169,6 +169,20 @@ class KVCacheManager:
         self.num_cached_blocks[child.request_id] = self.num_cached_blocks.get(parent.request_id, 0)
         child.block_hashes = list(parent.block_hashes)
 
+    def share_blocks(self, request_id: str) -> tuple[list[KVCacheBlock], int]:
+        """A new reference to every block of a request (for a beam taking over its sequence),
+        with the number of leading blocks already published."""
+        blocks = list(self.req_to_blocks.get(request_id, ()))
+        self.block_pool.touch(blocks)
+        return blocks, self.num_cached_blocks.get(request_id, 0)
+
+    def set_blocks(self, request: Request, blocks: list[KVCacheBlock], num_cached_blocks: int) -> None:
+        """Install blocks obtained from ``share_blocks`` as the table of a request that has none."""
+        if self.req_to_blocks.get(request.request_id):
+            raise ValueError(f"{request.request_id} still holds blocks")
+        self.req_to_blocks[request.request_id] = blocks
+        self.num_cached_blocks[request.request_id] = num_cached_blocks
+
     # -- release -----------------------------------------------------------------------------
     def free(self, request: Request, num_valid_tokens: int | None = None) -> None:
         """Give back every block of the request, last block first (so its tail is evicted first).

@@ -43,7 +43,7 @@ class Request:
         "request_id", "prompt_token_ids", "sampling_params", "eos_token_ids", "arrival_time",
         "priority", "cache_salt", "max_tokens", "status", "num_computed_tokens", "num_cached_tokens",
         "stop_reason", "num_preemptions", "block_hashes", "spec_token_ids", "num_skipped_past",
-        "num_sent_tokens", "pending_forks", "fork_leader",
+        "num_sent_tokens", "pending_forks", "fork_leader", "is_beam",
         "all_token_ids", "output_token_ids", "_num_prompt_tokens",
     )
 
@@ -80,6 +80,9 @@ class Request:
         # pending children fork from it (sharing every block) and run on their own.
         self.pending_forks: list[Request] = []
         self.fork_leader: Request | None = None
+        # Beam search: the engine, not the sampler, picks this request's next token; the
+        # scheduler only reports the top-k logprobs once its sequence is computed.
+        self.is_beam = False
         self._num_prompt_tokens = len(self.prompt_token_ids)
         # Plain attributes, not properties: they are read on the per-step hot path.
         self.all_token_ids = list(self.prompt_token_ids)

@@ -163,6 +163,13 @@ class Scheduler:
         # 2. Then waiting requests, unless this step already had to preempt (memory is tight).
         if not preempted:
             self._schedule_waiting(budget, num_scheduled, scheduled_new)
+            if not num_scheduled and self.running and self.waiting:
+                # Every running request is idle (beam slots waiting for their group's decision)
+                # and hold the memory a waiting one needs: make room, or nothing ever moves.
+                victim = self.running[-1] if self.policy == "fcfs" else max(self.running)
+                self._preempt(victim)
+                preempted.add(victim.request_id)
+                self._schedule_waiting(budget, num_scheduled, scheduled_new)
 
         return self._build_output(num_scheduled, sched_running, sched_blocks, scheduled_new, preempted)
 
@@ -323,6 +330,11 @@ class Scheduler:
             new_logprobs = all_logprobs[idx] if all_logprobs else None
             if req.pending_forks and rid in runner_output.fork_token_ids:
                 outputs.extend(self._fork_children(req, runner_output))
+            if req.is_beam:
+                if new_ids:  # caught up: report the distribution, append nothing
+                    outputs.append(EngineCoreOutput(rid, [], None, None, new_logprobs, None,
+                                                    max(req.num_cached_tokens, 0)))
+                continue
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(rid)
             if drafts:
                 # Rejected drafts were computed but are not part of the sequence: roll back so
@@ -372,6 +384,8 @@ class Scheduler:
             child.status = RequestStatus.RUNNING
             self.running.append(child)
             self._unsent.add(child.request_id)
+            if child.is_beam:
+                continue  # an idle beam slot: it gets its first token from the beam search
             child.output_token_ids.append(tokens[i])
             child.all_token_ids.append(tokens[i])
             self.num_generation_tokens += 1
@@ -388,6 +402,38 @@ class Scheduler:
         leader.pending_forks = []
         self._running_leaders.discard(leader)
         return outputs
+
+    def reassign_beams(self, assignments: list[tuple[str, str, int]]) -> None:
+        """Beam search step: slot ``j`` takes over the sequence of beam ``p`` plus token ``t`` for
+        every (j, p, t). Sequences are shared by reference count (the next write into a shared
+        partial block copies it); all takeovers read the state from before any of them."""
+        kv = self.kv_cache_manager
+        plans = []
+        for slot_id, parent_id, token in assignments:
+            parent = self.requests[parent_id]
+            running = parent.status == RequestStatus.RUNNING
+            blocks, num_cached = kv.share_blocks(parent_id) if running else ([], 0)
+            plans.append((self.requests[slot_id], parent.all_token_ids + [token], blocks, num_cached,
+                          parent.num_computed_tokens if running else 0, list(parent.block_hashes)))
+        slots = {id(plan[0]) for plan in plans}
+        self.running = [r for r in self.running if id(r) not in slots]
+        self.waiting.remove_requests([plan[0] for plan in plans])
+        for slot, tokens, blocks, num_cached, num_computed, hashes in plans:
+            kv.free(slot)
+            slot.all_token_ids = tokens
+            slot.output_token_ids = tokens[slot.num_prompt_tokens:]
+            slot.block_hashes = hashes
+            slot.num_computed_tokens = num_computed
+            slot.num_sent_tokens = 0
+            if blocks:
+                kv.set_blocks(slot, blocks, num_cached)
+                slot.status = RequestStatus.RUNNING
+                self.running.append(slot)
+                self._unsent.add(slot.request_id)  # the runner rebuilds its state from scratch
+            else:  # the parent was preempted: recompute from the start
+                slot.status = RequestStatus.PREEMPTED
+                self._unsent.discard(slot.request_id)
+                self.waiting.prepend_request(slot)
 
     def _propose(self, req: Request) -> None:
         """Draft tokens for the next step; never more than the request may still produce."""

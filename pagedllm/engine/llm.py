@@ -11,7 +11,8 @@ from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.tokenizer import apply_chat_template
 from pagedllm.errors import ValidationError
-from pagedllm.outputs import RequestOutput
+from pagedllm.engine.beam_search import BeamSearchParams
+from pagedllm.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -81,6 +82,31 @@ class LLM:
             for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """Beam search for each prompt; each result's ``sequences`` are best first (score =
+        cum_logprob / generated_len ** length_penalty, as in transformers)."""
+        if isinstance(prompts, (str, dict)) or (
+                isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        request_ids = []
+        try:
+            for prompt in prompts:
+                rid = str(next(self._counter))
+                self.llm_engine.add_beam_search_request(rid, prompt, params)
+                request_ids.append(rid)
+        except Exception:
+            self.llm_engine.abort_request(request_ids)
+            raise
+        results = []
+        for out in self._run_engine(request_ids, use_tqdm):
+            scores = out.beam_scores or [0.0] * len(out.outputs)
+            results.append(BeamSearchOutput([
+                BeamSearchSequence(out.prompt_token_ids + c.token_ids, c.text, c.cumulative_logprob,
+                                   c.finish_reason, score)
+                for c, score in zip(out.outputs, scores)]))
+        return results
 
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

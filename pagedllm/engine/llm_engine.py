@@ -18,7 +18,8 @@ from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.model_info import ModelInfo
 from pagedllm.engine.output_processor import OutputProcessor, ParentRequest
 from pagedllm.errors import ValidationError
-from pagedllm.outputs import RequestMetrics, RequestOutput
+from pagedllm.engine.beam_search import BeamSearchGroup, BeamSearchParams
+from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedllm.runner.base import Runner
 from pagedllm.sampling_params import SamplingParams
 
@@ -84,6 +85,8 @@ class LLMEngine:
         self.output_processor = OutputProcessor(tokenizer)
         self.num_prompt_tokens = 0
         self.num_requests_finished = 0
+        self.beam_groups: dict[str, BeamSearchGroup] = {}
+        self._beam_slot_to_group: dict[str, BeamSearchGroup] = {}
 
     @classmethod
     def from_engine_args(cls, model: str | None = None, **engine_args: Any) -> "LLMEngine":
@@ -128,21 +131,101 @@ class LLMEngine:
         self.output_processor.add_request(parent, child_ids)
         self.num_prompt_tokens += len(prompt_ids)
 
+    def add_beam_search_request(self, request_id: str, prompt: PromptType, params: BeamSearchParams,
+                                priority: int = 0) -> None:
+        """Queue a beam search; its result comes out of step() as one RequestOutput whose
+        outputs are the beams, best first (``cumulative_logprob`` unpenalised)."""
+        if request_id in self.output_processor.parents or request_id in self.beam_groups:
+            raise ValidationError(f"request id {request_id!r} is already in use", "request_id")
+        text, prompt_ids = self.input_processor.process_prompt(prompt)
+        eos = self.model_info.eos_token_ids
+        k = BeamSearchGroup.num_logprobs(params.beam_width, 0 if params.ignore_eos else len(eos))
+        if k > 20:
+            raise ValidationError(f"beam_width={params.beam_width} needs {k} logprobs per step; "
+                                  f"the limit is 20", "beam_width")
+        slot_params = SamplingParams(temperature=0.0, max_tokens=params.max_tokens, logprobs=k,
+                                     ignore_eos=True, detokenize=False)
+        slot_ids = [f"beam{i}_{request_id}" for i in range(params.beam_width)]
+        now = time.monotonic()
+        slots = [Request(sid, prompt_ids, slot_params, eos, arrival_time=now, priority=priority)
+                 for sid in slot_ids]
+        for slot in slots:
+            slot.is_beam = True
+        self.scheduler.add_request(slots[0], forks=slots[1:])
+        group = BeamSearchGroup(request_id, prompt_ids, params, slot_ids, eos)
+        group.prompt_text = text
+        self.beam_groups[request_id] = group
+        for sid in slot_ids:
+            self._beam_slot_to_group[sid] = group
+        self.num_prompt_tokens += len(prompt_ids)
+
+    def _process_beam_outputs(self, core_outputs: list) -> tuple[list, list[RequestOutput]]:
+        """Route beam-slot reports to their groups; advance every group whose beams all reported."""
+        rest, touched = [], {}
+        for out in core_outputs:
+            group = self._beam_slot_to_group.get(out.request_id)
+            if group is None:
+                rest.append(out)
+            elif out.new_logprobs:
+                group.add_report(out.request_id, out.new_logprobs[-1])
+                touched[group.request_id] = group
+        results = []
+        for group in touched.values():
+            if not group.ready():
+                continue
+            assignments, idle = group.advance()
+            if assignments:
+                self.scheduler.reassign_beams(assignments)
+            self._finish_beam_slots(idle)
+            if group.done:
+                self._finish_beam_slots(group.slot_ids)
+                del self.beam_groups[group.request_id]
+                results.append(self._beam_output(group))
+        return rest, results
+
+    def _finish_beam_slots(self, slot_ids: list[str]) -> None:
+        for sid in slot_ids:
+            self._beam_slot_to_group.pop(sid, None)
+        self.scheduler.finish_requests(slot_ids, RequestStatus.FINISHED_STOPPED)
+
+    def _beam_output(self, group: BeamSearchGroup) -> RequestOutput:
+        completions = []
+        for i, beam in enumerate(group.results()):
+            ids = beam.tokens
+            shown = ids[:-1] if beam.finish_reason == "stop" else ids
+            text = self.tokenizer.decode(shown, skip_special_tokens=True) if self.tokenizer is not None else ""
+            completions.append(CompletionOutput(i, text, list(ids), beam.cum_logprob, None,
+                                                beam.finish_reason))
+        self.num_requests_finished += 1
+        return RequestOutput(group.request_id, group.prompt_text, group.prompt_token_ids, None,
+                             completions, True, beam_scores=[b.score for b in group.results()])
+
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Abort now (idempotent): blocks are freed at once; no further output is produced."""
         if isinstance(request_ids, str):
             request_ids = [request_ids]
         child_ids = self.output_processor.abort_requests(list(request_ids))
+        for rid in request_ids:
+            group = self.beam_groups.pop(rid, None)
+            if group is not None:
+                for sid in group.slot_ids:
+                    self._beam_slot_to_group.pop(sid, None)
+                child_ids.extend(group.slot_ids)
         self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
 
     # -- the loop ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        beam_results: list[RequestOutput] = []
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.scheduled_new_reqs:
             self._record_first_scheduled(scheduler_output.scheduled_new_reqs)
         runner_output = self.runner.execute_model(scheduler_output)
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if self.beam_groups:
+            core_outputs, beam_results = self._process_beam_outputs(core_outputs)
         outputs, stopped = self.output_processor.process_outputs(core_outputs)
+        if self.beam_groups or beam_results:
+            outputs.extend(beam_results)
         for child_id, stop_str in stopped:
             self.scheduler.finish_requests(child_id, RequestStatus.FINISHED_STOPPED, stop_str)
         self.num_requests_finished += sum(1 for o in outputs if o.finished)
@@ -158,7 +241,8 @@ class LLMEngine:
                 state.parent.metrics.first_scheduled_time = now
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self.output_processor.has_unfinished_requests()
+        return (self.scheduler.has_unfinished_requests() or self.output_processor.has_unfinished_requests()
+                or bool(self.beam_groups))
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.output_processor.parents)

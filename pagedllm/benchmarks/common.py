@@ -1,0 +1,271 @@
+"""Shared pieces of the benchmarks: the tiny random models, the fixed workloads, FLOP counting.
+
+The models are random Qwen3 networks built once from a config (``torch.manual_seed(0)``) and saved
+with transformers into a cache folder, so a benchmark needs no download. Workloads are lists of
+random prompt token ids and output lengths drawn from ``random.Random(seed)``.
+
+Only model building and the matmul probe touch torch; the engine is driven through the public API.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import struct
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent.parent
+TOKENIZER_DIR = REPO_ROOT.parent / "shared" / "models" / "synthetic-tokenizer-32k"
+CACHE_DIR = Path(os.environ.get("PAGEDLLM_BENCH_CACHE", Path.home() / ".cache" / "pagedllm"))
+
+# Qwen3Config fields of the models we build. Token ids match the synthetic tokenizer (<s>=1, </s>=2).
+_COMMON = dict(vocab_size=32000, tie_word_embeddings=False, max_position_embeddings=4096,
+               bos_token_id=1, eos_token_id=2, rope_theta=1_000_000.0, rms_norm_eps=1e-6)
+MODEL_CONFIGS: dict[str, dict] = {
+    # ~58M parameters (2 x 16.4M embedding/head + 8 x 3.15M layers): fast enough for 2 CPU cores.
+    "qwen3-58m": dict(_COMMON, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+                      num_attention_heads=8, num_key_value_heads=4, head_dim=64),
+    # For smoke tests: builds and runs in well under a second.
+    "tiny": dict(_COMMON, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+}
+
+# name -> (number of requests, (min, max) prompt length, (min, max) output length)
+WORKLOADS: dict[str, tuple[int, tuple[int, int], tuple[int, int]]] = {
+    "cpu": (32, (32, 256), (64, 256)),
+    "nano": (256, (100, 1024), (100, 1024)),  # nano-vllm's benchmark shape; long runs
+    "small": (4, (8, 32), (4, 12)),  # smoke tests
+}
+
+
+def log(msg: str) -> None:
+    """Progress goes to stderr, so stdout carries only the result line."""
+    print(msg, file=sys.stderr, flush=True)
+
+
+# -- models ----------------------------------------------------------------------------------
+def build_model(name: str = "qwen3-58m", folder: str | Path | None = None) -> Path:
+    """Build (once) the random model ``name`` into ``folder`` and return the folder."""
+    spec = MODEL_CONFIGS[name]
+    folder = Path(folder) if folder is not None else CACHE_DIR / f"bench-{name}"
+    stamp = folder / "pagedllm_bench.json"
+    if stamp.is_file() and json.loads(stamp.read_text()) == spec:
+        return folder
+    if not (TOKENIZER_DIR / "tokenizer.json").is_file():
+        raise SystemExit(f"the benchmark tokenizer is missing: {TOKENIZER_DIR}")
+    log(f"building the random {name} model into {folder} ...")
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3Config(**spec, dtype="float32")
+    model = Qwen3ForCausalLM(config).eval()
+    # Build beside the target and rename, so an interrupted build never leaves a half folder.
+    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    for f in TOKENIZER_DIR.iterdir():
+        if f.is_file():
+            shutil.copy(f, tmp / f.name)
+    (tmp / "pagedllm_bench.json").write_text(json.dumps(spec))
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(tmp, folder)
+    return folder
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("model")
+    g.add_argument("--model", help="a Hugging Face model folder (default: build a random model)")
+    g.add_argument("--model-config", default="qwen3-58m", choices=sorted(MODEL_CONFIGS),
+                   help="which random model to build when --model is not given")
+    g.add_argument("--model-dir", help="where to build it (default: ~/.cache/pagedllm/bench-NAME)")
+    g.add_argument("--device", default="auto", help="cpu, cuda or auto")
+    g.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+    g.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="an extra pagedllm engine argument, e.g. max_num_seqs=64 (repeatable)")
+    parser.add_argument("--json", metavar="FILE", help="also write the results to this JSON file")
+
+
+def resolve_model(args: argparse.Namespace) -> str:
+    if args.model:
+        return str(args.model)
+    return str(build_model(args.model_config, args.model_dir))
+
+
+def engine_args(args: argparse.Namespace, **overrides: object) -> dict:
+    """The LLM(...) keyword arguments: device, dtype, seed 0, the --engine-arg pairs, overrides."""
+    kwargs: dict = {"device": args.device, "dtype": args.dtype, "seed": 0}
+    for pair in args.engine_arg:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"--engine-arg wants KEY=VALUE, got {pair!r}")
+        kwargs[key.strip().replace("-", "_")] = _literal(value.strip())
+    kwargs.update(overrides)
+    return kwargs
+
+
+def _literal(text: str) -> object:
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def write_json(path: str | None, result: dict) -> None:
+    if path:
+        Path(path).write_text(json.dumps(result, indent=2) + "\n")
+
+
+# -- workloads -------------------------------------------------------------------------------
+@dataclass
+class Workload:
+    name: str
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.prompts)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    def as_prompts(self) -> list[dict]:
+        return [{"prompt_token_ids": p} for p in self.prompts]
+
+
+def make_workload(name: str, vocab_size: int, seed: int = 0, num_requests: int | None = None) -> Workload:
+    n, (p_lo, p_hi), (o_lo, o_hi) = WORKLOADS[name]
+    rng = random.Random(seed)
+    prompts, output_lens = [], []
+    for _ in range(num_requests or n):
+        prompts.append([rng.randrange(vocab_size) for _ in range(rng.randint(p_lo, p_hi))])
+        output_lens.append(rng.randint(o_lo, o_hi))
+    return Workload(name, prompts, output_lens)
+
+
+# -- model arithmetic ------------------------------------------------------------------------
+@dataclass
+class ModelStats:
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    num_params: int  # every tensor in the checkpoint
+    num_embedding_params: int  # the input embedding table (a lookup, no FLOPs)
+    num_head_params: int  # lm_head (0 when tied to the embedding)
+
+    @property
+    def num_body_params(self) -> int:
+        """Parameters that every processed token multiplies (layers and norms)."""
+        return self.num_params - self.num_embedding_params - self.num_head_params
+
+    def kv_bytes_per_token(self, elem_bytes: int = 4) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem_bytes
+
+
+def _safetensors_shapes(folder: Path) -> dict[str, list[int]]:
+    """Tensor name -> shape from the safetensors headers (no torch needed)."""
+    shapes: dict[str, list[int]] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        shapes.update({k: v["shape"] for k, v in header.items() if k != "__metadata__"})
+    return shapes
+
+
+def model_stats(folder: str | Path) -> ModelStats:
+    folder = Path(folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg)
+    shapes = _safetensors_shapes(folder)
+
+    def count(pred) -> int:
+        total = 0
+        for name, shape in shapes.items():
+            if pred(name):
+                n = 1
+                for d in shape:
+                    n *= d
+                total += n
+        return total
+
+    heads = cfg["num_attention_heads"]
+    return ModelStats(
+        num_layers=cfg["num_hidden_layers"], hidden_size=cfg["hidden_size"], num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads", heads),
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        vocab_size=cfg["vocab_size"], max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+        num_params=count(lambda n: True), num_embedding_params=count(lambda n: "embed_tokens" in n),
+        num_head_params=count(lambda n: n.startswith("lm_head")))
+
+
+def workload_flops(stats: ModelStats, workload: Workload) -> float:
+    """Model FLOPs the workload needs, counted as useful work (no padding, no recompute).
+
+    A request with P prompt and O output tokens runs P + O - 1 tokens through the layers (the last
+    sampled token is never fed back). Each costs 2 x body params (one multiply-add per weight of
+    the layers; the embedding lookup is free) plus attention: the token at position i scores and
+    mixes i + 1 keys, 2 * (i + 1) * heads * head_dim FLOPs each for QK^T and for AV, per layer.
+    The LM head (2 x hidden x vocab) runs once per sampled token, O times.
+    """
+    s = stats
+    attn_per_key = 4 * s.num_layers * s.num_heads * s.head_dim
+    head = 2 * s.hidden_size * s.vocab_size
+    total = 0.0
+    for prompt, out in zip(workload.prompts, workload.output_lens):
+        n = len(prompt) + out - 1
+        total += 2 * s.num_body_params * n + attn_per_key * n * (n + 1) / 2 + head * out
+    return total
+
+
+def measure_matmul_flops(device: str = "auto", n: int = 1024, repeats: int = 10) -> float:
+    """The float32 FLOP/s torch reaches on an n x n @ n x n matmul here (median of ``repeats``)."""
+    import torch
+
+    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
+                       ("cpu" if device == "auto" else device))
+    a = torch.randn(n, n, device=dev)
+    b = torch.randn(n, n, device=dev)
+    times = []
+    for i in range(repeats + 2):  # two warm-ups
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+    return 2 * n**3 / statistics.median(times)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile (numpy's default); nan for no values."""
+    if not values:
+        return float("nan")
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)

@@ -1,0 +1,210 @@
+"""The ``pagedllm`` command.
+
+    pagedllm serve [MODEL] [--host H --port P --api-key K --chat-template T ...] [engine flags]
+    pagedllm generate PROMPT... [--model M --max-tokens N --temperature T ...] [engine flags]
+    pagedllm bench NAME [ARGS...]      (runs pagedllm.benchmarks.NAME:main(ARGS))
+
+Engine flags are generated from the config dataclasses (ModelConfig, CacheConfig,
+SchedulerConfig): one flag per field, its help from the field's metadata, booleans as
+--flag/--no-flag. Flags left out keep the config's defaults.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+import logging
+import pkgutil
+import sys
+import types
+import typing
+from collections.abc import Sequence
+from typing import Any
+
+from pagedllm.config import CacheConfig, ModelConfig, SchedulerConfig
+from pagedllm.errors import PagedLLMError
+
+ENGINE_CONFIGS = (ModelConfig, CacheConfig, SchedulerConfig)
+
+
+def _flag_type(annotation: Any) -> Any:
+    """The argparse type of a field annotation: ``int | None`` -> int."""
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return args[0] if len(args) == 1 else str
+    return annotation
+
+
+def _json_dict(value: str) -> dict:
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from e
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return parsed
+
+
+def add_engine_args(parser: argparse.ArgumentParser, skip: frozenset[str] = frozenset()) -> None:
+    """One flag per engine config field (``model`` and the names in ``skip`` excepted)."""
+    group = parser.add_argument_group("engine", "how the engine runs (defaults: the config's)")
+    for cls in ENGINE_CONFIGS:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if f.name == "model" or f.name in skip:
+                continue  # model: a positional argument or --model, per subcommand
+            flag = "--" + f.name.replace("_", "-")
+            default = f.default if f.default is not dataclasses.MISSING else None
+            help_text = f"{f.metadata.get('help', '')} (default: {default})"
+            kind = _flag_type(hints[f.name])
+            if kind is bool:
+                group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
+                                   default=argparse.SUPPRESS, help=help_text)
+            else:
+                group.add_argument(flag, dest=f.name, type=kind, default=argparse.SUPPRESS,
+                                   metavar=kind.__name__.upper(), help=help_text)
+    group.add_argument("--speculative-config", dest="speculative_config", type=_json_dict,
+                       default=argparse.SUPPRESS,
+                       help="Speculative decoding settings as a JSON object, passed through.")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    names = {f.name for cls in ENGINE_CONFIGS for f in dataclasses.fields(cls)} - {"model"}
+    names.add("speculative_config")
+    return {name: getattr(args, name) for name in names if hasattr(args, name)}
+
+
+# -- serve ---------------------------------------------------------------------------------------
+def _add_serve(sub: Any) -> None:
+    p = sub.add_parser("serve", help="serve the OpenAI-compatible API",
+                       description="Serve a model over the OpenAI-compatible HTTP API.")
+    p.add_argument("model_tag", nargs="?", metavar="MODEL", help="model folder (default: the demo model)")
+    p.add_argument("--model", default=None, help="model folder (same as MODEL)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="model name(s) clients use; the first is reported (default: MODEL)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every /v1 request")
+    p.add_argument("--chat-template", default=None,
+                   help="chat template (a file or the Jinja text) for models without one")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--shutdown-timeout", type=float, default=5.0,
+                   help="seconds in-flight requests get to finish on SIGINT/SIGTERM (default: 5)")
+    add_engine_args(p)
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from pagedllm.config import default_model
+    from pagedllm.engine.async_engine import AsyncLLM
+    from pagedllm.entrypoints.openai.server import build_app, load_chat_template, run_server
+
+    if args.model_tag and args.model and args.model_tag != args.model:
+        raise PagedLLMError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
+    model = args.model_tag or args.model or default_model()
+    chat_template = load_chat_template(args.chat_template)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    llm = AsyncLLM.from_engine_args(model, **engine_kwargs(args))
+    app = build_app(llm, args.served_model_name or [model], chat_template, args.api_key)
+    run_server(app, args.host, args.port, args.log_level, args.shutdown_timeout)
+    return 0
+
+
+# -- generate ------------------------------------------------------------------------------------
+def _add_generate(sub: Any) -> None:
+    p = sub.add_parser("generate", help="generate completions for prompts and print them",
+                       description="Generate a completion for each prompt and print it.")
+    p.add_argument("prompts", nargs="+", metavar="PROMPT")
+    p.add_argument("--model", default=None, help="model folder (default: the demo model, or $PAGEDLLM_MODEL)")
+    s = p.add_argument_group("sampling (defaults: the model's generation_config, then vLLM's)")
+    s.add_argument("--max-tokens", type=int, default=64)
+    s.add_argument("--temperature", type=float)
+    s.add_argument("--top-p", type=float)
+    s.add_argument("--top-k", type=int)
+    s.add_argument("--min-p", type=float)
+    s.add_argument("--repetition-penalty", type=float)
+    s.add_argument("--seed", type=int, help="seeds the requests and the engine")
+    s.add_argument("--n", type=int)
+    s.add_argument("--min-tokens", type=int)
+    s.add_argument("--stop", action="append", help="a stop string (repeatable)")
+    s.add_argument("--ignore-eos", action="store_true", default=None)
+    add_engine_args(p, skip=frozenset({"seed"}))
+    p.set_defaults(func=cmd_generate)
+
+
+_SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                   "seed", "n", "min_tokens", "stop", "ignore_eos")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from pagedllm.engine.llm import LLM
+
+    kwargs = engine_kwargs(args)
+    kwargs.pop("seed", None)  # --seed here is the sampling flag; it seeds the engine too
+    if args.seed is not None:
+        kwargs["seed"] = args.seed
+    llm = LLM(args.model, **kwargs)
+    changes = {k: getattr(args, k) for k in _SAMPLING_FLAGS if getattr(args, k) is not None}
+    params = llm.get_default_sampling_params().clone(**changes)
+    for out in llm.generate(args.prompts, params, use_tqdm=False):
+        for c in out.outputs:
+            tag = f"[{c.index}] " if len(out.outputs) > 1 else ""
+            print(f"{tag}{out.prompt}{c.text}", flush=True)
+        print()
+    return 0
+
+
+# -- bench ---------------------------------------------------------------------------------------
+def _add_bench(sub: Any) -> None:
+    p = sub.add_parser("bench", help="run a benchmark: pagedllm.benchmarks.NAME",
+                       description="Run pagedllm.benchmarks.NAME:main(ARGS).")
+    p.add_argument("name", metavar="NAME", help="throughput, latency, prefix, memory, scheduler, ...")
+    p.add_argument("bench_args", nargs=argparse.REMAINDER, metavar="ARGS")
+    p.set_defaults(func=cmd_bench)
+
+
+def _benchmark_names() -> list[str]:
+    import pagedllm.benchmarks as benchmarks
+
+    return sorted(m.name for m in pkgutil.iter_modules(benchmarks.__path__) if not m.name.startswith("_"))
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    available = _benchmark_names()
+    name = args.name.replace("-", "_")
+    if name not in available:  # `scheduler` finds scheduler_overhead when that is the only match
+        matches = [m for m in available if m.startswith(name + "_")]
+        if len(matches) != 1:
+            raise PagedLLMError(f"no benchmark {args.name!r}; available: {', '.join(available) or 'none'}")
+        name = matches[0]
+    module = importlib.import_module(f"pagedllm.benchmarks.{name}")
+    if not hasattr(module, "main"):
+        raise PagedLLMError(f"pagedllm.benchmarks.{name} has no main(argv)")
+    result = module.main(list(args.bench_args))
+    return result if isinstance(result, int) else 0
+
+
+# -- main ----------------------------------------------------------------------------------------
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedllm", description="pagedllm: a compact vLLM-class engine")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_serve(sub)
+    _add_generate(sub)
+    _add_bench(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except PagedLLMError as e:  # user mistakes: one clear line, no traceback
+        print(f"pagedllm {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

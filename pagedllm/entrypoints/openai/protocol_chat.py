@@ -1,0 +1,121 @@
+"""Chat completion bodies (OpenAI's chat API plus vLLM's extras); shared fields in protocol.py."""
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from pagedllm.entrypoints.openai.protocol import OpenAIBaseModel, SamplingRequest, UsageInfo
+from pagedllm.errors import ValidationError
+from pagedllm.sampling_params import SamplingParams
+
+
+class ChatMessage(BaseModel):
+    """One message; fields beyond role/content/name go to the chat template untouched."""
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+    def to_template_dict(self) -> dict[str, Any]:
+        d = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):  # content parts: only text is understood
+            texts = []
+            for part in self.content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ValidationError(
+                        f"content parts of type {part.get('type')!r} are not supported; "
+                        "only {'type': 'text', 'text': ...}", "messages")
+                texts.append(part["text"])
+            d["content"] = "\n".join(texts)
+        return d
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def to_sampling_params(self, defaults: dict[str, Any]) -> SamplingParams:
+        if self.top_logprobs and not self.logprobs:
+            raise ValidationError("top_logprobs needs logprobs=true", "top_logprobs")
+        if not self.messages:
+            raise ValidationError("messages must not be empty", "messages")
+        use_completion_tokens = self.max_completion_tokens is not None
+        max_tokens = self.max_completion_tokens if use_completion_tokens else self.max_tokens
+        try:
+            return self._sampling_params(defaults, max_tokens,
+                                         (self.top_logprobs or 0) if self.logprobs else None)
+        except ValidationError as e:  # name the field as this request spelled it
+            if e.param == "logprobs":
+                e.param = "top_logprobs"
+            elif e.param == "max_tokens" and use_completion_tokens:
+                e.param = "max_completion_tokens"
+            raise
+
+    def conversation(self) -> list[dict[str, Any]]:
+        return [m.to_template_dict() for m in self.messages]
+
+
+class ChatLogProb(OpenAIBaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogProbsContent(ChatLogProb):
+    top_logprobs: list[ChatLogProb] = Field(default_factory=list)
+
+
+class ChatLogProbs(OpenAIBaseModel):
+    content: list[ChatLogProbsContent] | None = None
+
+
+class ChatResponseMessage(OpenAIBaseModel):
+    role: str = "assistant"
+    content: str | None = None
+
+
+class ChatCompletionChoice(OpenAIBaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class DeltaMessage(OpenAIBaseModel):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(OpenAIBaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(OpenAIBaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None

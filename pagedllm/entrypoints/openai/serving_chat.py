@@ -1,0 +1,120 @@
+"""POST /v1/chat/completions: messages -> the chat template -> prompt token ids -> one engine
+request with n choices; streamed as role/content deltas or returned whole."""
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from pagedllm.engine.async_engine import AsyncLLM, RequestStream
+from pagedllm.engine.tokenizer import apply_chat_template
+from pagedllm.entrypoints.openai.protocol import make_usage, random_id
+from pagedllm.entrypoints.openai.protocol_chat import (ChatCompletionChoice, ChatCompletionChunk,
+                                                       ChatCompletionRequest, ChatCompletionResponse,
+                                                       ChatLogProb, ChatLogProbs, ChatLogProbsContent,
+                                                       ChatResponseMessage, ChatStreamChoice, DeltaMessage)
+from pagedllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing, collect_final,
+                                                        decoded, merge_streams, sse, sse_error,
+                                                        top_by_rank, with_cancellation)
+from pagedllm.errors import ValidationError
+from pagedllm.outputs import Logprob
+
+_MIN_LOGPROB = -9999.0  # JSON has no -inf
+
+
+class OpenAIServingChat(OpenAIServing):
+    def __init__(self, llm: AsyncLLM, served_model_names: list[str], chat_template: str | None) -> None:
+        super().__init__(llm, served_model_names)
+        self.chat_template = chat_template
+
+    async def render_prompt(self, messages: list[dict[str, Any]], chat_template: str | None,
+                            add_generation_prompt: bool, template_kwargs: dict[str, Any] | None) -> list[int]:
+        """Messages to prompt token ids through the request's, the server's or the model's template."""
+        tokenizer = self.llm.tokenizer
+        if tokenizer is None:
+            raise ValidationError("this server has no tokenizer, so it cannot apply a chat template", "messages")
+        template = chat_template or self.chat_template
+        try:
+            return await self.tokenizer_call(apply_chat_template, tokenizer, messages, template,
+                                             add_generation_prompt, **(template_kwargs or {}))
+        except ValidationError:
+            raise
+        except Exception as e:  # a broken template or messages it cannot render
+            raise ValidationError(f"the chat template failed: {type(e).__name__}: {e}", "messages") from e
+
+    async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Any:
+        self.check_model(request.model)
+        params = request.to_sampling_params(self.generation_defaults)
+        prompt_ids = await self.render_prompt(request.conversation(), request.chat_template,
+                                              request.add_generation_prompt, request.chat_template_kwargs)
+        request_id = request.request_id or random_id("chatcmpl")
+        streams = await self.add_requests(request_id, [{"prompt_token_ids": prompt_ids}], params,
+                                          request.priority, request.cache_salt)
+        created = int(time.time())
+        if request.stream:
+            return StreamingResponse(self._stream(request, request_id, created, streams[0]),
+                                     media_type="text/event-stream")
+        out = (await with_cancellation(raw_request, collect_final(streams)))[0]
+        k = request.top_logprobs or 0
+        choices = [
+            ChatCompletionChoice(
+                index=c.index, message=ChatResponseMessage(role="assistant", content=c.text),
+                logprobs=self._logprobs(c.token_ids, c.logprobs, k) if request.logprobs else None,
+                finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+            for c in out.outputs
+        ]
+        usage = make_usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs),
+                           out.num_cached_tokens)
+        return ChatCompletionResponse(id=request_id, created=created, model=self.model_name,
+                                      choices=choices, usage=usage)
+
+    def _logprobs(self, token_ids: list[int], positions: list[dict[int, Logprob]] | None,
+                  k: int) -> ChatLogProbs:
+        tokenizer = self.llm.tokenizer
+        content: list[ChatLogProbsContent] = []
+        for tok, entries in zip(token_ids, positions or []):
+            chosen = entries.get(tok)
+            token = decoded(tokenizer, tok, chosen)
+            top = []
+            for t, e in top_by_rank(entries, k):
+                s = decoded(tokenizer, t, e)
+                top.append(ChatLogProb(token=s, logprob=max(e.logprob, _MIN_LOGPROB), bytes=list(s.encode())))
+            content.append(ChatLogProbsContent(
+                token=token, logprob=max(chosen.logprob, _MIN_LOGPROB) if chosen else _MIN_LOGPROB,
+                bytes=list(token.encode()), top_logprobs=top))
+        return ChatLogProbs(content=content)
+
+    def _chunk(self, request_id: str, created: int, choice: ChatStreamChoice) -> str:
+        return sse(ChatCompletionChunk(id=request_id, created=created, model=self.model_name, choices=[choice]))
+
+    async def _stream(self, request: ChatCompletionRequest, request_id: str, created: int,
+                      stream: RequestStream) -> AsyncIterator[str]:
+        k = request.top_logprobs or 0
+        num_generated = num_prompt = num_cached = 0
+        try:
+            for i in range(request.n):  # the role first, for every choice (OpenAI's order)
+                yield self._chunk(request_id, created, ChatStreamChoice(
+                    index=i, delta=DeltaMessage(role="assistant", content=""), logprobs=None,
+                    finish_reason=None))
+            async for _, out in merge_streams([stream]):
+                for c in out.outputs:
+                    if not (c.text or c.token_ids or c.finish_reason):
+                        continue  # nothing new (text held back while a stop string may match)
+                    num_generated += len(c.token_ids)
+                    logprobs = self._logprobs(c.token_ids, c.logprobs, k) if request.logprobs else None
+                    choice = ChatStreamChoice(index=c.index, delta=DeltaMessage(content=c.text),
+                                              logprobs=logprobs, finish_reason=c.finish_reason)
+                    if c.finish_reason is not None:
+                        choice.stop_reason = c.stop_reason
+                    yield self._chunk(request_id, created, choice)
+                if out.finished:
+                    num_prompt, num_cached = len(out.prompt_token_ids), out.num_cached_tokens
+            if request.stream_options is not None and request.stream_options.include_usage:
+                yield sse(ChatCompletionChunk(id=request_id, created=created, model=self.model_name,
+                                              choices=[], usage=make_usage(num_prompt, num_generated, num_cached)))
+        except Exception as e:  # noqa: BLE001 - the status line is sent: report in the stream
+            yield sse_error(e)
+        yield SSE_DONE

@@ -1,0 +1,141 @@
+"""What the completion and chat handlers share: the model-name check, engine-request bookkeeping,
+stream merging, client-disconnect handling, SSE framing and logprob formatting."""
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel
+
+from pagedllm.engine.async_engine import AsyncLLM, RequestStream
+from pagedllm.entrypoints.openai.api_errors import APIError, exception_to_body
+from pagedllm.outputs import Logprob, RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+T = TypeVar("T")
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse(chunk: BaseModel | dict) -> str:
+    """One server-sent event. Stream chunks leave out fields they did not set (vLLM's shape)."""
+    data = (chunk.model_dump_json(exclude_unset=True) if isinstance(chunk, BaseModel)
+            else json.dumps(chunk))
+    return f"data: {data}\n\n"
+
+
+def sse_error(e: BaseException) -> str:
+    return f"data: {exception_to_body(e).model_dump_json()}\n\n"
+
+
+class OpenAIServing:
+    def __init__(self, llm: AsyncLLM, served_model_names: list[str]) -> None:
+        self.llm = llm
+        self.served_model_names = served_model_names
+        self.model_name = served_model_names[0]
+        self.generation_defaults = dict(llm.model_info.generation_defaults)
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.served_model_names:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves "
+                                f"{', '.join(repr(n) for n in self.served_model_names)}", "model")
+
+    async def add_requests(self, request_id: str, prompts: list[Any], params: SamplingParams,
+                           priority: int, cache_salt: str | None) -> list[RequestStream]:
+        """Queue one engine request per prompt; if one is rejected, withdraw those queued."""
+        streams: list[RequestStream] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+                streams.append(await self.llm.add_request(rid, prompt, params, priority, cache_salt))
+        except BaseException:
+            for s in streams:
+                s.close()
+            raise
+        return streams
+
+    async def tokenizer_call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Tokenizer work runs on the engine thread: HF tokenizers are not safe to share
+        between threads that use them at once."""
+        return await self.llm.run(fn, *args, **kwargs)
+
+
+async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several request streams as (stream index, output); closing the merge (or an
+    error in one stream) closes every stream, which aborts the unfinished ones."""
+    if len(streams) == 1:  # the common case, without tasks
+        try:
+            async for out in streams[0]:
+                yield 0, out
+        finally:
+            streams[0].close()
+        return
+    pending: dict[asyncio.Task, int] = {
+        asyncio.ensure_future(s.__anext__()): i for i, s in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                i = pending.pop(task)
+                try:
+                    out = task.result()
+                except StopAsyncIteration:
+                    continue
+                pending[asyncio.ensure_future(streams[i].__anext__())] = i
+                yield i, out
+    finally:
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+        for s in streams:
+            s.close()
+
+
+async def collect_final(streams: list[RequestStream]) -> list[RequestOutput]:
+    """The finished output of each stream (FINAL_ONLY requests yield just that one)."""
+    finals: list[RequestOutput | None] = [None] * len(streams)
+    async for i, out in merge_streams(streams):
+        if out.finished:
+            finals[i] = out
+    assert all(f is not None for f in finals)
+    return finals  # type: ignore[return-value]
+
+
+async def with_cancellation(raw_request: Request, work: Awaitable[T]) -> T:
+    """Run a non-streaming handler's work, cancelling it if the client disconnects (the
+    cancellation closes its streams, which aborts their requests). Streams need no help: the
+    ASGI server cancels a streaming body when its client goes away."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(raw_request))
+    try:
+        await asyncio.wait([task, watcher], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise APIError(499, "the client closed the request")
+    return task.result()
+
+
+async def _wait_for_disconnect(raw_request: Request) -> None:
+    while True:
+        message = await raw_request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def decoded(tokenizer: Any, token_id: int, lp: Logprob | None = None) -> str:
+    if lp is not None and lp.decoded_token is not None:
+        return lp.decoded_token
+    return tokenizer.decode([token_id]) if tokenizer is not None else str(token_id)
+
+
+def top_by_rank(entries: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
+    """The k most likely entries of one position's logprob dict."""
+    ranked = sorted(entries.items(), key=lambda kv: (kv[1].rank is None, kv[1].rank or 0, -kv[1].logprob))
+    return ranked[:k]

@@ -1,0 +1,264 @@
+"""Logits processing and sampling, run by the model runner once per step.
+
+Order (as vLLM): logit_bias -> min_tokens mask -> repetition penalty -> frequency/presence
+penalties -> greedy argmax, or temperature -> top-k -> top-p -> min-p -> exponential-race draw.
+Logprobs come from the raw logits (vLLM's default ``raw_logprobs`` mode).
+
+A seeded row draws its noise from its own ``torch.Generator`` only, so its tokens do not depend on
+the rest of the batch or on its row index; unseeded rows share the global RNG.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedllm.runner.logits_processors import (
+    apply_min_p,
+    apply_penalties,
+    apply_top_k_top_p,
+    token_counts,
+)
+from pagedllm.sampling_params import SamplingParams
+
+_SAMPLING_EPS = 1e-5
+
+# (token_ids, logprobs, ranks): entry 0 is the chosen token, entries 1..k the top-k by logprob.
+LogprobsEntry = tuple[list[int], list[float], list[int]]
+
+
+@dataclass(slots=True)
+class SamplingMetadata:
+    """Per-step tensors for a batch of B rows. A field is None when no row uses its feature."""
+
+    vocab_size: int
+    all_greedy: bool
+    all_random: bool
+    greedy_mask: torch.Tensor | None  # [B] bool; None when all_greedy or all_random
+    temperature: torch.Tensor | None  # [B] float32, greedy rows hold 1.0; None when all_greedy
+    top_k: torch.Tensor | None  # [B] int64 in [1, V]; rows without top-k hold V
+    top_p: torch.Tensor | None  # [B] float32; rows without top-p hold 1.0
+    min_p: torch.Tensor | None  # [B] float32; rows without min-p hold 0.0
+    generators: dict[int, torch.Generator]  # row -> its own generator (random rows only)
+    # Sparse (row, token) -> value edits; out-of-vocabulary ids are dropped at build time.
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None
+    # Penalties: [B] factors plus the token statistics they need (only rows that use them filled).
+    repetition_penalty: torch.Tensor | None  # [B]; 1.0 = neutral
+    frequency_penalty: torch.Tensor | None  # [B]; 0.0 = neutral
+    presence_penalty: torch.Tensor | None  # [B]; 0.0 = neutral
+    prompt_mask: torch.Tensor | None  # [B, V] bool: token occurs in the prompt
+    output_counts: torch.Tensor | None  # [B, V] float32: occurrences in the output so far
+    num_logprobs: list[int | None]  # per row: SamplingParams.logprobs
+    max_num_logprobs: int | None  # None: no row wants logprobs
+
+    @classmethod
+    def build(
+        cls,
+        params: list[SamplingParams],
+        prompt_token_ids: list[list[int]],
+        output_token_ids: list[list[int]],
+        generators: list[torch.Generator | None],
+        stop_ids_to_mask: list[frozenset[int]],
+        vocab_size: int,
+        device: torch.device | str,
+    ) -> SamplingMetadata:
+        num_rows = len(params)
+        assert len(prompt_token_ids) == len(output_token_ids) == len(generators) == num_rows
+        assert len(stop_ids_to_mask) == num_rows
+        V = vocab_size
+        greedy = [p.temperature < _SAMPLING_EPS for p in params]
+        all_greedy, all_random = all(greedy), not any(greedy)
+
+        def f32(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.float32, device=device)
+
+        temperature = top_k = top_p = min_p = greedy_mask = None
+        gens: dict[int, torch.Generator] = {}
+        if not all_greedy:
+            temperature = f32([1.0 if g else p.temperature for p, g in zip(params, greedy)])
+            if not all_random:
+                greedy_mask = torch.tensor(greedy, dtype=torch.bool, device=device)
+            # Greedy rows never reach the filters, so they count as neutral here.
+            ks = [V if g or p.top_k <= 0 else min(p.top_k, V) for p, g in zip(params, greedy)]
+            if any(k < V for k in ks):
+                top_k = torch.tensor(ks, dtype=torch.int64, device=device)
+            ps = [1.0 if g else p.top_p for p, g in zip(params, greedy)]
+            if any(p < 1.0 for p in ps):
+                top_p = f32(ps)
+            mps = [0.0 if g else p.min_p for p, g in zip(params, greedy)]
+            if any(m > 0.0 for m in mps):
+                min_p = f32(mps)
+            gens = {i: gen for i, gen in enumerate(generators) if gen is not None and not greedy[i]}
+
+        bias_rows, bias_ids, bias_vals = [], [], []
+        for i, p in enumerate(params):
+            for tok, val in (p.logit_bias or {}).items():
+                if 0 <= tok < V:
+                    bias_rows.append(i)
+                    bias_ids.append(tok)
+                    bias_vals.append(val)
+        logit_bias = None
+        if bias_rows:
+            logit_bias = (_i64(bias_rows, device), _i64(bias_ids, device), f32(bias_vals))
+
+        mask_rows, mask_ids = [], []
+        for i, ids in enumerate(stop_ids_to_mask):
+            for tok in ids:
+                if 0 <= tok < V:
+                    mask_rows.append(i)
+                    mask_ids.append(tok)
+        min_tokens_mask = (_i64(mask_rows, device), _i64(mask_ids, device)) if mask_rows else None
+
+        rep = [p.repetition_penalty for p in params]
+        freq = [p.frequency_penalty for p in params]
+        pres = [p.presence_penalty for p in params]
+        use_rep = [r != 1.0 for r in rep]
+        use_out = [u or f != 0.0 or q != 0.0 for u, f, q in zip(use_rep, freq, pres)]
+        repetition_penalty = frequency_penalty = presence_penalty = None
+        prompt_mask = output_counts = None
+        if any(use_out):
+            repetition_penalty, frequency_penalty, presence_penalty = f32(rep), f32(freq), f32(pres)
+            output_counts = token_counts(output_token_ids, use_out, V, device)
+            if any(use_rep):
+                prompt_mask = token_counts(prompt_token_ids, use_rep, V, device) > 0
+
+        num_logprobs = [p.logprobs for p in params]
+        wanted = [n for n in num_logprobs if n is not None]
+        return cls(
+            vocab_size=V,
+            all_greedy=all_greedy,
+            all_random=all_random,
+            greedy_mask=greedy_mask,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            generators=gens,
+            logit_bias=logit_bias,
+            min_tokens_mask=min_tokens_mask,
+            repetition_penalty=repetition_penalty,
+            frequency_penalty=frequency_penalty,
+            presence_penalty=presence_penalty,
+            prompt_mask=prompt_mask,
+            output_counts=output_counts,
+            num_logprobs=num_logprobs,
+            max_num_logprobs=max(wanted) if wanted else None,
+        )
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    sampled_token_ids: list[int]  # one per row
+    logprobs: list[LogprobsEntry | None] | None  # None when no row asked for logprobs
+
+
+class Sampler:
+    """Stateless: ``Sampler()(logits[B, V], metadata) -> SamplerOutput``."""
+
+    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        assert logits.dim() == 2 and logits.shape[1] == metadata.vocab_size, logits.shape
+        logits = logits.float()
+        raw_logprobs, lp_rows = None, []
+        if metadata.max_num_logprobs is not None:
+            # From the raw logits, before any processing (vLLM's default "raw_logprobs").
+            lp_rows = [i for i, n in enumerate(metadata.num_logprobs) if n is not None]
+            raw_logprobs = torch.log_softmax(logits[lp_rows], dim=-1)
+
+        logits = apply_logits_processors(logits, metadata)
+        sampled = sample(logits, metadata)
+
+        logprobs = None
+        if raw_logprobs is not None:
+            ks = [metadata.num_logprobs[i] for i in lp_rows]
+            entries = _gather_topk_logprobs(raw_logprobs, sampled[lp_rows], ks)
+            logprobs = [None] * logits.shape[0]
+            for i, entry in zip(lp_rows, entries):
+                logprobs[i] = entry
+        return SamplerOutput(sampled_token_ids=sampled.tolist(), logprobs=logprobs)
+
+
+def apply_logits_processors(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """logit_bias, min_tokens masking, repetition/frequency/presence penalties (out of place)."""
+    if md.logit_bias is None and md.min_tokens_mask is None and md.output_counts is None:
+        return logits
+    logits = logits.clone()
+    if md.logit_bias is not None:
+        rows, ids, vals = md.logit_bias
+        logits.index_put_((rows, ids), vals, accumulate=True)
+    if md.min_tokens_mask is not None:
+        logits[md.min_tokens_mask] = float("-inf")
+    if md.output_counts is not None:
+        logits = apply_penalties(
+            logits, md.output_counts, md.prompt_mask,
+            md.repetition_penalty, md.frequency_penalty, md.presence_penalty,
+        )
+    return logits
+
+
+def sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """[B, V] processed logits -> [B] int64 token ids."""
+    greedy = None if md.all_random else logits.argmax(dim=-1)
+    if md.all_greedy:
+        return greedy
+    logits = logits / md.temperature.unsqueeze(1)
+    logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
+    probs = torch.softmax(logits, dim=-1)
+    if md.min_p is not None:
+        probs = apply_min_p(probs, md.min_p)
+    random = _exponential_race(probs, md.generators)
+    if md.greedy_mask is None:
+        return random
+    return torch.where(md.greedy_mask, greedy, random)
+
+
+def _exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """argmax(probs / E) with E ~ Exp(1) picks token i with probability probs[i] / sum(probs)."""
+    # E = -log(U): uniform_ is several times faster than exponential_ on CPU.
+    u = torch.empty_like(probs)
+    if len(generators) < probs.shape[0]:
+        u.uniform_()  # global RNG for unseeded rows
+    for row, gen in generators.items():
+        u[row].uniform_(generator=gen)  # [V] from the row's own stream only
+    noise = torch.log1p(-u).neg_()
+    # E can be exactly 0 (U = 0); keep 0/0 (NaN, which argmax would pick) out.
+    noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+    return (probs / noise).argmax(dim=-1)
+
+
+def compute_topk_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor | list[int], k: int | list[int]
+) -> list[LogprobsEntry]:
+    """For each row: (token_ids, logprobs, ranks) of the given token then the top-k by logprob."""
+    num_rows = logits.shape[0]
+    ks = [k] * num_rows if isinstance(k, int) else list(k)
+    token_ids = torch.as_tensor(token_ids, dtype=torch.int64, device=logits.device)
+    return _gather_topk_logprobs(torch.log_softmax(logits.float(), dim=-1), token_ids, ks)
+
+
+def _gather_topk_logprobs(
+    logprobs: torch.Tensor, token_ids: torch.Tensor, ks: list[int]
+) -> list[LogprobsEntry]:
+    if logprobs.shape[0] == 0:
+        return []
+    token_lp = logprobs.gather(1, token_ids.unsqueeze(1))  # [N, 1]
+    # 1-based rank: 1 + number of tokens strictly more likely (ties share the better rank).
+    token_rank = (logprobs > token_lp).sum(dim=-1) + 1
+    max_k = max(ks)
+    top_lp, top_ids = logprobs.topk(max_k, dim=-1) if max_k > 0 else (None, None)
+    tok_l, lp_l, rank_l = token_ids.tolist(), token_lp.squeeze(1).tolist(), token_rank.tolist()
+    top_lp_l = top_lp.tolist() if top_lp is not None else None
+    top_ids_l = top_ids.tolist() if top_ids is not None else None
+    out = []
+    for i, n in enumerate(ks):
+        ids, lps, ranks = [tok_l[i]], [lp_l[i]], [rank_l[i]]
+        if n > 0:
+            ids += top_ids_l[i][:n]
+            lps += top_lp_l[i][:n]
+            ranks += list(range(1, n + 1))
+        out.append((ids, lps, ranks))
+    return out
+
+
+def _i64(values: list[int], device: torch.device | str) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64, device=device)
