@@ -210,6 +210,7 @@ class Scheduler:
                 continue
             for s in skipped:
                 s.num_skipped_past += 1
+            stop_skipping = any(s.num_skipped_past >= self.max_skip_ahead for s in skipped)
             kv.record_prefix_cache_query(req.num_tokens, num_hit)
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
@@ -222,6 +223,8 @@ class Scheduler:
             scheduled_new.append(req)
             num_scheduled[req.request_id] = n
             budget -= n
+            if stop_skipping:
+                break  # a skipped request has been passed often enough: it goes next
         if skipped:
             self.waiting.prepend_requests(skipped)
         return budget
@@ -496,7 +499,7 @@ class Scheduler:
                 heir.fork_leader, heir.pending_forks = None, rest
                 for child in rest:
                     child.fork_leader = heir
-                self.waiting.add_request(heir)
+                self.waiting.prepend_request(heir)  # it keeps the group's place in line
             req.status = status
             if stop_reason is not None:
                 req.stop_reason = stop_reason

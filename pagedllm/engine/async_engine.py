@@ -109,14 +109,21 @@ class AsyncLLM:
         return await self.run(self.engine.reset_prefix_cache)
 
     async def abort(self, request_id: str) -> None:
+        """Abort a request from outside its stream; the stream then ends without a finished output."""
+        queue = self._streams.pop(request_id, None)
         await self.run(self.engine.abort_request, request_id)
+        if queue is not None:
+            queue.put_nowait((time.monotonic(), None))
 
     # -- the loop ------------------------------------------------------------------------------
     def start(self) -> None:
         """Start the background loop on the running event loop (done lazily by generate())."""
+        loop = asyncio.get_running_loop()
         if self._loop_task is None:
             self._wake = asyncio.Event()
-            self._loop_task = asyncio.get_running_loop().create_task(self._run_loop(), name="pagedllm-loop")
+            self._loop_task = loop.create_task(self._run_loop(), name="pagedllm-loop")
+        elif self._loop_task.get_loop() is not loop:
+            raise RuntimeError("this AsyncLLM runs on another event loop; make one per loop")
 
     def _step(self, aborts: list[str]) -> tuple[list[RequestOutput], bool]:
         with self._lock:
@@ -248,9 +255,11 @@ class RequestStream:
         except BaseException:  # cancelled: the consumer is gone
             self.close()
             raise
-        if isinstance(item, BaseException):
+        if item is None or isinstance(item, BaseException):  # aborted, or the engine died
             self._done = True
             self.llm._streams.pop(self.request_id, None)
+            if item is None:
+                raise StopAsyncIteration
             raise item
         self._tracker.update(now, item)
         if item.finished:

@@ -22,11 +22,21 @@ class IncrementalDetokenizer:
         self.include_stop_str_in_output = include_stop_str_in_output
         # While stop strings may still match, hold back this many characters of a stream.
         self.stop_buffer_length = max((len(s) for s in self.stop), default=1) - 1 if self.stop else 0
-        context = list(prompt_token_ids[-_INITIAL_CONTEXT:])
+        context = self._left_context(tokenizer, prompt_token_ids, skip_special_tokens)
         self._ids: list[int] = context
         self._prefix_offset = 0
         self._read_offset = len(context)
         self.output_text = ""
+
+    @staticmethod
+    def _left_context(tokenizer: Any, prompt_token_ids: list[int], skip: bool) -> list[int]:
+        """The last few prompt tokens, starting on a character boundary: a window that began
+        inside a character spelled by byte tokens would decode to U+FFFD forever."""
+        start = max(0, len(prompt_token_ids) - _INITIAL_CONTEXT)
+        lowest = max(0, start - 8)  # a UTF-8 character spans at most 4 byte tokens
+        while start > lowest and tokenizer.decode(prompt_token_ids[start:], skip_special_tokens=skip).startswith("\ufffd"):
+            start -= 1
+        return list(prompt_token_ids[start:])
 
     def update(self, new_token_ids: list[int]) -> str | None:
         """Append tokens; returns the stop string if one now appears in the text (the text is then

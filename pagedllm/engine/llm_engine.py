@@ -7,6 +7,7 @@ factory so that importing the engine never imports torch.
 """
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -22,6 +23,9 @@ from pagedllm.engine.beam_search import BeamSearchGroup, BeamSearchParams
 from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedllm.runner.base import Runner
 from pagedllm.sampling_params import SamplingParams
+
+
+logger = logging.getLogger("pagedllm")
 
 
 def make_proposer(speculative_config: dict | None) -> NgramProposer | None:
@@ -78,6 +82,8 @@ class LLMEngine:
         num_blocks = cc.num_gpu_blocks_override or self.runner.determine_num_blocks(cc.block_size)
         self.runner.initialize_kv_cache(num_blocks, cc.block_size)
         self.num_blocks = num_blocks
+        logger.info("KV cache: %d blocks of %d tokens (%d tokens); max_model_len %d",
+                    num_blocks, cc.block_size, num_blocks * cc.block_size, self.max_model_len)
         self.scheduler = Scheduler(config.scheduler_config, num_blocks, cc.block_size,
                                    self.max_model_len, cc.enable_prefix_caching,
                                    proposer=make_proposer(config.speculative_config))

@@ -1,0 +1,214 @@
+"""Random workloads against the scheduler + KV cache manager, checked by the FakeRunner.
+
+Arrivals (shared prefixes, salts, priorities, min_tokens, stop ids, n > 1 groups that fork),
+aborts (also between the runner and update_from_output) and steps, under both policies, with and
+without n-gram speculative decoding, with a cache small enough to force preemption. FakeRunner(verify_kv=True) reads every context back through its block table, so a
+wrong block id, a bad prefix hit or a stale published block raises KVMismatchError. At the end,
+every request that was not aborted must have produced exactly what it produces alone.
+"""
+from __future__ import annotations
+
+import random
+
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from core_helpers import make_request, make_scheduler
+
+from pagedllm.core.ngram_proposer import NgramProposer
+from pagedllm.core.request import RequestStatus
+from pagedllm.errors import ValidationError
+from pagedllm.runner.fake import FakeRunner, fake_generate
+
+VOCAB = 48  # small, so EOS and stop token ids do come up
+EOS = frozenset({5})
+BS = 4
+NUM_BLOCKS = 12  # 48 tokens: a few long requests force preemption
+MAX_MODEL_LEN = 32  # every admissible request fits the whole cache (8 blocks at most)
+_rng = random.Random(1234)
+BASES = [[_rng.randrange(VOCAB) for _ in range(12)] for _ in range(3)]
+
+
+@st.composite
+def request_spec(draw):
+    """(prompt, max_tokens, min_tokens, priority, cache_salt, stop_token_ids, ignore_eos, n)."""
+    base = BASES[draw(st.integers(0, len(BASES) - 1))]
+    prefix_len = draw(st.sampled_from([0, 3, 4, 8, 9, 12, 12]))
+    suffix = draw(st.lists(st.integers(0, VOCAB - 1), max_size=8))
+    prompt = (base[:prefix_len] + suffix) or [1]
+    max_tokens = draw(st.integers(1, MAX_MODEL_LEN - len(prompt)))
+    min_tokens = draw(st.integers(0, min(3, max_tokens)))
+    priority = draw(st.integers(0, 2))
+    salt = draw(st.sampled_from([None, None, None, "s"]))
+    stop_ids = draw(st.sets(st.integers(0, VOCAB - 1), max_size=2))
+    ignore_eos = draw(st.booleans())
+    n = draw(st.sampled_from([1, 1, 1, 2, 3]))  # parallel samples: children fork from the first
+    return prompt, max_tokens, min_tokens, priority, salt, stop_ids, ignore_eos, n
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    @initialize(
+        policy=st.sampled_from(["fcfs", "priority"]),
+        budget=st.sampled_from([3, 8, 32]),
+        threshold=st.sampled_from([0, 3, 8]),
+        max_num_seqs=st.integers(1, 4),
+        max_skip_ahead=st.sampled_from([0, 1, 16]),
+        caching=st.sampled_from([True, True, False]),
+        spec_k=st.sampled_from([0, 0, 2]),
+    )
+    def setup(self, policy, budget, threshold, max_num_seqs, max_skip_ahead, caching, spec_k):
+        self.sched = make_scheduler(
+            num_blocks=NUM_BLOCKS, block_size=BS, max_model_len=MAX_MODEL_LEN,
+            enable_caching=caching, scheduling_policy=policy, max_num_batched_tokens=budget,
+            long_prefill_token_threshold=threshold, max_num_seqs=max_num_seqs,
+            max_skip_ahead=max_skip_ahead)
+        if spec_k:  # n-gram speculative decoding: drafts verified greedily by the FakeRunner
+            self.sched.proposer = NgramProposer(spec_k, 1, 3)
+        self.budget, self.max_num_seqs, self.threshold = budget, max_num_seqs, threshold
+        self.runner = FakeRunner(vocab_size=VOCAB, verify_kv=True)
+        self.runner.initialize_kv_cache(NUM_BLOCKS, BS)
+        self.reqs = {}
+        self.outputs: dict[str, list[int]] = {}
+        self.finish_reasons: dict[str, str] = {}
+        self.aborted: set[str] = set()
+        self.num_preempted = 0
+
+    # -- rules -----------------------------------------------------------------------------------
+    @rule(specs=st.lists(request_spec(), min_size=1, max_size=3))
+    def add(self, specs):
+        for prompt, max_tokens, min_tokens, priority, salt, stop_ids, ignore_eos, n in specs:
+            base = f"r{len(self.reqs)}"
+            group = [make_request(f"{base}_{i}" if n > 1 else base, prompt, max_tokens, eos=EOS,
+                                  priority=priority, cache_salt=salt, min_tokens=min_tokens,
+                                  stop_token_ids=sorted(stop_ids), ignore_eos=ignore_eos,
+                                  arrival_time=float(len(self.reqs)))
+                     for i in range(n)]
+            if n > self.max_num_seqs:
+                try:
+                    self.sched.add_request(group[0], forks=group[1:])
+                except ValidationError:
+                    continue
+                raise AssertionError("a group larger than max_num_seqs was admitted")
+            # Admissible by construction: must not raise.
+            self.sched.add_request(group[0], forks=group[1:])
+            for req in group:
+                self.reqs[req.request_id] = req
+                self.outputs[req.request_id] = []
+
+    @rule(extra=st.integers(0, 4), max_tokens=st.integers(1, 4))
+    def add_too_long(self, extra, max_tokens):
+        before = (dict(self.sched.requests), len(self.sched.waiting))
+        req = make_request(f"bad{len(self.reqs)}", [1] * (MAX_MODEL_LEN - max_tokens + 1 + extra),
+                           max_tokens)
+        try:
+            self.sched.add_request(req)
+        except ValidationError:
+            pass
+        else:
+            raise AssertionError("a request longer than max_model_len was admitted")
+        assert (dict(self.sched.requests), len(self.sched.waiting)) == before
+
+    @precondition(lambda self: any(r in self.sched.requests for r in self.reqs))
+    @rule(data=st.data())
+    def abort(self, data):
+        live = sorted(r for r in self.reqs if r in self.sched.requests)
+        rid = data.draw(st.sampled_from(live), "abort_id")
+        assert self.sched.abort_requests(rid) == [self.reqs[rid]]
+        assert self.sched.abort_requests(rid) == []
+        self.aborted.add(rid)
+        self.sched.check_integrity()
+
+    @rule(abort_mid_step=st.booleans(), data=st.data())
+    def step(self, abort_mid_step, data):
+        self._step(data if abort_mid_step else None)
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def _step(self, data=None):
+        sched = self.sched
+        so = sched.schedule()
+        assert so.total_num_scheduled_tokens == sum(so.num_scheduled_tokens.values())
+        assert so.total_num_scheduled_tokens <= self.budget
+        assert len(so.num_scheduled_tokens) <= self.max_num_seqs
+        if self.threshold:
+            assert all(n <= self.threshold for n in so.num_scheduled_tokens.values())
+        assert all(n > 0 for n in so.num_scheduled_tokens.values())
+        assert not (so.preempted_req_ids & set(so.num_scheduled_tokens))
+        self.num_preempted += len(so.preempted_req_ids)
+        for rid in so.num_scheduled_tokens:
+            assert sched.requests[rid].status == RequestStatus.RUNNING
+        ro = self.runner.execute_model(so)  # raises KVMismatchError on a bad block table
+        if data is not None and so.num_scheduled_tokens:
+            rid = data.draw(st.sampled_from(sorted(so.num_scheduled_tokens)), "abort_mid_step")
+            sched.abort_requests(rid)
+            self.aborted.add(rid)
+        outs = sched.update_from_output(so, ro)
+        for o in outs:
+            assert o.request_id not in self.finish_reasons, "output after finishing"
+            self.outputs[o.request_id].extend(o.new_token_ids)
+            if o.finish_reason is not None:
+                self.finish_reasons[o.request_id] = o.finish_reason
+        sched.check_integrity()
+
+    @invariant()
+    def integrity(self):
+        if hasattr(self, "sched"):
+            self.sched.check_integrity()
+
+    def teardown(self):
+        if not hasattr(self, "sched"):
+            return
+        for _ in range(3000):
+            if not self.sched.has_unfinished_requests():
+                break
+            self._step()
+        else:
+            raise AssertionError(f"requests never finished: {list(self.sched.requests)}")
+        event(f"preempted: {self.num_preempted > 0}")
+        event(f"aborted: {bool(self.aborted)}")
+        event(f"prefix hits: {self.sched.kv_cache_manager.prefix_cache_hits > 0}")
+        event(f"forked: {any('_' in r for r in self.reqs)}")
+        event(f"drafts accepted: {self.sched.num_accepted_tokens > 0}")
+        for rid, req in self.reqs.items():
+            sp = req.sampling_params
+            expected = fake_generate(req.prompt_token_ids, req.max_tokens, VOCAB, EOS,
+                                     sp.ignore_eos, sp.min_tokens, sp.all_stop_token_ids)
+            if rid in self.aborted:
+                assert req.status == RequestStatus.FINISHED_ABORTED
+                assert expected[:len(self.outputs[rid])] == self.outputs[rid]
+                continue
+            assert req.is_finished()
+            assert self.outputs[rid] == expected == req.output_token_ids, rid
+            want = "length" if len(expected) == req.max_tokens and not (
+                len(expected) >= sp.min_tokens and (
+                    (expected[-1] in EOS and not sp.ignore_eos)
+                    or expected[-1] in sp.all_stop_token_ids)) else "stop"
+            assert self.finish_reasons[rid] == want, rid
+        kv = self.sched.kv_cache_manager
+        kv.check_integrity()
+        assert kv.block_pool.get_num_free_blocks() == NUM_BLOCKS
+        assert kv.req_to_blocks == {}
+        assert self.sched.requests == {} and not self.sched.running and not self.sched.waiting
+
+
+SchedulerMachine.TestCase.settings = settings(
+    max_examples=100, stateful_step_count=40, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+TestSchedulerStateful = SchedulerMachine.TestCase
+
+
+def test_random_workload_preempts():
+    """The stateful test's cache really is small enough to preempt (checked on a fixed load)."""
+    sched = make_scheduler(num_blocks=NUM_BLOCKS, max_model_len=MAX_MODEL_LEN, max_num_seqs=4)
+    runner = FakeRunner(vocab_size=VOCAB, verify_kv=True)
+    runner.initialize_kv_cache(NUM_BLOCKS, BS)
+    reqs = [make_request(f"p{i}", BASES[i % 3][:8], 20, eos=EOS, ignore_eos=True) for i in range(4)]
+    for r in reqs:
+        sched.add_request(r)
+    while sched.has_unfinished_requests():
+        so = sched.schedule()
+        sched.update_from_output(so, runner.execute_model(so))
+        sched.check_integrity()
+    assert sched.num_preemptions > 0
+    for r in reqs:
+        assert r.output_token_ids == fake_generate(r.prompt_token_ids, 20, VOCAB, EOS, True)
