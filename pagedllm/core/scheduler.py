@@ -14,13 +14,15 @@ from pagedllm.core.kv_cache_manager import KVCacheBlock, KVCacheManager
 from pagedllm.core.ngram_proposer import NgramProposer
 from pagedllm.core.outputs import (CachedRequestData, EngineCoreOutput, NewRequestData,
                                    RunnerOutput, SchedulerOutput)
+from pagedllm.core.admission import validate_request
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.request_queue import create_request_queue
+from pagedllm.core.sequence_sharing import SequenceSharingMixin
 from pagedllm.errors import ValidationError
 from pagedllm.sampling_params import SamplingParams
 
 
-class Scheduler:
+class Scheduler(SequenceSharingMixin):
     def __init__(self, scheduler_config: SchedulerConfig, num_blocks: int, block_size: int,
                  max_model_len: int, enable_caching: bool = True,
                  proposer: NgramProposer | None = None) -> None:
@@ -67,7 +69,9 @@ class Scheduler:
         """
         forks = forks or []
         for r in [request, *forks]:
-            self._validate(r)
+            if r.request_id in self.requests:
+                raise ValidationError(f"request id {r.request_id!r} is already in use", "request_id")
+            validate_request(r, self.max_model_len, self.kv_cache_manager.num_blocks, self.block_size)
         if 1 + len(forks) > self.max_num_seqs:
             raise ValidationError(
                 f"n={1 + len(forks)} parallel samples exceed max_num_seqs={self.max_num_seqs}; "
@@ -83,34 +87,6 @@ class Scheduler:
             child.fork_leader = request
             self.requests[child.request_id] = child
         self.waiting.add_request(request)
-
-    def _validate(self, request: Request) -> None:
-        if request.request_id in self.requests:
-            raise ValidationError(f"request id {request.request_id!r} is already in use", "request_id")
-        num_prompt = request.num_prompt_tokens
-        if num_prompt == 0:
-            raise ValidationError("the prompt is empty; give at least one token", "prompt")
-        if num_prompt >= self.max_model_len:
-            raise ValidationError(
-                f"the prompt has {num_prompt} tokens but max_model_len is {self.max_model_len} "
-                f"(prompt + at least one output token must fit); shorten the prompt", "prompt")
-        if request.max_tokens is None:
-            # Up to max_model_len, and never more than the whole KV cache could hold (the
-            # last sampled token is never written, hence + 1).
-            request.max_tokens = max(1, min(self.max_model_len, self.max_cache_tokens + 1) - num_prompt)
-        total = num_prompt + request.max_tokens
-        if total > self.max_model_len:
-            raise ValidationError(
-                f"this model's maximum context length is {self.max_model_len} tokens, but "
-                f"{total} were requested ({num_prompt} in the prompt, {request.max_tokens} in "
-                f"max_tokens); lower max_tokens or shorten the prompt", "max_tokens")
-        # The last sampled token is never written to the cache, hence total - 1.
-        needed = self.kv_cache_manager.num_blocks_for(total - 1)
-        if needed > self.kv_cache_manager.num_blocks:
-            raise ValidationError(
-                f"the request needs {needed} KV blocks ({total} tokens) but the whole cache has "
-                f"{self.kv_cache_manager.num_blocks}; lower max_tokens, shorten the prompt or give "
-                f"the KV cache more memory", "max_tokens")
 
     # ------------------------------------------------------------------------------------------
     # schedule()
@@ -373,76 +349,6 @@ class Scheduler:
         if any_stopped:
             self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
         return outputs
-
-    def _fork_children(self, leader: Request, runner_output: RunnerOutput) -> list[EngineCoreOutput]:
-        """The leader's prompt is computed: each pending child shares all its blocks (the partial
-        last one included; the first write into it copies it) and takes its own first token."""
-        outputs = []
-        tokens = runner_output.fork_token_ids[leader.request_id]
-        logprobs = runner_output.fork_logprobs.get(leader.request_id)
-        for i, child in enumerate(leader.pending_forks):
-            self.kv_cache_manager.fork(leader, child)
-            child.num_computed_tokens = leader.num_computed_tokens
-            child.num_cached_tokens = leader.num_cached_tokens
-            child.status = RequestStatus.RUNNING
-            self.running.append(child)
-            self._unsent.add(child.request_id)
-            if child.is_beam:
-                continue  # an idle beam slot: it gets its first token from the beam search
-            child.output_token_ids.append(tokens[i])
-            child.all_token_ids.append(tokens[i])
-            self.num_generation_tokens += 1
-            stopped = self._check_stop(child)
-            lp = [logprobs[i]] if logprobs and logprobs[i] is not None else None
-            outputs.append(EngineCoreOutput(
-                child.request_id, [tokens[i]], child.get_finished_reason() if stopped else None,
-                child.stop_reason, lp, None, max(child.num_cached_tokens, 0)))
-            if stopped:
-                self._free_request(child)
-                self.running.remove(child)
-            elif self.proposer is not None:
-                self._propose(child)
-        leader.pending_forks = []
-        self._running_leaders.discard(leader)
-        return outputs
-
-    def reassign_beams(self, assignments: list[tuple[str, str, int]]) -> None:
-        """Beam search step: slot ``j`` takes over the sequence of beam ``p`` plus token ``t`` for
-        every (j, p, t). Sequences are shared by reference count (the next write into a shared
-        partial block copies it); all takeovers read the state from before any of them."""
-        kv = self.kv_cache_manager
-        plans = []
-        for slot_id, parent_id, token in assignments:
-            parent = self.requests[parent_id]
-            running = parent.status == RequestStatus.RUNNING
-            blocks, num_cached = kv.share_blocks(parent_id) if running else ([], 0)
-            plans.append((self.requests[slot_id], parent.all_token_ids + [token], blocks, num_cached,
-                          parent.num_computed_tokens if running else 0, list(parent.block_hashes)))
-        slots = {id(plan[0]) for plan in plans}
-        self.running = [r for r in self.running if id(r) not in slots]
-        self.waiting.remove_requests([plan[0] for plan in plans])
-        for slot, tokens, blocks, num_cached, num_computed, hashes in plans:
-            kv.free(slot)
-            slot.all_token_ids = tokens
-            slot.output_token_ids = tokens[slot.num_prompt_tokens:]
-            slot.block_hashes = hashes
-            slot.num_computed_tokens = num_computed
-            slot.num_sent_tokens = 0
-            if blocks:
-                kv.set_blocks(slot, blocks, num_cached)
-                slot.status = RequestStatus.RUNNING
-                self.running.append(slot)
-                self._unsent.add(slot.request_id)  # the runner rebuilds its state from scratch
-            else:  # the parent was preempted: recompute from the start
-                slot.status = RequestStatus.PREEMPTED
-                self._unsent.discard(slot.request_id)
-                self.waiting.prepend_request(slot)
-
-    def _propose(self, req: Request) -> None:
-        """Draft tokens for the next step; never more than the request may still produce."""
-        room = min(req.max_tokens - len(req.output_token_ids),
-                   self.max_model_len - len(req.all_token_ids)) - 1
-        req.spec_token_ids = self.proposer.propose(req.all_token_ids, room) if room > 0 else []
 
     def _check_stop(self, req: Request) -> bool:
         """Stop checks for the token just appended: min_tokens, EOS, stop ids, then length."""
