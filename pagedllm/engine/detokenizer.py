@@ -15,7 +15,10 @@ _INITIAL_CONTEXT = 5
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool = True,
-                 stop: list[str] | None = None, include_stop_str_in_output: bool = False) -> None:
+                 stop: list[str] | None = None, include_stop_str_in_output: bool = False,
+                 min_tokens: int = 0) -> None:
+        self.min_tokens = min_tokens  # stop strings do not count before this many output tokens
+        self.num_output_tokens = 0
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.stop = stop or []
@@ -45,7 +48,8 @@ class IncrementalDetokenizer:
         for tok in new_token_ids:
             self._ids.append(tok)
             self.output_text += self._decode_next()
-        if not self.stop:
+        self.num_output_tokens += len(new_token_ids)
+        if not self.stop or self.num_output_tokens < self.min_tokens:
             return None
         return self._check_stop_strings(start_len)
 

@@ -13,7 +13,7 @@ from pagedllm.engine.tokenizer import apply_chat_template
 from pagedllm.errors import ValidationError
 from pagedllm.engine.beam_search import BeamSearchParams
 from pagedllm.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -45,6 +45,10 @@ class LLM:
         if isinstance(prompts, (str, dict)) or (
                 isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise ValidationError(
+                f"prompts must be a string, a token-id list, a dict or a list of these; got "
+                f"{type(prompts).__name__}", "prompt")
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
@@ -52,6 +56,9 @@ class LLM:
                        else [sampling_params] * len(prompts))
         if len(params_list) != len(prompts):
             raise ValidationError("give one SamplingParams, or one per prompt", "sampling_params")
+        # generate() returns finished results: whatever the output kind, collect them whole.
+        params_list = [p if not isinstance(p, SamplingParams) or p.output_kind == RequestOutputKind.FINAL_ONLY
+                       else p.clone(output_kind=RequestOutputKind.FINAL_ONLY) for p in params_list]
         if priority is not None and len(priority) != len(prompts):
             raise ValidationError("priority needs one value per prompt", "priority")
         request_ids = []

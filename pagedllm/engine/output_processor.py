@@ -62,7 +62,7 @@ class OutputProcessor:
             if self.tokenizer is not None and params.detokenize:
                 detok = IncrementalDetokenizer(self.tokenizer, parent.prompt_token_ids,
                                                params.skip_special_tokens, params.stop,
-                                               params.include_stop_str_in_output)
+                                               params.include_stop_str_in_output, params.min_tokens)
             state = RequestState(cid, i, parent, detok,
                                  logprobs=[] if params.logprobs is not None else None,
                                  cumulative_logprob=0.0 if params.logprobs is not None else None)
