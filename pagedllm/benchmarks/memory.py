@@ -82,6 +82,7 @@ def measure_batch(model: str, workload: Workload, llm_kwargs: dict, block_size: 
                   max_model_len: int, budget_bytes: int) -> dict:
     from pagedllm import LLM
 
+    llm_kwargs = {k: v for k, v in llm_kwargs.items() if k != "num_gpu_blocks_override"}
     llm = LLM(model, **{**llm_kwargs, "enable_prefix_caching": False, "block_size": block_size,
                         "max_model_len": max_model_len, "kv_cache_memory_bytes": budget_bytes})
     num_blocks = int(llm.get_metrics()["pagedllm:num_gpu_blocks"])
@@ -134,7 +135,8 @@ def main(argv: list[str] | None = None) -> None:
               "max_model_len": args.max_model_len, "kv_bytes_per_token": bytes_per_token,
               "waste": waste, "kv_budget_bytes": budget, "paged_batch": batch,
               "contiguous_batch": contiguous_batch,
-              "batch_ratio": batch["mean_running_under_load"] / max(contiguous_batch, 1)}
+              "batch_ratio": (batch["mean_running_under_load"] / contiguous_batch
+                              if contiguous_batch else float("inf"))}
     print(f"memory {workload.name}: busiest step holds {b['tokens']} tokens in {b['slots']} slots, "
           f"waste {b['waste']:.1%} (mean {waste['mean_waste']:.1%}) vs {b['contiguous_waste']:.1%} "
           f"contiguous at max_model_len {args.max_model_len} | {args.kv_budget_mib:g} MiB KV: "

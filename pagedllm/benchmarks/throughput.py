@@ -104,16 +104,19 @@ def run_hf(model: str, workload: Workload, device: str, dtype: str) -> dict:
             "num_tokens_computed": len(rows) * len(rows[0])}
 
 
-def run_vllm(model: str, workload: Workload, python: str, dtype: str) -> dict:
+def run_vllm(model: str, workload: Workload, vocab_size: int, python: str, dtype: str) -> dict:
     """vLLM in its own venv, through vllm_peer.py in a subprocess (same workload, same model)."""
     if not Path(python).is_file():
         raise SystemExit(f"--vllm needs the vLLM venv ({python} is missing): run "
                          f"benchmarks/setup_vllm_cpu.sh first, or pass --vllm-python")
     with tempfile.TemporaryDirectory() as tmp:
         wfile, ofile = Path(tmp) / "workload.json", Path(tmp) / "out.json"
-        wfile.write_text(json.dumps({"prompts": workload.prompts, "output_lens": workload.output_lens}))
+        warm = _warmup_workload(workload, vocab_size)
+        wfile.write_text(json.dumps({"prompts": workload.prompts, "output_lens": workload.output_lens,
+                                     "warmup_prompts": warm.prompts,
+                                     "warmup_output_lens": warm.output_lens}))
         env = dict(os.environ, **VLLM_ENV)
-        cmd = [python, str(VLLM_PEER), "--model", model, "--workload-file", str(wfile),
+        cmd = [python, str(VLLM_PEER), "--model", str(Path(model).resolve()), "--workload-file", str(wfile),
                "--out", str(ofile), "--dtype", dtype]
         log("running the vLLM peer: " + " ".join(cmd))
         proc = subprocess.run(cmd, env=env, cwd=tmp)
@@ -136,7 +139,8 @@ def plot(path: str, result: dict) -> None:
     values = [result["engines"][n]["tok_per_s"] for n in names]
     fig, ax = plt.subplots(figsize=(5, 3.5))
     bars = ax.bar(names, values, color=["tab:blue", "tab:orange", "tab:green"][:len(names)])
-    ax.bar_label(bars, fmt="%.0f")
+    ax.bar_label(bars, fmt="%.1f")
+    ax.margins(y=0.15)  # room for the labels
     ax.set_ylabel("generated tokens / s")
     ax.set_title(f"throughput, workload {result['workload']} ({result['num_requests']} requests)")
     fig.tight_layout()
@@ -154,6 +158,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--vllm", action="store_true", help="also run vLLM (needs its venv)")
     parser.add_argument("--vllm-python", default=str(REPO_ROOT / ".venv-vllm" / "bin" / "python"))
     parser.add_argument("--plot", metavar="FILE.png", help="draw the comparison (matplotlib)")
+    parser.add_argument("--matmul-size", type=int, default=1024, help="n of the FLOP/s probe")
     args = parser.parse_args(argv)
 
     model = resolve_model(args)
@@ -168,8 +173,8 @@ def main(argv: list[str] | None = None) -> None:
     if not args.no_hf:
         runs["hf"] = run_hf(model, workload, args.device, args.dtype)
     if args.vllm:
-        runs["vllm"] = run_vllm(model, workload, args.vllm_python, args.dtype)
-    peak = measure_matmul_flops(args.device)
+        runs["vllm"] = run_vllm(model, workload, stats.vocab_size, args.vllm_python, args.dtype)
+    peak = measure_matmul_flops(args.device, args.matmul_size)
 
     ours = runs["pagedllm"]
     assert ours["num_tokens"] == workload.num_output_tokens, "ignore_eos: every request runs to its length"

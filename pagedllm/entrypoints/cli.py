@@ -84,7 +84,8 @@ def _add_serve(sub: Any) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     p.add_argument("--served-model-name", nargs="+", default=None,
-                   help="model name(s) clients use; the first is reported (default: MODEL)")
+                   help="model name(s) clients use; the first is reported (default: the model "
+                        "folder's name, then MODEL as given)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every /v1 request")
     p.add_argument("--chat-template", default=None,
@@ -107,7 +108,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     chat_template = load_chat_template(args.chat_template)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     llm = AsyncLLM.from_engine_args(model, **engine_kwargs(args))
-    app = build_app(llm, args.served_model_name or [model], chat_template, args.api_key)
+    app = build_app(llm, args.served_model_name, chat_template, args.api_key)
     run_server(app, args.host, args.port, args.log_level, args.shutdown_timeout)
     return 0
 
@@ -171,17 +172,27 @@ def _benchmark_names() -> list[str]:
     return sorted(m.name for m in pkgutil.iter_modules(benchmarks.__path__) if not m.name.startswith("_"))
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
+def _import_benchmark(name: str) -> types.ModuleType:
+    """pagedllm.benchmarks.NAME, imported lazily; a unique NAME_* module also answers
+    (``scheduler`` finds ``scheduler_overhead``)."""
+    name = name.replace("-", "_")
+    try:
+        return importlib.import_module(f"pagedllm.benchmarks.{name}")
+    except ModuleNotFoundError as e:
+        if e.name != f"pagedllm.benchmarks.{name}":
+            raise  # the benchmark exists but needs something missing: show that
     available = _benchmark_names()
-    name = args.name.replace("-", "_")
-    if name not in available:  # `scheduler` finds scheduler_overhead when that is the only match
-        matches = [m for m in available if m.startswith(name + "_")]
-        if len(matches) != 1:
-            raise PagedLLMError(f"no benchmark {args.name!r}; available: {', '.join(available) or 'none'}")
-        name = matches[0]
-    module = importlib.import_module(f"pagedllm.benchmarks.{name}")
-    if not hasattr(module, "main"):
-        raise PagedLLMError(f"pagedllm.benchmarks.{name} has no main(argv)")
+    matches = [m for m in available if m.startswith(name + "_")]
+    if len(matches) != 1:
+        raise PagedLLMError(f"no benchmark {name!r} (no module pagedllm.benchmarks.{name}); "
+                            f"available: {', '.join(available) or 'none'}")
+    return importlib.import_module(f"pagedllm.benchmarks.{matches[0]}")
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    module = _import_benchmark(args.name)
+    if not callable(getattr(module, "main", None)):
+        raise PagedLLMError(f"{module.__name__} has no main(argv) function")
     result = module.main(list(args.bench_args))
     return result if isinstance(result, int) else 0
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
 from pagedllm.entrypoints.openai.protocol import OpenAIBaseModel, SamplingRequest, UsageInfo
 from pagedllm.errors import ValidationError
@@ -100,8 +100,13 @@ class ChatCompletionResponse(OpenAIBaseModel):
 
 
 class DeltaMessage(OpenAIBaseModel):
+    """A stream delta names only what it carries (the role once, then content)."""
     role: str | None = None
     content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_nulls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatStreamChoice(OpenAIBaseModel):

@@ -1,12 +1,13 @@
 """The OpenAI-compatible HTTP server: ``build_app(engine)`` -> a FastAPI app; ``run_server`` serves
 it with uvicorn (SIGINT/SIGTERM: stop accepting, let in-flight requests finish for a grace
-period, cancel the rest, then stop the engine).
+period, then stop the engine, which ends the rest with an error).
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
 GET /metrics, GET /version, POST /tokenize, POST /detokenize, POST /reset_prefix_cache.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 from collections.abc import AsyncIterator
@@ -51,6 +52,17 @@ def load_chat_template(value: str | None) -> str | None:
                           "chat_template")
 
 
+def default_served_model_names(model_path: str) -> list[str]:
+    """The folder's name (its parent's for a folder named like "hf"), then the path as given:
+    /models/stories260K/hf is served as "stories260K" and answers to the path too."""
+    path = Path(model_path)
+    short = path.parent.name if path.name.lower() in _GENERIC_FOLDER_NAMES and path.parent.name else path.name
+    return [short, model_path] if short and short != model_path else [model_path]
+
+
+_GENERIC_FOLDER_NAMES = {"hf", "model", "weights", "checkpoint", "snapshot"}
+
+
 class APIKeyMiddleware:
     """Every /v1 request needs ``Authorization: Bearer <key>`` (plain ASGI, so streaming and
     disconnect detection pass through untouched)."""
@@ -75,7 +87,7 @@ def build_app(engine: AsyncLLM | LLMEngine, served_model_names: list[str] | None
     """The app over an engine (an AsyncLLM, or an LLMEngine to wrap). The app owns the engine
     from then on: its shutdown stops the engine loop."""
     llm = engine if isinstance(engine, AsyncLLM) else AsyncLLM(engine)
-    names = list(served_model_names or [llm.model_path])
+    names = list(served_model_names or default_served_model_names(llm.model_path))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -160,12 +172,37 @@ def _tokenizer(llm: AsyncLLM) -> Any:
     return llm.tokenizer
 
 
-def run_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
-               shutdown_timeout: float = 5.0) -> None:
-    """Serve until SIGINT/SIGTERM. In-flight requests get ``shutdown_timeout`` seconds to finish;
-    then they are cancelled (which aborts them) and the engine stops."""
+def create_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
+                  shutdown_timeout: float = 5.0) -> Any:
+    """A uvicorn server for ``app`` (from build_app). On SIGINT/SIGTERM it stops accepting and
+    gives in-flight requests ``shutdown_timeout`` seconds; then it stops the engine, which ends
+    each remaining request with an error (an error event and [DONE] in a stream, a 503
+    otherwise), so no client is cut off silently and nothing hangs."""
     import uvicorn
 
+    llm: AsyncLLM = app.state.llm
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets: Any = None) -> None:
+            loop = asyncio.get_running_loop()
+            timer = loop.call_later(shutdown_timeout, lambda: loop.create_task(llm.shutdown()))
+            try:
+                await super().shutdown(sockets)
+            finally:
+                timer.cancel()
+
+    # uvicorn's own deadline is a backstop: by then every request has had its error.
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                            timeout_graceful_shutdown=shutdown_timeout)
-    uvicorn.Server(config).run()
+                            timeout_graceful_shutdown=shutdown_timeout + 5.0)
+    return Server(config)
+
+
+def run_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
+               shutdown_timeout: float = 5.0) -> None:
+    """Serve until SIGINT/SIGTERM (see create_server)."""
+    try:
+        create_server(app, host, port, log_level, shutdown_timeout).run()
+    except KeyboardInterrupt:
+        # uvicorn shuts down gracefully on SIGINT, then re-raises it: that is a normal exit.
+        # (SIGTERM is re-raised too and ends the process with its default action, status 143.)
+        pass

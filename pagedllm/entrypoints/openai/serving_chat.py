@@ -106,9 +106,8 @@ class OpenAIServingChat(OpenAIServing):
                     num_generated += len(c.token_ids)
                     logprobs = self._logprobs(c.token_ids, c.logprobs, k) if request.logprobs else None
                     choice = ChatStreamChoice(index=c.index, delta=DeltaMessage(content=c.text),
-                                              logprobs=logprobs, finish_reason=c.finish_reason)
-                    if c.finish_reason is not None:
-                        choice.stop_reason = c.stop_reason
+                                              logprobs=logprobs, finish_reason=c.finish_reason,
+                                              stop_reason=c.stop_reason)
                     yield self._chunk(request_id, created, choice)
                 if out.finished:
                     num_prompt, num_cached = len(out.prompt_token_ids), out.num_cached_tokens

@@ -55,8 +55,7 @@ class OpenAIServingCompletion(OpenAIServing):
         text = c.text
         logprobs = None
         if request.logprobs is not None:
-            # Every field set explicitly: streamed chunks leave out unset fields.
-            logprobs = CompletionLogProbs(text_offset=[], token_logprobs=[], tokens=[], top_logprobs=[])
+            logprobs = CompletionLogProbs()
             if echo:
                 offset = self._add_logprobs(logprobs, out.prompt_token_ids, out.prompt_logprobs, offset)
             self._add_logprobs(logprobs, c.token_ids, c.logprobs, offset)

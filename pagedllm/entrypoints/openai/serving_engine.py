@@ -3,7 +3,6 @@ stream merging, client-disconnect handling, SSE framing and logprob formatting."
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -19,11 +18,9 @@ T = TypeVar("T")
 SSE_DONE = "data: [DONE]\n\n"
 
 
-def sse(chunk: BaseModel | dict) -> str:
-    """One server-sent event. Stream chunks leave out fields they did not set (vLLM's shape)."""
-    data = (chunk.model_dump_json(exclude_unset=True) if isinstance(chunk, BaseModel)
-            else json.dumps(chunk))
-    return f"data: {data}\n\n"
+def sse(chunk: BaseModel) -> str:
+    """One server-sent event."""
+    return f"data: {chunk.model_dump_json()}\n\n"
 
 
 def sse_error(e: BaseException) -> str:

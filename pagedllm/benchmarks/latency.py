@@ -1,0 +1,238 @@
+"""Online serving latency, like ``vllm bench serve``: requests arrive at a given rate (Poisson,
+random.Random(1)) at pagedllm's OpenAI server and stream their completions.
+
+The workload is the throughput one (default "cpu": 32 requests, prompts 32..256 token ids, outputs
+64..256 tokens, greedy, ignore_eos). Measured on the client over 127.0.0.1:
+  TTFT  time to first token: request sent -> first streamed chunk
+  ITL   inter-token latency: the gaps between later chunks
+  TPOT  time per output token after the first: (latency - TTFT) / (output tokens - 1)
+and requests/s and output tokens/s over the whole run (first send -> last finish), against the
+offered rate. One warm-up request goes first.
+
+The server: by default a subprocess ``python -m pagedllm.entrypoints.cli serve MODEL``, so the
+client does not share an interpreter with it; ``--server inprocess`` runs it in a thread of this
+process (faster start, used by the smoke test); ``--base-url`` uses a server already running.
+
+    python -m pagedllm.benchmarks.latency [--request-rate 4] [--workload cpu] [--base-url URL]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from contextlib import contextmanager
+from typing import Iterator
+
+from pagedllm.benchmarks.common import (WORKLOADS, add_model_args, engine_args, log, make_workload,
+                                        model_stats, percentile, resolve_model, write_json)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_ready(base_url: str, timeout: float, alive=lambda: True) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not alive():
+            raise RuntimeError("the server exited before it was ready")
+        try:
+            if httpx.get(base_url + "/health", timeout=2.0, trust_env=False).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"the server at {base_url} was not ready after {timeout:.0f} s")
+
+
+def _cli_flags(kwargs: dict) -> list[str]:
+    flags = []
+    for key, value in kwargs.items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(flag if value else "--no-" + key.replace("_", "-"))
+        else:
+            flags += [flag, str(value)]
+    return flags
+
+
+@contextmanager
+def subprocess_server(model: str, llm_kwargs: dict, timeout: float) -> Iterator[str]:
+    port = _free_port()
+    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", model, "--host", "127.0.0.1",
+           "--port", str(port), "--log-level", "warning"] + _cli_flags(llm_kwargs)
+    log("starting the server: " + " ".join(cmd))
+    with tempfile.TemporaryFile("w+") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            _wait_ready(f"http://127.0.0.1:{port}", timeout, alive=lambda: proc.poll() is None)
+            yield f"http://127.0.0.1:{port}"
+        except BaseException:
+            out.seek(0)
+            log("server output (tail):\n" + out.read()[-4000:])
+            raise
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@contextmanager
+def inprocess_server(model: str, llm_kwargs: dict, timeout: float) -> Iterator[str]:
+    import uvicorn
+
+    from pagedllm.engine.async_engine import AsyncLLM
+    from pagedllm.entrypoints.openai.server import build_app
+
+    port = _free_port()
+    app = build_app(AsyncLLM.from_engine_args(model, **llm_kwargs), [model])
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, name="pagedllm-server", daemon=True)
+    thread.start()
+    try:
+        _wait_ready(f"http://127.0.0.1:{port}", timeout, alive=thread.is_alive)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+async def _send(client, model_name: str, prompt: list[int], max_tokens: int) -> dict:
+    payload = {"model": model_name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+               "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    ttft, last, itl, chunks, usage = None, t0, [], 0, None
+    async with client.stream("POST", "/v1/completions", json=payload) as resp:
+        if resp.status_code != 200:
+            body = (await resp.aread()).decode(errors="replace")
+            return {"ok": False, "error": f"HTTP {resp.status_code}: {body[:200]}"}
+        async for line in resp.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            chunk = json.loads(data)
+            now = time.perf_counter()
+            if chunk.get("usage"):
+                usage = chunk["usage"].get("completion_tokens")
+            if chunk.get("choices"):
+                if ttft is None:
+                    ttft = now - t0
+                else:
+                    itl.append(now - last)
+                last = now
+                chunks += 1
+    if ttft is None:
+        return {"ok": False, "error": "no token streamed"}
+    num_tokens = usage if usage is not None else chunks
+    latency = last - t0
+    return {"ok": True, "ttft": ttft, "itl": itl, "latency": latency, "output_tokens": num_tokens,
+            "tpot": (latency - ttft) / (num_tokens - 1) if num_tokens > 1 else None, "end": last}
+
+
+async def run_load(base_url: str, prompts: list[list[int]], output_lens: list[int], rate: float,
+                   max_concurrency: int | None, seed: int = 1) -> dict:
+    import httpx
+
+    rng = random.Random(seed)
+    offsets, t = [], 0.0
+    for _ in prompts:
+        offsets.append(t)
+        if not math.isinf(rate):
+            t += rng.expovariate(rate)
+    limits = httpx.Limits(max_connections=max_concurrency or len(prompts) + 1)
+    async with httpx.AsyncClient(base_url=base_url, timeout=None, trust_env=False,
+                                 limits=limits) as client:
+        model_name = (await client.get("/v1/models")).json()["data"][0]["id"]
+        await _send(client, model_name, prompts[0][:16], 4)  # warm-up
+        gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+
+        async def one(i: int, start: float) -> dict:
+            await asyncio.sleep(max(start + offsets[i] - time.perf_counter(), 0.0))
+            if gate is None:
+                return await _send(client, model_name, prompts[i], output_lens[i])
+            async with gate:
+                return await _send(client, model_name, prompts[i], output_lens[i])
+
+        start = time.perf_counter()
+        results = await asyncio.gather(*(one(i, start) for i in range(len(prompts))))
+    ok = [r for r in results if r["ok"]]
+    duration = (max(r["end"] for r in ok) - start) if ok else float("nan")
+    ms = 1000.0
+
+    def stats(values: list[float]) -> dict:
+        return {"mean_ms": sum(values) / len(values) * ms if values else float("nan"),
+                "p50_ms": percentile(values, 50) * ms, "p99_ms": percentile(values, 99) * ms}
+
+    num_out = sum(r["output_tokens"] for r in ok)
+    return {"completed": len(ok), "failed": len(results) - len(ok),
+            "errors": [r["error"] for r in results if not r["ok"]][:5], "duration_s": duration,
+            "request_throughput": len(ok) / duration, "output_throughput": num_out / duration,
+            "total_output_tokens": num_out, "ttft": stats([r["ttft"] for r in ok]),
+            "itl": stats([x for r in ok for x in r["itl"]]),
+            "tpot": stats([r["tpot"] for r in ok if r["tpot"] is not None]),
+            "e2el": stats([r["latency"] for r in ok])}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="pagedllm bench latency", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(parser)
+    parser.add_argument("--workload", default="cpu", choices=sorted(WORKLOADS))
+    parser.add_argument("--num-requests", type=int, help="override the workload's request count")
+    parser.add_argument("--request-rate", type=float, default=4.0,
+                        help="mean requests per second (Poisson); inf sends all at once")
+    parser.add_argument("--max-concurrency", type=int, help="most requests in flight at once")
+    parser.add_argument("--server", default="subprocess", choices=["subprocess", "inprocess"])
+    parser.add_argument("--base-url", help="use this running server (http://127.0.0.1:PORT)")
+    parser.add_argument("--server-timeout", type=float, default=300.0, help="seconds to wait for it")
+    args = parser.parse_args(argv)
+
+    model = resolve_model(args)
+    workload = make_workload(args.workload, model_stats(model).vocab_size, seed=0,
+                             num_requests=args.num_requests)
+    log(f"latency: {workload.num_requests} requests at {args.request_rate:g} req/s; model {model}")
+
+    def load(base_url: str) -> dict:
+        return asyncio.run(run_load(base_url, workload.prompts, workload.output_lens,
+                                    args.request_rate, args.max_concurrency))
+
+    if args.base_url:
+        r = load(args.base_url.rstrip("/"))
+    else:
+        server = subprocess_server if args.server == "subprocess" else inprocess_server
+        with server(model, engine_args(args), args.server_timeout) as url:
+            r = load(url)
+    if r["failed"]:
+        log(f"{r['failed']} requests failed, e.g. {r['errors'][0]}")
+    result = {"benchmark": "latency", "model": model, "workload": workload.name,
+              "num_requests": workload.num_requests, "request_rate": args.request_rate,
+              "max_concurrency": args.max_concurrency, **r}
+    offered = "all at once" if math.isinf(args.request_rate) else f"{args.request_rate:g} req/s offered"
+    ratio = "" if math.isinf(args.request_rate) else f" ({r['request_throughput'] / args.request_rate:.2f}x)"
+    print(f"latency {workload.name} ({r['completed']}/{workload.num_requests} ok, {offered}): "
+          f"{r['request_throughput']:.2f} req/s{ratio}, {r['output_throughput']:.1f} out tok/s | "
+          f"TTFT p50 {r['ttft']['p50_ms']:.0f} ms p99 {r['ttft']['p99_ms']:.0f} ms | "
+          f"ITL p50 {r['itl']['p50_ms']:.1f} ms p99 {r['itl']['p99_ms']:.1f} ms | "
+          f"TPOT p50 {r['tpot']['p50_ms']:.1f} ms", flush=True)
+    write_json(args.json, result)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,63 @@
+"""The vLLM peer of the throughput benchmark; runs inside the vLLM venv, not pagedllm's.
+
+``throughput --vllm`` writes its workload to a JSON file ({"prompts": [[ids]], "output_lens": [n],
+"warmup_prompts": ..., "warmup_output_lens": ...})
+and runs this file with the venv made by benchmarks/setup_vllm_cpu.sh, with
+VLLM_CPU_OMP_THREADS_BIND, VLLM_CPU_KVCACHE_SPACE and VLLM_ENABLE_V1_MULTIPROCESSING set. Here
+vLLM runs the same protocol as pagedllm: one warm-up call on other prompts, then one timed
+generate() of every request at once, greedy, ignore_eos. The result goes to --out as JSON:
+{"elapsed_s", "num_tokens", "token_ids", "vllm_version"}.
+
+Only the standard library and vllm are imported (pagedllm is not installed in that venv).
+
+    .venv-vllm/bin/python pagedllm/benchmarks/vllm_peer.py --model DIR --workload-file W --out O
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="Hugging Face model folder")
+    parser.add_argument("--workload-file", required=True)
+    parser.add_argument("--out", required=True, help="where to write the result JSON")
+    parser.add_argument("--dtype", default="float32")
+    args = parser.parse_args(argv)
+    try:
+        import vllm
+        from vllm import LLM, SamplingParams
+    except ImportError as e:
+        raise SystemExit(f"vllm_peer: vllm is not importable here ({e}); run it with the venv made "
+                         f"by benchmarks/setup_vllm_cpu.sh") from e
+
+    work = json.loads(Path(args.workload_file).read_text())
+    prompts, output_lens = work["prompts"], work["output_lens"]
+    max_len = max(len(p) + o for p, o in zip(prompts + work["warmup_prompts"],
+                                             output_lens + work["warmup_output_lens"]))
+    llm = LLM(model=args.model, dtype=args.dtype, seed=0, max_model_len=max_len)
+
+    def params(lens: list[int]) -> list:
+        return [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for o in lens]
+
+    # Warm-up: the same requests pagedllm warms up with (other tokens, short outputs).
+    llm.generate([{"prompt_token_ids": p} for p in work["warmup_prompts"]],
+                 params(work["warmup_output_lens"]), use_tqdm=False)
+    t0 = time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params(output_lens),
+                           use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    token_ids = [list(o.outputs[0].token_ids) for o in outputs]
+    Path(args.out).write_text(json.dumps({
+        "elapsed_s": elapsed, "num_tokens": sum(len(t) for t in token_ids), "token_ids": token_ids,
+        "vllm_version": getattr(vllm, "__version__", "?")}))
+    print(f"vllm: {sum(len(t) for t in token_ids) / elapsed:.1f} tok/s", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

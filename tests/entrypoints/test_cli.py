@@ -1,0 +1,120 @@
+"""The `pagedllm` command: engine flags generated from the config dataclasses, `generate`,
+`bench` dispatch, and `serve` in a subprocess (API key, clean shutdown on SIGINT)."""
+from __future__ import annotations
+
+import dataclasses
+import signal
+import sys
+import threading
+import time
+import types
+
+import httpx
+import pytest
+from server_utils import CLI_API_KEY, HTTP, wait_for_health
+
+from pagedllm import SamplingParams
+from pagedllm.config import CacheConfig, ModelConfig, SchedulerConfig
+from pagedllm.entrypoints.cli import engine_kwargs, main, make_parser
+
+
+def _subparser(name: str):
+    parser = make_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    return sub.choices[name]
+
+
+def test_every_engine_field_is_a_flag_with_its_help():
+    serve = _subparser("serve")
+    flags = {opt: a for a in serve._actions for opt in a.option_strings}
+    for cls in (ModelConfig, CacheConfig, SchedulerConfig):
+        for f in dataclasses.fields(cls):
+            if f.name == "model":
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            assert flag in flags, flag
+            assert f.metadata["help"] in flags[flag].help
+    assert "--no-enable-prefix-caching" in flags and "--speculative-config" in flags
+
+
+def test_engine_kwargs_carry_only_the_flags_given():
+    args = make_parser().parse_args(["serve", "/m", "--max-num-seqs", "4", "--no-enable-prefix-caching",
+                                     "--block-size", "8", "--speculative-config", '{"num_speculative_tokens": 2}'])
+    assert engine_kwargs(args) == {"max_num_seqs": 4, "enable_prefix_caching": False, "block_size": 8,
+                                   "speculative_config": {"num_speculative_tokens": 2}}
+    assert args.model_tag == "/m" and args.port == 8000 and args.api_key is None
+    assert engine_kwargs(make_parser().parse_args(["serve"])) == {}
+    with pytest.raises(SystemExit):
+        make_parser().parse_args(["serve", "--speculative-config", "not json"])
+
+
+def test_generate_prints_the_completion(capsys, reference_llm):
+    assert main(["generate", "Once upon a time", "--max-tokens", "16", "--temperature", "0",
+                 "--num-gpu-blocks-override", "64"]) == 0
+    printed = capsys.readouterr().out
+    expected = reference_llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=16),
+                                      use_tqdm=False)[0].outputs[0].text
+    assert printed.strip() == ("Once upon a time" + expected).strip()
+
+
+def test_generate_reports_bad_flags_cleanly(capsys):
+    assert main(["generate", "hi", "--temperature", "-1", "--num-gpu-blocks-override", "16"]) == 2
+    assert "temperature" in capsys.readouterr().err
+
+
+def test_bench_dispatches_lazily(monkeypatch, capsys):
+    calls = []
+    fake = types.ModuleType("pagedllm.benchmarks.fake_bench")
+    fake.main = lambda argv: calls.append(argv) or 0
+    monkeypatch.setitem(sys.modules, "pagedllm.benchmarks.fake_bench", fake)
+    assert main(["bench", "fake_bench", "--steps", "3", "-x"]) == 0
+    assert calls == [["--steps", "3", "-x"]]
+    assert main(["bench", "no_such_benchmark"]) == 2
+    err = capsys.readouterr().err
+    assert "no benchmark 'no_such_benchmark'" in err and "available:" in err
+
+
+def test_serve_api_key_and_clean_sigint_shutdown(cli_server):
+    wait_for_health(cli_server.url, cli_server.proc, cli_server.log)
+    url = cli_server.url
+    body = {"model": "demo", "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": CLI_API_KEY}):
+        r = HTTP.post(f"{url}/v1/completions", json=body, headers=headers)
+        assert r.status_code == 401, headers
+        assert r.json()["error"]["type"] == "AuthenticationError"
+    assert HTTP.get(f"{url}/v1/models").status_code == 401
+    auth = {"Authorization": f"Bearer {CLI_API_KEY}"}
+    r = HTTP.post(f"{url}/v1/completions", json=body, headers=auth)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"]
+    models = HTTP.get(f"{url}/v1/models", headers=auth).json()
+    assert [m["id"] for m in models["data"]] == ["demo"]
+    chat = HTTP.post(f"{url}/v1/chat/completions", headers=auth,
+                      json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    assert chat.status_code == 200  # --chat-template given inline
+    assert HTTP.get(f"{url}/health").status_code == 200  # only /v1 needs the key
+
+    # A stream in flight when SIGINT arrives ends (finished or with an error), and the process exits.
+    lines: list[str] = []
+
+    def stream() -> None:
+        try:
+            with HTTP.stream("POST", f"{url}/v1/completions", headers=auth, timeout=30,
+                              json={**body, "max_tokens": 300, "ignore_eos": True, "stream": True}) as r:
+                for line in r.iter_lines():
+                    lines.append(line)
+        except httpx.HTTPError as e:  # the connection may be cut: that ends the stream too
+            lines.append(f"closed: {e!r}")
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    while not any(line.startswith("data: {") for line in lines):
+        assert reader.is_alive()
+        time.sleep(0.01)
+    cli_server.proc.send_signal(signal.SIGINT)
+    reader.join(timeout=20)
+    assert not reader.is_alive()
+    assert cli_server.proc.wait(timeout=20) == 0
+    events = [line for line in lines if line]
+    assert events[-1] == "data: [DONE]", events[-3:]
+    # Finished in the grace period, or told why not.
+    assert '"finish_reason":"length"' in events[-2] or '"error"' in events[-2], events[-2]

@@ -1,0 +1,104 @@
+"""The other routes: /health, /version, /v1/models, /metrics, /tokenize, /detokenize,
+/reset_prefix_cache; and a server whose engine dies."""
+from __future__ import annotations
+
+import json
+import re
+import time
+
+from server_utils import CHAT_TEMPLATE, HTTP
+
+from pagedllm.runner.fake import FakeRunner
+
+PROMPT = "Once upon a time"
+
+
+def test_health_version_models(server):
+    assert HTTP.get(f"{server.url}/health").status_code == 200
+    assert HTTP.get(f"{server.url}/version").json()["version"]
+    models = HTTP.get(f"{server.url}/v1/models").json()
+    assert models["object"] == "list"
+    assert [(m["id"], m["object"], m["max_model_len"]) for m in models["data"]] == [("demo", "model", 512)]
+
+
+def test_tokenize_detokenize(server, demo_tokenizer):
+    r = HTTP.post(f"{server.url}/tokenize", json={"prompt": PROMPT}).json()
+    assert r["tokens"] == demo_tokenizer(PROMPT).input_ids and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] == 512
+    bare = HTTP.post(f"{server.url}/tokenize", json={"prompt": PROMPT, "add_special_tokens": False,
+                                                      "return_token_strs": True}).json()
+    assert bare["tokens"] == r["tokens"][1:] and len(bare["token_strs"]) == bare["count"]
+    chat = HTTP.post(f"{server.url}/tokenize",
+                      json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert chat["count"] > 2
+    text = HTTP.post(f"{server.url}/detokenize", json={"tokens": bare["tokens"]}).json()["prompt"]
+    assert text == PROMPT
+    assert HTTP.post(f"{server.url}/tokenize", json={}).status_code == 400
+
+
+def test_reset_prefix_cache(server, client):
+    prompt = "Lily and Ben were friends. They liked to play with blocks and cars. One day they"
+    client.completions.create(model="demo", prompt=prompt, max_tokens=2)
+    hit = client.completions.create(model="demo", prompt=prompt, max_tokens=2)
+    assert hit.usage.prompt_tokens_details.cached_tokens > 0
+    r = HTTP.post(f"{server.url}/reset_prefix_cache")
+    assert r.status_code == 200 and r.json() == {"success": True}
+    miss = client.completions.create(model="demo", prompt=prompt, max_tokens=2)
+    assert miss.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_metrics_exposition(server, client, metrics):
+    client.completions.create(model="demo", prompt=PROMPT, max_tokens=4)
+    text = HTTP.get(f"{server.url}/metrics").text
+    types = {"num_requests_running": "gauge", "num_requests_waiting": "gauge",
+             "kv_cache_usage_perc": "gauge", "generation_tokens": "counter",
+             "prompt_tokens": "counter", "prefix_cache_hits": "counter",
+             "prefix_cache_queries": "counter", "request_success": "counter",
+             "num_preemptions": "counter", "time_to_first_token_seconds": "histogram",
+             "inter_token_latency_seconds": "histogram", "e2e_request_latency_seconds": "histogram",
+             "request_queue_time_seconds": "histogram"}
+    for name, kind in types.items():
+        # prometheus_client names a counter's TYPE line with or without _total, by version.
+        assert re.search(rf"^# TYPE pagedllm:{name}(_total)? {kind}$", text, re.M), name
+    m = metrics(server.url)
+    assert m["pagedllm:request_success_total"] >= 1 and m["pagedllm:num_gpu_blocks"] > 0
+    assert m["pagedllm:e2e_request_latency_seconds_count"] >= 1
+
+
+def test_dead_engine_fails_requests_and_health(fake_server):
+    class DyingRunner(FakeRunner):
+        fail = False
+
+        def execute_model(self, so):
+            if self.fail:
+                raise RuntimeError("the accelerator fell off")
+            time.sleep(0.002)
+            return super().execute_model(so)
+
+    runner = DyingRunner(512)
+    srv = fake_server(runner=runner, chat_template=CHAT_TEMPLATE)
+    body = {"model": "demo", "prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "stream": True}
+    events = []
+    with HTTP.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=20) as r:
+        for line in r.iter_lines():
+            if line:
+                events.append(line)
+            if len(events) == 3:
+                runner.fail = True
+    assert events[-1] == "data: [DONE]"
+    error = json.loads(events[-2][len("data: "):])["error"]
+    assert error["code"] == 503 and "accelerator fell off" in error["message"]
+
+    health = HTTP.get(f"{srv.url}/health")
+    assert health.status_code == 503 and health.json()["error"]["type"] == "ServiceUnavailableError"
+    late = HTTP.post(f"{srv.url}/v1/completions", json={**body, "stream": False})
+    assert late.status_code == 503 and late.json()["error"]["code"] == 503
+    assert HTTP.get(f"{srv.url}/metrics").status_code == 200  # still answers
+
+
+def test_default_served_model_names():
+    from pagedllm.entrypoints.openai.server import default_served_model_names
+
+    assert default_served_model_names("/m/stories260K/hf") == ["stories260K", "/m/stories260K/hf"]
+    assert default_served_model_names("/m/Qwen3-0.6B") == ["Qwen3-0.6B", "/m/Qwen3-0.6B"]
+    assert default_served_model_names("tiny") == ["tiny"]
