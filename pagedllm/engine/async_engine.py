@@ -180,7 +180,7 @@ class AsyncLLM:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     # -- requests ------------------------------------------------------------------------------
-    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | BeamSearchParams,
                           priority: int = 0, cache_salt: str | None = None,
                           arrival_time: float | None = None) -> "RequestStream":
         """Queue a request now (a ValidationError raises here, nothing queued) and return its
@@ -194,8 +194,11 @@ class AsyncLLM:
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
         try:
-            await self.run(self.engine.add_request, request_id, prompt, params,
-                           arrival_time, priority, cache_salt)
+            if isinstance(params, BeamSearchParams):
+                await self.run(self.engine.add_beam_search_request, request_id, prompt, params, priority)
+            else:
+                await self.run(self.engine.add_request, request_id, prompt, params,
+                               arrival_time, priority, cache_salt)
         except BaseException as e:
             self._streams.pop(request_id, None)
             if isinstance(e, asyncio.CancelledError):
@@ -203,7 +206,8 @@ class AsyncLLM:
             raise
         assert self._wake is not None
         self._wake.set()
-        return RequestStream(self, request_id, queue, _LatencyTracker(arrival_time, params.output_kind))
+        kind = params.output_kind if isinstance(params, SamplingParams) else RequestOutputKind.FINAL_ONLY
+        return RequestStream(self, request_id, queue, _LatencyTracker(arrival_time, kind))
 
     async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str, *,
                        priority: int = 0, cache_salt: str | None = None,

@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from pagedllm.errors import ValidationError
+from pagedllm.engine.beam_search import BeamSearchParams
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 # Fields whose default comes from the model's generation_config.json when the request omits them.
@@ -77,8 +78,6 @@ class SamplingRequest(OpenAIBaseModel):
 
     def _sampling_params(self, defaults: dict[str, Any], max_tokens: int | None,
                          logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
-        if self.use_beam_search:
-            raise ValidationError("use_beam_search is not supported yet", "use_beam_search")
         if self.stream_options is not None and not self.stream:
             raise ValidationError("stream_options is only allowed with stream=true", "stream_options")
         values: dict[str, Any] = {}
@@ -111,7 +110,15 @@ class CompletionRequest(SamplingRequest):
     suffix: str | None = None
     prompt_logprobs: int | None = None
 
-    def to_sampling_params(self, defaults: dict[str, Any]) -> SamplingParams:
+    def to_sampling_params(self, defaults: dict[str, Any]) -> SamplingParams | BeamSearchParams:
+        if self.use_beam_search:
+            # vLLM's form: n beams, returned whole, best first.
+            if self.stream:
+                raise ValidationError("use_beam_search cannot be streamed; set stream=false", "stream")
+            if self.logprobs is not None or self.echo:
+                raise ValidationError("use_beam_search does not return logprobs or echo", "use_beam_search")
+            return BeamSearchParams(beam_width=self.n, max_tokens=self.max_tokens or 16,
+                                    ignore_eos=self.ignore_eos, length_penalty=self.length_penalty)
         if self.suffix is not None:
             raise ValidationError("suffix is not supported", "suffix")
         if self.best_of is not None and self.best_of != self.n:

@@ -1,0 +1,111 @@
+"""Smoke tests of the benchmarks: each main() runs end to end on a tiny random model with tiny
+settings, prints one result line and writes JSON with sane numbers. Speed is not checked."""
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from pagedllm.benchmarks import common
+
+# A small KV cache: allocating the default one costs more time than the smoke runs themselves.
+SMALL_KV = ["--engine-arg", "num_gpu_blocks_override=256"]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    return str(common.build_model("tiny", tmp_path_factory.mktemp("bench") / "tiny"))
+
+
+def _one_line(capsys, prefix: str) -> str:
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(prefix), lines
+    return lines[0]
+
+
+def test_workloads_are_fixed_and_in_range():
+    a, b = common.make_workload("cpu", 32000), common.make_workload("cpu", 32000)
+    assert a.prompts == b.prompts and a.output_lens == b.output_lens
+    assert a.num_requests == 32
+    assert all(32 <= len(p) <= 256 for p in a.prompts) and all(64 <= o <= 256 for o in a.output_lens)
+    assert common.make_workload("nano", 32000).num_requests == 256
+
+
+def test_flop_count_of_the_tiny_model(tiny_model):
+    s = common.model_stats(tiny_model)
+    # Per layer: q 64x64, k/v 64x32 each, o 64x64, MLP 3x64x128, 2 norms of 64, q/k norms of 16;
+    # plus the final norm. Embedding and head: 32000 x 64 each (untied).
+    assert s.num_body_params == 2 * (4096 + 2 * 2048 + 4096 + 3 * 64 * 128 + 2 * 64 + 2 * 16) + 64
+    assert s.num_embedding_params == s.num_head_params == 32000 * 64
+    one = common.Workload("one", [[5]], [1])  # one token in, one out: no attention beyond itself
+    assert common.workload_flops(s, one) == 2 * s.num_body_params + 4 * 2 * 4 * 16 + 2 * 64 * 32000
+    assert common.percentile([1.0, 2.0, 3.0], 50) == 2.0
+
+
+def test_throughput(tiny_model, tmp_path, capsys):
+    from pagedllm.benchmarks import throughput
+
+    out, png = tmp_path / "t.json", tmp_path / "t.png"
+    throughput.main(["--model", tiny_model, "--workload", "small", "--json", str(out),
+                     "--plot", str(png), "--matmul-size", "128", *SMALL_KV])
+    line = _one_line(capsys, "throughput small")
+    r = json.loads(out.read_text())
+    assert r["num_requests"] == 4 and r["engines"]["pagedllm"]["tok_per_s"] > 0
+    hf = r["engines"]["hf"]
+    assert hf["greedy_agree"] == 4, line  # float32 greedy on a tiny model: identical tokens
+    assert hf["pagedllm_ratio"] > 0 and 0 < r["engines"]["pagedllm"]["utilization"]
+    assert png.stat().st_size > 0
+
+
+def test_prefix(tiny_model, tmp_path, capsys):
+    from pagedllm.benchmarks import prefix
+
+    out = tmp_path / "p.json"
+    prefix.main(["--model", tiny_model, "--num-requests", "4", "--prefix-len", "64",
+                 "--question-len", "8", "--output-len", "3", "--json", str(out), *SMALL_KV])
+    _one_line(capsys, "prefix")
+    r = json.loads(out.read_text())
+    on, off = r["caching_on"], r["caching_off"]
+    assert off["prompt_tokens_computed"] == 4 * (64 + 8)
+    assert 64 + 4 * 8 <= on["prompt_tokens_computed"] < off["prompt_tokens_computed"]
+    assert r["outputs_agree"] == 4
+
+
+def test_memory(tiny_model, tmp_path, capsys):
+    from pagedllm.benchmarks import memory
+
+    out = tmp_path / "m.json"
+    # 128 KiB of KV at 512 bytes/token = 256 tokens: one contiguous request of max_model_len 256.
+    memory.main(["--model", tiny_model, "--workload", "small", "--max-model-len", "256",
+                 "--kv-budget-mib", "0.125", "--json", str(out), *SMALL_KV])
+    _one_line(capsys, "memory small")
+    r = json.loads(out.read_text())
+    b = r["waste"]["busiest_step"]
+    assert 0 < b["tokens"] <= b["slots"] and 0 <= b["waste"] < b["contiguous_waste"]
+    assert r["contiguous_batch"] == 1 and r["paged_batch"]["peak_running"] >= 1
+
+
+def test_latency(tiny_model, tmp_path, capsys):
+    if importlib.util.find_spec("pagedllm.entrypoints.openai.server") is None:
+        pytest.skip("pagedllm.entrypoints.openai.server is not available yet")
+    pytest.importorskip("uvicorn")
+    from pagedllm.benchmarks import latency
+
+    out = tmp_path / "l.json"
+    latency.main(["--model", tiny_model, "--workload", "small", "--request-rate", "50",
+                  "--server", "inprocess", "--json", str(out), *SMALL_KV])
+    _one_line(capsys, "latency small")
+    r = json.loads(out.read_text())
+    assert r["completed"] == 4 and r["failed"] == 0
+    assert r["total_output_tokens"] == sum(common.make_workload("small", 32000).output_lens)
+    assert 0 < r["ttft"]["p50_ms"] <= r["ttft"]["p99_ms"]
+
+
+def test_vllm_peer_explains_a_missing_vllm(tmp_path):
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vllm is installed here")
+    from pagedllm.benchmarks import vllm_peer
+
+    with pytest.raises(SystemExit, match="setup_vllm_cpu.sh"):
+        vllm_peer.main(["--model", "x", "--workload-file", "w", "--out", str(tmp_path / "o")])
