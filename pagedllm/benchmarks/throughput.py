@@ -98,8 +98,6 @@ def run_hf(model: str, workload: Workload, device: str, dtype: str) -> dict:
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     elapsed = time.perf_counter() - t0
-    del hf
-    gc.collect()
     return {"elapsed_s": elapsed, "num_tokens": workload.num_output_tokens, "token_ids": token_ids,
             "num_tokens_computed": len(rows) * len(rows[0])}
 

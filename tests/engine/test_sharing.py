@@ -5,7 +5,6 @@ End to end on the demo model (transformers is the reference) and on a tiny rando
 from __future__ import annotations
 
 import json
-import math
 import shutil
 from pathlib import Path
 

@@ -130,3 +130,26 @@ def test_vllm_extras(client):
                                               "priority": 0, "cache_salt": "salt",
                                               "use_beam_search": False, "length_penalty": 1.0})
     assert r.usage.completion_tokens == 10 and r.choices[0].finish_reason == "length"
+
+
+def test_beam_search_over_the_api(client, reference_llm):
+    from pagedllm import BeamSearchParams
+
+    out = client.completions.create(model="demo", prompt=PROMPT, max_tokens=12, n=3,
+                                    extra_body={"use_beam_search": True, "length_penalty": 0.8})
+    ref = reference_llm.beam_search([PROMPT], BeamSearchParams(beam_width=3, max_tokens=12,
+                                                               length_penalty=0.8))[0]
+    assert len(out.choices) == 3
+    ref_texts = [reference_llm.get_tokenizer().decode(s.tokens[len(s.tokens) - 12:], skip_special_tokens=True)
+                 for s in ref.sequences]
+    assert [c.text for c in out.choices] == ref_texts
+    assert out.usage.completion_tokens == 36
+
+
+def test_beam_search_cannot_stream(client):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="demo", prompt=PROMPT, max_tokens=4, n=2, stream=True,
+                                  extra_body={"use_beam_search": True})
+    assert "stream" in str(e.value)
