@@ -147,6 +147,10 @@ def plot(path: str, result: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    if "--speculative" in (sys.argv[1:] if argv is None else argv):
+        from pagedllm.benchmarks import speculative  # n-gram drafts vs plain, on a repetitive workload
+
+        return speculative.main(argv)
     parser = argparse.ArgumentParser(prog="pagedllm bench throughput", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(parser)

@@ -51,7 +51,8 @@ class Scheduler(SequenceSharingMixin):
         self.num_preemptions = 0
         self.num_prompt_tokens_computed = 0  # prompt tokens run through the model, recompute included
         self.num_generation_tokens = 0
-        self.num_draft_tokens = 0  # speculative decoding
+        self.num_drafts = 0  # speculative decoding: draft runs verified, draft tokens, accepted
+        self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
 
     # ------------------------------------------------------------------------------------------
@@ -320,6 +321,7 @@ class Scheduler(SequenceSharingMixin):
                 # their slots are rewritten next step.
                 num_accepted = len(new_ids) - 1
                 req.num_computed_tokens -= len(drafts) - num_accepted
+                self.num_drafts += 1
                 self.num_draft_tokens += len(drafts)
                 self.num_accepted_tokens += num_accepted
             stopped = False

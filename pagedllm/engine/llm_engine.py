@@ -273,6 +273,7 @@ class LLMEngine:
             "pagedllm:generation_tokens": s.num_generation_tokens,
             "pagedllm:request_success": self.num_requests_finished,
             "pagedllm:num_gpu_blocks": self.num_blocks,
+            "pagedllm:spec_decode_num_drafts": s.num_drafts,
             "pagedllm:spec_decode_num_draft_tokens": s.num_draft_tokens,
             "pagedllm:spec_decode_num_accepted_tokens": s.num_accepted_tokens,
         }
