@@ -13,6 +13,9 @@ from pagedllm.core.block_pool import BlockPool, KVCacheBlock
 from pagedllm.core.request import Request
 
 
+_NO_BLOCKS: list[KVCacheBlock] = []  # shared "nothing new" result; callers never mutate it
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -89,10 +92,18 @@ class KVCacheManager:
         shared block, no new block) touches only a few integers.
         """
         rid = request.request_id
+        bs = self.block_size
+        if num_new_tokens == 1 and not num_new_computed_tokens and not num_lookahead_tokens:
+            # The common decode step: the token lands inside a block we own alone and does not
+            # fill it, so there is nothing to allocate, copy or publish.
+            offset = request.num_computed_tokens % bs
+            if 0 < offset < bs - 1:
+                own = self.req_to_blocks.get(rid)
+                if own is not None and own[request.num_computed_tokens // bs].ref_cnt == 1:
+                    return _NO_BLOCKS
         blocks = self.req_to_blocks.get(rid)
         if blocks is None:
             blocks = []
-        bs = self.block_size
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         end = num_computed + num_new_tokens
         num_required = (end + num_lookahead_tokens + bs - 1) // bs
