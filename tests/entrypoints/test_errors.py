@@ -50,7 +50,8 @@ def _assert_error(r: httpx.Response, status: int, param: str | None) -> dict:
     ("/v1/completions", {**OK, "max_tokens": 600}, "max_tokens"),  # prompt + output too long
     ("/v1/completions", {**OK, "prompt": [100000]}, "prompt"),  # token id outside the vocabulary
     ("/v1/completions", {**OK, "prompt": []}, "prompt"),
-    ("/v1/completions", {**OK, "use_beam_search": True}, "use_beam_search"),
+    ("/v1/completions", {**OK, "use_beam_search": True, "stream": True}, "stream"),
+    ("/v1/completions", {**OK, "use_beam_search": True, "logprobs": 2}, "use_beam_search"),
     ("/v1/completions", {**OK, "stream_options": {"include_usage": True}}, "stream_options"),
     ("/v1/completions", {**OK, "stream": True, "prompt": [5] * 600}, "prompt"),  # 400 before the stream
     ("/v1/chat/completions", {**CHAT_OK, "messages": "hi"}, "messages"),
