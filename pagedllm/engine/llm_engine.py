@@ -167,6 +167,8 @@ class LLMEngine:
 
     def _process_beam_outputs(self, core_outputs: list) -> tuple[list, list[RequestOutput]]:
         """Route beam-slot reports to their groups; advance every group whose beams all reported."""
+        if not self.beam_groups:
+            return core_outputs, []
         rest, touched = [], {}
         for out in core_outputs:
             group = self._beam_slot_to_group.get(out.request_id)
@@ -202,7 +204,6 @@ class LLMEngine:
             text = self.tokenizer.decode(shown, skip_special_tokens=True) if self.tokenizer is not None else ""
             completions.append(CompletionOutput(i, text, list(ids), beam.cum_logprob, None,
                                                 beam.finish_reason))
-        self.num_requests_finished += 1
         return RequestOutput(group.request_id, group.prompt_text, group.prompt_token_ids, None,
                              completions, True, beam_scores=[b.score for b in group.results()])
 
@@ -221,24 +222,22 @@ class LLMEngine:
 
     # -- the loop ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        beam_results: list[RequestOutput] = []
         scheduler_output = self.scheduler.schedule()
-        if scheduler_output.scheduled_new_reqs:
-            self._record_first_scheduled(scheduler_output.scheduled_new_reqs)
+        self._record_first_scheduled(scheduler_output.scheduled_new_reqs)
         runner_output = self.runner.execute_model(scheduler_output)
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        if self.beam_groups:
-            core_outputs, beam_results = self._process_beam_outputs(core_outputs)
+        core_outputs, beam_results = self._process_beam_outputs(core_outputs)
         outputs, stopped = self.output_processor.process_outputs(core_outputs)
-        if self.beam_groups or beam_results:
-            outputs.extend(beam_results)
-        for child_id, stop_str in stopped:
+        for child_id, stop_str in stopped:  # a stop string showed up in the text
             self.scheduler.finish_requests(child_id, RequestStatus.FINISHED_STOPPED, stop_str)
+        outputs += beam_results
         self.num_requests_finished += sum(1 for o in outputs if o.finished)
         return outputs
 
     def _record_first_scheduled(self, new_reqs: list) -> None:
         """Stamp RequestMetrics.first_scheduled_time (the server's queue-time histogram)."""
+        if not new_reqs:
+            return
         now = time.monotonic()
         states = self.output_processor.request_states
         for new in new_reqs:
