@@ -13,7 +13,7 @@ from pagedllm.core.block_pool import BlockPool, KVCacheBlock
 from pagedllm.core.request import Request
 
 
-_NO_BLOCKS: list[KVCacheBlock] = []  # shared "nothing new" result; callers never mutate it
+NO_NEW_BLOCKS: list[KVCacheBlock] = []  # shared "nothing new" result; callers never mutate it
 
 
 def cdiv(a: int, b: int) -> int:
@@ -93,14 +93,9 @@ class KVCacheManager:
         """
         rid = request.request_id
         bs = self.block_size
-        if num_new_tokens == 1 and not num_new_computed_tokens and not num_lookahead_tokens:
-            # The common decode step: the token lands inside a block we own alone and does not
-            # fill it, so there is nothing to allocate, copy or publish.
-            offset = request.num_computed_tokens % bs
-            if 0 < offset < bs - 1:
-                own = self.req_to_blocks.get(rid)
-                if own is not None and own[request.num_computed_tokens // bs].ref_cnt == 1:
-                    return _NO_BLOCKS
+        if num_new_tokens == 1 and not num_new_computed_tokens and not num_lookahead_tokens \
+                and self.appends_in_place(request):
+            return NO_NEW_BLOCKS
         blocks = self.req_to_blocks.get(rid)
         if blocks is None:
             blocks = []
@@ -145,6 +140,16 @@ class KVCacheManager:
                 num_cached = num_full
             self.num_cached_blocks[rid] = num_cached
         return new_blocks
+
+    def appends_in_place(self, request: Request) -> bool:
+        """True for the common decode step: the next token lands inside a block the request owns
+        alone and does not fill it, so there is nothing to allocate, copy or publish."""
+        pos = request.num_computed_tokens
+        offset = pos % self.block_size
+        if 0 < offset < self.block_size - 1:
+            blocks = self.req_to_blocks.get(request.request_id)
+            return blocks is not None and blocks[pos // self.block_size].ref_cnt == 1
+        return False
 
     def _copy_on_write(self, rid: str, blocks: list[KVCacheBlock], indices: list[int]) -> None:
         fresh = self.block_pool.get_new_blocks(len(indices))

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from pagedllm.config import SchedulerConfig
-from pagedllm.core.kv_cache_manager import KVCacheBlock, KVCacheManager
+from pagedllm.core.kv_cache_manager import NO_NEW_BLOCKS, KVCacheBlock, KVCacheManager
 from pagedllm.core.ngram_proposer import NgramProposer
 from pagedllm.core.outputs import (CachedRequestData, EngineCoreOutput, NewRequestData,
                                    RunnerOutput, SchedulerOutput)
@@ -20,6 +20,9 @@ from pagedllm.core.request_queue import create_request_queue
 from pagedllm.core.sequence_sharing import SequenceSharingMixin
 from pagedllm.errors import ValidationError
 from pagedllm.sampling_params import SamplingParams
+
+
+_NO_IDS: list[int] = []  # shared "no new blocks" entry; the runner only reads it
 
 
 class Scheduler(SequenceSharingMixin):
@@ -105,6 +108,7 @@ class Scheduler(SequenceSharingMixin):
 
         # 1. Running requests first (hot path: keep it to a few integer operations per request).
         running = self.running
+        appends_in_place = kv.appends_in_place
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
@@ -116,7 +120,11 @@ class Scheduler(SequenceSharingMixin):
             if n <= 0:
                 i += 1
                 continue
-            while (new_blocks := kv.allocate_slots(req, n)) is None:
+            if n == 1 and appends_in_place(req):
+                new_blocks = NO_NEW_BLOCKS  # skips allocate_slots' bookkeeping on the hot path
+            else:
+                new_blocks = kv.allocate_slots(req, n)
+            while new_blocks is None:
                 victim = running[-1] if self.policy == "fcfs" else max(running)
                 victim_index = running.index(victim)
                 if victim.request_id in num_scheduled:  # give back what it was given this step
@@ -129,6 +137,7 @@ class Scheduler(SequenceSharingMixin):
                     break
                 if victim_index < i:
                     i -= 1
+                new_blocks = kv.allocate_slots(req, n)
             if new_blocks is None:
                 continue  # req preempted itself; running[i] is now the next request
             num_scheduled[req.request_id] = n
@@ -236,12 +245,15 @@ class Scheduler(SequenceSharingMixin):
             sched_running = [r for r, _ in keep]
             sched_blocks = [b for _, b in keep]
             self._unsent.difference_update(r.request_id for r in scheduled_new)
+        req_ids, new_block_ids = cached.req_ids, cached.new_block_ids
+        computed, new_token_ids = cached.num_computed_tokens, cached.new_token_ids
         for req, blocks in zip(sched_running, sched_blocks):
-            cached.req_ids.append(req.request_id)
-            cached.new_block_ids.append([b.block_id for b in blocks] if blocks else [])
-            cached.num_computed_tokens.append(req.num_computed_tokens)
-            cached.new_token_ids.append(req.all_token_ids[req.num_sent_tokens:])
-            req.num_sent_tokens = len(req.all_token_ids)
+            req_ids.append(req.request_id)
+            new_block_ids.append([b.block_id for b in blocks] if blocks else _NO_IDS)
+            computed.append(req.num_computed_tokens)
+            all_ids = req.all_token_ids
+            new_token_ids.append(all_ids[req.num_sent_tokens:])
+            req.num_sent_tokens = len(all_ids)
         for req in scheduled_new:
             req.num_sent_tokens = len(req.all_token_ids)
         new_reqs = [
@@ -284,13 +296,15 @@ class Scheduler(SequenceSharingMixin):
         self.finished_req_ids = set()
         # Advance now: the next schedule() sees these tokens as computed (the runner computes
         # them before then), and preemption frees exactly what was computed.
+        num_prompt_computed = 0
         for reqs in (sched_running, scheduled_new):
             for req in reqs:
                 start = req.num_computed_tokens
-                n = num_scheduled[req.request_id]
+                end = start + num_scheduled[req.request_id]
                 if start < req._num_prompt_tokens:
-                    self.num_prompt_tokens_computed += min(req._num_prompt_tokens, start + n) - start
-                req.num_computed_tokens = start + n
+                    num_prompt_computed += min(req._num_prompt_tokens, end) - start
+                req.num_computed_tokens = end
+        self.num_prompt_tokens_computed += num_prompt_computed
         return out
 
     # ------------------------------------------------------------------------------------------
@@ -303,6 +317,7 @@ class Scheduler(SequenceSharingMixin):
         requests = self.requests
         all_logprobs = runner_output.logprobs
         prompt_logprobs = runner_output.prompt_logprobs
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         for idx, (rid, new_ids) in enumerate(zip(runner_output.req_ids, runner_output.sampled_token_ids)):
             req = requests.get(rid)
             if req is None or req.status != RequestStatus.RUNNING:
@@ -315,7 +330,7 @@ class Scheduler(SequenceSharingMixin):
                     outputs.append(EngineCoreOutput(rid, [], None, None, new_logprobs, None,
                                                     max(req.num_cached_tokens, 0)))
                 continue
-            drafts = scheduler_output.scheduled_spec_decode_tokens.get(rid)
+            drafts = spec_tokens.get(rid) if spec_tokens else None
             if drafts:
                 # Rejected drafts were computed but are not part of the sequence: roll back so
                 # their slots are rewritten next step.
@@ -325,7 +340,13 @@ class Scheduler(SequenceSharingMixin):
                 self.num_draft_tokens += len(drafts)
                 self.num_accepted_tokens += num_accepted
             stopped = False
-            if new_ids:
+            if len(new_ids) == 1:  # the usual decode step
+                tok = new_ids[0]
+                req.output_token_ids.append(tok)
+                req.all_token_ids.append(tok)
+                stopped = self._check_stop(req)
+                self.num_generation_tokens += 1
+            elif new_ids:
                 kept = 0
                 for tok in new_ids:
                     req.output_token_ids.append(tok)
