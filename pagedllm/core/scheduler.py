@@ -245,15 +245,35 @@ class Scheduler(SequenceSharingMixin):
             sched_running = [r for r, _ in keep]
             sched_blocks = [b for _, b in keep]
             self._unsent.difference_update(r.request_id for r in scheduled_new)
+        spec_tokens: dict[str, list[int]] = {}
+        pending_forks: dict[str, list[tuple[str, SamplingParams]]] = {}
+        if self.proposer is not None or self._running_leaders:  # before num_computed advances
+            for reqs in (sched_running, scheduled_new):
+                for req in reqs:
+                    end = req.num_computed_tokens + num_scheduled[req.request_id]
+                    if req.spec_token_ids and end > len(req.all_token_ids):
+                        spec_tokens[req.request_id] = req.spec_token_ids[:end - len(req.all_token_ids)]
+                    if req.pending_forks and end == len(req.all_token_ids):
+                        pending_forks[req.request_id] = [(c.request_id, c.sampling_params)
+                                                         for c in req.pending_forks]
         req_ids, new_block_ids = cached.req_ids, cached.new_block_ids
         computed, new_token_ids = cached.num_computed_tokens, cached.new_token_ids
+        num_prompt_computed = 0
         for req, blocks in zip(sched_running, sched_blocks):
-            req_ids.append(req.request_id)
+            rid = req.request_id
+            req_ids.append(rid)
             new_block_ids.append([b.block_id for b in blocks] if blocks else _NO_IDS)
-            computed.append(req.num_computed_tokens)
+            start = req.num_computed_tokens
+            computed.append(start)
             all_ids = req.all_token_ids
             new_token_ids.append(all_ids[req.num_sent_tokens:])
             req.num_sent_tokens = len(all_ids)
+            # Advance now: the next schedule() sees these tokens as computed (the runner
+            # computes them before then), and preemption frees exactly what was computed.
+            end = start + num_scheduled[rid]
+            if start < req._num_prompt_tokens:
+                num_prompt_computed += min(req._num_prompt_tokens, end) - start
+            req.num_computed_tokens = end
         for req in scheduled_new:
             req.num_sent_tokens = len(req.all_token_ids)
         new_reqs = [
@@ -268,17 +288,6 @@ class Scheduler(SequenceSharingMixin):
             )
             for r in scheduled_new
         ]
-        spec_tokens: dict[str, list[int]] = {}
-        pending_forks: dict[str, list[tuple[str, SamplingParams]]] = {}
-        for reqs in (sched_running, scheduled_new):
-            for req in reqs:
-                n = num_scheduled[req.request_id]
-                end = req.num_computed_tokens + n
-                if req.spec_token_ids and end > len(req.all_token_ids):
-                    spec_tokens[req.request_id] = req.spec_token_ids[:end - len(req.all_token_ids)]
-                if req.pending_forks and end == len(req.all_token_ids):
-                    pending_forks[req.request_id] = [(c.request_id, c.sampling_params)
-                                                     for c in req.pending_forks]
         block_copies, replaced = kv.take_block_copies()
         out = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
@@ -294,16 +303,12 @@ class Scheduler(SequenceSharingMixin):
             pending_forks=pending_forks,
         )
         self.finished_req_ids = set()
-        # Advance now: the next schedule() sees these tokens as computed (the runner computes
-        # them before then), and preemption frees exactly what was computed.
-        num_prompt_computed = 0
-        for reqs in (sched_running, scheduled_new):
-            for req in reqs:
-                start = req.num_computed_tokens
-                end = start + num_scheduled[req.request_id]
-                if start < req._num_prompt_tokens:
-                    num_prompt_computed += min(req._num_prompt_tokens, end) - start
-                req.num_computed_tokens = end
+        for req in scheduled_new:
+            start = req.num_computed_tokens
+            end = start + num_scheduled[req.request_id]
+            if start < req._num_prompt_tokens:
+                num_prompt_computed += min(req._num_prompt_tokens, end) - start
+            req.num_computed_tokens = end
         self.num_prompt_tokens_computed += num_prompt_computed
         return out
 
@@ -382,7 +387,7 @@ class Scheduler(SequenceSharingMixin):
             if not sp.ignore_eos and last in req.eos_token_ids:
                 req.status = RequestStatus.FINISHED_STOPPED
                 return True
-            if last in sp.all_stop_token_ids:
+            if last in sp._all_stop_token_ids:
                 req.status = RequestStatus.FINISHED_STOPPED
                 req.stop_reason = last
                 return True
