@@ -45,6 +45,19 @@ def _setup(num_seqs: int, num_blocks: int, budget: int) -> tuple[Scheduler, Fake
     return sched, runner
 
 
+def _timed_step(sched: Scheduler, runner: FakeRunner) -> tuple[float, float, int]:
+    """One engine step; returns (schedule seconds, update seconds, requests scheduled).
+    The runner's own time is not counted."""
+    t0 = time.perf_counter()
+    so = sched.schedule()
+    t1 = time.perf_counter()
+    ro = runner.execute_model(so)
+    t2 = time.perf_counter()
+    sched.update_from_output(so, ro)
+    t3 = time.perf_counter()
+    return t1 - t0, t3 - t2, len(so.num_scheduled_tokens)
+
+
 def bench_steady_decode(num_running: int, num_steps: int = 100) -> dict:
     rng = random.Random(0)
     sched, runner = _setup(num_running, num_running * 48, 8192)
@@ -56,16 +69,10 @@ def bench_steady_decode(num_running: int, num_steps: int = 100) -> dict:
         sched.update_from_output(so, runner.execute_model(so))
     t_sched, t_update = [], []
     for _ in range(num_steps):
-        t0 = time.perf_counter()
-        so = sched.schedule()
-        t1 = time.perf_counter()
-        ro = runner.execute_model(so)
-        t2 = time.perf_counter()
-        sched.update_from_output(so, ro)
-        t3 = time.perf_counter()
-        assert len(so.num_scheduled_tokens) == num_running
-        t_sched.append(t1 - t0)
-        t_update.append(t3 - t2)
+        ts, tu, num_scheduled = _timed_step(sched, runner)
+        assert num_scheduled == num_running
+        t_sched.append(ts)
+        t_update.append(tu)
     s, u = statistics.median(t_sched) * 1e6, statistics.median(t_update) * 1e6
     return {"workload": f"decode-{num_running}", "running": num_running,
             "schedule_us_per_step": s, "update_us_per_step": u,
@@ -83,17 +90,11 @@ def bench_lifecycle(num_requests: int = 2048) -> dict:
     running_sum = 0
     start = time.perf_counter()
     while sched.has_unfinished_requests():
-        t0 = time.perf_counter()
-        so = sched.schedule()
-        t1 = time.perf_counter()
-        ro = runner.execute_model(so)
-        t2 = time.perf_counter()
-        sched.update_from_output(so, ro)
-        t3 = time.perf_counter()
-        t_sched += t1 - t0
-        t_update += t3 - t2
+        ts, tu, num_scheduled = _timed_step(sched, runner)
+        t_sched += ts
+        t_update += tu
         steps += 1
-        running_sum += len(so.num_scheduled_tokens)
+        running_sum += num_scheduled
     wall = time.perf_counter() - start
     s, u = t_sched / steps * 1e6, t_update / steps * 1e6
     return {"workload": "lifecycle-2048", "steps": steps, "mean_running": running_sum / steps,
