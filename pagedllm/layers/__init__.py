@@ -9,12 +9,12 @@ from pagedllm.layers.embed_head import LMHead, VocabEmbedding
 from pagedllm.layers.forward_context import get_attn_metadata, set_forward_context
 from pagedllm.layers.kv_cache import attention_layers, bind_kv_caches, copy_blocks, kv_cache_shape
 from pagedllm.layers.layernorm import RMSNorm
-from pagedllm.layers.linear import Linear, MergedLinear
+from pagedllm.layers.linear import Linear, MergedLinear, prepack_linear_weights
 from pagedllm.layers.rotary import RopeConfig, RotaryEmbedding, apply_rotary
 
 __all__ = [
     "Attention", "AttentionMetadata", "DecodeBatch", "GatedActivation", "LMHead", "Linear",
     "MergedLinear", "PrefillChunk", "RMSNorm", "RopeConfig", "RotaryEmbedding", "VocabEmbedding",
     "apply_rotary", "attention_layers", "bind_kv_caches", "build_attention_metadata",
-    "copy_blocks", "get_attn_metadata", "kv_cache_shape", "set_forward_context", "write_kv",
+    "copy_blocks", "get_attn_metadata", "kv_cache_shape", "prepack_linear_weights", "set_forward_context", "write_kv",
 ]

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.layers.attention_metadata import AttentionMetadata, DecodeBatch, PrefillChunk
+from pagedllm.layers.decode_kv import DecodeKVPlan
 from pagedllm.layers.forward_context import get_attn_metadata
 
 
@@ -22,14 +23,6 @@ def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)  # slot-indexed view
     flat[0].index_copy_(0, slot_mapping, key)
     flat[1].index_copy_(0, slot_mapping, value)
-
-
-def _repeat_kv(x: torch.Tensor, num_groups: int) -> torch.Tensor:
-    """``[..., kv_heads, L, D] -> [..., kv_heads * num_groups, L, D]``: query head h reads kv head
-    h // num_groups (the layout of HF checkpoints)."""
-    if num_groups == 1:
-        return x
-    return x.repeat_interleave(num_groups, dim=-3)
 
 
 class Attention(nn.Module):
@@ -66,27 +59,61 @@ class Attention(nn.Module):
                                "call bind_kv_caches(model, kv_caches) first")
         write_kv(self.kv_cache, k, v, md.slot_mapping)
 
+        decode = md.decode
+        if decode is not None and not md.prefills:  # all decodes, in batch order: no shuffling
+            return self._decode(q, k, v, decode).view(num_tokens, -1)
         out = q.new_empty(q.shape)  # [T, H, D]
-        if md.decode is not None:
-            rows = md.decode.token_indices
-            out[rows] = self._decode(q[rows], md.decode)
+        if decode is not None:
+            rows = decode.rows
+            out[rows] = self._decode(q[rows], k[rows], v[rows], decode)
         for chunk in md.prefills:
             rows = slice(chunk.token_start, chunk.token_end)
             out[rows] = self._prefill(q[rows], k[rows], v[rows], chunk, md)
         return out.view(num_tokens, -1)  # [T, H * D]
 
-    def _decode(self, q: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
-        """``q [Bd, H, D]`` (one token per request) -> ``[Bd, H, D]``; one SDPA for the batch."""
+    def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                batch: DecodeBatch) -> torch.Tensor:
+        """``q [Bd, H, D]``, ``k/v [Bd, Hkv, D]`` (one token per request) -> ``[Bd, H, D]``."""
+        if batch.contiguous is not None:
+            return self._decode_contiguous(q, k, v, batch.contiguous)
         num_reqs = q.shape[0]
-        keys, values = self.kv_cache[0], self.kv_cache[1]  # [num_blocks, block_size, Hkv, D]
-        # Gather whole blocks: [Bd, nb, block_size, Hkv, D] -> [Bd, Hkv, L, D]
-        k = keys[batch.block_tables].flatten(1, 2).transpose(1, 2)
-        v = values[batch.block_tables].flatten(1, 2).transpose(1, 2)
+        num_blocks = batch.block_tables.shape[1]
+        ids = batch.block_tables.flatten()
+        # index_select copies whole blocks (memcpy); advanced indexing is several times slower.
+        # [Bd * nb, block_size, Hkv, D] -> [Bd, Hkv, L, D]
+        k_ctx = self.kv_cache[0].index_select(0, ids).view(num_reqs, num_blocks * self.kv_cache.shape[2],
+                                                           self.num_kv_heads, self.head_dim)
+        v_ctx = self.kv_cache[1].index_select(0, ids).view(k_ctx.shape)
+        return self._decode_attend(q, k_ctx.transpose(1, 2), v_ctx.transpose(1, 2), batch.mask)
+
+    def _decode_contiguous(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           plan: DecodeKVPlan) -> torch.Tensor:
+        """Attend over the decode store (see decode_kv.py): one row per request, read in place."""
+        store = plan.caches[self.layer_idx]  # [2, rows, len, Hkv, D]
+        if plan.fill_src is not None:
+            # Context the rows lack, from the paged cache (already holding this step's writes).
+            paged = self.kv_cache.view(2, -1, self.num_kv_heads, self.head_dim)
+            flat = store.view(2, -1, self.num_kv_heads, self.head_dim)
+            flat.index_copy_(1, plan.fill_dst, paged.index_select(1, plan.fill_src))
+        write_kv(store, k, v, plan.write_slots)
+        n, length = plan.num_rows, plan.max_len
+        keys = store[0, :n, :length].transpose(1, 2)  # [n, Hkv, L, D], a view
+        values = store[1, :n, :length].transpose(1, 2)
+        if plan.rows is None:  # request i sits in row i
+            return self._decode_attend(q, keys, values, plan.mask)
+        q_rows = q.new_zeros(n, self.num_heads, self.head_dim).index_copy_(0, plan.rows, q)
+        out = self._decode_attend(q_rows, keys, values, plan.mask)
+        return out.index_select(0, plan.rows)
+
+    def _decode_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       mask: torch.Tensor) -> torch.Tensor:
+        """``q [B, H, D]``, ``k/v [B, Hkv, L, D]`` -> ``[B, H, D]``; one SDPA for the batch."""
+        num_reqs = q.shape[0]
         # GQA without copying K/V: the num_groups query heads that share a kv head become that
-        # head's "query positions": [Bd, H, D] -> [Bd, Hkv, groups, D]. The mask [Bd, 1, 1, L]
+        # head's "query positions": [B, H, D] -> [B, Hkv, groups, D]. The mask [B, 1, 1, L]
         # broadcasts over both.
         q = q.view(num_reqs, self.num_kv_heads, self.num_groups, self.head_dim)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=batch.mask, scale=self.scale)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
         return out.reshape(num_reqs, self.num_heads, self.head_dim)
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: PrefillChunk,
@@ -104,9 +131,11 @@ class Attention(nn.Module):
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 mask: torch.Tensor | None) -> torch.Tensor:
         """One sequence: ``q [n, H, D]``, ``k/v [L, Hkv, D]`` -> ``[n, H, D]``; causal if no mask."""
-        q_t = q.transpose(0, 1)  # [H, n, D]
-        k_t = _repeat_kv(k.transpose(0, 1), self.num_groups)  # [H, L, D]
-        v_t = _repeat_kv(v.transpose(0, 1), self.num_groups)
+        # 4-D inputs and enable_gqa: torch's fused CPU kernel (flash) instead of the math path,
+        # and no repeat_interleave copies of K/V; query head h reads kv head h // num_groups.
+        q_t = q.transpose(0, 1)[None]  # [1, H, n, D]
+        k_t = k.transpose(0, 1)[None]  # [1, Hkv, L, D]
+        v_t = v.transpose(0, 1)[None]
         out = F.scaled_dot_product_attention(q_t, k_t, v_t, attn_mask=mask, is_causal=mask is None,
-                                             scale=self.scale)
-        return out.transpose(0, 1)  # [n, H, D]
+                                             scale=self.scale, enable_gqa=self.num_groups > 1)
+        return out[0].transpose(0, 1)  # [n, H, D]

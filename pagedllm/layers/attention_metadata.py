@@ -11,16 +11,22 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedllm.layers.decode_kv import DecodeKVPlan
+
 ToDevice = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass(slots=True)
 class DecodeBatch:
-    """All requests with exactly one new token, attended with a single batched SDPA call."""
+    """All requests with exactly one new token, attended with a single batched SDPA call: over
+    the contiguous decode store when ``contiguous`` is set, else over blocks gathered from the
+    paged cache (``block_tables`` and ``mask`` are only built for that path)."""
 
     token_indices: torch.Tensor  # [Bd] long: rows of the flat batch
-    block_tables: torch.Tensor   # [Bd, nb] long: enough blocks for the longest of them
-    mask: torch.Tensor           # [Bd, 1, 1, nb * block_size] bool: True = position < seq_len
+    rows: slice | torch.Tensor   # token_indices as a slice when they are consecutive (no copies)
+    block_tables: torch.Tensor | None  # [Bd, nb] long: enough blocks for the longest of them
+    mask: torch.Tensor | None    # [Bd, 1, 1, nb * block_size] bool: True = position < seq_len
+    contiguous: DecodeKVPlan | None = None
 
 
 @dataclass(slots=True)
@@ -55,64 +61,78 @@ class AttentionMetadata:
 
 def build_attention_metadata(query_lens: list[int], num_computed_tokens: list[int],
                              block_tables: list[list[int]], block_size: int,
-                             device: torch.device | str = "cpu") -> AttentionMetadata:
+                             device: torch.device | str = "cpu",
+                             decode_kv: DecodeKVPlan | None = None) -> AttentionMetadata:
     """Per-step metadata for requests ``i`` advancing by ``query_lens[i]`` tokens.
 
-    Per-token quantities come from vectorised torch ops; Python loops run per request only.
+    ``decode_kv``: the decode store's plan for the requests with one new token (in batch order),
+    or None to attend to them through the paged cache.
+
+    Built in plain Python (runs per block, not per token) and turned into one tensor per field:
+    a decode step has a single token per request, and a dozen small torch ops would cost more.
     Raises ValueError when a block table is too short for its request (a runner bug).
     """
     num_reqs = len(query_lens)
     if not (len(num_computed_tokens) == len(block_tables) == num_reqs):
         raise ValueError("query_lens, num_computed_tokens and block_tables differ in length")
     seq_lens = [c + q for c, q in zip(num_computed_tokens, query_lens)]
-    for i, (seq_len, table) in enumerate(zip(seq_lens, block_tables)):
+    query_start_loc = [0]
+    positions: list[int] = []
+    slot_mapping: list[int] = []
+    for i, (start, seq_len, table) in enumerate(zip(num_computed_tokens, seq_lens, block_tables)):
         if len(table) * block_size < seq_len:
             raise ValueError(f"request {i}: {len(table)} blocks of {block_size} cannot hold "
                              f"{seq_len} tokens")
-    query_start_loc = [0]
-    for q in query_lens:
-        query_start_loc.append(query_start_loc[-1] + q)
+        query_start_loc.append(query_start_loc[-1] + seq_len - start)
+        positions.extend(range(start, seq_len))
+        pos = start
+        while pos < seq_len:  # one run of consecutive slots per block touched
+            block, offset = divmod(pos, block_size)
+            end = min(seq_len, pos - offset + block_size)
+            base = table[block] * block_size - block * block_size
+            slot_mapping.extend(range(base + pos, base + end))
+            pos = end
 
-    max_blocks = max((len(t) for t in block_tables), default=0)
-    # Built on the CPU (tiny tensors, many small ops), moved to the device once at the end.
-    tables = torch.zeros(num_reqs, max(max_blocks, 1), dtype=torch.long)
-    for i, table in enumerate(block_tables):
-        tables[i, :len(table)] = torch.tensor(table, dtype=torch.long)
-    q_lens = torch.tensor(query_lens, dtype=torch.long)
-    computed = torch.tensor(num_computed_tokens, dtype=torch.long)
-    starts = torch.tensor(query_start_loc, dtype=torch.long)
-    seq_lens_t = torch.tensor(seq_lens, dtype=torch.long)
+    max_blocks = max(1, max((len(t) for t in block_tables), default=0))
+    # Padded with block 0, which is never read: keys past a request's length are masked.
+    tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in block_tables], dtype=torch.long)
+    tables = tables.view(num_reqs, max_blocks)
 
-    # Slot of every new token: which request owns it, its position, then the block table.
-    req_of_token = torch.repeat_interleave(torch.arange(num_reqs), q_lens)  # [T]
-    positions = torch.arange(query_start_loc[-1]) - starts[req_of_token] + computed[req_of_token]
-    block_of_token = tables[req_of_token, positions // block_size]  # [T]
-    slot_mapping = block_of_token * block_size + positions % block_size
+    def longs(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
 
     def to_dev(t: torch.Tensor) -> torch.Tensor:
         return t.to(device, non_blocking=True)
 
     return AttentionMetadata(
-        slot_mapping=to_dev(slot_mapping), query_start_loc=query_start_loc, seq_lens=seq_lens,
+        slot_mapping=longs(slot_mapping), query_start_loc=query_start_loc, seq_lens=seq_lens,
         num_computed_tokens=list(num_computed_tokens), block_tables=to_dev(tables),
-        block_size=block_size, positions=to_dev(positions),
-        query_start_loc_tensor=to_dev(starts), seq_lens_tensor=to_dev(seq_lens_t),
-        decode=_build_decode(q_lens, seq_lens_t, starts, tables, block_size, to_dev),
+        block_size=block_size, positions=longs(positions),
+        query_start_loc_tensor=longs(query_start_loc), seq_lens_tensor=longs(seq_lens),
+        decode=_build_decode(query_lens, seq_lens, query_start_loc, tables, block_size, to_dev,
+                             decode_kv),
         prefills=_build_prefills(query_lens, num_computed_tokens, query_start_loc, seq_lens,
                                  tables, block_size, to_dev),
     )
 
 
-def _build_decode(q_lens: torch.Tensor, seq_lens: torch.Tensor, starts: torch.Tensor,
-                  tables: torch.Tensor, block_size: int, to_dev: ToDevice) -> DecodeBatch | None:
-    decode_reqs = (q_lens == 1).nonzero().squeeze(1)  # [Bd]
-    if decode_reqs.numel() == 0:
+def _build_decode(query_lens: list[int], seq_lens: list[int], query_start_loc: list[int],
+                  tables: torch.Tensor, block_size: int, to_dev: ToDevice,
+                  plan: DecodeKVPlan | None) -> DecodeBatch | None:
+    decode_reqs = [i for i, q in enumerate(query_lens) if q == 1]
+    if not decode_reqs:
         return None
-    dec_seq_lens = seq_lens[decode_reqs]  # [Bd]
+    token_indices = [query_start_loc[i] for i in decode_reqs]  # increasing
+    first, num = token_indices[0], len(token_indices)
+    token_indices_t = to_dev(torch.tensor(token_indices, dtype=torch.long))
+    rows = slice(first, first + num) if token_indices[-1] - first == num - 1 else token_indices_t
+    if plan is not None:
+        return DecodeBatch(token_indices_t, rows, None, None, plan)
+    dec_seq_lens = torch.tensor([seq_lens[i] for i in decode_reqs])  # [Bd]
     num_blocks = -(-int(dec_seq_lens.max()) // block_size)
     key_pos = torch.arange(num_blocks * block_size)  # [L]
     mask = key_pos[None, :] < dec_seq_lens[:, None]  # [Bd, L]
-    return DecodeBatch(token_indices=to_dev(starts[decode_reqs]),
+    return DecodeBatch(token_indices=token_indices_t, rows=rows,
                        block_tables=to_dev(tables[decode_reqs, :num_blocks]),
                        mask=to_dev(mask[:, None, None, :]))  # [Bd, 1, 1, L]: broadcast over heads
 

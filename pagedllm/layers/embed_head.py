@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedllm.layers.linear import linear
+
 
 class VocabEmbedding(nn.Embedding):
     """``[T] token ids -> [T, hidden]``."""
@@ -15,6 +17,9 @@ class VocabEmbedding(nn.Embedding):
 class LMHead(nn.Module):
     """``[N, hidden] -> [N, vocab]`` float32 logits (the sampler wants float32 whatever the dtype)."""
 
+    # Set by prepack_linear_weights (see linear.py); a tied head gets its own packed copy.
+    packed_weight: torch.Tensor | None = None
+
     def __init__(self, hidden_size: int, vocab_size: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
@@ -25,4 +30,4 @@ class LMHead(nn.Module):
         self.weight = embedding.weight
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(hidden_states, self.weight).float()
+        return linear(hidden_states, self.weight, None, self.packed_weight).float()

@@ -93,14 +93,26 @@ class LlamaAttention(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         num_tokens = hidden_states.shape[0]
-        q, k, v = self.qkv_proj(hidden_states).split(self.qkv_proj.output_sizes, dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q_size, kv_size = self.qkv_proj.output_sizes[0], self.qkv_proj.output_sizes[1]
+        qkv = self.qkv_proj(hidden_states)
+        # q and k heads side by side, normed and rotated together (half the small ops):
+        # [T, (H + Hkv) * D] -> [T, H + Hkv, D], a view of the projection output.
+        qk = qkv[:, :q_size + kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+        v = qkv[:, q_size + kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            qk = self._qk_norm(qk)
+        qk = apply_rotary(qk, cos, sin)
+        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]  # [T, H, D], [T, Hkv, D]
         return self.o_proj(self.attn(q, k, v))
+
+    def _qk_norm(self, qk: torch.Tensor) -> torch.Tensor:
+        """RMSNorm of every head; q heads scaled by q_norm's weight, k heads by k_norm's."""
+        if qk.dtype != torch.float32 or self.q_norm.weight.dtype != torch.float32:
+            q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+            return torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
+        weight = torch.cat((self.q_norm.weight.expand(self.num_heads, -1),
+                            self.k_norm.weight.expand(self.num_kv_heads, -1)))  # [H + Hkv, D]
+        return torch.rms_norm(qk, (self.head_dim,), None, self.q_norm.eps) * weight
 
 
 class LlamaMLP(nn.Module):

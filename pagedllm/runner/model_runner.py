@@ -6,6 +6,8 @@ from the scheduler's block tables, so prefix hits and copy-on-write are the sche
 """
 from __future__ import annotations
 
+import ctypes
+import platform
 from dataclasses import dataclass
 
 import torch
@@ -14,10 +16,13 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.outputs import PromptLogprobsChunk, RunnerOutput, SchedulerOutput, TokenLogprobs
 from pagedllm.engine.model_info import ModelInfo
 from pagedllm.layers.attention_metadata import build_attention_metadata
+from pagedllm.layers.decode_kv import DecodeKVStore
 from pagedllm.layers.forward_context import set_forward_context
 from pagedllm.layers.kv_cache import bind_kv_caches, copy_blocks, kv_cache_shape
+from pagedllm.layers.linear import prepack_linear_weights
 from pagedllm.models.loader import load_model
-from pagedllm.runner.sampler import Sampler, SamplingMetadata, compute_topk_logprobs
+from pagedllm.runner.sampler import (Sampler, SamplingMetadata, compute_topk_logprobs, greedy_sample,
+                                     is_plain_greedy)
 from pagedllm.runner.spec_decode import verify_drafts
 from pagedllm.sampling_params import SamplingParams
 
@@ -62,10 +67,16 @@ class ModelRunner:
         self.dtype = resolve_dtype(mc.dtype, self.device)
         torch.manual_seed(mc.seed)
         self.model, self.hf_config = load_model(mc.model, self.dtype, self.device)
+        if self.device.type == "cpu":
+            _keep_freed_memory()
+        if self.device.type == "cpu" and _param_bytes(self.model) * 4 < _total_ram_bytes():
+            # A second, matmul-friendly copy of the linear weights (see layers/linear.py).
+            prepack_linear_weights(self.model)
         self.vocab_size = self.model.vocab_size
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
+        self.decode_kv: DecodeKVStore | None = None
         self.block_size = 0
         self.max_model_len = mc.max_model_len or model_info.max_position_embeddings
 
@@ -103,14 +114,22 @@ class ModelRunner:
                           for _ in range(m.num_layers)]
         bind_kv_caches(m, self.kv_caches)
         self.block_size = block_size
+        if self.device.type == "cpu":
+            # Decode attention without a per-step gather (see layers/decode_kv.py), holding at
+            # most as many tokens as the paged cache.
+            self.decode_kv = DecodeKVStore(m.num_layers, m.num_kv_heads, m.head_dim, self.dtype,
+                                           self.device, max_tokens=num_blocks * block_size)
 
     # -- one step ----------------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
-        for rid in so.finished_req_ids:
+        store = self.decode_kv
+        for rid in (*so.finished_req_ids, *so.preempted_req_ids):
             self.requests.pop(rid, None)
-        for rid in so.preempted_req_ids:
-            self.requests.pop(rid, None)
+            if store is not None:
+                store.release(rid)
         for new in so.scheduled_new_reqs:
+            if store is not None:
+                store.release(new.req_id)  # a resumed request starts over
             self.requests[new.req_id] = CachedRequestState(
                 new.req_id, new.prompt_token_ids + new.output_token_ids, len(new.prompt_token_ids),
                 new.sampling_params, list(new.block_ids), new.num_computed_tokens, new.eos_token_ids)
@@ -126,6 +145,8 @@ class ModelRunner:
             state.num_computed_tokens = num_computed
         for rid, table in so.replaced_block_tables.items():
             self.requests[rid].block_ids = list(table)
+            if store is not None:
+                store.invalidate(rid)
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> RunnerOutput:
@@ -140,6 +161,7 @@ class ModelRunner:
         query_lens: list[int] = []
         num_computed: list[int] = []
         block_tables: list[list[int]] = []
+        decodes: list[tuple[str, int, list[int]]] = []  # (rid, position, block table) if n == 1
         # Requests that sample this step: (state, first logits row, drafts to verify).
         samplers: list[tuple[CachedRequestState, int, list[int]]] = []
         prompt_lp_jobs: list[tuple[str, int, int, int]] = []  # (rid, first row, first pos, count)
@@ -156,6 +178,8 @@ class ModelRunner:
             query_lens.append(n)
             num_computed.append(start)
             block_tables.append(state.block_ids)
+            if n == 1:
+                decodes.append((rid, start, state.block_ids))
             if state.params.prompt_logprobs is not None and start < state.num_prompt_tokens - 1:
                 # Logits at position p score prompt token p + 1.
                 count = min(start + n_real, state.num_prompt_tokens - 1) - start
@@ -167,7 +191,9 @@ class ModelRunner:
         device = self.device
         ids_t = torch.tensor(input_ids, dtype=torch.long, device=device)
         pos_t = torch.tensor(positions, dtype=torch.long, device=device)
-        attn_md = build_attention_metadata(query_lens, num_computed, block_tables, self.block_size, device)
+        plan = self.decode_kv.plan(decodes, self.block_size) if decodes and self.decode_kv else None
+        attn_md = build_attention_metadata(query_lens, num_computed, block_tables, self.block_size,
+                                           device, decode_kv=plan)
         with set_forward_context(attn_md):
             hidden = self.model(ids_t, pos_t)
 
@@ -183,6 +209,15 @@ class ModelRunner:
                 so: SchedulerOutput, out: RunnerOutput) -> None:
         """Sample one token per request (plus draft verification and the first token of forked
         children), filling ``out`` in place."""
+        if not so.pending_forks and all(
+                not drafts and is_plain_greedy(state.params, len(state.token_ids) - state.num_prompt_tokens)
+                for state, _, drafts in samplers):
+            # The common case, kept lean: logits of the sampled rows, one argmax, no metadata.
+            index = torch.tensor([row for _, row, _ in samplers], device=self.device)
+            tokens = greedy_sample(self.model.compute_logits(hidden[index])).tolist()
+            for (state, _, _), token in zip(samplers, tokens):
+                out.sampled_token_ids[out.req_id_to_index[state.req_id]] = [token]
+            return
         # One virtual row per logits position: (state, params, draft prefix, hidden row).
         rows: list[tuple[CachedRequestState, SamplingParams, list[int], int]] = []
         groups: list[tuple[int, list[int]]] = []
@@ -272,6 +307,28 @@ class ModelRunner:
         md = SamplingMetadata.build(params, prompts, outputs, generators, stop_masks,
                                     self.vocab_size, self.device)
         return md, generators
+
+def _keep_freed_memory() -> None:
+    """Make glibc keep freed activation memory for the next step instead of returning it.
+
+    By default glibc serves large blocks with mmap and gives them (and the top of the heap) back
+    to the OS when freed, so every large activation of the next step page-faults its memory in
+    again: a 2048-token prefill step took ~100k page faults, a quarter of its time. Like torch's
+    CUDA caching allocator, keep it. Process-wide and idempotent; a no-op off glibc."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3  # from <malloc.h>
+    libc.mallopt(m_mmap_threshold, 32 << 20)  # blocks up to 32 MiB from the heap (glibc's max)
+    libc.mallopt(m_trim_threshold, 1 << 30)  # keep up to 1 GiB free at the top of the heap
+
+
+def _param_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
 
 def _total_ram_bytes() -> int:
     try:

@@ -147,6 +147,33 @@ class SamplingMetadata:
         )
 
 
+def is_plain_greedy(params: SamplingParams, num_output_tokens: int) -> bool:
+    """True when the token is just the argmax of the raw logits: greedy, and no logits processor
+    or logprobs apply (SamplingMetadata.build would find nothing to do)."""
+    return (params.temperature < _SAMPLING_EPS and params.logprobs is None and not params.logit_bias
+            and params.repetition_penalty == 1.0 and params.frequency_penalty == 0.0
+            and params.presence_penalty == 0.0 and num_output_tokens >= params.min_tokens)
+
+
+_ARGMAX_CHUNK = 128
+
+
+def greedy_sample(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` for [B, V], the same indices (the first maximum wins), faster.
+
+    torch's CPU argmax is a scalar loop (about 1 ms for 32 x 32000), while a max is vectorised:
+    take the max of every 128-wide chunk, the first chunk holding the row's maximum, then the
+    argmax inside that chunk only. Falls back to argmax when V is not a multiple of 128."""
+    num_rows, vocab = logits.shape
+    num_chunks = vocab // _ARGMAX_CHUNK
+    if logits.device.type != "cpu" or num_chunks < 2 or vocab % _ARGMAX_CHUNK:
+        return logits.argmax(dim=-1)
+    chunks = logits.reshape(num_rows, num_chunks, _ARGMAX_CHUNK)
+    best_chunk = chunks.amax(dim=-1).argmax(dim=-1)  # [B]
+    within = chunks[torch.arange(num_rows), best_chunk].argmax(dim=-1)  # [B]
+    return best_chunk * _ARGMAX_CHUNK + within
+
+
 @dataclass(slots=True)
 class SamplerOutput:
     sampled_token_ids: list[int]  # one per row
@@ -198,7 +225,7 @@ def apply_logits_processors(logits: torch.Tensor, md: SamplingMetadata) -> torch
 
 def sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     """[B, V] processed logits -> [B] int64 token ids."""
-    greedy = None if md.all_random else logits.argmax(dim=-1)
+    greedy = None if md.all_random else greedy_sample(logits)
     if md.all_greedy:
         return greedy
     logits = logits / md.temperature.unsqueeze(1)
