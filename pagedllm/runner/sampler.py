@@ -223,17 +223,23 @@ def apply_logits_processors(logits: torch.Tensor, md: SamplingMetadata) -> torch
     return logits
 
 
-def sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-    """[B, V] processed logits -> [B] int64 token ids."""
-    greedy = None if md.all_random else greedy_sample(logits)
-    if md.all_greedy:
-        return greedy
+def sampling_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """[B, V] processed logits -> the distribution random rows draw from: temperature, then
+    top-k, top-p, then min-p (also what speculative verification tests drafts against)."""
     logits = logits / md.temperature.unsqueeze(1)
     logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
     probs = torch.softmax(logits, dim=-1)
     if md.min_p is not None:
         probs = apply_min_p(probs, md.min_p)
-    random = _exponential_race(probs, md.generators)
+    return probs
+
+
+def sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """[B, V] processed logits -> [B] int64 token ids."""
+    greedy = None if md.all_random else greedy_sample(logits)
+    if md.all_greedy:
+        return greedy
+    random = _exponential_race(sampling_probs(logits, md), md.generators)
     if md.greedy_mask is None:
         return random
     return torch.where(md.greedy_mask, greedy, random)

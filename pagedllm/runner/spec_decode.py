@@ -11,21 +11,13 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.runner.logits_processors import apply_min_p, apply_top_k_top_p
-from pagedllm.runner.sampler import SamplingMetadata, apply_logits_processors
+from pagedllm.runner.sampler import SamplingMetadata, apply_logits_processors, sampling_probs
 
 
 def target_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     """[R, V] raw logits -> the distribution each row samples from (greedy rows: unused)."""
     logits = apply_logits_processors(logits, md)
-    if md.all_greedy:
-        return logits
-    logits = logits / md.temperature.unsqueeze(1)
-    logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
-    probs = torch.softmax(logits, dim=-1)
-    if md.min_p is not None:
-        probs = apply_min_p(probs, md.min_p)
-    return probs
+    return logits if md.all_greedy else sampling_probs(logits, md)
 
 
 def _draw(probs: torch.Tensor, gen: torch.Generator | None) -> int:
