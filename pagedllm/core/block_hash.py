@@ -6,22 +6,28 @@ chance of a collision (which would silently reuse wrong KV) negligible at any re
 """
 from __future__ import annotations
 
-from array import array
+import struct
 
 import xxhash
 
 _NONE_HASH = 0  # parent hash of the first block
+_MASK64 = (1 << 64) - 1
+# One struct per block length (in practice one: the block size). Packing the parent hash and
+# the token ids in a single call is several times cheaper than building an array.
+_PACKERS: dict[int, struct.Struct] = {}
 
 
 def hash_block_tokens(parent_hash: int | None, token_ids: list[int] | tuple[int, ...],
                       extra_key: str | None = None) -> int:
-    h = xxhash.xxh3_128()
-    h.update((parent_hash or _NONE_HASH).to_bytes(16, "little"))
-    h.update(array("q", token_ids).tobytes())
+    """xxh3-128 of (parent hash as 16 little-endian bytes, token ids as int64, salt)."""
+    packer = _PACKERS.get(len(token_ids))
+    if packer is None:
+        packer = _PACKERS[len(token_ids)] = struct.Struct(f"<QQ{len(token_ids)}q")
+    parent = parent_hash or _NONE_HASH
+    data = packer.pack(parent & _MASK64, parent >> 64, *token_ids)
     if extra_key is not None:
-        h.update(b"\x00salt\x00")
-        h.update(extra_key.encode())
-    return h.intdigest()
+        data += b"\x00salt\x00" + extra_key.encode()
+    return xxhash.xxh3_128_intdigest(data)
 
 
 def extend_block_hashes(block_hashes: list[int], token_ids: list[int], block_size: int,

@@ -110,6 +110,17 @@ class BlockPool:
             out.append(block)
         return out
 
+    def get_new_block(self) -> KVCacheBlock | None:
+        """One block from the head of the free queue, or None when none is free (decode hot path)."""
+        queue = self.free_block_queue
+        if not queue.num_free_blocks:
+            return None
+        block = queue.popleft()
+        if block.block_hash is not None:
+            self._evict(block)
+        block.ref_cnt = 1
+        return block
+
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Add a reference to each block (a prefix hit or a fork), pulling free ones out of the queue."""
         for block in blocks:

@@ -8,7 +8,7 @@ the runner through ``take_block_copies``.
 """
 from __future__ import annotations
 
-from pagedllm.core.block_hash import extend_block_hashes
+from pagedllm.core.block_hash import extend_block_hashes, hash_block_tokens
 from pagedllm.core.block_pool import BlockPool, KVCacheBlock
 from pagedllm.core.request import Request
 
@@ -88,14 +88,11 @@ class KVCacheManager:
         hit ``new_computed_blocks`` on admission). Returns the newly allocated blocks, or None
         (changing nothing) when the pool cannot supply them.
 
-        This runs for every scheduled request every step, so the common decode case (no hit, no
-        shared block, no new block) touches only a few integers.
+        The plain decode step takes the shortcut ``append_slot`` instead.
         """
+        request.kv_in_place_until = 0
         rid = request.request_id
         bs = self.block_size
-        if num_new_tokens == 1 and not num_new_computed_tokens and not num_lookahead_tokens \
-                and self.appends_in_place(request):
-            return NO_NEW_BLOCKS
         blocks = self.req_to_blocks.get(rid)
         if blocks is None:
             blocks = []
@@ -141,15 +138,53 @@ class KVCacheManager:
             self.num_cached_blocks[rid] = num_cached
         return new_blocks
 
-    def appends_in_place(self, request: Request) -> bool:
-        """True for the common decode step: the next token lands inside a block the request owns
-        alone and does not fill it, so there is nothing to allocate, copy or publish."""
+    def append_slot(self, request: Request) -> list[KVCacheBlock] | None:
+        """Room for one more token: ``allocate_slots(request, 1)`` for a request already running.
+
+        This is the plain decode step, which every running request takes every step, so it
+        handles the three common cases with a few integer operations: the token lands inside the
+        last block (nothing to do), fills it (publish it to the prefix cache), or starts a new
+        one (take one free block). Anything rarer (a shared block to copy, blocks already
+        allocated ahead) goes through ``allocate_slots``. It also sets the request's
+        ``kv_in_place_until``, so that the scheduler can skip even this call until the block fills.
+        """
         pos = request.num_computed_tokens
-        offset = pos % self.block_size
-        if 0 < offset < self.block_size - 1:
-            blocks = self.req_to_blocks.get(request.request_id)
-            return blocks is not None and blocks[pos // self.block_size].ref_cnt == 1
-        return False
+        bs = self.block_size
+        blocks = self.req_to_blocks.get(request.request_id)
+        index = pos // bs
+        if blocks is None or bs == 1:
+            return self.allocate_slots(request, 1)
+        if pos != index * bs:  # inside the last block
+            if blocks[index].ref_cnt != 1:
+                return self.allocate_slots(request, 1)  # shared: copy on write
+            if pos - index * bs == bs - 1:
+                # This token fills the block: publish it, if it is a real token (not a draft).
+                if self.enable_caching and pos < len(request.all_token_ids):
+                    rid = request.request_id
+                    hashes = request.block_hashes
+                    if self.num_cached_blocks.get(rid, 0) == index and len(hashes) == index:
+                        # Hash just this block (its parent's hash is there): the general path
+                        # (_cache_full_blocks) costs several times more, once per block per request.
+                        block_hash = hash_block_tokens(hashes[-1] if index else None,
+                                                       request.all_token_ids[pos + 1 - bs:pos + 1],
+                                                       request.cache_salt)
+                        hashes.append(block_hash)
+                        self.block_pool.cache_block(blocks[index], block_hash)
+                        self.num_cached_blocks[rid] = index + 1
+                    elif self.num_cached_blocks.get(rid, 0) == index:
+                        self._cache_full_blocks(request, blocks, index, index + 1)
+                        self.num_cached_blocks[rid] = index + 1
+            else:
+                request.kv_in_place_until = index * bs + bs - 1
+            return NO_NEW_BLOCKS
+        if index != len(blocks):
+            return self.allocate_slots(request, 1)
+        block = self.block_pool.get_new_block()
+        if block is None:
+            return None
+        blocks.append(block)
+        request.kv_in_place_until = pos + bs - 1
+        return [block]
 
     def _copy_on_write(self, rid: str, blocks: list[KVCacheBlock], indices: list[int]) -> None:
         fresh = self.block_pool.get_new_blocks(len(indices))
@@ -181,13 +216,16 @@ class KVCacheManager:
         """Share every block of ``parent`` with ``child`` (the partial last one included)."""
         blocks = self.req_to_blocks.get(parent.request_id, [])
         self.block_pool.touch(blocks)
+        parent.kv_in_place_until = child.kv_in_place_until = 0  # the last block is shared now
         self.req_to_blocks[child.request_id] = list(blocks)
         self.num_cached_blocks[child.request_id] = self.num_cached_blocks.get(parent.request_id, 0)
         child.block_hashes = list(parent.block_hashes)
 
-    def share_blocks(self, request_id: str) -> tuple[list[KVCacheBlock], int]:
+    def share_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """A new reference to every block of a request (for a beam taking over its sequence),
         with the number of leading blocks already published."""
+        request_id = request.request_id
+        request.kv_in_place_until = 0  # its last block is shared now
         blocks = list(self.req_to_blocks.get(request_id, ()))
         self.block_pool.touch(blocks)
         return blocks, self.num_cached_blocks.get(request_id, 0)
@@ -198,6 +236,7 @@ class KVCacheManager:
             raise ValueError(f"{request.request_id} still holds blocks")
         self.req_to_blocks[request.request_id] = blocks
         self.num_cached_blocks[request.request_id] = num_cached_blocks
+        request.kv_in_place_until = 0
 
     # -- release -----------------------------------------------------------------------------
     def free(self, request: Request, num_valid_tokens: int | None = None) -> None:
@@ -207,6 +246,7 @@ class KVCacheManager:
         be computed (a victim preempted in the step that scheduled it); unpublish those.
         """
         rid = request.request_id
+        request.kv_in_place_until = 0
         blocks = self.req_to_blocks.pop(rid, None)
         self.num_cached_blocks.pop(rid, None)
         self._replaced_tables.discard(rid)

@@ -1,7 +1,7 @@
 """The contracts between scheduler, runner and engine: plain data (ints, lists, dicts), no torch.
 
 ``SchedulerOutput`` is the work order for one step; ``RunnerOutput`` is what the runner sampled;
-``EngineCoreOutput`` is what the scheduler reports per request after applying it.
+``EngineCoreOutputs`` is what the scheduler reports after applying it.
 """
 from __future__ import annotations
 
@@ -93,6 +93,7 @@ class RunnerOutput:
 
 @dataclass(slots=True)
 class EngineCoreOutput:
+    """One request's row of ``EngineCoreOutputs`` (a view, for callers that want objects)."""
     request_id: str
     new_token_ids: list[int]
     finish_reason: str | None = None  # "stop", "length", "abort"
@@ -104,3 +105,42 @@ class EngineCoreOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class EngineCoreOutputs:
+    """What one step produced, column-wise: a row per request with news (new tokens, a beam
+    slot's logprobs, prompt logprobs), and the rarer fields keyed by request id.
+
+    Columns rather than one object per request: this is built for every running request every
+    step, and on the plain decode path a row costs two list appends.
+    """
+    req_ids: list[str] = field(default_factory=list)
+    new_token_ids: list[list[int]] = field(default_factory=list)
+    finished: dict[str, tuple[str, int | str | None]] = field(default_factory=dict)  # (reason, stop_reason)
+    new_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    new_prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
+    # Prefix-cache hit of requests admitted for the first time (or forked) since the last step;
+    # such a request may have no row yet (a partial prefill).
+    num_cached_tokens: dict[str, int] = field(default_factory=dict)
+
+    def add(self, req_id: str, new_token_ids: list[int], logprobs: list[TokenLogprobs] | None = None,
+            prompt_logprobs: PromptLogprobsChunk | None = None) -> None:
+        self.req_ids.append(req_id)
+        self.new_token_ids.append(new_token_ids)
+        if logprobs:
+            self.new_logprobs[req_id] = logprobs
+        if prompt_logprobs is not None:
+            self.new_prompt_logprobs[req_id] = prompt_logprobs
+
+    def __len__(self) -> int:
+        return len(self.req_ids)
+
+    def __iter__(self):
+        for rid, ids in zip(self.req_ids, self.new_token_ids):
+            reason, stop_reason = self.finished.get(rid, (None, None))
+            yield EngineCoreOutput(rid, ids, reason, stop_reason, self.new_logprobs.get(rid),
+                                   self.new_prompt_logprobs.get(rid), self.num_cached_tokens.get(rid, 0))
+
+    def __getitem__(self, index: int) -> EngineCoreOutput:
+        return list(self)[index]

@@ -36,7 +36,8 @@ class Request:
     """The scheduler's view of one sequence.
 
     ``num_computed_tokens`` chases ``num_tokens``: the scheduler's only job is to let the first
-    catch up with the second. Output tokens are appended by ``append_output_token_ids``.
+    catch up with the second. Tokens live in one list, ``all_token_ids`` (prompt then outputs);
+    the scheduler appends sampled tokens to it directly on its hot path.
     """
 
     __slots__ = (
@@ -44,7 +45,8 @@ class Request:
         "priority", "cache_salt", "max_tokens", "status", "num_computed_tokens", "num_cached_tokens",
         "stop_reason", "num_preemptions", "block_hashes", "spec_token_ids", "num_skipped_past",
         "num_sent_tokens", "pending_forks", "fork_leader", "is_beam",
-        "all_token_ids", "output_token_ids", "_num_prompt_tokens",
+        "all_token_ids", "_num_prompt_tokens", "max_num_tokens", "maybe_stop_ids",
+        "kv_in_place_until",
     )
 
     def __init__(
@@ -84,9 +86,23 @@ class Request:
         # scheduler only reports the top-k logprobs once its sequence is computed.
         self.is_beam = False
         self._num_prompt_tokens = len(self.prompt_token_ids)
-        # Plain attributes, not properties: they are read on the per-step hot path.
+        # A plain attribute, not a property: it is read on the per-step hot path.
         self.all_token_ids = list(self.prompt_token_ids)
-        self.output_token_ids: list[int] = []
+        # Cheap pre-checks for the stop conditions (set by ``set_limits`` at admission): the full
+        # check runs only when a sampled token is in ``maybe_stop_ids`` or the length is reached.
+        self.max_num_tokens = 0
+        self.maybe_stop_ids: frozenset[int] = frozenset()
+        # Set by the KVCacheManager: while num_computed_tokens is below this, one more token lands
+        # in the request's own last block without filling it, so a decode step needs no KV
+        # bookkeeping at all. 0: ask the manager.
+        self.kv_in_place_until = 0
+
+    def set_limits(self, max_model_len: int) -> None:
+        """Once ``max_tokens`` is resolved: where the sequence must end, and which tokens may stop it."""
+        self.max_num_tokens = min(self._num_prompt_tokens + self.max_tokens, max_model_len)
+        sp = self.sampling_params
+        eos = frozenset() if sp.ignore_eos else frozenset(self.eos_token_ids)
+        self.maybe_stop_ids = eos | frozenset(sp._all_stop_token_ids)
 
     # -- token bookkeeping -------------------------------------------------------------------
     @property
@@ -103,21 +119,18 @@ class Request:
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
+        return len(self.all_token_ids) - self._num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """The generated tokens (a copy)."""
+        return self.all_token_ids[self._num_prompt_tokens:]
 
     def append_output_token_ids(self, token_ids: int | list[int]) -> None:
         if isinstance(token_ids, int):
-            self.output_token_ids.append(token_ids)
             self.all_token_ids.append(token_ids)
         else:
-            self.output_token_ids.extend(token_ids)
             self.all_token_ids.extend(token_ids)
-
-    def trim_output_token_ids(self, num_tokens: int) -> None:
-        """Drop the last ``num_tokens`` outputs (tokens sampled past a stop condition)."""
-        if num_tokens > 0:
-            del self.output_token_ids[-num_tokens:]
-            del self.all_token_ids[-num_tokens:]
 
     # -- status ------------------------------------------------------------------------------
     def is_finished(self) -> bool:

@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from pagedllm.config import SchedulerConfig
-from pagedllm.core.kv_cache_manager import NO_NEW_BLOCKS, KVCacheBlock, KVCacheManager
+from pagedllm.core.kv_cache_manager import KVCacheBlock, KVCacheManager
 from pagedllm.core.ngram_proposer import NgramProposer
-from pagedllm.core.outputs import (CachedRequestData, EngineCoreOutput, NewRequestData,
+from pagedllm.core.outputs import (CachedRequestData, EngineCoreOutputs, NewRequestData,
                                    RunnerOutput, SchedulerOutput)
 from pagedllm.core.admission import validate_request
 from pagedllm.core.request import Request, RequestStatus
@@ -49,6 +49,8 @@ class Scheduler(SequenceSharingMixin):
         # Running leaders whose children have not forked yet: their sequence slots are reserved.
         self._running_leaders: set[Request] = set()
         self.proposer = proposer  # speculative decoding (None: off)
+        # Prefix-cache hits of first admissions, reported with the next step's outputs.
+        self._new_num_cached: dict[str, int] = {}
 
         # Counters for metrics (monotonic).
         self.num_preemptions = 0
@@ -76,6 +78,7 @@ class Scheduler(SequenceSharingMixin):
             if r.request_id in self.requests:
                 raise ValidationError(f"request id {r.request_id!r} is already in use", "request_id")
             validate_request(r, self.max_model_len, self.kv_cache_manager.num_blocks, self.block_size)
+            r.set_limits(self.max_model_len)
         if 1 + len(forks) > self.max_num_seqs:
             raise ValidationError(
                 f"n={1 + len(forks)} parallel samples exceed max_num_seqs={self.max_num_seqs}; "
@@ -100,19 +103,29 @@ class Scheduler(SequenceSharingMixin):
         budget = self.max_num_batched_tokens
         threshold = self.long_prefill_token_threshold
         num_scheduled: dict[str, int] = {}
-        # Running requests scheduled this step, with the blocks appended for them (parallel lists).
-        sched_running: list[Request] = []
-        sched_blocks: list[list[KVCacheBlock]] = []
+        # Running requests go out as diffs, recorded as they are scheduled (one pass: this loop
+        # runs for every running request every step).
+        cached = CachedRequestData()
+        req_ids, new_block_ids = cached.req_ids, cached.new_block_ids
+        computed, new_token_ids = cached.num_computed_tokens, cached.new_token_ids
         scheduled_new: list[Request] = []
         preempted: set[str] = set()
+        unsent = self._unsent  # forked children: they go out whole, as new requests
+        # Drafts to verify and forks to sample: read before num_computed_tokens advances.
+        spec_tokens: dict[str, list[int]] = {}
+        pending_forks: dict[str, list[tuple[str, SamplingParams]]] = {}
+        sharing = self.proposer is not None or bool(self._running_leaders)
+        num_prompt_computed = 0
 
         # 1. Running requests first (hot path: keep it to a few integer operations per request).
         running = self.running
-        appends_in_place = kv.appends_in_place
+        append_slot = kv.append_slot
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
-            n = len(req.all_token_ids) + len(req.spec_token_ids) - req.num_computed_tokens
+            start = req.num_computed_tokens
+            all_ids = req.all_token_ids
+            n = len(all_ids) + len(req.spec_token_ids) - start
             if threshold and n > threshold:
                 n = threshold
             if n > budget:
@@ -120,31 +133,45 @@ class Scheduler(SequenceSharingMixin):
             if n <= 0:
                 i += 1
                 continue
-            if n == 1 and appends_in_place(req):
-                new_blocks = NO_NEW_BLOCKS  # skips allocate_slots' bookkeeping on the hot path
+            if n == 1 and start < req.kv_in_place_until:
+                new_blocks = None  # lands inside its own last block: nothing to allocate
             else:
-                new_blocks = kv.allocate_slots(req, n)
-            while new_blocks is None:
-                victim = running[-1] if self.policy == "fcfs" else max(running)
-                victim_index = running.index(victim)
-                if victim.request_id in num_scheduled:  # give back what it was given this step
-                    budget += num_scheduled.pop(victim.request_id)
-                    j = sched_running.index(victim)
-                    del sched_running[j], sched_blocks[j]
-                self._preempt(victim)
-                preempted.add(victim.request_id)
-                if victim is req:
-                    break
-                if victim_index < i:
-                    i -= 1
-                new_blocks = kv.allocate_slots(req, n)
-            if new_blocks is None:
-                continue  # req preempted itself; running[i] is now the next request
-            num_scheduled[req.request_id] = n
-            sched_running.append(req)
-            sched_blocks.append(new_blocks)
+                new_blocks = append_slot(req) if n == 1 else kv.allocate_slots(req, n)
+                while new_blocks is None:
+                    victim = running[-1] if self.policy == "fcfs" else max(running)
+                    victim_index = running.index(victim)
+                    if victim.request_id in num_scheduled:  # give back what it was given this step
+                        budget += num_scheduled.pop(victim.request_id)
+                        num_prompt_computed -= self._unschedule(victim, cached, scheduled_new,
+                                                                spec_tokens, pending_forks)
+                    self._preempt(victim)
+                    preempted.add(victim.request_id)
+                    if victim is req:
+                        break
+                    if victim_index < i:
+                        i -= 1
+                    new_blocks = kv.allocate_slots(req, n)
+                if req.status is not RequestStatus.RUNNING:
+                    continue  # req preempted itself; running[i] is now the next request
+            rid = req.request_id
+            num_scheduled[rid] = n
             budget -= n
             i += 1
+            if sharing:
+                self._note_drafts_and_forks(req, start + n, spec_tokens, pending_forks)
+            if unsent and rid in unsent:
+                scheduled_new.append(req)  # advanced with the new requests below
+                continue
+            req_ids.append(rid)
+            new_block_ids.append([b.block_id for b in new_blocks] if new_blocks else _NO_IDS)
+            computed.append(start)
+            new_token_ids.append(all_ids[req.num_sent_tokens:])
+            req.num_sent_tokens = len(all_ids)
+            # Advance now: the next schedule() sees these tokens as computed (the runner
+            # computes them before then), and preemption frees exactly what was computed.
+            req.num_computed_tokens = start + n
+            if start < req._num_prompt_tokens:
+                num_prompt_computed += min(req._num_prompt_tokens, start + n) - start
 
         # 2. Then waiting requests, unless this step already had to preempt (memory is tight).
         if not preempted:
@@ -157,7 +184,37 @@ class Scheduler(SequenceSharingMixin):
                 preempted.add(victim.request_id)
                 self._schedule_waiting(budget, num_scheduled, scheduled_new)
 
-        return self._build_output(num_scheduled, sched_running, sched_blocks, scheduled_new, preempted)
+        if unsent:
+            unsent.difference_update(r.request_id for r in scheduled_new)
+        return self._build_output(num_scheduled, cached, scheduled_new, preempted, spec_tokens,
+                                  pending_forks, num_prompt_computed)
+
+    def _note_drafts_and_forks(self, req: Request, end: int, spec_tokens: dict[str, list[int]],
+                               pending_forks: dict[str, list[tuple[str, SamplingParams]]]) -> None:
+        """Draft tokens computed this step (up to ``end``), and a leader whose prompt completes
+        this step, so its children must get first tokens sampled from the same logits."""
+        num_tokens = len(req.all_token_ids)
+        if req.spec_token_ids and end > num_tokens:
+            spec_tokens[req.request_id] = req.spec_token_ids[:end - num_tokens]
+        if req.pending_forks and end == num_tokens:
+            pending_forks[req.request_id] = [(c.request_id, c.sampling_params) for c in req.pending_forks]
+
+    def _unschedule(self, req: Request, cached: CachedRequestData, scheduled_new: list[Request],
+                    spec_tokens: dict, pending_forks: dict) -> int:
+        """Take back a running request scheduled earlier in this step (it is about to be
+        preempted). Returns the prompt tokens it had been counted for."""
+        rid = req.request_id
+        spec_tokens.pop(rid, None)
+        pending_forks.pop(rid, None)
+        if req in scheduled_new:  # an unsent child: not advanced yet
+            scheduled_new.remove(req)
+            return 0
+        j = cached.req_ids.index(rid)
+        start = cached.num_computed_tokens[j]
+        for column in (cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, cached.new_token_ids):
+            del column[j]
+        end, req.num_computed_tokens = req.num_computed_tokens, start
+        return min(req._num_prompt_tokens, end) - start if start < req._num_prompt_tokens else 0
 
     def _num_new_tokens(self, num_wanted: int, budget: int) -> int:
         n = num_wanted
@@ -200,6 +257,7 @@ class Scheduler(SequenceSharingMixin):
             kv.record_prefix_cache_query(req.num_tokens, num_hit)
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
+                self._new_num_cached[req.request_id] = num_hit
             req.num_computed_tokens = num_hit
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -233,157 +291,144 @@ class Scheduler(SequenceSharingMixin):
         self.num_preemptions += 1
         self.waiting.prepend_request(req)
 
-    def _build_output(self, num_scheduled: dict[str, int], sched_running: list[Request],
-                      sched_blocks: list[list[KVCacheBlock]], scheduled_new: list[Request],
-                      preempted: set[str]) -> SchedulerOutput:
+    def _build_output(self, num_scheduled: dict[str, int], cached: CachedRequestData,
+                      scheduled_new: list[Request], preempted: set[str],
+                      spec_tokens: dict[str, list[int]],
+                      pending_forks: dict[str, list[tuple[str, SamplingParams]]],
+                      num_prompt_computed: int) -> SchedulerOutput:
         kv = self.kv_cache_manager
-        cached = CachedRequestData()
-        if self._unsent:
-            # Forked children reach the runner as new requests the first time they run.
-            scheduled_new = scheduled_new + [r for r in sched_running if r.request_id in self._unsent]
-            keep = [(r, b) for r, b in zip(sched_running, sched_blocks) if r.request_id not in self._unsent]
-            sched_running = [r for r, _ in keep]
-            sched_blocks = [b for _, b in keep]
-            self._unsent.difference_update(r.request_id for r in scheduled_new)
-        spec_tokens: dict[str, list[int]] = {}
-        pending_forks: dict[str, list[tuple[str, SamplingParams]]] = {}
-        if self.proposer is not None or self._running_leaders:  # before num_computed advances
-            for reqs in (sched_running, scheduled_new):
-                for req in reqs:
-                    end = req.num_computed_tokens + num_scheduled[req.request_id]
-                    if req.spec_token_ids and end > len(req.all_token_ids):
-                        spec_tokens[req.request_id] = req.spec_token_ids[:end - len(req.all_token_ids)]
-                    if req.pending_forks and end == len(req.all_token_ids):
-                        pending_forks[req.request_id] = [(c.request_id, c.sampling_params)
-                                                         for c in req.pending_forks]
-        req_ids, new_block_ids = cached.req_ids, cached.new_block_ids
-        computed, new_token_ids = cached.num_computed_tokens, cached.new_token_ids
-        num_prompt_computed = 0
-        for req, blocks in zip(sched_running, sched_blocks):
-            rid = req.request_id
-            req_ids.append(rid)
-            new_block_ids.append([b.block_id for b in blocks] if blocks else _NO_IDS)
-            start = req.num_computed_tokens
-            computed.append(start)
-            all_ids = req.all_token_ids
-            new_token_ids.append(all_ids[req.num_sent_tokens:])
-            req.num_sent_tokens = len(all_ids)
-            # Advance now: the next schedule() sees these tokens as computed (the runner
-            # computes them before then), and preemption frees exactly what was computed.
-            end = start + num_scheduled[rid]
-            if start < req._num_prompt_tokens:
-                num_prompt_computed += min(req._num_prompt_tokens, end) - start
-            req.num_computed_tokens = end
+        new_reqs = []
         for req in scheduled_new:
+            n = num_scheduled[req.request_id]
+            start = req.num_computed_tokens
+            if self.proposer is not None or req.pending_forks:
+                self._note_drafts_and_forks(req, start + n, spec_tokens, pending_forks)
+            new_reqs.append(NewRequestData(
+                req_id=req.request_id,
+                prompt_token_ids=req.prompt_token_ids,
+                output_token_ids=req.output_token_ids,
+                sampling_params=req.sampling_params,
+                block_ids=kv.get_block_ids(req.request_id),
+                num_computed_tokens=start,
+                eos_token_ids=req.eos_token_ids,
+            ))
             req.num_sent_tokens = len(req.all_token_ids)
-        new_reqs = [
-            NewRequestData(
-                req_id=r.request_id,
-                prompt_token_ids=r.prompt_token_ids,
-                output_token_ids=list(r.output_token_ids),
-                sampling_params=r.sampling_params,
-                block_ids=kv.get_block_ids(r.request_id),
-                num_computed_tokens=r.num_computed_tokens,
-                eos_token_ids=r.eos_token_ids,
-            )
-            for r in scheduled_new
-        ]
+            req.num_computed_tokens = start + n
+            if start < req._num_prompt_tokens:
+                num_prompt_computed += min(req._num_prompt_tokens, start + n) - start
+        self.num_prompt_tokens_computed += num_prompt_computed
         block_copies, replaced = kv.take_block_copies()
+        replaced_tables = {}
+        if replaced:  # copy-on-write changed these tables; new requests are sent whole anyway
+            new_ids = {r.request_id for r in scheduled_new}
+            replaced_tables = {rid: kv.get_block_ids(rid) for rid in replaced
+                               if rid in num_scheduled and rid not in new_ids}
         out = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached,
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             block_copies=block_copies,
-            replaced_block_tables={rid: kv.get_block_ids(rid) for rid in replaced
-                                   if rid in cached.req_ids},
+            replaced_block_tables=replaced_tables,
             scheduled_spec_decode_tokens=spec_tokens,
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=preempted,
             pending_forks=pending_forks,
         )
         self.finished_req_ids = set()
-        for req in scheduled_new:
-            start = req.num_computed_tokens
-            end = start + num_scheduled[req.request_id]
-            if start < req._num_prompt_tokens:
-                num_prompt_computed += min(req._num_prompt_tokens, end) - start
-            req.num_computed_tokens = end
-        self.num_prompt_tokens_computed += num_prompt_computed
         return out
 
     # ------------------------------------------------------------------------------------------
     # update_from_output()
     # ------------------------------------------------------------------------------------------
     def update_from_output(self, scheduler_output: SchedulerOutput,
-                           runner_output: RunnerOutput) -> list[EngineCoreOutput]:
-        outputs: list[EngineCoreOutput] = []
-        any_stopped = False
+                           runner_output: RunnerOutput) -> EngineCoreOutputs:
+        """Append the sampled tokens, apply the stop checks, free finished requests."""
+        outputs = EngineCoreOutputs(num_cached_tokens=self._new_num_cached)
+        self._new_num_cached = {}
+        out_ids, out_tokens, finished = outputs.req_ids, outputs.new_token_ids, outputs.finished
+        # The plain step (one token per request, nothing else to report) is handled inline;
+        # anything else goes through _apply_output.
+        plain = (runner_output.logprobs is None and not runner_output.prompt_logprobs
+                 and not runner_output.fork_token_ids and self.proposer is None
+                 and not scheduler_output.scheduled_spec_decode_tokens)
         requests = self.requests
-        all_logprobs = runner_output.logprobs
-        prompt_logprobs = runner_output.prompt_logprobs
-        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
-        for idx, (rid, new_ids) in enumerate(zip(runner_output.req_ids, runner_output.sampled_token_ids)):
+        running_status = RequestStatus.RUNNING
+        num_generated = 0
+        any_stopped = False
+        for rid, new_ids in zip(runner_output.req_ids, runner_output.sampled_token_ids):
             req = requests.get(rid)
-            if req is None or req.status != RequestStatus.RUNNING:
+            if req is None or req.status is not running_status:
                 continue  # aborted (or finished) after it was scheduled
-            new_logprobs = all_logprobs[idx] if all_logprobs else None
-            if req.pending_forks and rid in runner_output.fork_token_ids:
-                outputs.extend(self._fork_children(req, runner_output))
-            if req.is_beam:
-                if new_ids:  # caught up: report the distribution, append nothing
-                    outputs.append(EngineCoreOutput(rid, [], None, None, new_logprobs, None,
-                                                    max(req.num_cached_tokens, 0)))
-                continue
-            drafts = spec_tokens.get(rid) if spec_tokens else None
-            if drafts:
-                # Rejected drafts were computed but are not part of the sequence: roll back so
-                # their slots are rewritten next step.
-                num_accepted = len(new_ids) - 1
-                req.num_computed_tokens -= len(drafts) - num_accepted
-                self.num_drafts += 1
-                self.num_draft_tokens += len(drafts)
-                self.num_accepted_tokens += num_accepted
-            stopped = False
-            if len(new_ids) == 1:  # the usual decode step
+            if plain and len(new_ids) == 1 and not req.is_beam:
                 tok = new_ids[0]
-                req.output_token_ids.append(tok)
-                req.all_token_ids.append(tok)
-                stopped = self._check_stop(req)
-                self.num_generation_tokens += 1
-            elif new_ids:
-                kept = 0
-                for tok in new_ids:
-                    req.output_token_ids.append(tok)
-                    req.all_token_ids.append(tok)
-                    kept += 1
-                    if self._check_stop(req):
-                        stopped = True
-                        break
-                if kept < len(new_ids):  # tokens sampled past a stop condition are dropped
-                    new_ids = new_ids[:kept]
-                    new_logprobs = new_logprobs[:kept] if new_logprobs else new_logprobs
-                self.num_generation_tokens += kept
-            prompt_lp = prompt_logprobs.get(rid) if prompt_logprobs else None
-            if new_ids or prompt_lp is not None:
-                outputs.append(EngineCoreOutput(
-                    rid, new_ids, req.get_finished_reason() if stopped else None, req.stop_reason,
-                    new_logprobs, prompt_lp, req.num_cached_tokens if req.num_cached_tokens > 0 else 0))
-            if stopped:
-                self._free_request(req)
+                all_ids = req.all_token_ids
+                all_ids.append(tok)
+                num_generated += 1
+                out_ids.append(rid)
+                out_tokens.append(new_ids)
+                if (tok in req.maybe_stop_ids or len(all_ids) >= req.max_num_tokens) and self._check_stop(req):
+                    finished[rid] = (req.get_finished_reason(), req.stop_reason)
+                    self._free_request(req)
+                    any_stopped = True
+            elif self._apply_output(req, new_ids, scheduler_output, runner_output, outputs):
                 any_stopped = True
-            elif self.proposer is not None and new_ids:
-                self._propose(req)
+        self.num_generation_tokens += num_generated
         if any_stopped:
-            self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
+            self.running = [r for r in self.running if r.status == running_status]
         return outputs
+
+    def _apply_output(self, req: Request, new_ids: list[int], scheduler_output: SchedulerOutput,
+                      runner_output: RunnerOutput, outputs: EngineCoreOutputs) -> bool:
+        """The general case of update_from_output for one request: partial prefills, forks,
+        beams, drafts, several tokens, logprobs. Returns whether the request stopped."""
+        rid = req.request_id
+        all_logprobs = runner_output.logprobs
+        new_logprobs = all_logprobs[runner_output.req_id_to_index[rid]] if all_logprobs else None
+        if req.pending_forks and rid in runner_output.fork_token_ids:
+            self._fork_children(req, runner_output, outputs)
+        if req.is_beam:
+            if new_ids:  # caught up: report the distribution, append nothing
+                outputs.add(rid, [], new_logprobs)
+            return False
+        drafts = scheduler_output.scheduled_spec_decode_tokens.get(rid)
+        if drafts:
+            # Rejected drafts were computed but are not part of the sequence: roll back so
+            # their slots are rewritten next step.
+            num_accepted = len(new_ids) - 1
+            req.num_computed_tokens -= len(drafts) - num_accepted
+            req.kv_in_place_until = 0
+            self.num_drafts += 1
+            self.num_draft_tokens += len(drafts)
+            self.num_accepted_tokens += num_accepted
+        stopped = False
+        kept = 0
+        for tok in new_ids:
+            req.all_token_ids.append(tok)
+            kept += 1
+            if self._check_stop(req):
+                stopped = True
+                break
+        if kept < len(new_ids):  # tokens sampled past a stop condition are dropped
+            new_ids = new_ids[:kept]
+            new_logprobs = new_logprobs[:kept] if new_logprobs else new_logprobs
+        self.num_generation_tokens += kept
+        prompt_lp = runner_output.prompt_logprobs.get(rid)
+        if new_ids or prompt_lp is not None:
+            outputs.add(rid, new_ids, new_logprobs, prompt_lp)
+        if stopped:
+            outputs.finished[rid] = (req.get_finished_reason(), req.stop_reason)
+            self._free_request(req)
+        elif self.proposer is not None and new_ids:
+            self._propose(req)
+        return stopped
 
     def _check_stop(self, req: Request) -> bool:
         """Stop checks for the token just appended: min_tokens, EOS, stop ids, then length."""
         sp = req.sampling_params
-        num_output = len(req.output_token_ids)
+        num_output = len(req.all_token_ids) - req._num_prompt_tokens
         if num_output >= sp.min_tokens:
-            last = req.output_token_ids[-1]
+            last = req.all_token_ids[-1]
             if not sp.ignore_eos and last in req.eos_token_ids:
                 req.status = RequestStatus.FINISHED_STOPPED
                 return True
@@ -391,7 +436,7 @@ class Scheduler(SequenceSharingMixin):
                 req.status = RequestStatus.FINISHED_STOPPED
                 req.stop_reason = last
                 return True
-        if num_output >= req.max_tokens or len(req.all_token_ids) >= self.max_model_len:
+        if len(req.all_token_ids) >= req.max_num_tokens:
             req.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True
         return False

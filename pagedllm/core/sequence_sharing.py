@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pagedllm.core.outputs import EngineCoreOutput, RunnerOutput
+from pagedllm.core.outputs import EngineCoreOutputs, RunnerOutput
 from pagedllm.core.request import Request, RequestStatus
 
 if TYPE_CHECKING:
@@ -18,10 +18,10 @@ if TYPE_CHECKING:
 
 
 class SequenceSharingMixin:
-    def _fork_children(self: Scheduler, leader: Request, runner_output: RunnerOutput) -> list[EngineCoreOutput]:
+    def _fork_children(self: Scheduler, leader: Request, runner_output: RunnerOutput,
+                       outputs: EngineCoreOutputs) -> None:
         """The leader's prompt is computed: each pending child shares all its blocks (the partial
         last one included; the first write into it copies it) and takes its own first token."""
-        outputs = []
         tokens = runner_output.fork_token_ids[leader.request_id]
         logprobs = runner_output.fork_logprobs.get(leader.request_id)
         for i, child in enumerate(leader.pending_forks):
@@ -33,22 +33,20 @@ class SequenceSharingMixin:
             self._unsent.add(child.request_id)
             if child.is_beam:
                 continue  # an idle beam slot: it gets its first token from the beam search
-            child.output_token_ids.append(tokens[i])
             child.all_token_ids.append(tokens[i])
             self.num_generation_tokens += 1
             stopped = self._check_stop(child)
-            lp = [logprobs[i]] if logprobs and logprobs[i] is not None else None
-            outputs.append(EngineCoreOutput(
-                child.request_id, [tokens[i]], child.get_finished_reason() if stopped else None,
-                child.stop_reason, lp, None, max(child.num_cached_tokens, 0)))
+            outputs.num_cached_tokens[child.request_id] = max(child.num_cached_tokens, 0)
+            outputs.add(child.request_id, [tokens[i]],
+                        [logprobs[i]] if logprobs and logprobs[i] is not None else None)
             if stopped:
+                outputs.finished[child.request_id] = (child.get_finished_reason(), child.stop_reason)
                 self._free_request(child)
                 self.running.remove(child)
             elif self.proposer is not None:
                 self._propose(child)
         leader.pending_forks = []
         self._running_leaders.discard(leader)
-        return outputs
 
     def reassign_beams(self: Scheduler, assignments: list[tuple[str, str, int]]) -> None:
         """Beam search step: slot ``j`` takes over the sequence of beam ``p`` plus token ``t`` for
@@ -59,7 +57,7 @@ class SequenceSharingMixin:
         for slot_id, parent_id, token in assignments:
             parent = self.requests[parent_id]
             running = parent.status == RequestStatus.RUNNING
-            blocks, num_cached = kv.share_blocks(parent_id) if running else ([], 0)
+            blocks, num_cached = kv.share_blocks(parent) if running else ([], 0)
             plans.append((self.requests[slot_id], parent.all_token_ids + [token], blocks, num_cached,
                           parent.num_computed_tokens if running else 0, list(parent.block_hashes)))
         slots = {id(plan[0]) for plan in plans}
@@ -68,7 +66,6 @@ class SequenceSharingMixin:
         for slot, tokens, blocks, num_cached, num_computed, hashes in plans:
             kv.free(slot)
             slot.all_token_ids = tokens
-            slot.output_token_ids = tokens[slot.num_prompt_tokens:]
             slot.block_hashes = hashes
             slot.num_computed_tokens = num_computed
             slot.num_sent_tokens = 0
@@ -84,6 +81,6 @@ class SequenceSharingMixin:
 
     def _propose(self: Scheduler, req: Request) -> None:
         """Draft tokens for the next step; never more than the request may still produce."""
-        room = min(req.max_tokens - len(req.output_token_ids),
+        room = min(req.max_tokens - req.num_output_tokens,
                    self.max_model_len - len(req.all_token_ids)) - 1
         req.spec_token_ids = self.proposer.propose(req.all_token_ids, room) if room > 0 else []

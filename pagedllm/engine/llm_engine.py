@@ -13,6 +13,7 @@ from typing import Any
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.ngram_proposer import NgramProposer
+from pagedllm.core.outputs import EngineCoreOutputs
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.input_processor import InputProcessor, PromptType
@@ -165,17 +166,16 @@ class LLMEngine:
             self._beam_slot_to_group[sid] = group
         self.num_prompt_tokens += len(prompt_ids)
 
-    def _process_beam_outputs(self, core_outputs: list) -> tuple[list, list[RequestOutput]]:
-        """Route beam-slot reports to their groups; advance every group whose beams all reported."""
+    def _process_beam_outputs(self, core_outputs: EngineCoreOutputs) -> list[RequestOutput]:
+        """Route beam-slot reports to their groups; advance every group whose beams all reported.
+        (The output processor skips the slots' rows: it does not know their ids.)"""
         if not self.beam_groups:
-            return core_outputs, []
-        rest, touched = [], {}
-        for out in core_outputs:
-            group = self._beam_slot_to_group.get(out.request_id)
-            if group is None:
-                rest.append(out)
-            elif out.new_logprobs:
-                group.add_report(out.request_id, out.new_logprobs[-1])
+            return []
+        touched = {}
+        for rid, logprobs in core_outputs.new_logprobs.items():
+            group = self._beam_slot_to_group.get(rid)
+            if group is not None:
+                group.add_report(rid, logprobs[-1])
                 touched[group.request_id] = group
         results = []
         for group in touched.values():
@@ -189,7 +189,7 @@ class LLMEngine:
                 self._finish_beam_slots(group.slot_ids)
                 del self.beam_groups[group.request_id]
                 results.append(self._beam_output(group))
-        return rest, results
+        return results
 
     def _finish_beam_slots(self, slot_ids: list[str]) -> None:
         for sid in slot_ids:
@@ -226,7 +226,7 @@ class LLMEngine:
         self._record_first_scheduled(scheduler_output.scheduled_new_reqs)
         runner_output = self.runner.execute_model(scheduler_output)
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        core_outputs, beam_results = self._process_beam_outputs(core_outputs)
+        beam_results = self._process_beam_outputs(core_outputs)
         outputs, stopped = self.output_processor.process_outputs(core_outputs)
         for child_id, stop_str in stopped:  # a stop string showed up in the text
             self.scheduler.finish_requests(child_id, RequestStatus.FINISHED_STOPPED, stop_str)

@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedllm.core.outputs import EngineCoreOutput, TokenLogprobs
+from pagedllm.core.outputs import EngineCoreOutputs, TokenLogprobs
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
@@ -87,29 +87,37 @@ class OutputProcessor:
                 self.parents.pop(state.parent.request_id, None)
         return child_ids
 
-    def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[tuple[str, str]]]:
+    def process_outputs(self, outputs: EngineCoreOutputs) -> tuple[list[RequestOutput], list[tuple[str, str]]]:
         """Returns the RequestOutputs to show and the (child id, stop string) pairs that the
         scheduler must now finish because a stop string appeared in their text."""
         now = time.monotonic()
         results: dict[str, RequestOutput] = {}
         stopped_by_string: list[tuple[str, str]] = []
-        for out in outputs:
-            state = self.request_states.get(out.request_id)
+        states = self.request_states
+        for rid, num_cached in outputs.num_cached_tokens.items():
+            state = states.get(rid)
+            if state is not None:
+                state.parent.num_cached_tokens = num_cached
+        finished, all_logprobs, all_prompt_logprobs = (outputs.finished, outputs.new_logprobs,
+                                                       outputs.new_prompt_logprobs)
+        for rid, new_ids in zip(outputs.req_ids, outputs.new_token_ids):
+            state = states.get(rid)
             if state is None:
                 continue
             parent = state.parent
-            if parent.metrics.first_token_time is None and out.new_token_ids:
-                parent.metrics.first_token_time = now
-            if out.new_token_ids:
+            if new_ids:
+                if parent.metrics.first_token_time is None:
+                    parent.metrics.first_token_time = now
                 parent.metrics.last_token_time = now
-            parent.num_cached_tokens = out.num_cached_tokens
-            if out.new_prompt_logprobs is not None and parent.prompt_logprobs is not None:
-                self._add_prompt_logprobs(parent, out.new_prompt_logprobs.start, out.new_prompt_logprobs.entries)
-            finish_reason, stop_reason = out.finish_reason, out.stop_reason
-            new_ids = out.new_token_ids
+            if all_prompt_logprobs and parent.prompt_logprobs is not None:
+                chunk = all_prompt_logprobs.get(rid)
+                if chunk is not None:
+                    self._add_prompt_logprobs(parent, chunk.start, chunk.entries)
+            finish_reason, stop_reason = finished[rid] if rid in finished else (None, None)
             state.token_ids.extend(new_ids)
-            if out.new_logprobs and state.logprobs is not None:
-                for tl in out.new_logprobs:
+            new_logprobs = all_logprobs.get(rid) if all_logprobs else None
+            if new_logprobs and state.logprobs is not None:
+                for tl in new_logprobs:
                     state.logprobs.append(self._logprob_dict(tl))
                     state.cumulative_logprob += tl.logprobs[0]
             if state.detokenizer is not None and new_ids:

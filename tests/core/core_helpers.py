@@ -42,7 +42,7 @@ def make_runner(sched: Scheduler, vocab_size: int = VOCAB) -> FakeRunner:
 def step(sched: Scheduler, runner: FakeRunner) -> tuple[SchedulerOutput, list[EngineCoreOutput]]:
     so = sched.schedule()
     ro = runner.execute_model(so)
-    outs = sched.update_from_output(so, ro)
+    outs = list(sched.update_from_output(so, ro))
     sched.check_integrity()
     return so, outs
 

@@ -393,3 +393,65 @@ def test_prefix_cache_stats_in_tokens():
     assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (21, 8)
     req_b = so.scheduled_new_reqs[0]
     assert req_b.num_computed_tokens == 8 and req_b.block_ids == [0, 1, 3]
+
+
+# -- append_slot: the decode shortcut ------------------------------------------------------------
+def decode(mgr: KVCacheManager, req, token: int):
+    """One decode step as the scheduler does it: room for the last token, then a new token."""
+    new = mgr.append_slot(req)
+    if new is not None:
+        req.num_computed_tokens += 1
+        req.append_output_token_ids(token)
+    return new
+
+
+def test_append_slot_in_place_fill_and_new_block():
+    mgr = kvm()
+    req = make_request("a", [1, 2, 3, 4, 5])  # one full block + 1 token
+    admit(mgr, req, 5)
+    req.append_output_token_ids(6)
+    assert mgr.get_block_ids("a") == [0, 1]
+    assert decode(mgr, req, 7) == []  # token 6 at position 5: inside block 1
+    assert req.kv_in_place_until == 7  # position 6 lands in place too; 7 fills the block
+    hashes_before = len(req.block_hashes)
+    assert decode(mgr, req, 8) == []  # token 7 at position 6
+    assert decode(mgr, req, 9) == []  # token 8 at position 7 fills block 1: published now
+    assert len(req.block_hashes) == hashes_before + 1
+    assert mgr.block_pool.get_cached_block(req.block_hashes[1]).block_id == 1
+    assert req.block_hashes[1] == hash_block_tokens(req.block_hashes[0], [5, 6, 7, 8])
+    assert mgr.num_cached_blocks["a"] == 2
+    new = decode(mgr, req, 10)  # token 9 at position 8 needs block 2, from the free queue's head
+    assert [b.block_id for b in new] == [2] and mgr.get_block_ids("a") == [0, 1, 2]
+    assert req.kv_in_place_until == 8 + BS - 1
+    # The general path agrees: a second request with the same tokens hits both full blocks.
+    twin = make_request("b", req.all_token_ids[:9])
+    assert mgr.get_computed_blocks(twin)[1] == 8
+
+
+def test_append_slot_returns_none_when_no_block_is_free():
+    mgr = kvm(num_blocks=2)
+    req = make_request("a", [1, 2, 3, 4, 5, 6, 7, 8])
+    admit(mgr, req, 8)
+    req.append_output_token_ids(9)
+    before = snapshot(mgr)
+    assert mgr.append_slot(req) is None
+    assert snapshot(mgr) == before
+
+
+def test_append_slot_copies_a_shared_last_block_and_fork_resets_the_hint():
+    mgr = kvm()
+    parent = make_request("p", [1, 2, 3, 4, 5])
+    admit(mgr, parent, 5)
+    parent.append_output_token_ids(6)
+    decode(mgr, parent, 7)
+    assert parent.kv_in_place_until > parent.num_computed_tokens  # would skip the manager
+    child = make_request("c", [1, 2, 3, 4, 5])
+    mgr.fork(parent, child)
+    child.all_token_ids = list(parent.all_token_ids)
+    child.num_computed_tokens = parent.num_computed_tokens
+    assert parent.kv_in_place_until == 0 and child.kv_in_place_until == 0
+    new = mgr.append_slot(parent)  # the shared partial block is copied before the write
+    assert new == [] and mgr.take_block_copies()[0] == [(1, 2)]
+    assert mgr.get_block_ids("p") == [0, 2] and mgr.get_block_ids("c") == [0, 1]
+    mgr.free(parent)
+    assert parent.kv_in_place_until == 0

@@ -54,7 +54,7 @@ def test_token_budget_chunks_concurrent_long_prompts():
     assert so.num_scheduled_tokens == {"a": 6}
     ro = runner.execute_model(so)
     assert ro.sampled_token_ids == [[]]  # a partial prefill samples nothing
-    assert sched.update_from_output(so, ro) == []
+    assert not list(sched.update_from_output(so, ro))
     assert a.output_token_ids == [] and a.num_computed_tokens == 6
     assert run_steps(sched, runner, 5) == [
         {"a": 4, "b": 2},
@@ -457,7 +457,7 @@ def test_not_stopped_keeps_running():
 def test_no_output_for_request_missing_from_runner_output():
     req = make_request("r", [1, 2, 3], 8)
     sched, so = _scheduled(req)
-    assert sched.update_from_output(so, runner_output({})) == []
+    assert not list(sched.update_from_output(so, runner_output({})))
     assert req.output_token_ids == []
 
 
@@ -509,7 +509,7 @@ def test_abort_between_schedule_and_update():
     so = sched.schedule()
     ro = runner.execute_model(so)
     sched.abort_requests("a")
-    assert sched.update_from_output(so, ro) == []
+    assert not list(sched.update_from_output(so, ro))
     assert a.output_token_ids == []
     assert_all_free(sched)
 
