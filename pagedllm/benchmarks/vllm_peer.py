@@ -5,12 +5,19 @@
 and runs this file with the venv made by benchmarks/setup_vllm_cpu.sh, with
 VLLM_CPU_OMP_THREADS_BIND, VLLM_CPU_KVCACHE_SPACE and VLLM_ENABLE_V1_MULTIPROCESSING set. Here
 vLLM runs the same protocol as pagedllm: one warm-up call on other prompts, then one timed
-generate() of every request at once, greedy, ignore_eos. The result goes to --out as JSON:
-{"elapsed_s", "num_tokens", "token_ids", "vllm_version"}.
+generate() of every request at once, greedy, ignore_eos, prompts given as token ids. The result
+goes to --out as JSON: {"elapsed_s", "num_tokens", "token_ids", "vllm_version", "mode", "load_s"}.
+
+--mode compile (the default, vLLM's own default on CPU) lets vLLM compile the model with
+torch.compile/inductor while it loads (a minute or more on 2 cores the first time; vLLM caches it
+under ~/.cache/vllm); --mode eager passes enforce_eager=True. Loading and compiling are not timed.
+The model's head size must be one vLLM's CPU attention supports (32, 64, 80, ..., 256): the
+benchmark's qwen3-58m has 64; the tiny random model (16) and stories260K (8) do not run here.
 
 Only the standard library and vllm are imported (pagedllm is not installed in that venv).
 
-    .venv-vllm/bin/python pagedllm/benchmarks/vllm_peer.py --model DIR --workload-file W --out O
+    .venv-vllm/bin/python pagedllm/benchmarks/vllm_peer.py --model DIR --workload-file W --out O \
+        [--mode compile|eager]
 """
 from __future__ import annotations
 
@@ -28,6 +35,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workload-file", required=True)
     parser.add_argument("--out", required=True, help="where to write the result JSON")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--mode", default="compile", choices=("compile", "eager"),
+                        help="compile: vLLM's default torch.compile; eager: enforce_eager=True")
     args = parser.parse_args(argv)
     try:
         import vllm
@@ -35,28 +44,41 @@ def main(argv: list[str] | None = None) -> None:
     except ImportError as e:
         raise SystemExit(f"vllm_peer: vllm is not importable here ({e}); run it with the venv made "
                          f"by benchmarks/setup_vllm_cpu.sh") from e
+    try:
+        from vllm.inputs import TokensPrompt
+    except ImportError:  # older layouts: a plain dict is the same TypedDict
+        TokensPrompt = dict
 
     work = json.loads(Path(args.workload_file).read_text())
     prompts, output_lens = work["prompts"], work["output_lens"]
     max_len = max(len(p) + o for p, o in zip(prompts + work["warmup_prompts"],
                                              output_lens + work["warmup_output_lens"]))
-    llm = LLM(model=args.model, dtype=args.dtype, seed=0, max_model_len=max_len)
+    t0 = time.perf_counter()
+    llm = LLM(model=args.model, dtype=args.dtype, seed=0, max_model_len=max_len,
+              enforce_eager=args.mode == "eager")
+    load_s = time.perf_counter() - t0
+
+    def requests(ids: list[list[int]]) -> list:
+        return [TokensPrompt(prompt_token_ids=p) for p in ids]
 
     def params(lens: list[int]) -> list:
         return [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for o in lens]
 
     # Warm-up: the same requests pagedllm warms up with (other tokens, short outputs).
-    llm.generate([{"prompt_token_ids": p} for p in work["warmup_prompts"]],
-                 params(work["warmup_output_lens"]), use_tqdm=False)
+    llm.generate(requests(work["warmup_prompts"]), params(work["warmup_output_lens"]), use_tqdm=False)
     t0 = time.perf_counter()
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params(output_lens),
-                           use_tqdm=False)
+    outputs = llm.generate(requests(prompts), params(output_lens), use_tqdm=False)
     elapsed = time.perf_counter() - t0
     token_ids = [list(o.outputs[0].token_ids) for o in outputs]
+    got = [len(t) for t in token_ids]
+    if got != output_lens:  # ignore_eos: every request must run to exactly its length
+        raise SystemExit(f"vllm_peer: output lengths {got} differ from the workload's {output_lens}")
+    num_tokens = sum(got)
     Path(args.out).write_text(json.dumps({
-        "elapsed_s": elapsed, "num_tokens": sum(len(t) for t in token_ids), "token_ids": token_ids,
-        "vllm_version": getattr(vllm, "__version__", "?")}))
-    print(f"vllm: {sum(len(t) for t in token_ids) / elapsed:.1f} tok/s", file=sys.stderr)
+        "elapsed_s": elapsed, "num_tokens": num_tokens, "token_ids": token_ids,
+        "vllm_version": getattr(vllm, "__version__", "?"), "mode": args.mode, "load_s": load_s}))
+    print(f"vllm ({args.mode}): {num_tokens / elapsed:.1f} tok/s ({num_tokens} tokens in "
+          f"{elapsed:.2f} s; loading took {load_s:.1f} s)", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -97,12 +97,16 @@ class Request:
         # bookkeeping at all. 0: ask the manager.
         self.kv_in_place_until = 0
 
-    def set_limits(self, max_model_len: int) -> None:
-        """Once ``max_tokens`` is resolved: where the sequence must end, and which tokens may stop it."""
+    def set_limits(self, max_model_len: int, interned: dict[frozenset[int], frozenset[int]]) -> None:
+        """Once ``max_tokens`` is resolved: where the sequence must end, and which tokens may stop
+        it. ``interned`` makes requests with equal stop sets share one (it stays in the CPU cache)."""
         self.max_num_tokens = min(self._num_prompt_tokens + self.max_tokens, max_model_len)
         sp = self.sampling_params
         eos = frozenset() if sp.ignore_eos else frozenset(self.eos_token_ids)
-        self.maybe_stop_ids = eos | frozenset(sp._all_stop_token_ids)
+        stop_ids = eos | frozenset(sp._all_stop_token_ids)
+        if stop_ids in interned or len(interned) < 256:  # bounded: users choose stop ids
+            stop_ids = interned.setdefault(stop_ids, stop_ids)
+        self.maybe_stop_ids = stop_ids
 
     # -- token bookkeeping -------------------------------------------------------------------
     @property

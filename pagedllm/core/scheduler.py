@@ -49,6 +49,7 @@ class Scheduler(SequenceSharingMixin):
         # Running leaders whose children have not forked yet: their sequence slots are reserved.
         self._running_leaders: set[Request] = set()
         self.proposer = proposer  # speculative decoding (None: off)
+        self._stop_id_sets: dict[frozenset[int], frozenset[int]] = {}
         # Prefix-cache hits of first admissions, reported with the next step's outputs.
         self._new_num_cached: dict[str, int] = {}
 
@@ -78,7 +79,7 @@ class Scheduler(SequenceSharingMixin):
             if r.request_id in self.requests:
                 raise ValidationError(f"request id {r.request_id!r} is already in use", "request_id")
             validate_request(r, self.max_model_len, self.kv_cache_manager.num_blocks, self.block_size)
-            r.set_limits(self.max_model_len)
+            r.set_limits(self.max_model_len, self._stop_id_sets)
         if 1 + len(forks) > self.max_num_seqs:
             raise ValidationError(
                 f"n={1 + len(forks)} parallel samples exceed max_num_seqs={self.max_num_seqs}; "
@@ -114,7 +115,8 @@ class Scheduler(SequenceSharingMixin):
         # Drafts to verify and forks to sample: read before num_computed_tokens advances.
         spec_tokens: dict[str, list[int]] = {}
         pending_forks: dict[str, list[tuple[str, SamplingParams]]] = {}
-        sharing = self.proposer is not None or bool(self._running_leaders)
+        drafting = self.proposer is not None
+        sharing = drafting or bool(self._running_leaders)
         num_prompt_computed = 0
 
         # 1. Running requests first (hot path: keep it to a few integer operations per request).
@@ -125,7 +127,9 @@ class Scheduler(SequenceSharingMixin):
             req = running[i]
             start = req.num_computed_tokens
             all_ids = req.all_token_ids
-            n = len(all_ids) + len(req.spec_token_ids) - start
+            n = len(all_ids) - start
+            if drafting:
+                n += len(req.spec_token_ids)
             if threshold and n > threshold:
                 n = threshold
             if n > budget:
