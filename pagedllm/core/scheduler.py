@@ -119,63 +119,71 @@ class Scheduler(SequenceSharingMixin):
         sharing = drafting or bool(self._running_leaders)
         num_prompt_computed = 0
 
-        # 1. Running requests first (hot path: keep it to a few integer operations per request).
+        # 1. Running requests first. This loop runs for every running request every step, so
+        # it is kept to a few integer operations and list appends per request: a plain for loop
+        # over the running list, left only when the KV cache runs out (preemption, below).
         running = self.running
         append_slot = kv.append_slot
+        add_req_id, add_block_ids = req_ids.append, new_block_ids.append
+        add_computed, add_token_ids = computed.append, new_token_ids.append
         i = 0
-        while i < len(running) and budget > 0:
-            req = running[i]
-            start = req.num_computed_tokens
-            all_ids = req.all_token_ids
-            n = len(all_ids) - start
-            if drafting:
-                n += len(req.spec_token_ids)
-            if threshold and n > threshold:
-                n = threshold
-            if n > budget:
-                n = budget
-            if n <= 0:
-                i += 1
-                continue
-            if n == 1 and start < req.kv_in_place_until:
-                new_blocks = None  # lands inside its own last block: nothing to allocate
-            else:
-                new_blocks = append_slot(req) if n == 1 else kv.allocate_slots(req, n)
-                while new_blocks is None:
-                    victim = running[-1] if self.policy == "fcfs" else max(running)
-                    victim_index = running.index(victim)
-                    if victim.request_id in num_scheduled:  # give back what it was given this step
-                        budget += num_scheduled.pop(victim.request_id)
-                        num_prompt_computed -= self._unschedule(victim, cached, scheduled_new,
-                                                                spec_tokens, pending_forks)
-                    self._preempt(victim)
-                    preempted.add(victim.request_id)
-                    if victim is req:
+        while True:
+            stalled = None
+            for i, req in enumerate(running[i:] if i else running, i):
+                start = req.num_computed_tokens
+                all_ids = req.all_token_ids
+                n = len(all_ids) - start
+                if drafting:
+                    n += len(req.spec_token_ids)
+                if threshold and n > threshold:
+                    n = threshold
+                if n > budget:
+                    n = budget
+                if n <= 0:
+                    continue
+                if n == 1 and start < req.kv_in_place_until:
+                    block_ids = _NO_IDS  # lands inside its own last block: nothing to allocate
+                else:
+                    new_blocks = append_slot(req) if n == 1 else kv.allocate_slots(req, n)
+                    if new_blocks is None:
+                        stalled = req
                         break
-                    if victim_index < i:
-                        i -= 1
-                    new_blocks = kv.allocate_slots(req, n)
-                if req.status is not RequestStatus.RUNNING:
-                    continue  # req preempted itself; running[i] is now the next request
-            rid = req.request_id
-            num_scheduled[rid] = n
-            budget -= n
-            i += 1
-            if sharing:
-                self._note_drafts_and_forks(req, start + n, spec_tokens, pending_forks)
-            if unsent and rid in unsent:
-                scheduled_new.append(req)  # advanced with the new requests below
-                continue
-            req_ids.append(rid)
-            new_block_ids.append([b.block_id for b in new_blocks] if new_blocks else _NO_IDS)
-            computed.append(start)
-            new_token_ids.append(all_ids[req.num_sent_tokens:])
-            req.num_sent_tokens = len(all_ids)
-            # Advance now: the next schedule() sees these tokens as computed (the runner
-            # computes them before then), and preemption frees exactly what was computed.
-            req.num_computed_tokens = start + n
-            if start < req._num_prompt_tokens:
-                num_prompt_computed += min(req._num_prompt_tokens, start + n) - start
+                    block_ids = [b.block_id for b in new_blocks] if new_blocks else _NO_IDS
+                rid = req.request_id
+                num_scheduled[rid] = n
+                budget -= n
+                if sharing:
+                    self._note_drafts_and_forks(req, start + n, spec_tokens, pending_forks)
+                if unsent and rid in unsent:
+                    scheduled_new.append(req)  # advanced with the new requests below
+                else:
+                    add_req_id(rid)
+                    add_block_ids(block_ids)
+                    add_computed(start)
+                    add_token_ids(all_ids[req.num_sent_tokens:])
+                    req.num_sent_tokens = len(all_ids)
+                    # Advance now: the next schedule() sees these tokens as computed (the runner
+                    # computes them before then), and preemption frees exactly what was computed.
+                    req.num_computed_tokens = start + n
+                    if start < req._num_prompt_tokens:
+                        num_prompt_computed += min(req._num_prompt_tokens, start + n) - start
+                if budget <= 0:
+                    break
+            if stalled is None:
+                break
+            # Out of blocks: preempt a victim (it gives back what it was given this step), then
+            # resume at the stalled request, which retries with the freed blocks; if it was the
+            # victim itself, running[i] is now the request after it.
+            victim = running[-1] if self.policy == "fcfs" else max(running)
+            victim_index = running.index(victim)
+            if victim.request_id in num_scheduled:
+                budget += num_scheduled.pop(victim.request_id)
+                num_prompt_computed -= self._unschedule(victim, cached, scheduled_new,
+                                                        spec_tokens, pending_forks)
+            self._preempt(victim)
+            preempted.add(victim.request_id)
+            if victim_index < i:
+                i -= 1
 
         # 2. Then waiting requests, unless this step already had to preempt (memory is tight).
         if not preempted:
