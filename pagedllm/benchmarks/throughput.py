@@ -1,21 +1,31 @@
 """Offline throughput: generated tokens per second of one generate() call over a fixed workload.
 
 Every request is submitted at once; greedy, ignore_eos, so each request generates exactly its
-output length. One warm-up call (other prompts) comes first; model loading is not timed.
+output length. Each engine is loaded once and makes one warm-up call (other prompts); neither is
+timed. Then the timed call is repeated --repeat times (default 3), interleaved across the engines
+round by round so that all of them see the same machine conditions: round 1 runs pagedllm, then
+the peers; round 2 the reverse order; round 3 the first order again, and so on. Only one engine
+runs at a time; the others wait (a vLLM peer blocks on its stdin). Prefix caches are reset before
+every timed call, so every repeat computes the whole workload.
 Workloads (random token ids, random.Random(0)):
   cpu    32 requests, prompts 32..256, outputs 64..256 tokens (default)
   nano   256 requests, prompts and outputs 100..1024 (long: meant for a GPU)
   small  4 short requests (smoke tests)
 Peers, in the same run on the same model: Hugging Face transformers generate() (one left-padded
-batch; --no-hf skips it) and, opt-in with --vllm, vLLM in the venv made by
-benchmarks/setup_vllm_cpu.sh: --vllm-mode compile (vLLM's default, torch.compile; engine "vllm"),
-eager (enforce_eager; engine "vllm-eager") or both. vLLM's CPU attention needs a head size of 32
-or more (the default qwen3-58m model has 64). Greedy outputs are compared token by token with
-each peer.
-The limit: the workload's model FLOPs divided by the time, against the float32 matmul FLOP/s
-torch reaches on this machine, measured in the same run.
+batch, in this process; --no-hf skips it) and, opt-in with --vllm, vLLM in the venv made by
+benchmarks/setup_vllm_cpu.sh, in a subprocess that stays loaded between its runs:
+--vllm-mode compile (vLLM's default, torch.compile; engine "vllm"), eager (enforce_eager; engine
+"vllm-eager") or both. vLLM's CPU attention needs a head size of 32 or more (the default
+qwen3-58m model has 64).
+Reported per engine: the median tok/s and every run's tok/s (in round order); against each peer,
+pagedllm's ratio as the median of the per-round ratios (each round's pagedllm run over that
+round's peer run), and how many requests' greedy outputs agree token by token (first runs); and
+whether each engine's repeats produced the same token ids as its first run.
+The limit: the workload's model FLOPs divided by pagedllm's median time, against the float32
+matmul FLOP/s torch reaches on this machine (measured after every round; the median).
 
-    python -m pagedllm.benchmarks.throughput [--workload cpu] [--no-hf] [--vllm] [--plot F.png]
+    python -m pagedllm.benchmarks.throughput [--workload cpu] [--repeat 3] [--no-hf] [--vllm]
+                                             [--json F.json] [--plot F.png]
     python -m pagedllm.benchmarks.throughput --vllm --vllm-mode both   # vLLM compiled and eager
 """
 from __future__ import annotations
@@ -24,6 +34,7 @@ import argparse
 import gc
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -43,6 +54,7 @@ VLLM_ENV_DEFAULTS = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
 VLLM_MODES = {"compile": ["compile"], "eager": ["eager"], "both": ["compile", "eager"]}
 # The head sizes vLLM 0.32's CPU attention backend accepts (CPUAttentionBackend).
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+OURS = "pagedllm"
 
 
 def _warmup_workload(workload: Workload, vocab_size: int) -> Workload:
@@ -52,113 +64,286 @@ def _warmup_workload(workload: Workload, vocab_size: int) -> Workload:
     return w
 
 
-def run_pagedllm(model: str, workload: Workload, vocab_size: int, llm_kwargs: dict) -> dict:
-    from pagedllm import LLM, SamplingParams
+# -- the engines: each loads and warms up once, then run() is one timed call ---------------------
+class PagedllmEngine:
+    def __init__(self, model: str, workload: Workload, vocab_size: int, llm_kwargs: dict) -> None:
+        from pagedllm import LLM
 
-    llm = LLM(model, **llm_kwargs)
+        self.workload = workload
+        self.llm = LLM(model, **llm_kwargs)
+        warm = _warmup_workload(workload, vocab_size)
+        self.llm.generate(warm.as_prompts(), self._params(warm), use_tqdm=False)
 
-    def params(w: Workload) -> list[SamplingParams]:
+    @staticmethod
+    def _params(w: Workload) -> list:
+        from pagedllm import SamplingParams
+
         return [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for o in w.output_lens]
 
-    warm = _warmup_workload(workload, vocab_size)
-    llm.generate(warm.as_prompts(), params(warm), use_tqdm=False)
-    llm.reset_prefix_cache()
-    t0 = time.perf_counter()
-    outputs = llm.generate(workload.as_prompts(), params(workload), use_tqdm=False)
-    elapsed = time.perf_counter() - t0
-    token_ids = [list(o.outputs[0].token_ids) for o in outputs]
-    num_preemptions = llm.get_metrics()["pagedllm:num_preemptions"]
-    del llm
-    gc.collect()
-    return {"elapsed_s": elapsed, "num_tokens": sum(len(t) for t in token_ids),
-            "num_preemptions": num_preemptions, "token_ids": token_ids}
+    def run(self) -> dict:
+        if not self.llm.reset_prefix_cache():  # so this run computes every prompt, as the first did
+            raise RuntimeError("pagedllm refused to reset its prefix cache (blocks still in use)")
+        before = self.llm.get_metrics()
+        prompts, params = self.workload.as_prompts(), self._params(self.workload)
+        t0 = time.perf_counter()
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - t0
+        after = self.llm.get_metrics()
+        token_ids = [list(o.outputs[0].token_ids) for o in outputs]
+        delta = {k: int(after[f"pagedllm:{k}"] - before[f"pagedllm:{k}"])
+                 for k in ("num_preemptions", "prefix_cache_hits")}
+        return {"elapsed_s": elapsed, "num_tokens": sum(len(t) for t in token_ids),
+                "token_ids": token_ids, **delta}
+
+    def close(self) -> None:
+        del self.llm
+        gc.collect()
 
 
-def run_hf(model: str, workload: Workload, device: str, dtype: str) -> dict:
+class HfEngine:
     """transformers generate() as it is normally used for a batch: one left-padded batch.
 
     The batch runs to max(output_lens) for every row, so HF computes more tokens than the
     workload asks for; only each request's own output length is counted (the useful tokens).
     Decoding the texts is timed too, as pagedllm detokenizes its outputs.
     """
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
-                       ("cpu" if device == "auto" else device))
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).to(dev).eval()
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    hf.generation_config.eos_token_id = None  # ignore_eos: rows must not stop (and pad) at EOS
-    pad_id = 0  # any id: the attention mask hides it
+    def __init__(self, model: str, workload: Workload, device: str, dtype: str) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    def generate(prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        self.torch, self.workload = torch, workload
+        self.dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
+                                ("cpu" if device == "auto" else device))
+        self.hf = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).to(self.dev).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(model)
+        self.hf.generation_config.eos_token_id = None  # ignore_eos: rows must not stop (and pad) at EOS
+        self._generate(workload.prompts[:2], 4)  # warm-up
+
+    def _generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        torch, pad_id = self.torch, 0  # any pad id: the attention mask hides it
         width = max(len(p) for p in prompts)
-        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=dev)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=dev)
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=self.dev)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.dev)
         with torch.inference_mode():
-            out = hf.generate(input_ids=ids, attention_mask=mask, do_sample=False,
-                              max_new_tokens=max_new_tokens, pad_token_id=pad_id)
+            out = self.hf.generate(input_ids=ids, attention_mask=mask, do_sample=False,
+                                   max_new_tokens=max_new_tokens, pad_token_id=pad_id)
         return out[:, width:].tolist()
 
-    generate(workload.prompts[:2], 4)  # warm-up
-    t0 = time.perf_counter()
-    rows = generate(workload.prompts, max(workload.output_lens))
-    token_ids = [row[:n] for row, n in zip(rows, workload.output_lens)]
-    tokenizer.batch_decode(token_ids)
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-    elapsed = time.perf_counter() - t0
-    return {"elapsed_s": elapsed, "num_tokens": workload.num_output_tokens, "token_ids": token_ids,
-            "num_tokens_computed": len(rows) * len(rows[0])}
+    def run(self) -> dict:
+        w = self.workload
+        t0 = time.perf_counter()
+        rows = self._generate(w.prompts, max(w.output_lens))
+        token_ids = [row[:n] for row, n in zip(rows, w.output_lens)]
+        self.tokenizer.batch_decode(token_ids)
+        if self.dev.type == "cuda":
+            self.torch.cuda.synchronize(self.dev)
+        elapsed = time.perf_counter() - t0
+        return {"elapsed_s": elapsed, "num_tokens": w.num_output_tokens, "token_ids": token_ids,
+                "num_tokens_computed": len(rows) * len(rows[0])}
+
+    def close(self) -> None:
+        del self.hf
+        gc.collect()
 
 
-def run_vllm(model: str, workload: Workload, vocab_size: int, python: str, dtype: str,
-             mode: str = "compile") -> dict:
-    """vLLM in its own venv, through vllm_peer.py in a subprocess (same workload, same model).
+def _process_cpu_s(pid: int) -> float | None:
+    """CPU seconds (user + system, all threads) a process has used so far; None off Linux."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class VllmPeer:
+    """vllm_peer.py --serve in the vLLM venv (same workload, same model): loaded and warmed up once,
+    then one timed generate() per request line on its stdin, so its runs interleave with the
+    in-process engines'. While it waits it blocks on stdin; the CPU it uses then (which would
+    disturb the other engines' runs) is measured from /proc and reported as idle_cpu_share.
 
     mode: "compile" (vLLM's default torch.compile) or "eager" (enforce_eager=True).
     """
-    if not Path(python).is_file():
-        raise SystemExit(f"--vllm needs the vLLM venv ({python} is missing): run "
-                         f"benchmarks/setup_vllm_cpu.sh first, or pass --vllm-python")
-    with tempfile.TemporaryDirectory() as tmp:
-        wfile, ofile = Path(tmp) / "workload.json", Path(tmp) / "out.json"
+
+    def __init__(self, model: str, workload: Workload, vocab_size: int, python: str, dtype: str,
+                 mode: str = "compile") -> None:
+        if not Path(python).is_file():
+            raise SystemExit(f"--vllm needs the vLLM venv ({python} is missing): run "
+                             f"benchmarks/setup_vllm_cpu.sh first, or pass --vllm-python")
+        self.mode = mode
+        self._tmp = tempfile.TemporaryDirectory()  # cleaned up by close()
+        wfile = Path(self._tmp.name) / "workload.json"
         warm = _warmup_workload(workload, vocab_size)
         wfile.write_text(json.dumps({"prompts": workload.prompts, "output_lens": workload.output_lens,
                                      "warmup_prompts": warm.prompts,
                                      "warmup_output_lens": warm.output_lens}))
         env = {**VLLM_ENV_DEFAULTS, **os.environ, **VLLM_ENV}
-        cmd = [python, str(VLLM_PEER), "--model", str(Path(model).resolve()), "--workload-file", str(wfile),
-               "--out", str(ofile), "--dtype", dtype, "--mode", mode]
-        log("running the vLLM peer: " + " ".join(cmd))
-        # vLLM logs to stdout; send it to stderr so stdout keeps only the result line.
-        proc = subprocess.run(cmd, env=env, cwd=tmp, stdout=2, check=False)
-        if proc.returncode != 0:
-            raise SystemExit(f"the vLLM peer ({mode}) failed (exit {proc.returncode})")
-        return json.loads(ofile.read_text())
+        cmd = [python, str(VLLM_PEER), "--serve", "--model", str(Path(model).resolve()),
+               "--workload-file", str(wfile), "--dtype", dtype, "--mode", mode]
+        log("starting the vLLM peer: " + " ".join(cmd))
+        # The peer's stdout carries only its JSON lines; vLLM's logs come through on stderr.
+        self._proc = subprocess.Popen(cmd, env=env, cwd=self._tmp.name, stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, text=True)
+        try:
+            ready = self._read()
+        except BaseException:
+            self.close()
+            raise
+        self.info = {k: ready[k] for k in ("vllm_version", "mode", "load_s") if k in ready}
+        self._busy_cpu = self._busy_wall = 0.0
+        self._cpu0, self._t0 = _process_cpu_s(self._proc.pid), time.perf_counter()
+
+    def _read(self) -> dict:
+        line = self._proc.stdout.readline()
+        if not line:
+            self._proc.wait()
+            raise SystemExit(f"the vLLM peer ({self.mode}) failed (exit {self._proc.returncode})")
+        return json.loads(line)
+
+    def run(self) -> dict:
+        cpu0, t0 = _process_cpu_s(self._proc.pid), time.perf_counter()
+        self._proc.stdin.write("run\n")
+        self._proc.stdin.flush()
+        out = self._read()
+        cpu1 = _process_cpu_s(self._proc.pid)
+        self._busy_wall += time.perf_counter() - t0
+        if cpu0 is not None and cpu1 is not None:
+            self._busy_cpu += cpu1 - cpu0
+        return out
+
+    def idle_cpu_share(self) -> float | None:
+        """CPU seconds per second the peer used while it waited, since it became ready."""
+        cpu = _process_cpu_s(self._proc.pid)
+        idle_wall = time.perf_counter() - self._t0 - self._busy_wall
+        if cpu is None or self._cpu0 is None or idle_wall <= 0:
+            return None
+        return max(cpu - self._cpu0 - self._busy_cpu, 0.0) / idle_wall
+
+    def begin_close(self) -> None:
+        try:
+            self._proc.stdin.close()  # end of stdin: the peer exits
+        except OSError:  # it has gone already
+            pass
+
+    def close(self) -> None:
+        self.begin_close()
+        try:
+            self._proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        self._tmp.cleanup()
+
+
+# -- rounds and their summary ----------------------------------------------------------------------
+def round_order(names: list[str], round_index: int) -> list[str]:
+    """The order the engines run in, in round ``round_index`` (0-based): as given, then reversed,
+    alternately, so over two rounds every engine runs as often early as late."""
+    return list(names) if round_index % 2 == 0 else list(reversed(names))
+
+
+def run_rounds(engines: dict, repeat: int, between_rounds=None) -> list[dict]:
+    """``repeat`` rounds; in each, every engine's run() once, in round_order. One record per run:
+    the run's own result plus engine, round and position (0-based). ``between_rounds(r)`` is
+    called after round r (the matmul probe)."""
+    runs = []
+    for r in range(repeat):
+        for pos, name in enumerate(round_order(list(engines), r)):
+            out = engines[name].run()
+            runs.append({"engine": name, "round": r, "position": pos, **out})
+            log(f"round {r + 1}/{repeat}: {name} {out['num_tokens'] / out['elapsed_s']:.1f} tok/s")
+        if between_rounds is not None:
+            between_rounds(r)
+    return runs
 
 
 def num_agreeing(a: list[list[int]], b: list[list[int]]) -> int:
     return sum(1 for x, y in zip(a, b) if x == y)
 
 
+def summarize(runs: list[dict], ours: str = OURS) -> dict[str, dict]:
+    """Per engine (in order of first appearance): the median and every run's tok/s and elapsed
+    (in round order), how many of its runs gave the token ids of its first run, and for the peers
+    pagedllm's ratio: each round's pagedllm tok/s over that round's peer tok/s, and their median,
+    plus greedy agreement with pagedllm's first run. Every engine needs a run in every round."""
+    by_engine: dict[str, list[dict]] = {}
+    for run in runs:
+        by_engine.setdefault(run["engine"], []).append(run)
+    for rs in by_engine.values():
+        rs.sort(key=lambda x: x["round"])
+    ours_by_round = {x["round"]: x for x in by_engine[ours]}
+    engines = {}
+    for name, rs in by_engine.items():
+        tps = [x["num_tokens"] / x["elapsed_s"] for x in rs]
+        elapsed = [x["elapsed_s"] for x in rs]
+        e = {"tok_per_s": statistics.median(tps), "runs_tok_per_s": tps,
+             "elapsed_s": statistics.median(elapsed), "runs_elapsed_s": elapsed,
+             "repeats_same_ids": sum(1 for x in rs if x["token_ids"] == rs[0]["token_ids"])}
+        if name != ours:
+            paired = [ours_by_round[x["round"]]["num_tokens"] / ours_by_round[x["round"]]["elapsed_s"] / t
+                      for x, t in zip(rs, tps)]
+            e["runs_pagedllm_ratio"] = paired
+            e["pagedllm_ratio"] = statistics.median(paired)
+            e["greedy_agree"] = num_agreeing(by_engine[ours][0]["token_ids"], rs[0]["token_ids"])
+        engines[name] = e
+    return engines
+
+
 def plot(path: str, result: dict) -> None:
+    """Bars of the median tok/s, with whiskers from the slowest to the fastest run."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     names = list(result["engines"])
-    values = [result["engines"][n]["tok_per_s"] for n in names]
+    e = [result["engines"][n] for n in names]
+    values = [x["tok_per_s"] for x in e]
+    spread = [[v - min(x["runs_tok_per_s"]) for v, x in zip(values, e)],
+              [max(x["runs_tok_per_s"]) - v for v, x in zip(values, e)]]
     fig, ax = plt.subplots(figsize=(5, 3.5))
-    bars = ax.bar(names, values, color=["tab:blue", "tab:orange", "tab:green", "tab:red"][:len(names)])
-    ax.bar_label(bars, fmt="%.1f")
+    bars = ax.bar(names, values, yerr=spread, capsize=4,
+                  color=["tab:blue", "tab:orange", "tab:green", "tab:red"][:len(names)])
+    ax.bar_label(bars, fmt="%.1f", padding=2)
     ax.margins(y=0.15)  # room for the labels
     ax.set_ylabel("generated tokens / s")
-    ax.set_title(f"throughput, workload {result['workload']} ({result['num_requests']} requests)")
+    runs = f", median of {result['repeat']} runs" if result.get("repeat", 1) > 1 else ""
+    ax.set_title(f"throughput, workload {result['workload']} ({result['num_requests']} requests{runs})",
+                 fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _runs_text(values: list[float], fmt: str) -> str:
+    return "/".join(format(v, fmt) for v in values)
+
+
+def result_line(result: dict) -> str:
+    engines, n, repeat = result["engines"], result["num_requests"], result["repeat"]
+    e = engines[OURS]
+    head = f"throughput {result['workload']} ({n} req"
+    head += f", median of {repeat} interleaved runs)" if repeat > 1 else ")"
+    ours = f"{head}: {OURS} {e['tok_per_s']:.1f} tok/s"
+    if repeat > 1:
+        ours += (f" ({_runs_text(e['runs_tok_per_s'], '.1f')}; "
+                 f"same ids in {e['repeats_same_ids']}/{repeat} runs)")
+    parts = [ours]
+    for name, p in engines.items():
+        if name == OURS:
+            continue
+        agree = f"greedy agree {p['greedy_agree']}/{n}"
+        if p["repeats_same_ids"] != repeat:
+            agree += f", same ids in {p['repeats_same_ids']}/{repeat} runs"
+        if repeat > 1:
+            parts.append(f"{name} {p['tok_per_s']:.1f} tok/s ({_runs_text(p['runs_tok_per_s'], '.1f')}), "
+                         f"{p['pagedllm_ratio']:.2f}x ({_runs_text(p['runs_pagedllm_ratio'], '.2f')}), {agree}")
+        else:
+            parts.append(f"{name} {p['tok_per_s']:.1f} tok/s ({p['pagedllm_ratio']:.2f}x, {agree})")
+    per_tok = result["flops_per_output_token"]
+    parts.append(f"{per_tok / 1e6:.1f} MFLOP/tok, {per_tok * e['tok_per_s'] / 1e9:.1f} GFLOP/s = "
+                 f"{e['utilization']:.1%} of {result['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s fp32 matmul")
+    return " | ".join(parts)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -171,15 +356,20 @@ def main(argv: list[str] | None = None) -> None:
     add_model_args(parser)
     parser.add_argument("--workload", default="cpu", choices=sorted(WORKLOADS))
     parser.add_argument("--num-requests", type=int, help="override the workload's request count")
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="timed runs per engine, interleaved round by round; medians are "
+                             "reported (default 3)")
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
     parser.add_argument("--vllm", action="store_true", help="also run vLLM (needs its venv)")
     parser.add_argument("--vllm-mode", choices=sorted(VLLM_MODES),
                         help="how vLLM runs (implies --vllm): compile (default, engine 'vllm'), "
                              "eager (enforce_eager, engine 'vllm-eager') or both")
     parser.add_argument("--vllm-python", default=str(REPO_ROOT / ".venv-vllm" / "bin" / "python"))
-    parser.add_argument("--plot", metavar="FILE.png", help="draw the comparison (matplotlib)")
+    parser.add_argument("--plot", metavar="FILE.png", help="draw the comparison (matplotlib; medians)")
     parser.add_argument("--matmul-size", type=int, default=1024, help="n of the FLOP/s probe")
     args = parser.parse_args(argv)
+    if args.repeat < 1:
+        parser.error("--repeat must be at least 1")
 
     model = resolve_model(args)
     stats = model_stats(model)
@@ -187,53 +377,61 @@ def main(argv: list[str] | None = None) -> None:
     flops = workload_flops(stats, workload)
     log(f"workload {workload.name}: {workload.num_requests} requests, {workload.num_prompt_tokens} "
         f"prompt + {workload.num_output_tokens} output tokens; model {model} "
-        f"({stats.num_params / 1e6:.1f}M params)")
+        f"({stats.num_params / 1e6:.1f}M params); {args.repeat} interleaved rounds")
 
     run_vllm_too = args.vllm or args.vllm_mode is not None
     if run_vllm_too and stats.head_dim not in VLLM_CPU_HEAD_SIZES:
         raise SystemExit(f"--vllm: vLLM's CPU attention does not support head size {stats.head_dim} "
                          f"(only {', '.join(map(str, VLLM_CPU_HEAD_SIZES))}); use another model, "
                          f"e.g. the default --model-config qwen3-58m")
-    runs = {"pagedllm": run_pagedllm(model, workload, stats.vocab_size, engine_args(args))}
-    if not args.no_hf:
-        runs["hf"] = run_hf(model, workload, args.device, args.dtype)
-    if run_vllm_too:
-        for mode in VLLM_MODES[args.vllm_mode or "compile"]:
-            runs["vllm" if mode == "compile" else f"vllm-{mode}"] = run_vllm(
-                model, workload, stats.vocab_size, args.vllm_python, args.dtype, mode)
-    peak = measure_matmul_flops(args.device, args.matmul_size)
+    engines: dict = {}
+    peaks: list[float] = []
+    try:
+        engines[OURS] = PagedllmEngine(model, workload, stats.vocab_size, engine_args(args))
+        if not args.no_hf:
+            engines["hf"] = HfEngine(model, workload, args.device, args.dtype)
+        if run_vllm_too:
+            for mode in VLLM_MODES[args.vllm_mode or "compile"]:
+                engines["vllm" if mode == "compile" else f"vllm-{mode}"] = VllmPeer(
+                    model, workload, stats.vocab_size, args.vllm_python, args.dtype, mode)
+        runs = run_rounds(engines, args.repeat,
+                          lambda r: peaks.append(measure_matmul_flops(args.device, args.matmul_size)))
+        extras = {name: {**eng.info, "idle_cpu_share": eng.idle_cpu_share()}
+                  for name, eng in engines.items() if isinstance(eng, VllmPeer)}
+    finally:
+        for eng in engines.values():  # the peers shut down together
+            if isinstance(eng, VllmPeer):
+                eng.begin_close()
+        for eng in engines.values():
+            eng.close()
+    for name, x in extras.items():
+        if x["idle_cpu_share"] is not None:
+            log(f"{name}: while waiting it used {x['idle_cpu_share']:.1%} of a core")
 
-    ours = runs["pagedllm"]
-    assert ours["num_tokens"] == workload.num_output_tokens, "ignore_eos: every request runs to its length"
-    engines = {}
-    for name, run in runs.items():
-        tps = run["num_tokens"] / run["elapsed_s"]
-        engines[name] = {"tok_per_s": tps, "elapsed_s": run["elapsed_s"],
-                         "utilization": flops / run["elapsed_s"] / peak}
-        if name != "pagedllm":
-            engines[name]["pagedllm_ratio"] = engines["pagedllm"]["tok_per_s"] / tps
-            engines[name]["greedy_agree"] = num_agreeing(ours["token_ids"], run["token_ids"])
-        for key in ("vllm_version", "mode", "load_s"):  # the vLLM peer's extras
-            if key in run:
-                engines[name][key] = run[key]
+    ours = [r for r in runs if r["engine"] == OURS]
+    assert all(r["num_tokens"] == workload.num_output_tokens for r in ours), \
+        "ignore_eos: every request runs to its length"
+    if any(r["prefix_cache_hits"] for r in ours):
+        log("warning: pagedllm hit its prefix cache in a timed run despite the reset")
+    engines_out = summarize(runs)
+    peak = statistics.median(peaks)
+    for name, e in engines_out.items():
+        e["utilization"] = flops / workload.num_output_tokens * e["tok_per_s"] / peak
+        e.update(extras.get(name, {}))
+    if engines_out[OURS]["repeats_same_ids"] != args.repeat:
+        log(f"warning: pagedllm's greedy repeats differ: only {engines_out[OURS]['repeats_same_ids']}"
+            f"/{args.repeat} runs gave the token ids of the first")
     result = {
         "benchmark": "throughput", "workload": workload.name, "num_requests": workload.num_requests,
         "num_prompt_tokens": workload.num_prompt_tokens, "num_output_tokens": workload.num_output_tokens,
         "model": model, "num_params": stats.num_params, "dtype": args.dtype,
         "flops_per_output_token": flops / workload.num_output_tokens, "workload_flops": flops,
-        "matmul_flops_per_s": peak, "num_preemptions": ours["num_preemptions"], "engines": engines,
+        "repeat": args.repeat, "matmul_flops_per_s": peak, "runs_matmul_flops_per_s": peaks,
+        "num_preemptions": max(r["num_preemptions"] for r in ours), "engines": engines_out,
+        "runs": [{k: v for k, v in r.items() if k != "token_ids"} | {"tok_per_s": r["num_tokens"] / r["elapsed_s"]}
+                 for r in runs],
     }
-
-    e = engines["pagedllm"]
-    parts = [f"throughput {workload.name} ({workload.num_requests} req): pagedllm {e['tok_per_s']:.1f} tok/s"]
-    for name, p in engines.items():
-        if name != "pagedllm":
-            parts.append(f"{name} {p['tok_per_s']:.1f} tok/s ({p['pagedllm_ratio']:.2f}x, "
-                         f"greedy agree {p['greedy_agree']}/{workload.num_requests})")
-    parts.append(f"{flops / workload.num_output_tokens / 1e6:.1f} MFLOP/tok, "
-                 f"{flops / ours['elapsed_s'] / 1e9:.1f} GFLOP/s = {e['utilization']:.1%} "
-                 f"of {peak / 1e9:.1f} GFLOP/s fp32 matmul")
-    print(" | ".join(parts), flush=True)
+    print(result_line(result), flush=True)
     write_json(args.json, result)
     if args.plot:
         plot(args.plot, result)

@@ -4,9 +4,18 @@
 "warmup_prompts": ..., "warmup_output_lens": ...})
 and runs this file with the venv made by benchmarks/setup_vllm_cpu.sh, with
 VLLM_CPU_OMP_THREADS_BIND, VLLM_CPU_KVCACHE_SPACE and VLLM_ENABLE_V1_MULTIPROCESSING set. Here
-vLLM runs the same protocol as pagedllm: one warm-up call on other prompts, then one timed
-generate() of every request at once, greedy, ignore_eos, prompts given as token ids. The result
-goes to --out as JSON: {"elapsed_s", "num_tokens", "token_ids", "vllm_version", "mode", "load_s"}.
+vLLM runs the same protocol as pagedllm: one warm-up call on other prompts, then timed generate()
+calls of every request at once, greedy, ignore_eos, prompts given as token ids. vLLM's prefix
+cache is reset before every timed call, so each one computes the whole workload.
+
+Two ways to run it:
+  --serve (what the benchmark uses): load, warm up, print one JSON line {"ready": true,
+    "vllm_version", "mode", "load_s"} on stdout, then for every line read from stdin run one timed
+    generate() and answer one JSON line {"elapsed_s", "num_tokens", "token_ids"}; exit at the end
+    of stdin. Between requests the process blocks on stdin, so the benchmark can interleave these
+    runs with the other engines'. vLLM's own logs go to stderr; stdout carries only the JSON lines.
+  --out FILE: one timed generate(), its result written to FILE as JSON: {"elapsed_s",
+    "num_tokens", "token_ids", "vllm_version", "mode", "load_s"}.
 
 --mode compile (the default, vLLM's own default on CPU) lets vLLM compile the model with
 torch.compile/inductor while it loads (a minute or more on 2 cores the first time; vLLM caches it
@@ -14,18 +23,37 @@ under ~/.cache/vllm); --mode eager passes enforce_eager=True. Loading and compil
 The model's head size must be one vLLM's CPU attention supports (32, 64, 80, ..., 256): the
 benchmark's qwen3-58m has 64; the tiny random model (16) and stories260K (8) do not run here.
 
-Only the standard library and vllm are imported (pagedllm is not installed in that venv).
+Only the standard library and vllm are imported (pagedllm is not installed in that venv); vllm is
+imported only inside main(), so serve() can be driven without it.
 
-    .venv-vllm/bin/python pagedllm/benchmarks/vllm_peer.py --model DIR --workload-file W --out O \
-        [--mode compile|eager]
+    .venv-vllm/bin/python pagedllm/benchmarks/vllm_peer.py --model DIR --workload-file W \
+        (--serve | --out O) [--mode compile|eager]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TextIO
+
+
+def serve(ready: dict, run_once: Callable[[], dict], inp: TextIO, out: TextIO) -> int:
+    """The --serve protocol: write ``ready`` as one JSON line, then answer each non-blank line of
+    ``inp`` with ``run_once()`` as one JSON line. Returns how many runs it answered."""
+    out.write(json.dumps(ready) + "\n")
+    out.flush()
+    n = 0
+    for line in inp:  # a blocking read: an idle peer sleeps here
+        if not line.strip():
+            continue
+        out.write(json.dumps(run_once()) + "\n")
+        out.flush()
+        n += 1
+    return n
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -33,7 +61,10 @@ def main(argv: list[str] | None = None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="Hugging Face model folder")
     parser.add_argument("--workload-file", required=True)
-    parser.add_argument("--out", required=True, help="where to write the result JSON")
+    how = parser.add_mutually_exclusive_group(required=True)
+    how.add_argument("--out", help="run once and write the result JSON here")
+    how.add_argument("--serve", action="store_true",
+                     help="after the warm-up, run once per stdin line, answering JSON lines")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--mode", default="compile", choices=("compile", "eager"),
                         help="compile: vLLM's default torch.compile; eager: enforce_eager=True")
@@ -48,6 +79,14 @@ def main(argv: list[str] | None = None) -> None:
         from vllm.inputs import TokensPrompt
     except ImportError:  # older layouts: a plain dict is the same TypedDict
         TokensPrompt = dict
+
+    results = sys.stdout
+    if args.serve:
+        # stdout carries only the protocol: vLLM's logger (and anything else) writes to fd 1, so
+        # point fd 1 at stderr and keep a private handle on the real stdout.
+        results = os.fdopen(os.dup(1), "w")
+        os.dup2(2, 1)
+        sys.stdout = sys.stderr
 
     work = json.loads(Path(args.workload_file).read_text())
     prompts, output_lens = work["prompts"], work["output_lens"]
@@ -66,19 +105,27 @@ def main(argv: list[str] | None = None) -> None:
 
     # Warm-up: the same requests pagedllm warms up with (other tokens, short outputs).
     llm.generate(requests(work["warmup_prompts"]), params(work["warmup_output_lens"]), use_tqdm=False)
-    t0 = time.perf_counter()
-    outputs = llm.generate(requests(prompts), params(output_lens), use_tqdm=False)
-    elapsed = time.perf_counter() - t0
-    token_ids = [list(o.outputs[0].token_ids) for o in outputs]
-    got = [len(t) for t in token_ids]
-    if got != output_lens:  # ignore_eos: every request must run to exactly its length
-        raise SystemExit(f"vllm_peer: output lengths {got} differ from the workload's {output_lens}")
-    num_tokens = sum(got)
-    Path(args.out).write_text(json.dumps({
-        "elapsed_s": elapsed, "num_tokens": num_tokens, "token_ids": token_ids,
-        "vllm_version": getattr(vllm, "__version__", "?"), "mode": args.mode, "load_s": load_s}))
-    print(f"vllm ({args.mode}): {num_tokens / elapsed:.1f} tok/s ({num_tokens} tokens in "
-          f"{elapsed:.2f} s; loading took {load_s:.1f} s)", file=sys.stderr)
+
+    def run_once() -> dict:
+        if not llm.reset_prefix_cache():  # so a repeat recomputes every prompt
+            raise SystemExit("vllm_peer: vLLM refused to reset its prefix cache")
+        t0 = time.perf_counter()
+        outputs = llm.generate(requests(prompts), params(output_lens), use_tqdm=False)
+        elapsed = time.perf_counter() - t0
+        token_ids = [list(o.outputs[0].token_ids) for o in outputs]
+        got = [len(t) for t in token_ids]
+        if got != output_lens:  # ignore_eos: every request must run to exactly its length
+            raise SystemExit(f"vllm_peer: output lengths {got} differ from the workload's {output_lens}")
+        print(f"vllm ({args.mode}): {sum(got) / elapsed:.1f} tok/s ({sum(got)} tokens in "
+              f"{elapsed:.2f} s)", file=sys.stderr, flush=True)
+        return {"elapsed_s": elapsed, "num_tokens": sum(got), "token_ids": token_ids}
+
+    info = {"vllm_version": getattr(vllm, "__version__", "?"), "mode": args.mode, "load_s": load_s}
+    if args.serve:
+        serve({"ready": True, **info}, run_once, sys.stdin, results)
+        return
+    Path(args.out).write_text(json.dumps({**run_once(), **info}))
+    print(f"vllm ({args.mode}): loading took {load_s:.1f} s", file=sys.stderr)
 
 
 if __name__ == "__main__":
