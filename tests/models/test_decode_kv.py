@@ -119,3 +119,37 @@ def test_random_schedules(seed):
         for rid, start, n in batch:
             # Sometimes roll back part of a multi-token step (rejected drafts).
             pos[rid] = start + (rng.randint(1, n) if n > 1 and rng.random() < 0.5 else n)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_fresh_memory_is_never_read_before_it_is_zeroed(monkeypatch, seed):
+    """The store allocates with torch.empty; poison that memory with NaN: a position attention
+    reads (masked or not) before it was zeroed or written would turn the output into NaN, and the
+    comparison with the gather path would fail."""
+    real_empty = torch.empty
+
+    def poisoned_empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.dim() == 5 else t  # the store's tensors only
+
+    monkeypatch.setattr(torch, "empty", poisoned_empty)
+    rng = random.Random(seed)
+    h = Harness(num_blocks=2000)
+    pos = {f"P{i}": rng.randint(1, 40) for i in range(18)}  # more rows than one zeroing chunk
+    h.step([(rid, 0, n) for rid, n in pos.items()])
+    for step in range(40):
+        if step % 9 == 8:  # a finish (row compaction) and a newcomer
+            gone = rng.choice(sorted(pos))
+            del pos[gone]
+            h.store.release(gone)
+            pos[f"N{step}"] = 0
+        batch = [(rid, p, 1) if p else (rid, 0, rng.randint(1, 9)) for rid, p in pos.items()]
+        # Jump some requests far ahead (their rows fill from the paged cache), so lengths cross
+        # the 256-position zeroing chunk.
+        h.step(batch)
+        for rid, p, n in batch:
+            pos[rid] = p + n + (rng.randint(0, 20) if step % 4 == 0 else 0)
+            table = h.tables[rid]
+            while len(table) * BLOCK < pos[rid] + 1:
+                table.append(h.free.pop())
+    assert h.used_store > 30 and h.store.clean_len >= 256 and h.store.clean_rows >= 18
