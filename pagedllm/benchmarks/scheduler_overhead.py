@@ -29,12 +29,12 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 
-from pagedllm.benchmarks.common import REPO_ROOT, log
+from pagedllm.benchmarks.common import (DEFAULT_VLLM_PYTHON, REPO_ROOT, VLLM_ENV, ServedPeer, log,
+                                         require_vllm_python)
 from pagedllm.config import SchedulerConfig
 from pagedllm.core.request import Request
 from pagedllm.core.scheduler import Scheduler
@@ -46,10 +46,7 @@ VOCAB = 32000
 TARGET_US = 2.0
 
 VLLM_PEER = Path(__file__).with_name("vllm_scheduler_peer.py")
-DEFAULT_VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
 DEFAULT_VLLM_MODEL = REPO_ROOT.parent / "shared" / "models" / "stories260K" / "hf"
-VLLM_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_KVCACHE_SPACE": "4",
-            "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 # Figures summarised as medians over the repeats.
 MEDIAN_KEYS = ("schedule_us_per_step", "update_us_per_step", "us_per_request_per_step",
                "schedule_us_per_request", "update_us_per_request", "wall_s")
@@ -163,48 +160,27 @@ def run_spec(spec: dict) -> dict:
 
 
 # -- the vLLM peer -------------------------------------------------------------------------------
-class VllmSchedulerPeer:
-    """vllm_scheduler_peer.py --serve in the vLLM venv: started once (importing vLLM takes a while),
-    then asked for one workload at a time, so its runs can interleave with pagedllm's."""
+class VllmSchedulerPeer(ServedPeer):
+    """vllm_scheduler_peer.py --serve in the vLLM venv, asked for one workload at a time."""
 
     def __init__(self, python: str, model: str) -> None:
-        if not Path(python).is_file():
-            raise SystemExit(f"--vllm needs the vLLM venv ({python} is missing): run "
-                             f"`bash benchmarks/setup_vllm_cpu.sh` first, or pass --vllm-python PATH")
+        require_vllm_python(python)
         if not Path(model).is_dir():
             raise SystemExit(f"--vllm needs a local HF model folder for vLLM's model config "
                              f"({model} is missing): pass --vllm-model DIR")
         # vLLM's logs go to a file, shown only if the peer fails.
-        self._stderr = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (closed by close())
-        cmd = [python, str(VLLM_PEER), "--serve", "--model", str(Path(model).resolve())]
-        log("starting the vLLM scheduler peer: " + " ".join(cmd))
-        self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                      stderr=self._stderr, text=True, env=dict(os.environ, **VLLM_ENV))
-        self.version = self._read()["vllm_version"]
-
-    def _read(self) -> dict:
-        line = self._proc.stdout.readline()
-        if not line:
-            self._proc.wait()
-            self._stderr.seek(0)
-            tail = "".join(self._stderr.readlines()[-20:])
-            raise SystemExit(f"the vLLM scheduler peer failed (exit {self._proc.returncode}):\n{tail}")
-        return json.loads(line)
+        self._log_file = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (closed by close())
+        super().__init__("vLLM scheduler peer",
+                         [python, str(VLLM_PEER), "--serve", "--model", str(Path(model).resolve())],
+                         dict(os.environ, **VLLM_ENV), stderr_file=self._log_file)
+        self.version = self.ready["vllm_version"]
 
     def run(self, spec: dict) -> dict:
-        self._proc.stdin.write(json.dumps(spec) + "\n")
-        self._proc.stdin.flush()
-        return self._read()
+        return self.ask(json.dumps(spec))
 
-    def close(self) -> None:
-        if self._proc.poll() is None:
-            self._proc.stdin.close()
-            try:
-                self._proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
-        self._stderr.close()
+    def close(self, timeout: float = 60) -> None:
+        super().close(timeout)
+        self._log_file.close()
 
 
 # -- summary -------------------------------------------------------------------------------------

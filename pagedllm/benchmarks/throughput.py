@@ -35,19 +35,17 @@ import gc
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from pagedllm.benchmarks.common import (REPO_ROOT, WORKLOADS, Workload, add_model_args,
-                                        engine_args, log, make_workload, measure_matmul_flops,
-                                        model_stats, resolve_model, workload_flops, write_json)
+from pagedllm.benchmarks.common import (DEFAULT_VLLM_PYTHON, VLLM_ENV, WORKLOADS, ServedPeer,
+                                        Workload, add_model_args, engine_args, log, make_workload,
+                                        measure_matmul_flops, model_stats, require_vllm_python,
+                                        resolve_model, workload_flops, write_json)
 
 VLLM_PEER = Path(__file__).with_name("vllm_peer.py")
-VLLM_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_KVCACHE_SPACE": "4",
-            "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 # Defaults the caller's environment may override: the model is a local folder and no hub or
 # usage-stats server can be reached, so vLLM should not try.
 VLLM_ENV_DEFAULTS = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
@@ -156,7 +154,7 @@ def _process_cpu_s(pid: int) -> float | None:
         return None
 
 
-class VllmPeer:
+class VllmPeer(ServedPeer):
     """vllm_peer.py --serve in the vLLM venv (same workload, same model): loaded and warmed up once,
     then one timed generate() per request line on its stdin, so its runs interleave with the
     in-process engines'. While it waits it blocks on stdin; the CPU it uses then (which would
@@ -167,9 +165,7 @@ class VllmPeer:
 
     def __init__(self, model: str, workload: Workload, vocab_size: int, python: str, dtype: str,
                  mode: str = "compile") -> None:
-        if not Path(python).is_file():
-            raise SystemExit(f"--vllm needs the vLLM venv ({python} is missing): run "
-                             f"benchmarks/setup_vllm_cpu.sh first, or pass --vllm-python")
+        require_vllm_python(python)
         self.mode = mode
         self._tmp = tempfile.TemporaryDirectory()  # cleaned up by close()
         wfile = Path(self._tmp.name) / "workload.json"
@@ -177,35 +173,19 @@ class VllmPeer:
         wfile.write_text(json.dumps({"prompts": workload.prompts, "output_lens": workload.output_lens,
                                      "warmup_prompts": warm.prompts,
                                      "warmup_output_lens": warm.output_lens}))
-        env = {**VLLM_ENV_DEFAULTS, **os.environ, **VLLM_ENV}
         cmd = [python, str(VLLM_PEER), "--serve", "--model", str(Path(model).resolve()),
                "--workload-file", str(wfile), "--dtype", dtype, "--mode", mode]
-        log("starting the vLLM peer: " + " ".join(cmd))
         # The peer's stdout carries only its JSON lines; vLLM's logs come through on stderr.
-        self._proc = subprocess.Popen(cmd, env=env, cwd=self._tmp.name, stdin=subprocess.PIPE,
-                                      stdout=subprocess.PIPE, text=True)
-        try:
-            ready = self._read()
-        except BaseException:
-            self.close()
-            raise
-        self.info = {k: ready[k] for k in ("vllm_version", "mode", "load_s") if k in ready}
+        super().__init__(f"vLLM peer ({mode})", cmd, {**VLLM_ENV_DEFAULTS, **os.environ, **VLLM_ENV},
+                         cwd=self._tmp.name)
+        self.info = {k: self.ready[k] for k in ("vllm_version", "mode", "load_s") if k in self.ready}
         self._busy_cpu = self._busy_wall = 0.0
-        self._cpu0, self._t0 = _process_cpu_s(self._proc.pid), time.perf_counter()
-
-    def _read(self) -> dict:
-        line = self._proc.stdout.readline()
-        if not line:
-            self._proc.wait()
-            raise SystemExit(f"the vLLM peer ({self.mode}) failed (exit {self._proc.returncode})")
-        return json.loads(line)
+        self._cpu0, self._t0 = _process_cpu_s(self.proc.pid), time.perf_counter()
 
     def run(self) -> dict:
-        cpu0, t0 = _process_cpu_s(self._proc.pid), time.perf_counter()
-        self._proc.stdin.write("run\n")
-        self._proc.stdin.flush()
-        out = self._read()
-        cpu1 = _process_cpu_s(self._proc.pid)
+        cpu0, t0 = _process_cpu_s(self.proc.pid), time.perf_counter()
+        out = self.ask("run")
+        cpu1 = _process_cpu_s(self.proc.pid)
         self._busy_wall += time.perf_counter() - t0
         if cpu0 is not None and cpu1 is not None:
             self._busy_cpu += cpu1 - cpu0
@@ -213,25 +193,14 @@ class VllmPeer:
 
     def idle_cpu_share(self) -> float | None:
         """CPU seconds per second the peer used while it waited, since it became ready."""
-        cpu = _process_cpu_s(self._proc.pid)
+        cpu = _process_cpu_s(self.proc.pid)
         idle_wall = time.perf_counter() - self._t0 - self._busy_wall
         if cpu is None or self._cpu0 is None or idle_wall <= 0:
             return None
         return max(cpu - self._cpu0 - self._busy_cpu, 0.0) / idle_wall
 
-    def begin_close(self) -> None:
-        try:
-            self._proc.stdin.close()  # end of stdin: the peer exits
-        except OSError:  # it has gone already
-            pass
-
-    def close(self) -> None:
-        self.begin_close()
-        try:
-            self._proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait()
+    def close(self, timeout: float = 120) -> None:
+        super().close(timeout)
         self._tmp.cleanup()
 
 
@@ -364,7 +333,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--vllm-mode", choices=sorted(VLLM_MODES),
                         help="how vLLM runs (implies --vllm): compile (default, engine 'vllm'), "
                              "eager (enforce_eager, engine 'vllm-eager') or both")
-    parser.add_argument("--vllm-python", default=str(REPO_ROOT / ".venv-vllm" / "bin" / "python"))
+    parser.add_argument("--vllm-python", default=str(DEFAULT_VLLM_PYTHON))
     parser.add_argument("--plot", metavar="FILE.png", help="draw the comparison (matplotlib; medians)")
     parser.add_argument("--matmul-size", type=int, default=1024, help="n of the FLOP/s probe")
     args = parser.parse_args(argv)

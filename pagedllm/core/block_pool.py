@@ -102,13 +102,7 @@ class BlockPool:
         """Take blocks from the head of the free queue (least recently freed first)."""
         if num_blocks > self.get_num_free_blocks():
             raise ValueError(f"cannot get {num_blocks} blocks; only {self.get_num_free_blocks()} free")
-        out = []
-        for _ in range(num_blocks):
-            block = self.free_block_queue.popleft()
-            self._evict(block)
-            block.ref_cnt = 1
-            out.append(block)
-        return out
+        return [self.get_new_block() for _ in range(num_blocks)]
 
     def get_new_block(self) -> KVCacheBlock | None:
         """One block from the head of the free queue, or None when none is free (decode hot path)."""

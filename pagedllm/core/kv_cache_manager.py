@@ -8,7 +8,7 @@ the runner through ``take_block_copies``.
 """
 from __future__ import annotations
 
-from pagedllm.core.block_hash import extend_block_hashes, hash_block_tokens
+from pagedllm.core.block_hash import extend_block_hashes
 from pagedllm.core.block_pool import BlockPool, KVCacheBlock
 from pagedllm.core.request import Request
 
@@ -159,21 +159,11 @@ class KVCacheManager:
                 return self.allocate_slots(request, 1)  # shared: copy on write
             if pos - index * bs == bs - 1:
                 # This token fills the block: publish it, if it is a real token (not a draft).
-                if self.enable_caching and pos < len(request.all_token_ids):
-                    rid = request.request_id
-                    hashes = request.block_hashes
-                    if self.num_cached_blocks.get(rid, 0) == index and len(hashes) == index:
-                        # Hash just this block (its parent's hash is there): the general path
-                        # (_cache_full_blocks) costs several times more, once per block per request.
-                        block_hash = hash_block_tokens(hashes[-1] if index else None,
-                                                       request.all_token_ids[pos + 1 - bs:pos + 1],
-                                                       request.cache_salt)
-                        hashes.append(block_hash)
-                        self.block_pool.cache_block(blocks[index], block_hash)
-                        self.num_cached_blocks[rid] = index + 1
-                    elif self.num_cached_blocks.get(rid, 0) == index:
-                        self._cache_full_blocks(request, blocks, index, index + 1)
-                        self.num_cached_blocks[rid] = index + 1
+                rid = request.request_id
+                if self.enable_caching and pos < len(request.all_token_ids) \
+                        and self.num_cached_blocks.get(rid, 0) == index:
+                    self._cache_full_blocks(request, blocks, index, index + 1)
+                    self.num_cached_blocks[rid] = index + 1
             else:
                 request.kv_in_place_until = index * bs + bs - 1
             return NO_NEW_BLOCKS

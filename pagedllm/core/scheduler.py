@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from pagedllm.config import SchedulerConfig
-from pagedllm.core.kv_cache_manager import KVCacheBlock, KVCacheManager
+from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.ngram_proposer import NgramProposer
 from pagedllm.core.outputs import (CachedRequestData, EngineCoreOutputs, NewRequestData,
                                    RunnerOutput, SchedulerOutput)
@@ -23,6 +23,11 @@ from pagedllm.sampling_params import SamplingParams
 
 
 _NO_IDS: list[int] = []  # shared "no new blocks" entry; the runner only reads it
+
+
+def _prompt_tokens_in(req: Request, start: int, end: int) -> int:
+    """How many of positions [start, end) are prompt tokens (for the prompt-tokens counter)."""
+    return max(min(req._num_prompt_tokens, end) - start, 0)
 
 
 class Scheduler(SequenceSharingMixin):
@@ -165,8 +170,8 @@ class Scheduler(SequenceSharingMixin):
                     # Advance now: the next schedule() sees these tokens as computed (the runner
                     # computes them before then), and preemption frees exactly what was computed.
                     req.num_computed_tokens = start + n
-                    if start < req._num_prompt_tokens:
-                        num_prompt_computed += min(req._num_prompt_tokens, start + n) - start
+                    if start < req._num_prompt_tokens:  # a prefill chunk
+                        num_prompt_computed += _prompt_tokens_in(req, start, start + n)
                 if budget <= 0:
                     break
             if stalled is None:
@@ -226,7 +231,7 @@ class Scheduler(SequenceSharingMixin):
         for column in (cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, cached.new_token_ids):
             del column[j]
         end, req.num_computed_tokens = req.num_computed_tokens, start
-        return min(req._num_prompt_tokens, end) - start if start < req._num_prompt_tokens else 0
+        return _prompt_tokens_in(req, start, end)
 
     def _num_new_tokens(self, num_wanted: int, budget: int) -> int:
         n = num_wanted
@@ -326,8 +331,7 @@ class Scheduler(SequenceSharingMixin):
             ))
             req.num_sent_tokens = len(req.all_token_ids)
             req.num_computed_tokens = start + n
-            if start < req._num_prompt_tokens:
-                num_prompt_computed += min(req._num_prompt_tokens, start + n) - start
+            num_prompt_computed += _prompt_tokens_in(req, start, start + n)
         self.num_prompt_tokens_computed += num_prompt_computed
         block_copies, replaced = kv.take_block_copies()
         replaced_tables = {}

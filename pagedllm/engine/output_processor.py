@@ -113,7 +113,7 @@ class OutputProcessor:
                 chunk = all_prompt_logprobs.get(rid)
                 if chunk is not None:
                     self._add_prompt_logprobs(parent, chunk.start, chunk.entries)
-            finish_reason, stop_reason = finished[rid] if rid in finished else (None, None)
+            finish_reason, stop_reason = finished.get(rid, (None, None))
             state.token_ids.extend(new_ids)
             new_logprobs = all_logprobs.get(rid) if all_logprobs else None
             if new_logprobs and state.logprobs is not None:
