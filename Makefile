@@ -26,7 +26,7 @@ demo: venv
 	$(BIN)/pagedllm generate "Once upon a time" --max-tokens 64
 
 bench-scheduler: venv
-	$(BIN)/python -m pagedllm.benchmarks.scheduler_overhead
+	$(BIN)/python -m benchmarks.scheduler_overhead
 
 clean:
 	rm -rf $(VENV) build *.egg-info

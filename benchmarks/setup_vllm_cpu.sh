@@ -2,11 +2,11 @@
 # Makes the separate venv of the opt-in vLLM CPU peer of the throughput benchmark:
 #
 #     bash benchmarks/setup_vllm_cpu.sh            # then:
-#     python -m pagedllm.benchmarks.throughput --vllm [--vllm-mode compile|eager|both]
+#     python -m benchmarks.throughput --vllm [--vllm-mode compile|eager|both]
 #
 # vLLM pins its own torch and many packages, so it gets a venv of its own (.venv-vllm at the
 # repository root, git-ignored; VENV=DIR to choose another) and never touches pagedllm's .venv.
-# The throughput benchmark runs pagedllm/benchmarks/vllm_peer.py with its python, on the same model
+# The throughput benchmark runs benchmarks/vllm_peer.py with its python, on the same model
 # and workload. Downloads about 3.4 GB; the venv takes about 2.4 GB once the unused packages below
 # are removed. Safe to rerun.
 set -euo pipefail

@@ -2,7 +2,7 @@
 
     pagedllm serve [MODEL] [--host H --port P --api-key K --chat-template T ...] [engine flags]
     pagedllm generate PROMPT... [--model M --max-tokens N --temperature T ...] [engine flags]
-    pagedllm bench NAME [ARGS...]      (runs pagedllm.benchmarks.NAME:main(ARGS))
+    pagedllm bench NAME [ARGS...]      (runs benchmarks/NAME.py:main(ARGS) of the source checkout)
 
 Engine flags are generated from the config dataclasses (ModelConfig, CacheConfig,
 SchedulerConfig): one flag per field, its help from the field's metadata, booleans as
@@ -20,6 +20,7 @@ import sys
 import types
 import typing
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from pagedllm.config import CacheConfig, ModelConfig, SchedulerConfig
@@ -159,34 +160,51 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 # -- bench ---------------------------------------------------------------------------------------
 def _add_bench(sub: Any) -> None:
-    p = sub.add_parser("bench", help="run a benchmark: pagedllm.benchmarks.NAME",
-                       description="Run pagedllm.benchmarks.NAME:main(ARGS).")
+    p = sub.add_parser("bench", help="run a benchmark: benchmarks/NAME.py of the source checkout",
+                       description="Run main(ARGS) of benchmarks/NAME.py, the top-level folder of "
+                                   "the source checkout (the harness is not installed with the package).")
     p.add_argument("name", metavar="NAME", help="throughput, latency, prefix, memory, scheduler, ...")
     p.add_argument("bench_args", nargs=argparse.REMAINDER, metavar="ARGS")
     p.set_defaults(func=cmd_bench)
 
 
-def _benchmark_names() -> list[str]:
-    import pagedllm.benchmarks as benchmarks
+def _benchmarks_dir() -> Path:
+    """The checkout's ``benchmarks/`` folder: beside the ``pagedllm`` package directory, so it
+    exists only when pagedllm runs from a source checkout (``pip install -e``)."""
+    import pagedllm
 
-    return sorted(m.name for m in pkgutil.iter_modules(benchmarks.__path__) if not m.name.startswith("_"))
+    folder = Path(pagedllm.__file__).resolve().parent.parent / "benchmarks"
+    if not (folder / "__init__.py").is_file():
+        raise PagedLLMError(f"benchmarks live in the source checkout: no {folder}; clone the "
+                            "repository and install it with `pip install -e .` to run them")
+    return folder
+
+
+def _benchmark_names(folder: Path) -> list[str]:
+    return sorted(m.name for m in pkgutil.iter_modules([str(folder)]) if not m.name.startswith("_"))
 
 
 def _import_benchmark(name: str) -> types.ModuleType:
-    """pagedllm.benchmarks.NAME, imported lazily; a unique NAME_* module also answers
+    """benchmarks.NAME of the checkout, imported lazily; a unique NAME_* module also answers
     (``scheduler`` finds ``scheduler_overhead``)."""
+    folder = _benchmarks_dir()
+    root = str(folder.parent)
+    if root not in sys.path:
+        sys.path.insert(0, root)  # benchmarks import each other as ``benchmarks.common``
+    loaded = sys.modules.get("benchmarks")
+    if loaded is not None and getattr(loaded, "__file__", None) and \
+            Path(loaded.__file__).resolve().parent != folder:
+        raise PagedLLMError(f"another 'benchmarks' package is imported ({loaded.__file__}), "
+                            f"not the checkout's {folder}")
     name = name.replace("-", "_")
-    try:
-        return importlib.import_module(f"pagedllm.benchmarks.{name}")
-    except ModuleNotFoundError as e:
-        if e.name != f"pagedllm.benchmarks.{name}":
-            raise  # the benchmark exists but needs something missing: show that
-    available = _benchmark_names()
-    matches = [m for m in available if m.startswith(name + "_")]
-    if len(matches) != 1:
-        raise PagedLLMError(f"no benchmark {name!r} (no module pagedllm.benchmarks.{name}); "
-                            f"available: {', '.join(available) or 'none'}")
-    return importlib.import_module(f"pagedllm.benchmarks.{matches[0]}")
+    available = _benchmark_names(folder)
+    if name not in available:
+        matches = [m for m in available if m.startswith(name + "_")]
+        if len(matches) != 1:
+            raise PagedLLMError(f"no benchmark {name!r} (no {folder / (name + '.py')}); "
+                                f"available: {', '.join(available) or 'none'}")
+        name = matches[0]
+    return importlib.import_module(f"benchmarks.{name}")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from pagedllm.benchmarks import common
+from benchmarks import common
 
 # A small KV cache: allocating the default one costs more time than the smoke runs themselves.
 SMALL_KV = ["--engine-arg", "num_gpu_blocks_override=256"]
@@ -44,7 +44,7 @@ def test_flop_count_of_the_tiny_model(tiny_model):
 
 
 def test_throughput(tiny_model, tmp_path, capsys):
-    from pagedllm.benchmarks import throughput
+    from benchmarks import throughput
 
     out, png = tmp_path / "t.json", tmp_path / "t.png"
     throughput.main(["--model", tiny_model, "--workload", "small", "--json", str(out),
@@ -59,7 +59,7 @@ def test_throughput(tiny_model, tmp_path, capsys):
 
 
 def test_prefix(tiny_model, tmp_path, capsys):
-    from pagedllm.benchmarks import prefix
+    from benchmarks import prefix
 
     out = tmp_path / "p.json"
     prefix.main(["--model", tiny_model, "--num-requests", "4", "--prefix-len", "64",
@@ -73,7 +73,7 @@ def test_prefix(tiny_model, tmp_path, capsys):
 
 
 def test_memory(tiny_model, tmp_path, capsys):
-    from pagedllm.benchmarks import memory
+    from benchmarks import memory
 
     out = tmp_path / "m.json"
     # 128 KiB of KV at 512 bytes/token = 256 tokens: one contiguous request of max_model_len 256.
@@ -90,7 +90,7 @@ def test_latency(tiny_model, tmp_path, capsys):
     if importlib.util.find_spec("pagedllm.entrypoints.openai.server") is None:
         pytest.skip("pagedllm.entrypoints.openai.server is not available yet")
     pytest.importorskip("uvicorn")
-    from pagedllm.benchmarks import latency
+    from benchmarks import latency
 
     out = tmp_path / "l.json"
     latency.main(["--model", tiny_model, "--workload", "small", "--request-rate", "50",
@@ -105,7 +105,7 @@ def test_latency(tiny_model, tmp_path, capsys):
 def test_vllm_peer_explains_a_missing_vllm(tmp_path):
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vllm is installed here")
-    from pagedllm.benchmarks import vllm_peer
+    from benchmarks import vllm_peer
 
     with pytest.raises(SystemExit, match="setup_vllm_cpu.sh"):
         vllm_peer.main(["--model", "x", "--workload-file", "w", "--out", str(tmp_path / "o")])

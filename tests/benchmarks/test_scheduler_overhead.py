@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from pagedllm.benchmarks import scheduler_overhead as so
+from benchmarks import scheduler_overhead as so
 
 ROW = re.compile(r"^(\S+)\s+(\d+\.\d)\s+(\d+\.\d)\s+(\d+\.\d\d)((?:\s+\d+\.\d\d)*)$")
 TARGET = re.compile(r"^decode-16: (\d+\.\d\d) us per running request per step "

@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from pagedllm.benchmarks import common, throughput
+from benchmarks import common, throughput
 
 SMALL_KV = ["--engine-arg", "num_gpu_blocks_override=256"]
 
@@ -148,7 +148,7 @@ def test_repeat_must_be_positive(capsys):
 
 def test_vllm_peer_serve_protocol():
     # vllm_peer imports the standard library only, until main() runs.
-    from pagedllm.benchmarks import vllm_peer
+    from benchmarks import vllm_peer
 
     calls = []
 
@@ -167,7 +167,7 @@ def test_vllm_peer_serve_protocol():
 def test_vllm_peer_serve_explains_a_missing_vllm():
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vllm is installed here")
-    from pagedllm.benchmarks import vllm_peer
+    from benchmarks import vllm_peer
 
     with pytest.raises(SystemExit, match="setup_vllm_cpu.sh"):
         vllm_peer.main(["--model", "x", "--workload-file", "w", "--serve"])

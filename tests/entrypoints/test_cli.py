@@ -7,7 +7,6 @@ import signal
 import sys
 import threading
 import time
-import types
 
 import httpx
 import pytest
@@ -62,16 +61,45 @@ def test_generate_reports_bad_flags_cleanly(capsys):
     assert "temperature" in capsys.readouterr().err
 
 
-def test_bench_dispatches_lazily(monkeypatch, capsys):
-    calls = []
-    fake = types.ModuleType("pagedllm.benchmarks.fake_bench")
-    fake.main = lambda argv: calls.append(argv) or 0
-    monkeypatch.setitem(sys.modules, "pagedllm.benchmarks.fake_bench", fake)
-    assert main(["bench", "fake_bench", "--steps", "3", "-x"]) == 0
-    assert calls == [["--steps", "3", "-x"]]
+def _fake_checkout(tmp_path, monkeypatch):
+    """A checkout whose benchmarks/ holds one benchmark, fake_bench.py, that records its argv."""
+    import pagedllm
+
+    (tmp_path / "pagedllm").mkdir()
+    bench = tmp_path / "benchmarks"
+    bench.mkdir()
+    (bench / "__init__.py").write_text("")
+    (bench / "fake_bench.py").write_text("CALLS = []\ndef main(argv):\n    CALLS.append(argv)\n    return 0\n")
+    monkeypatch.setattr(pagedllm, "__file__", str(tmp_path / "pagedllm" / "__init__.py"))
+    for name in [m for m in sys.modules if m == "benchmarks" or m.startswith("benchmarks.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    return bench
+
+
+def test_bench_runs_main_of_the_checkouts_benchmarks_folder(tmp_path, monkeypatch, capsys):
+    _fake_checkout(tmp_path, monkeypatch)
+    assert main(["bench", "fake", "--steps", "3", "-x"]) == 0  # a unique NAME_* prefix answers
+    assert sys.modules["benchmarks.fake_bench"].CALLS == [["--steps", "3", "-x"]]
     assert main(["bench", "no_such_benchmark"]) == 2
     err = capsys.readouterr().err
-    assert "no benchmark 'no_such_benchmark'" in err and "available:" in err
+    assert "no benchmark 'no_such_benchmark'" in err and "available: fake_bench" in err
+
+
+def test_bench_outside_a_checkout_fails_in_one_line(tmp_path, monkeypatch, capsys):
+    import pagedllm
+
+    monkeypatch.setattr(pagedllm, "__file__", str(tmp_path / "site-packages" / "pagedllm" / "__init__.py"))
+    assert main(["bench", "throughput"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "benchmarks live in the source checkout" in err
+
+
+def test_the_real_benchmarks_are_found_beside_the_package():
+    from pagedllm.entrypoints.cli import _benchmark_names, _benchmarks_dir
+
+    names = _benchmark_names(_benchmarks_dir())
+    assert {"throughput", "latency", "prefix", "memory", "scheduler_overhead"} <= set(names)
 
 
 def test_serve_api_key_and_clean_sigint_shutdown(cli_server):

@@ -24,9 +24,9 @@ whether each engine's repeats produced the same token ids as its first run.
 The limit: the workload's model FLOPs divided by pagedllm's median time, against the float32
 matmul FLOP/s torch reaches on this machine (measured after every round; the median).
 
-    python -m pagedllm.benchmarks.throughput [--workload cpu] [--repeat 3] [--no-hf] [--vllm]
+    python -m benchmarks.throughput [--workload cpu] [--repeat 3] [--no-hf] [--vllm]
                                              [--json F.json] [--plot F.png]
-    python -m pagedllm.benchmarks.throughput --vllm --vllm-mode both   # vLLM compiled and eager
+    python -m benchmarks.throughput --vllm --vllm-mode both   # vLLM compiled and eager
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from pagedllm.benchmarks.common import (DEFAULT_VLLM_PYTHON, VLLM_ENV, WORKLOADS, ServedPeer,
+from benchmarks.common import (DEFAULT_VLLM_PYTHON, VLLM_ENV, WORKLOADS, ServedPeer,
                                         Workload, add_model_args, engine_args, log, make_workload,
                                         measure_matmul_flops, model_stats, require_vllm_python,
                                         resolve_model, workload_flops, write_json)
@@ -317,7 +317,7 @@ def result_line(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     if "--speculative" in (sys.argv[1:] if argv is None else argv):
-        from pagedllm.benchmarks import speculative  # n-gram drafts vs plain, on a repetitive workload
+        from benchmarks import speculative  # n-gram drafts vs plain, on a repetitive workload
 
         return speculative.main(argv)
     parser = argparse.ArgumentParser(prog="pagedllm bench throughput", description=__doc__,

@@ -13,7 +13,7 @@
    mean number of running requests over the steps that had requests waiting (the batch the budget
    sustains under load), against a contiguous cache: budget // (max_model_len x bytes per token).
 
-    python -m pagedllm.benchmarks.memory [--workload cpu] [--kv-budget-mib 64] [--max-model-len 2048]
+    python -m benchmarks.memory [--workload cpu] [--kv-budget-mib 64] [--max-model-len 2048]
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import argparse
 import gc
 import sys
 
-from pagedllm.benchmarks.common import (WORKLOADS, Workload, add_model_args, engine_args, log,
+from benchmarks.common import (WORKLOADS, Workload, add_model_args, engine_args, log,
                                         make_workload, model_stats, resolve_model, write_json)
 
 

@@ -13,7 +13,7 @@ The server: by default a subprocess ``python -m pagedllm.entrypoints.cli serve M
 client does not share an interpreter with it; ``--server inprocess`` runs it in a thread of this
 process (faster start, used by the smoke test); ``--base-url`` uses a server already running.
 
-    python -m pagedllm.benchmarks.latency [--request-rate 4] [--workload cpu] [--base-url URL]
+    python -m benchmarks.latency [--request-rate 4] [--workload cpu] [--base-url URL]
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ import time
 from contextlib import contextmanager
 from typing import Iterator
 
-from pagedllm.benchmarks.common import (WORKLOADS, add_model_args, engine_args, log, make_workload,
+from benchmarks.common import (WORKLOADS, add_model_args, engine_args, log, make_workload,
                                         model_stats, percentile, resolve_model, write_json)
 
 

@@ -18,9 +18,9 @@ pagedllm's runs (pagedllm, vLLM, pagedllm, ... alternating which goes first), an
 us/req/step and the ratio vLLM/pagedllm (the median of the per-repeat ratios: how many times
 cheaper pagedllm's scheduler is per request per step).
 
-    python -m pagedllm.benchmarks.scheduler_overhead [--repeat 3] [--json FILE]
-    python -m pagedllm.benchmarks.scheduler_overhead --vllm [--vllm-python PATH]
-    python -m pagedllm.benchmarks.scheduler_overhead --quick   # tiny sizes, for smoke tests
+    python -m benchmarks.scheduler_overhead [--repeat 3] [--json FILE]
+    python -m benchmarks.scheduler_overhead --vllm [--vllm-python PATH]
+    python -m benchmarks.scheduler_overhead --quick   # tiny sizes, for smoke tests
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from pagedllm.benchmarks.common import (DEFAULT_VLLM_PYTHON, REPO_ROOT, VLLM_ENV, ServedPeer, log,
+from benchmarks.common import (DEFAULT_VLLM_PYTHON, REPO_ROOT, VLLM_ENV, ServedPeer, log,
                                          require_vllm_python)
 from pagedllm.config import SchedulerConfig
 from pagedllm.core.request import Request

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent.parent
+REPO_ROOT = Path(__file__).resolve().parent.parent
 TOKENIZER_DIR = REPO_ROOT.parent / "shared" / "models" / "synthetic-tokenizer-32k"
 CACHE_DIR = Path(os.environ.get("PAGEDLLM_BENCH_CACHE", Path.home() / ".cache" / "pagedllm"))
 

@@ -6,7 +6,7 @@ setting gets its own LLM, one warm-up call on unrelated prompts, then one timed 
 Reported per setting: wall time, tokens/s (prompt + output) and ``pagedllm:prompt_tokens_computed``
 (prompt tokens actually run through the model), and the ratios on/off.
 
-    python -m pagedllm.benchmarks.prefix [--num-requests 64 --prefix-len 1024 --question-len 32]
+    python -m benchmarks.prefix [--num-requests 64 --prefix-len 1024 --question-len 32]
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import random
 import sys
 import time
 
-from pagedllm.benchmarks.common import (add_model_args, engine_args, log, model_stats,
+from benchmarks.common import (add_model_args, engine_args, log, model_stats,
                                         resolve_model, write_json)
 
 

@@ -14,9 +14,9 @@ As vLLM's engine core does once it is built, the garbage collector's heap is fro
 (vllm.utils.gc_utils.freeze_gc_heap) after the scheduler is built and before requests arrive, so
 collections do not rescan the objects of torch and vLLM's imports.
 
-    .venv-vllm/bin/python pagedllm/benchmarks/vllm_scheduler_peer.py [--workloads decode-512,...]
+    .venv-vllm/bin/python benchmarks/vllm_scheduler_peer.py [--workloads decode-512,...]
         [--repeat R] [--steps 100] [--model DIR]      # prints a JSON list on stdout (one line)
-    .venv-vllm/bin/python pagedllm/benchmarks/vllm_scheduler_peer.py --serve
+    .venv-vllm/bin/python benchmarks/vllm_scheduler_peer.py --serve
         # prints {"ready": ...}, then reads one JSON workload spec per stdin line and answers each
         # with one JSON result line (used by scheduler_overhead.py --vllm)
 """
@@ -35,14 +35,14 @@ from pathlib import Path
 VOCAB = 32000
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = 16384
-REPO_ROOT = Path(__file__).resolve().parent.parent.parent
+REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = REPO_ROOT.parent / "shared" / "models" / "stories260K" / "hf"
 ENV_DEFAULTS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "4",
                 "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
 
 
 def standard_spec(name: str, steps: int = 100) -> dict:
-    """The workloads of pagedllm.benchmarks.scheduler_overhead (kept in step with it by hand)."""
+    """The workloads of benchmarks.scheduler_overhead (kept in step with it by hand)."""
     if name.startswith("decode-"):
         n = int(name.split("-", 1)[1])
         return {"workload": name, "kind": "decode", "num_seqs": n, "num_blocks": n * 48,

@@ -7,7 +7,7 @@ verification is exact). Prints tokens/s of both, the speed-up, the acceptance ra
 tokens each request advances per verification step (1 + accepted drafts).
 
     pagedllm bench throughput --speculative [--speculative-config JSON] [--model DIR]
-    python -m pagedllm.benchmarks.speculative
+    python -m benchmarks.speculative
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import json
 import random
 import time
 
-from pagedllm.benchmarks.common import (Workload, add_model_args, engine_args, log, model_stats,
+from benchmarks.common import (Workload, add_model_args, engine_args, log, model_stats,
                                         resolve_model, write_json)
 
 DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,

@@ -26,7 +26,7 @@ benchmark's qwen3-58m has 64; the tiny random model (16) and stories260K (8) do 
 Only the standard library and vllm are imported (pagedllm is not installed in that venv); vllm is
 imported only inside main(), so serve() can be driven without it.
 
-    .venv-vllm/bin/python pagedllm/benchmarks/vllm_peer.py --model DIR --workload-file W \
+    .venv-vllm/bin/python benchmarks/vllm_peer.py --model DIR --workload-file W \
         (--serve | --out O) [--mode compile|eager]
 """
 from __future__ import annotations
