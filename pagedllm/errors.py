@@ -29,3 +29,23 @@ class ModelLoadError(PagedLLMError):
 
 class EngineDeadError(PagedLLMError):
     """The engine loop crashed; every pending request fails with this error."""
+
+
+def check_text(value: object, param: str) -> None:
+    """Raise ValidationError if a string anywhere in ``value`` (a str, or lists and dicts of
+    them) holds a lone UTF-16 surrogate such as "\\ud800": JSON can carry one, but it is not
+    text, and the tokenizer would fail on it with a TypeError deep inside."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValidationError(f"{param} holds a lone surrogate ({item[e.start]!r} at "
+                                      f"character {e.start}): it is not valid Unicode text", param) from None
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)

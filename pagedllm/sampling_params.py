@@ -4,12 +4,19 @@ Validation happens once, in ``__post_init__``, and raises :class:`ValidationErro
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from enum import IntEnum
 
-from pagedllm.errors import ValidationError
+from pagedllm.errors import ValidationError, check_text
 
 _SAMPLING_EPS = 1e-5
+# Seeds seed a torch generator, whose seed is a 64-bit integer: vLLM's range (torch.long).
+_SEED_MIN, _SEED_MAX = -(2 ** 63), 2 ** 63 - 1
+# The floats a NaN or an infinity would poison (NaN fails every comparison, so range checks
+# alone let it through).
+_FLOAT_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature",
+                 "top_p", "min_p")
 
 
 class RequestOutputKind(IntEnum):
@@ -72,6 +79,10 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", f"must be an integer >= 1, got {self.n!r}")
+        for name in _FLOAT_FIELDS:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise bad(name, f"must be a finite number, got {v!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not -2.0 <= v <= 2.0:
@@ -86,8 +97,9 @@ class SamplingParams:
             raise bad("top_k", f"must be -1 (disable), 0 or a positive integer, got {self.top_k!r}")
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", f"must be in [0, 1], got {self.min_p}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", f"must be an integer, got {self.seed!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not _SEED_MIN <= self.seed <= _SEED_MAX):
+            raise bad("seed", f"must be an integer in [-2**63, 2**63 - 1], got {self.seed!r}")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             raise bad("max_tokens", f"must be at least 1, got {self.max_tokens!r}")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
@@ -100,10 +112,11 @@ class SamplingParams:
                 raise bad(name, f"must be an integer in [0, 20], got {v!r}")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise bad("stop", "must be non-empty strings")
+        check_text(self.stop, "stop")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
         if self.logit_bias is not None and any(not -100.0 <= v <= 100.0 for v in self.logit_bias.values()):
-            raise bad("logit_bias", "values must be in [-100, 100]")
+            raise bad("logit_bias", "values must be finite and in [-100, 100]")  # NaN fails too
 
     @property
     def sampling_type_greedy(self) -> bool:

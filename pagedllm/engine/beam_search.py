@@ -11,6 +11,7 @@ shared partial block copies it, so memory grows only with what the beams do not 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from pagedllm.core.outputs import TokenLogprobs
@@ -32,6 +33,10 @@ class BeamSearchParams:
             raise ValidationError(f"beam_width must be >= 1, got {self.beam_width!r}", "beam_width")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValidationError(f"max_tokens must be >= 1, got {self.max_tokens!r}", "max_tokens")
+        for name in ("length_penalty", "temperature"):  # NaN would poison every score
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ValidationError(f"{name} must be a finite number, got {v!r}", name)
 
 
 @dataclass

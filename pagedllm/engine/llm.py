@@ -10,7 +10,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.tokenizer import apply_chat_template
-from pagedllm.errors import ValidationError
+from pagedllm.errors import ValidationError, check_text
 from pagedllm.engine.beam_search import BeamSearchParams
 from pagedllm.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
@@ -50,6 +50,7 @@ class LLM:
                 f"prompts must be a string, a token-id list, a dict or a list of these; got "
                 f"{type(prompts).__name__}", "prompt")
         prompts = list(prompts)
+        check_text(prompts, "prompt")  # a lone surrogate: a ValidationError, not the tokenizer's TypeError
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params_list = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
@@ -80,6 +81,7 @@ class LLM:
              add_generation_prompt: bool = True, **template_kwargs: Any) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, through the chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        check_text(conversations, "messages")
         tokenizer = self.llm_engine.tokenizer
         if tokenizer is None:
             raise ValidationError("chat() needs a tokenizer", "messages")
@@ -97,6 +99,7 @@ class LLM:
         if isinstance(prompts, (str, dict)) or (
                 isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        check_text(prompts, "prompt")
         request_ids = []
         try:
             for prompt in prompts:

@@ -33,7 +33,27 @@ def _assert_error(r: httpx.Response, status: int, param: str | None) -> dict:
     ("/v1/completions", '{"model": "demo", "prompt": ', None),  # invalid JSON
     ("/v1/completions", "[1, 2]", None),  # JSON, but not an object
     ("/v1/completions", {"model": "demo"}, "prompt"),  # missing field
-    ("/v1/completions", {**OK, "max_tokenz": 4}, "max_tokenz"),  # unknown field
+    ("/v1/completions", '{"model": "demo", "prompt": "x", "temperature": NaN}', "temperature"),
+    ("/v1/completions", '{"model": "demo", "prompt": "x", "top_p": Infinity}', "top_p"),
+    ("/v1/completions", '{"model": "demo", "prompt": "x", "presence_penalty": NaN}', "presence_penalty"),
+    ("/v1/completions", '{"model": "demo", "prompt": "x", "logit_bias": {"5": NaN}}', "logit_bias"),
+    ("/v1/completions", '{"model": "demo", "prompt": "x", "use_beam_search": true, "length_penalty": NaN}',
+     "length_penalty"),
+    ("/v1/completions", {**OK, "seed": 2 ** 63}, "seed"),  # outside int64, as vLLM
+    ("/v1/completions", {**OK, "prompt": "a\ud800b"}, "prompt"),  # a lone surrogate
+    ("/v1/completions", {**OK, "prompt": ["ok", "\udfff"]}, "prompt"),
+    ("/v1/completions", {**OK, "stop": ["\ud800"]}, "stop"),
+    ("/v1/completions", {**OK, "use_beam_search": True, "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {**OK, "use_beam_search": True, "n": 0}, "n"),  # not beam_width
+    ("/v1/completions", {**OK, "response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/completions", {**OK, "guided_json": {"type": "object"}}, "guided_json"),
+    ("/v1/chat/completions", {**CHAT_OK, "tools": [{"type": "function", "function": {"name": "f"}}]},
+     "tools"),
+    ("/v1/chat/completions", {**CHAT_OK, "messages": [{"role": "user", "content": "\ud800"}]}, "messages"),
+    ("/v1/chat/completions", {**CHAT_OK, "use_beam_search": True, "stream": True}, "stream"),
+    ("/v1/chat/completions", {**CHAT_OK, "use_beam_search": True, "max_tokens": 0}, "max_tokens"),
+    ("/v1/chat/completions", {**CHAT_OK, "messages": [{"role": "user", "content": "word " * 5000}]},
+     "messages"),  # renders past max_model_len: the field the client sent, not "prompt"
     ("/v1/completions", {**OK, "max_tokens": "four"}, "max_tokens"),  # ill-typed
     ("/v1/completions", {**OK, "prompt": {"text": "x"}}, "prompt"),
     ("/v1/completions", {**OK, "max_tokens": 0}, "max_tokens"),  # out of range
@@ -59,7 +79,7 @@ def _assert_error(r: httpx.Response, status: int, param: str | None) -> dict:
     ("/v1/chat/completions", {**CHAT_OK, "messages": [{"content": "no role"}]}, "messages"),
     ("/v1/chat/completions", {**CHAT_OK, "temperature": "hot"}, "temperature"),
     ("/v1/chat/completions", {**CHAT_OK, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    ("/tokenize", {"prompt": "x", "bogus": 1}, "bogus"),
+    ("/tokenize", {"prompt": "\ud800"}, "prompt"),
     ("/detokenize", {"tokens": [-1]}, "tokens"),
 ])
 def test_bad_input_is_400_naming_the_field(server, path, body, param):

@@ -1,6 +1,6 @@
 """Request and response bodies of the OpenAI-compatible API (OpenAI's names plus vLLM's extras).
 
-Requests forbid unknown fields (a typo is a 400 naming the field, not a silently ignored knob).
+Requests accept unknown fields and log them once (vLLM's behaviour; see request_base.py).
 Range checks live in :class:`SamplingParams`, the single source of truth; ``to_sampling_params``
 only maps names and fills in the model's defaults.
 """
@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pagedllm.errors import ValidationError
 from pagedllm.engine.beam_search import BeamSearchParams
+from pagedllm.entrypoints.openai.request_base import OpenAIRequest
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 # Fields whose default comes from the model's generation_config.json when the request omits them.
@@ -25,6 +26,7 @@ def random_id(prefix: str) -> str:
 
 
 class OpenAIBaseModel(BaseModel):
+    """Base of the response bodies (requests derive from OpenAIRequest)."""
     model_config = ConfigDict(extra="forbid")
 
 
@@ -41,12 +43,12 @@ class ErrorResponse(OpenAIBaseModel):
 
 
 # -- shared request fields ----------------------------------------------------------------------
-class StreamOptions(OpenAIBaseModel):
+class StreamOptions(OpenAIRequest):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class SamplingRequest(OpenAIBaseModel):
+class SamplingRequest(OpenAIRequest):
     """What completions and chat share: OpenAI's sampling fields and vLLM's extras."""
     model: str | None = None
     n: int = 1
@@ -75,6 +77,19 @@ class SamplingRequest(OpenAIBaseModel):
     use_beam_search: bool = False
     length_penalty: float = 1.0
     request_id: str | None = None
+
+    def _beam_search_params(self, max_tokens: int) -> BeamSearchParams:
+        """vLLM's form: n beams, returned whole, best first; errors name the request's fields."""
+        if self.stream:
+            raise ValidationError("use_beam_search cannot be streamed; set stream=false", "stream")
+        try:
+            return BeamSearchParams(beam_width=self.n, max_tokens=max_tokens, ignore_eos=self.ignore_eos,
+                                    length_penalty=self.length_penalty)
+        except ValidationError as e:
+            if e.param == "beam_width":
+                e.param, e.message = "n", e.message.replace("beam_width", "n")
+                e.args = (e.message,)
+            raise
 
     def _sampling_params(self, defaults: dict[str, Any], max_tokens: int | None,
                          logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
@@ -112,13 +127,9 @@ class CompletionRequest(SamplingRequest):
 
     def to_sampling_params(self, defaults: dict[str, Any]) -> SamplingParams | BeamSearchParams:
         if self.use_beam_search:
-            # vLLM's form: n beams, returned whole, best first.
-            if self.stream:
-                raise ValidationError("use_beam_search cannot be streamed; set stream=false", "stream")
             if self.logprobs is not None or self.echo:
                 raise ValidationError("use_beam_search does not return logprobs or echo", "use_beam_search")
-            return BeamSearchParams(beam_width=self.n, max_tokens=self.max_tokens or 16,
-                                    ignore_eos=self.ignore_eos, length_penalty=self.length_penalty)
+            return self._beam_search_params(16 if self.max_tokens is None else self.max_tokens)
         if self.suffix is not None:
             raise ValidationError("suffix is not supported", "suffix")
         if self.best_of is not None and self.best_of != self.n:
@@ -194,7 +205,7 @@ class ModelList(OpenAIBaseModel):
     data: list[ModelCard]
 
 
-class TokenizeRequest(OpenAIBaseModel):
+class TokenizeRequest(OpenAIRequest):
     model: str | None = None
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
@@ -210,7 +221,7 @@ class TokenizeResponse(OpenAIBaseModel):
     token_strs: list[str] | None = None
 
 
-class DetokenizeRequest(OpenAIBaseModel):
+class DetokenizeRequest(OpenAIRequest):
     model: str | None = None
     tokens: list[int]
 

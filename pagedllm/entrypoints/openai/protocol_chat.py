@@ -6,6 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
+from pagedllm.engine.beam_search import BeamSearchParams
 from pagedllm.entrypoints.openai.protocol import OpenAIBaseModel, SamplingRequest, UsageInfo
 from pagedllm.errors import ValidationError
 from pagedllm.sampling_params import SamplingParams
@@ -42,20 +43,29 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
-    def to_sampling_params(self, defaults: dict[str, Any]) -> SamplingParams:
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def to_sampling_params(self, defaults: dict[str, Any],
+                           default_max_tokens: int = 16) -> SamplingParams | BeamSearchParams:
+        """``default_max_tokens``: beam search's length when the request gives none (the
+        handler passes what the context leaves after the prompt, as vLLM does)."""
         if self.top_logprobs and not self.logprobs:
             raise ValidationError("top_logprobs needs logprobs=true", "top_logprobs")
         if not self.messages:
             raise ValidationError("messages must not be empty", "messages")
-        use_completion_tokens = self.max_completion_tokens is not None
-        max_tokens = self.max_completion_tokens if use_completion_tokens else self.max_tokens
+        max_tokens = self.requested_max_tokens()
         try:
+            if self.use_beam_search:
+                if self.logprobs:
+                    raise ValidationError("use_beam_search does not return logprobs", "use_beam_search")
+                return self._beam_search_params(default_max_tokens if max_tokens is None else max_tokens)
             return self._sampling_params(defaults, max_tokens,
                                          (self.top_logprobs or 0) if self.logprobs else None)
         except ValidationError as e:  # name the field as this request spelled it
             if e.param == "logprobs":
                 e.param = "top_logprobs"
-            elif e.param == "max_tokens" and use_completion_tokens:
+            elif e.param == "max_tokens" and self.max_completion_tokens is not None:
                 e.param = "max_completion_tokens"
             raise
 

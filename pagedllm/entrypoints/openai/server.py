@@ -3,32 +3,37 @@ it with uvicorn (SIGINT/SIGTERM: stop accepting, let in-flight requests finish f
 period, then stop the engine, which ends the rest with an error).
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-GET /metrics, GET /version, POST /tokenize, POST /detokenize, POST /reset_prefix_cache.
+GET|POST /ping, GET /metrics, GET /version, POST /tokenize, POST /detokenize,
+POST /reset_prefix_cache. Which need the API key: see auth.py; limits: http_limits.py.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
+import signal
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedllm import __version__
 from pagedllm.engine.async_engine import AsyncLLM
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.openai.api_errors import error_response, install_exception_handlers
+from pagedllm.entrypoints.openai.auth import APIKeyMiddleware
+from pagedllm.entrypoints.openai.http_limits import BodyLimitMiddleware, header_timeout_protocol
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.protocol import (CompletionRequest, DetokenizeRequest,
                                                   DetokenizeResponse, ModelCard, ModelList,
                                                   TokenizeRequest, TokenizeResponse)
 from pagedllm.entrypoints.openai.protocol_chat import ChatCompletionRequest
+from pagedllm.entrypoints.openai.server_options import ServerOptions
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.errors import ValidationError
@@ -63,31 +68,16 @@ def default_served_model_names(model_path: str) -> list[str]:
 _GENERIC_FOLDER_NAMES = {"hf", "model", "weights", "checkpoint", "snapshot"}
 
 
-class APIKeyMiddleware:
-    """Every /v1 request needs ``Authorization: Bearer <key>`` (plain ASGI, so streaming and
-    disconnect detection pass through untouched)."""
-
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
-            got = dict(scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(got, self.expected):
-                response = error_response(401, "invalid or missing API key: send the header "
-                                               "'Authorization: Bearer <key>'")
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
 def build_app(engine: AsyncLLM | LLMEngine, served_model_names: list[str] | None = None,
-              chat_template: str | None = None, api_key: str | None = None) -> FastAPI:
+              chat_template: str | None = None, api_key: str | None = None,
+              options: ServerOptions | None = None) -> FastAPI:
     """The app over an engine (an AsyncLLM, or an LLMEngine to wrap). The app owns the engine
-    from then on: its shutdown stops the engine loop."""
+    from then on: its shutdown stops the engine loop. ``api_key`` adds one key to
+    ``options.api_keys``."""
     llm = engine if isinstance(engine, AsyncLLM) else AsyncLLM(engine)
     names = list(served_model_names or default_served_model_names(llm.model_path))
+    options = options or ServerOptions()
+    api_keys = list(options.api_keys) + ([api_key] if api_key else [])
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -97,11 +87,21 @@ def build_app(engine: AsyncLLM | LLMEngine, served_model_names: list[str] | None
 
     app = FastAPI(title="pagedllm", version=__version__, lifespan=lifespan)
     app.state.llm = llm
+    app.state.options = options
     install_exception_handlers(app)
-    if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
-    completions = OpenAIServingCompletion(llm, names)
-    chat = OpenAIServingChat(llm, names, chat_template)
+    # Added innermost first: CORS (outermost, so even a 401 carries its headers), then the key
+    # check (before a large body is read), then the body limit.
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=options.max_request_body_bytes,
+                       body_timeout=options.request_body_timeout)
+    if api_keys:
+        app.add_middleware(APIKeyMiddleware, api_keys=api_keys, salt_per_key=options.cache_salt_per_key)
+    if options.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(options.allowed_origins),
+                           allow_credentials=options.allow_credentials,
+                           allow_methods=list(options.allowed_methods),
+                           allow_headers=list(options.allowed_headers))
+    completions = OpenAIServingCompletion(llm, names, options)
+    chat = OpenAIServingChat(llm, names, chat_template, options)
     metrics = ServerMetrics(llm)
 
     v1 = APIRouter(prefix="/v1")
@@ -127,6 +127,10 @@ def build_app(engine: AsyncLLM | LLMEngine, served_model_names: list[str] | None
             return error_response(503, f"the engine is dead: {llm.dead_error}")
         return Response(status_code=200)
 
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:  # vLLM's (SageMaker's) liveness route: /health's answer
+        return await health()
+
     @app.get("/version")
     async def version() -> dict[str, str]:
         return {"version": __version__}
@@ -142,6 +146,7 @@ def build_app(engine: AsyncLLM | LLMEngine, served_model_names: list[str] | None
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
         chat.check_model(request.model)
+        request.check_extra_fields()
         if (request.prompt is None) == (request.messages is None):
             raise ValidationError("give exactly one of prompt and messages", "prompt")
         if request.messages is not None:
@@ -158,6 +163,7 @@ def build_app(engine: AsyncLLM | LLMEngine, served_model_names: list[str] | None
     @app.post("/detokenize")
     async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
         chat.check_model(request.model)
+        request.check_extra_fields()
         vocab_size = llm.model_info.vocab_size
         if any(not 0 <= t < vocab_size for t in request.tokens):
             raise ValidationError(f"token ids must be in [0, {vocab_size})", "tokens")
@@ -173,14 +179,16 @@ def _tokenizer(llm: AsyncLLM) -> Any:
 
 
 def create_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
-                  shutdown_timeout: float = 5.0) -> Any:
+                  shutdown_timeout: float = 5.0, **uvicorn_kwargs: Any) -> Any:
     """A uvicorn server for ``app`` (from build_app). On SIGINT/SIGTERM it stops accepting and
     gives in-flight requests ``shutdown_timeout`` seconds; then it stops the engine, which ends
     each remaining request with an error (an error event and [DONE] in a stream, a 503
-    otherwise), so no client is cut off silently and nothing hangs."""
+    otherwise), so no client is cut off silently and nothing hangs. ``uvicorn_kwargs`` go to
+    uvicorn.Config (ssl_keyfile, ssl_certfile, root_path, ...)."""
     import uvicorn
 
     llm: AsyncLLM = app.state.llm
+    options: ServerOptions = getattr(app.state, "options", ServerOptions())
 
     class Server(uvicorn.Server):
         async def shutdown(self, sockets: Any = None) -> None:
@@ -193,16 +201,34 @@ def create_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_l
 
     # uvicorn's own deadline is a backstop: by then every request has had its error.
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                            timeout_graceful_shutdown=shutdown_timeout + 5.0)
+                            timeout_graceful_shutdown=shutdown_timeout + 5.0,
+                            http=header_timeout_protocol(options.request_header_timeout),
+                            **uvicorn_kwargs)
     return Server(config)
 
 
+class _Terminated(Exception):
+    """SIGTERM, turned into an exception like SIGINT's KeyboardInterrupt."""
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise _Terminated()
+
+
 def run_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
-               shutdown_timeout: float = 5.0) -> None:
-    """Serve until SIGINT/SIGTERM (see create_server)."""
+               shutdown_timeout: float = 5.0, **uvicorn_kwargs: Any) -> None:
+    """Serve until SIGINT/SIGTERM (see create_server); both exit normally after the drain.
+
+    uvicorn drains on either signal, then re-raises it under the handler that was there before
+    it started: SIGINT's raises KeyboardInterrupt, and the one installed here for SIGTERM
+    raises _Terminated (the default would end the process with status 143)."""
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
-        create_server(app, host, port, log_level, shutdown_timeout).run()
-    except KeyboardInterrupt:
-        # uvicorn shuts down gracefully on SIGINT, then re-raises it: that is a normal exit.
-        # (SIGTERM is re-raised too and ends the process with its default action, status 143.)
+        create_server(app, host, port, log_level, shutdown_timeout, **uvicorn_kwargs).run()
+    except (KeyboardInterrupt, _Terminated):
         pass
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)

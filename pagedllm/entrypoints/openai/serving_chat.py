@@ -19,6 +19,7 @@ from pagedllm.entrypoints.openai.protocol_chat import (ChatCompletionChoice, Cha
 from pagedllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing, collect_final,
                                                         decoded, merge_streams, sse, sse_error,
                                                         top_by_rank, with_cancellation)
+from pagedllm.entrypoints.openai.server_options import ServerOptions
 from pagedllm.errors import ValidationError
 from pagedllm.outputs import Logprob
 
@@ -26,8 +27,9 @@ _MIN_LOGPROB = -9999.0  # JSON has no -inf
 
 
 class OpenAIServingChat(OpenAIServing):
-    def __init__(self, llm: AsyncLLM, served_model_names: list[str], chat_template: str | None) -> None:
-        super().__init__(llm, served_model_names)
+    def __init__(self, llm: AsyncLLM, served_model_names: list[str], chat_template: str | None,
+                 options: ServerOptions | None = None) -> None:
+        super().__init__(llm, served_model_names, options)
         self.chat_template = chat_template
 
     async def render_prompt(self, messages: list[dict[str, Any]], chat_template: str | None,
@@ -47,12 +49,23 @@ class OpenAIServingChat(OpenAIServing):
 
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Any:
         self.check_model(request.model)
-        params = request.to_sampling_params(self.generation_defaults)
+        request.check_extra_fields()
+        params = request.to_sampling_params(self.generation_defaults)  # validate before rendering
+        self.check_limits(request.n, "n", {"top_logprobs": request.top_logprobs if request.logprobs else None})
         prompt_ids = await self.render_prompt(request.conversation(), request.chat_template,
                                               request.add_generation_prompt, request.chat_template_kwargs)
+        if request.use_beam_search and request.requested_max_tokens() is None:
+            params = request.to_sampling_params(
+                self.generation_defaults, max(1, self.llm.max_model_len - len(prompt_ids)))
         request_id = request.request_id or random_id("chatcmpl")
-        streams = await self.add_requests(request_id, [{"prompt_token_ids": prompt_ids}], params,
-                                          request.priority, request.cache_salt)
+        try:
+            streams = await self.add_requests(request_id, [{"prompt_token_ids": prompt_ids}], params,
+                                              request.priority,
+                                              self.cache_salt(raw_request, request.cache_salt))
+        except ValidationError as e:  # the prompt is what the messages rendered to: name them
+            if e.param == "prompt":
+                e.param = "messages"
+            raise
         created = int(time.time())
         if request.stream:
             return StreamingResponse(self._stream(request, request_id, created, streams[0]),

@@ -24,10 +24,14 @@ _MIN_LOGPROB = -9999.0  # JSON has no -inf
 class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Any:
         self.check_model(request.model)
+        request.check_extra_fields()
         params = request.to_sampling_params(self.generation_defaults)
+        prompts = request.prompts()
+        self.check_limits(request.n * len(prompts), "n",
+                          {"logprobs": request.logprobs, "prompt_logprobs": request.prompt_logprobs})
         request_id = request.request_id or random_id("cmpl")
-        streams = await self.add_requests(request_id, request.prompts(), params,
-                                          request.priority, request.cache_salt)
+        streams = await self.add_requests(request_id, prompts, params, request.priority,
+                                          self.cache_salt(raw_request, request.cache_salt))
         created = int(time.time())
         if request.stream:
             return StreamingResponse(self._stream(request, request_id, created, streams),

@@ -3,6 +3,7 @@ stream merging, client-disconnect handling, SSE framing and logprob formatting."
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -11,10 +12,14 @@ from pydantic import BaseModel
 
 from pagedllm.engine.async_engine import AsyncLLM, RequestStream
 from pagedllm.entrypoints.openai.api_errors import APIError, exception_to_body
+from pagedllm.entrypoints.openai.auth import KEY_SALT_STATE, combine_salt
+from pagedllm.entrypoints.openai.server_options import ServerOptions
+from pagedllm.errors import ValidationError
 from pagedllm.outputs import Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 T = TypeVar("T")
+logger = logging.getLogger("pagedllm.entrypoints.openai")
 SSE_DONE = "data: [DONE]\n\n"
 
 
@@ -27,12 +32,36 @@ def sse_error(e: BaseException) -> str:
     return f"data: {exception_to_body(e).model_dump_json()}\n\n"
 
 
+def engine_max_num_seqs(llm: AsyncLLM) -> int:
+    """The engine's batch size (max_num_seqs), for the per-request sequence cap."""
+    config = getattr(llm.engine, "config", None)
+    return getattr(getattr(config, "scheduler_config", None), "max_num_seqs", 256)
+
+
 class OpenAIServing:
-    def __init__(self, llm: AsyncLLM, served_model_names: list[str]) -> None:
+    def __init__(self, llm: AsyncLLM, served_model_names: list[str],
+                 options: ServerOptions | None = None) -> None:
         self.llm = llm
         self.served_model_names = served_model_names
         self.model_name = served_model_names[0]
-        self.generation_defaults = dict(llm.model_info.generation_defaults)
+        self.options = options or ServerOptions()
+        self.generation_defaults = self.options.generation_defaults(llm.model_info.generation_defaults)
+        self.max_seqs_per_request = self.options.seqs_per_request_cap(engine_max_num_seqs(llm))
+
+    def check_limits(self, num_seqs: int, seqs_param: str, logprobs: dict[str, int | None]) -> None:
+        """The server's caps (--max-seqs-per-request, --max-logprobs), as 400s naming the field."""
+        if num_seqs > self.max_seqs_per_request:
+            raise ValidationError(
+                f"this request asks for {num_seqs} sequences; the server allows at most "
+                f"{self.max_seqs_per_request} per request (--max-seqs-per-request)", seqs_param)
+        for name, value in logprobs.items():
+            if value is not None and value > self.options.max_logprobs:
+                raise ValidationError(f"{name} must be at most {self.options.max_logprobs} "
+                                      f"(--max-logprobs), got {value}", name)
+
+    def cache_salt(self, raw_request: Request, request_salt: str | None) -> str | None:
+        """The request's cache_salt, under its API key's salt with --cache-salt-per-key."""
+        return combine_salt(getattr(raw_request.state, KEY_SALT_STATE, None), request_salt)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.served_model_names:
@@ -42,6 +71,8 @@ class OpenAIServing:
     async def add_requests(self, request_id: str, prompts: list[Any], params: SamplingParams,
                            priority: int, cache_salt: str | None) -> list[RequestStream]:
         """Queue one engine request per prompt; if one is rejected, withdraw those queued."""
+        if self.options.enable_log_requests:
+            logger.info("Received request %s: %d prompt(s), params=%r", request_id, len(prompts), params)
         streams: list[RequestStream] = []
         try:
             for i, prompt in enumerate(prompts):
