@@ -95,17 +95,42 @@ class SchedulerConfig:
             raise ValidationError("max_skip_ahead must be >= 0", "max_skip_ahead")
 
 
+# The values of ParallelConfig.distributed_executor_backend (the executors: pagedllm/executor/).
+EXECUTOR_BACKENDS = ("uni", "mp")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    distributed_executor_backend: str | None = _doc(
+        "Where the model runs: uni (in the engine's process; the default, also for None) or mp "
+        "(a worker process per rank, over ZeroMQ).", default="uni")
+
+    def __post_init__(self) -> None:
+        if self.distributed_executor_backend is None:  # vLLM's spelling of the default
+            object.__setattr__(self, "distributed_executor_backend", "uni")
+        backend = self.distributed_executor_backend
+        if backend == "ray":
+            raise ValidationError("distributed_executor_backend='ray' is not built yet; use "
+                                  "'uni' or 'mp'", "distributed_executor_backend")
+        if backend not in EXECUTOR_BACKENDS:
+            raise ValidationError(f"distributed_executor_backend must be one of "
+                                  f"{', '.join(EXECUTOR_BACKENDS)}; got {backend!r}",
+                                  "distributed_executor_backend")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_config: ModelConfig = field(default_factory=ModelConfig)
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative_config: dict | None = None
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
 
     @classmethod
     def from_kwargs(cls, model: str | None = None, **kwargs) -> "EngineConfig":
         """Build from vLLM-style flat engine arguments (``LLM(model, max_num_seqs=...)``)."""
-        parts: dict[type, dict] = {ModelConfig: {}, CacheConfig: {}, SchedulerConfig: {}}
+        parts: dict[type, dict] = {ModelConfig: {}, CacheConfig: {}, SchedulerConfig: {},
+                                   ParallelConfig: {}}
         if model is not None:
             parts[ModelConfig]["model"] = str(model)
         speculative_config = kwargs.pop("speculative_config", None)
@@ -117,4 +142,5 @@ class EngineConfig:
             else:
                 raise ValidationError(f"unknown engine argument {key!r}", key)
         return cls(ModelConfig(**parts[ModelConfig]), CacheConfig(**parts[CacheConfig]),
-                   SchedulerConfig(**parts[SchedulerConfig]), speculative_config)
+                   SchedulerConfig(**parts[SchedulerConfig]), speculative_config,
+                   ParallelConfig(**parts[ParallelConfig]))

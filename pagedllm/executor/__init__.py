@@ -1,0 +1,47 @@
+"""Executors: where the runner runs (this process, worker processes, later Ray actors).
+
+``create_executor`` picks one from ``ParallelConfig.distributed_executor_backend`` (vLLM's
+engine argument): "uni" (the default) or "mp". Nothing here imports torch: the real runner is
+built by ``build_model_runner``, lazily, in whichever process runs it.
+"""
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+from pagedllm.config import EngineConfig
+from pagedllm.errors import ValidationError
+from pagedllm.executor.abstract import Executor, RunnerFactory, build_model_runner, return_runner
+from pagedllm.runner.base import Runner
+
+if TYPE_CHECKING:
+    from pagedllm.engine.model_info import ModelInfo
+
+__all__ = ["Executor", "RunnerFactory", "create_executor"]
+
+
+def create_executor(config: EngineConfig, runner: Runner | None = None,
+                    model_info: "ModelInfo | None" = None, *,
+                    runner_factory: RunnerFactory | None = None) -> Executor:
+    """The executor ``config`` asks for, running (in order of preference) ``runner`` (mp sends
+    the worker a pickled copy), ``runner_factory()``, or the real ModelRunner (needs
+    ``model_info``)."""
+    if runner is not None:
+        runner_factory = functools.partial(return_runner, runner)
+    elif runner_factory is None:
+        if model_info is None:
+            raise TypeError("create_executor needs a runner, a runner_factory or the model_info")
+        runner_factory = functools.partial(build_model_runner, config, model_info)
+
+    backend = config.parallel_config.distributed_executor_backend
+    if backend == "uni":
+        from pagedllm.executor.uniproc import UniProcExecutor
+
+        return UniProcExecutor(runner if runner is not None else runner_factory())
+    if backend == "mp":
+        from pagedllm.executor.multiproc import MultiprocExecutor  # pyzmq, msgpack
+
+        return MultiprocExecutor(runner_factory)
+    # ParallelConfig validates the name; this is for a backend it knows but nobody built.
+    raise ValidationError(f"distributed_executor_backend={backend!r} is not built yet",
+                          "distributed_executor_backend")

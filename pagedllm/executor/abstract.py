@@ -1,0 +1,66 @@
+"""The Executor interface: what the engine core needs from whatever runs the model's ranks.
+
+The engine never talks to a runner directly: it asks an executor, which runs the runner in this
+process (``uniproc.py``), in one worker process per rank (``multiproc.py``), or, later, in Ray
+actors. Every rank gets the same ``SchedulerOutput``; rank 0's ``RunnerOutput`` comes back.
+
+Sizing keeps the Runner protocol's shape, ``determine_num_blocks(block_size)``, rather than
+returning bytes: the runner alone knows its bytes per block, and with several ranks the
+executor simply takes the smallest count.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any, Callable
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.outputs import RunnerOutput, SchedulerOutput
+from pagedllm.runner.base import Runner
+
+if TYPE_CHECKING:
+    from pagedllm.engine.model_info import ModelInfo
+
+# Builds one rank's runner. For the mp executor it must pickle (spawn sends it to the worker):
+# a module-level function, a class, or functools.partial of one.
+RunnerFactory = Callable[[], Runner]
+
+
+class Executor(ABC):
+    @abstractmethod
+    def determine_num_blocks(self, block_size: int) -> int:
+        """How many KV blocks of ``block_size`` tokens fit on every rank."""
+
+    @abstractmethod
+    def initialize(self, num_blocks: int, block_size: int) -> None:
+        """Allocate every rank's KV cache (the blocks the scheduler hands out)."""
+
+    @abstractmethod
+    def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        """Run one step on every rank; rank 0's output. Raises EngineDeadError if a worker died."""
+
+    @abstractmethod
+    def check_health(self) -> None:
+        """Return if every rank is alive; raise EngineDeadError (saying which and why) if not."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Stop every rank and release what the executor holds. Idempotent."""
+
+    def __enter__(self) -> "Executor":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+
+def build_model_runner(config: EngineConfig, model_info: "ModelInfo") -> Runner:
+    """The real runner (a RunnerFactory once bound with functools.partial)."""
+    from pagedllm.runner.model_runner import ModelRunner  # torch lives below this line
+
+    return ModelRunner(config, model_info)
+
+
+def return_runner(runner: Runner) -> Runner:
+    """A RunnerFactory for a runner built by the caller: ``partial(return_runner, runner)``
+    (the mp executor pickles it, so the worker runs its own copy)."""
+    return runner

@@ -1,0 +1,218 @@
+"""MultiprocExecutor: one worker process per rank, spoken to over ZeroMQ with msgpack.
+
+Each rank has a pair of ipc sockets: the executor PUSHes requests (``worker.py`` lists them)
+and PULLs replies. Calls are lockstep: the same encoded message goes to every rank, then one
+reply is read from each, so a rank handles its SchedulerOutputs strictly in order.
+
+Workers are spawned, never forked: a fork of a process that holds torch threads (or a CUDA
+context) can deadlock. Waiting for a reply also watches every worker's process sentinel (a file
+descriptor that becomes readable when the process ends), so a dead worker wakes the engine at
+once with EngineDeadError instead of leaving it blocked on a socket nobody will write to.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import shutil
+import signal
+import tempfile
+import time
+import weakref
+from typing import Any
+
+import msgpack
+import zmq
+
+from pagedllm import errors
+from pagedllm.core.outputs import RunnerOutput, SchedulerOutput
+from pagedllm.errors import EngineDeadError, ValidationError
+from pagedllm.executor.abstract import Executor, RunnerFactory
+from pagedllm.executor.wire import Codec
+from pagedllm.executor.worker import worker_main
+
+_SHUTDOWN = msgpack.packb(["shutdown", []])
+
+
+class RemoteTraceback(Exception):
+    """The worker's traceback, chained as ``__cause__`` of the error the executor raises."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self.text = text
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def remote_error(info: dict[str, Any], context: str) -> Exception:
+    """Rebuild a worker's exception: pagedllm's own errors keep their type and message (a
+    ValidationError is still an HTTP 400); anything else means the rank is broken."""
+    cls = getattr(errors, info["type"], None)
+    if isinstance(cls, type) and issubclass(cls, errors.PagedLLMError) and cls is not EngineDeadError:
+        exc: Exception = (cls(info["message"], info["param"]) if issubclass(cls, ValidationError)
+                          else cls(info["message"]))
+    else:
+        exc = EngineDeadError(f"{context}: {info['type']}: {info['message']}")
+    exc.__cause__ = RemoteTraceback(info["traceback"])
+    return exc
+
+
+class MultiprocExecutor(Executor):
+    def __init__(self, runner_factory: RunnerFactory, world_size: int = 1,
+                 startup_timeout_s: float = 300.0) -> None:
+        assert world_size >= 1, world_size
+        self.world_size = world_size
+        self._codec = Codec()
+        self._failure: str | None = None  # once a rank failed, every call raises this
+        self._is_shut_down = False
+        self._procs: list[multiprocessing.process.BaseProcess] = []
+        self._requests: list[zmq.Socket] = []
+        self._responses: list[zmq.Socket] = []
+        self._ipc_dir = tempfile.mkdtemp(prefix="pagedllm-executor-")
+        self._zmq = zmq.Context()
+        # Runs once: from shutdown(), when the executor is garbage collected, or at exit.
+        self._finalizer = weakref.finalize(self, _release, self._procs, self._requests,
+                                           self._responses, self._zmq, self._ipc_dir)
+        try:
+            self._start_workers(runner_factory, startup_timeout_s)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # -- startup ----------------------------------------------------------------------------
+    def _start_workers(self, runner_factory: RunnerFactory, timeout_s: float) -> None:
+        spawn = multiprocessing.get_context("spawn")
+        for rank in range(self.world_size):
+            request_addr = f"ipc://{self._ipc_dir}/requests-{rank}"
+            response_addr = f"ipc://{self._ipc_dir}/responses-{rank}"
+            self._requests.append(self._zmq.socket(zmq.PUSH))
+            self._responses.append(self._zmq.socket(zmq.PULL))
+            self._requests[rank].bind(request_addr)
+            self._responses[rank].bind(response_addr)
+            proc = spawn.Process(target=worker_main, name=f"pagedllm-worker-{rank}", daemon=True,
+                                 args=(rank, runner_factory, request_addr, response_addr))
+            proc.start()
+            self._procs.append(proc)
+        # One poller per rank: its replies, and every worker's end.
+        self._pollers = []
+        for rank in range(self.world_size):
+            poller = zmq.Poller()
+            poller.register(self._responses[rank], zmq.POLLIN)
+            for proc in self._procs:
+                poller.register(proc.sentinel, zmq.POLLIN)
+            self._pollers.append(poller)
+        deadline = time.monotonic() + timeout_s
+        for rank in range(self.world_size):
+            reply = self._recv(rank, deadline)
+            if reply is None:
+                raise EngineDeadError(f"worker rank {rank} did not start within {timeout_s:.0f} s")
+            kind, payload = reply
+            if kind == "error":
+                raise remote_error(payload, f"worker rank {rank} failed to start")
+            assert kind == "ready", kind
+
+    # -- the Executor interface -------------------------------------------------------------
+    def determine_num_blocks(self, block_size: int) -> int:
+        return min(self._call("determine_num_blocks", block_size))
+
+    def initialize(self, num_blocks: int, block_size: int) -> None:
+        self._call("initialize_kv_cache", num_blocks, block_size)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        return self._call("execute_model", scheduler_output)[0]
+
+    def check_health(self) -> None:
+        if self._is_shut_down:
+            raise EngineDeadError("the executor was shut down")
+        if self._failure is not None:
+            raise EngineDeadError(self._failure)
+        self._check_alive()
+
+    def shutdown(self) -> None:
+        self._is_shut_down = True
+        self._finalizer()
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [proc.pid for proc in self._procs]
+
+    # -- the calls --------------------------------------------------------------------------
+    def _call(self, method: str, *args: Any) -> list[Any]:
+        """Send one call to every rank and return every rank's result (rank order)."""
+        self.check_health()
+        message = self._codec.encode([method, list(args)])
+        for rank in range(self.world_size):
+            self._send(rank, message)
+        # Read every rank's reply before raising, so no stale reply is left on a socket.
+        replies = [self._recv(rank) for rank in range(self.world_size)]
+        for rank, (kind, payload) in enumerate(replies):
+            if kind == "error":
+                exc = remote_error(payload, f"worker rank {rank} failed in {method}")
+                # The rank's state after a failed step is unknown: the executor stays failed.
+                self._failure = f"worker rank {rank} failed in {method}: {exc}"
+                raise exc
+        return [payload for _, payload in replies]
+
+    def _send(self, rank: int, message: bytes) -> None:
+        sock = self._requests[rank]
+        while True:
+            try:
+                sock.send(message, zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                # No connected peer to take it: the worker is gone (or going). Wait a little for
+                # room, checking that every worker is still there.
+                self._check_alive()
+                poller = zmq.Poller()
+                poller.register(sock, zmq.POLLOUT)
+                poller.poll(100)
+
+    def _recv(self, rank: int, deadline: float | None = None) -> Any:
+        """Rank's next reply; EngineDeadError as soon as any worker ends; None past deadline."""
+        while True:
+            timeout_ms = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
+            ready = dict(self._pollers[rank].poll(timeout_ms))
+            if self._responses[rank] in ready:
+                return self._codec.decode(self._responses[rank].recv())
+            if ready:  # a sentinel: some worker ended
+                self._check_alive()
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
+
+    def _check_alive(self) -> None:
+        for rank, proc in enumerate(self._procs):
+            if not proc.is_alive():
+                code = proc.exitcode
+                how = (f"killed by signal {signal.Signals(-code).name}" if code is not None and code < 0
+                       else f"exited with code {code}")
+                self._failure = (f"worker rank {rank} (pid {proc.pid}) {how}; the engine cannot "
+                                 f"continue (restart it)")
+                raise EngineDeadError(self._failure)
+
+
+def _release(procs: list, requests: list[zmq.Socket], responses: list[zmq.Socket],
+             ctx: zmq.Context, ipc_dir: str) -> None:
+    """Stop the workers (ask, then terminate, then kill), close the sockets, remove the ipc
+    folder. A module function, so the finalizer does not keep the executor alive."""
+    asked = []
+    for sock in requests:
+        try:
+            sock.send(_SHUTDOWN, zmq.NOBLOCK)
+            asked.append(True)
+        except zmq.ZMQError:
+            asked.append(False)  # not connected (gone, or still starting): no use waiting
+    deadline = time.monotonic() + 2.0
+    for proc, was_asked in zip(procs, asked):
+        if was_asked:
+            proc.join(max(0.0, deadline - time.monotonic()))
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(1.0)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+        proc.close()  # releases its sentinel
+    for sock in requests + responses:
+        sock.close(linger=0)
+    ctx.term()
+    shutil.rmtree(ipc_dir, ignore_errors=True)
