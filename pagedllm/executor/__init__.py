@@ -7,31 +7,26 @@ built by ``build_model_runner``, lazily, in whichever process runs it.
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
-
 from pagedllm.config import EngineConfig
 from pagedllm.errors import ValidationError
 from pagedllm.executor.abstract import Executor, RunnerFactory, build_model_runner, return_runner
 from pagedllm.runner.base import Runner
 
-if TYPE_CHECKING:
-    from pagedllm.engine.model_info import ModelInfo
-
 __all__ = ["Executor", "RunnerFactory", "create_executor"]
 
 
 def create_executor(config: EngineConfig, runner: Runner | None = None,
-                    model_info: "ModelInfo | None" = None, *,
+                    max_model_len: int | None = None, *,
                     runner_factory: RunnerFactory | None = None) -> Executor:
     """The executor ``config`` asks for, running (in order of preference) ``runner`` (mp sends
     the worker a pickled copy), ``runner_factory()``, or the real ModelRunner (needs
-    ``model_info``)."""
+    ``max_model_len``)."""
     if runner is not None:
         runner_factory = functools.partial(return_runner, runner)
     elif runner_factory is None:
-        if model_info is None:
-            raise TypeError("create_executor needs a runner, a runner_factory or the model_info")
-        runner_factory = functools.partial(build_model_runner, config, model_info)
+        if max_model_len is None:
+            raise TypeError("create_executor needs a runner, a runner_factory or max_model_len")
+        runner_factory = functools.partial(build_model_runner, config, max_model_len)
 
     backend = config.parallel_config.distributed_executor_backend
     if backend == "uni":

@@ -11,14 +11,11 @@ executor simply takes the smallest count.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.outputs import RunnerOutput, SchedulerOutput
 from pagedllm.runner.base import Runner
-
-if TYPE_CHECKING:
-    from pagedllm.engine.model_info import ModelInfo
 
 # Builds one rank's runner. For the mp executor it must pickle (spawn sends it to the worker):
 # a module-level function, a class, or functools.partial of one.
@@ -53,11 +50,12 @@ class Executor(ABC):
         self.shutdown()
 
 
-def build_model_runner(config: EngineConfig, model_info: "ModelInfo") -> Runner:
-    """The real runner (a RunnerFactory once bound with functools.partial)."""
+def build_model_runner(config: EngineConfig, max_model_len: int) -> Runner:
+    """The real runner (a RunnerFactory once bound with functools.partial); ``max_model_len``
+    as the engine resolved it."""
     from pagedllm.runner.model_runner import ModelRunner  # torch lives below this line
 
-    return ModelRunner(config, model_info)
+    return ModelRunner(config, max_model_len)
 
 
 def return_runner(runner: Runner) -> Runner:

@@ -8,6 +8,9 @@ Workers are spawned, never forked: a fork of a process that holds torch threads 
 context) can deadlock. Waiting for a reply also watches every worker's process sentinel (a file
 descriptor that becomes readable when the process ends), so a dead worker wakes the engine at
 once with EngineDeadError instead of leaving it blocked on a socket nobody will write to.
+
+The sockets belong to the thread that calls the executor (the engine loop); ``check_health``
+touches only process state and may be called from any thread.
 """
 from __future__ import annotations
 

@@ -166,3 +166,15 @@ def test_startup_failure_carries_the_worker_exception():
 def test_startup_timeout_is_clear():
     with pytest.raises(EngineDeadError, match="did not start within 0 s"):
         MultiprocExecutor(functools.partial(SlowFakeRunner, 1.0), startup_timeout_s=0.0)
+
+
+def test_a_forgotten_executor_still_reaps_its_worker():
+    """No shutdown() call: garbage collection (or interpreter exit) stops the worker."""
+    import gc
+
+    before = child_pids()
+    executor = MultiprocExecutor(FAKE)
+    assert set(executor.worker_pids) <= child_pids()
+    del executor
+    gc.collect()
+    assert child_pids() == before
