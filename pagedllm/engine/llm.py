@@ -1,19 +1,45 @@
 """LLM: the offline API, compatible with vLLM's (``from pagedllm import LLM, SamplingParams``)."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
+import typing
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
-from pagedllm.config import EngineConfig
+from pagedllm.config import DEFAULT_MODEL_DIR, EngineConfig
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.tokenizer import apply_chat_template
 from pagedllm.errors import ValidationError, check_text
-from pagedllm.engine.beam_search import BeamSearchParams
+from pagedllm import BeamSearchParams
 from pagedllm.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+
+
+# The demo model (stories260K) was trained on plain stories and ships no chat template; a minimal
+# one lives beside its folder, so the chat path of the demo works out of the box.
+_DEMO_CHAT_TEMPLATE = DEFAULT_MODEL_DIR.parent / "chat_template.jinja"
+
+
+def default_chat_template(model: str | None) -> str | None:
+    """The demo's chat template when ``model`` is the demo model (or not given); else None, and
+    a model without its own template keeps failing with the usual clear error."""
+    path = Path(model) if model is not None else DEFAULT_MODEL_DIR
+    try:
+        if path.resolve() != DEFAULT_MODEL_DIR.resolve() or not _DEMO_CHAT_TEMPLATE.is_file():
+            return None
+        return _DEMO_CHAT_TEMPLATE.read_text()
+    except OSError:
+        return None
+
+
+def _engine_field_names() -> set[str]:
+    hints = typing.get_type_hints(EngineConfig)
+    return {f.name for part in hints.values() if dataclasses.is_dataclass(part)
+            for f in dataclasses.fields(part)}
 
 
 class LLM:
@@ -26,10 +52,14 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
-        engine_args.pop("trust_remote_code", None)  # accepted for vLLM compatibility; unused
-        engine_args.pop("enforce_eager", None)
-        self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model, **engine_args))
+        # Accepted for vLLM compatibility while the engine has no such setting.
+        for name in ("trust_remote_code", "enforce_eager"):
+            if name not in _engine_field_names():
+                engine_args.pop(name, None)
+        config = EngineConfig.from_kwargs(model, **engine_args)
+        self.llm_engine = LLMEngine(config)
         self._counter = itertools.count()
+        self._default_chat_template = default_chat_template(config.model_config.model)
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
@@ -85,6 +115,8 @@ class LLM:
         tokenizer = self.llm_engine.tokenizer
         if tokenizer is None:
             raise ValidationError("chat() needs a tokenizer", "messages")
+        if chat_template is None and not getattr(tokenizer, "chat_template", None):
+            chat_template = self._default_chat_template  # the demo's; None for other models
         prompts: list[PromptType] = [
             {"prompt_token_ids": apply_chat_template(tokenizer, conv, chat_template,
                                                      add_generation_prompt, **template_kwargs)}

@@ -1,6 +1,7 @@
 """The ``pagedllm`` command.
 
     pagedllm serve [MODEL] [--host H --port P --api-key K --chat-template T ...] [engine flags]
+                                       (vLLM's flag spellings: see serve_args.py)
     pagedllm generate PROMPT... [--model M --max-tokens N --temperature T ...] [engine flags]
     pagedllm bench NAME [ARGS...]      (runs benchmarks/NAME.py:main(ARGS) of the source checkout)
 
@@ -23,10 +24,35 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from pagedllm import config as _config
 from pagedllm.config import CacheConfig, ModelConfig, SchedulerConfig
 from pagedllm.errors import PagedLLMError
 
-ENGINE_CONFIGS = (ModelConfig, CacheConfig, SchedulerConfig)
+# ParallelConfig joins when the engine has one (its executors are being built alongside).
+ENGINE_CONFIGS = tuple(c for c in (ModelConfig, CacheConfig, SchedulerConfig,
+                                   getattr(_config, "ParallelConfig", None)) if c is not None)
+_SHORT_FLAGS = {"tensor_parallel_size": "-tp"}  # vLLM's short spellings of engine flags
+
+
+def engine_field_names() -> set[str]:
+    return {f.name for cls in ENGINE_CONFIGS for f in dataclasses.fields(cls)}
+
+
+class FlexibleArgumentParser(argparse.ArgumentParser):
+    """Accepts vLLM's spellings: ``--max_model_len`` as well as ``--max-model-len`` (like vLLM's
+    parser, underscores in a long flag's name become dashes before parsing)."""
+
+    def parse_known_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:
+        if args is None:
+            args = sys.argv[1:]
+        return super().parse_known_args([_dashed(a) for a in args], namespace)
+
+
+def _dashed(arg: str) -> str:
+    if not arg.startswith("--") or arg == "--":
+        return arg
+    name, eq, value = arg.partition("=")
+    return name.replace("_", "-") + eq + value
 
 
 def _flag_type(annotation: Any) -> Any:
@@ -55,15 +81,17 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: frozenset[str] = froz
         for f in dataclasses.fields(cls):
             if f.name == "model" or f.name in skip:
                 continue  # model: a positional argument or --model, per subcommand
-            flag = "--" + f.name.replace("_", "-")
+            flags = ["--" + f.name.replace("_", "-")]
+            if f.name in _SHORT_FLAGS:
+                flags.append(_SHORT_FLAGS[f.name])
             default = f.default if f.default is not dataclasses.MISSING else None
             help_text = f"{f.metadata.get('help', '')} (default: {default})"
             kind = _flag_type(hints[f.name])
             if kind is bool:
-                group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
+                group.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction,
                                    default=argparse.SUPPRESS, help=help_text)
             else:
-                group.add_argument(flag, dest=f.name, type=kind, default=argparse.SUPPRESS,
+                group.add_argument(*flags, dest=f.name, type=kind, default=argparse.SUPPRESS,
                                    metavar=kind.__name__.upper(), help=help_text)
     group.add_argument("--speculative-config", dest="speculative_config", type=_json_dict,
                        default=argparse.SUPPRESS,
@@ -71,15 +99,18 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: frozenset[str] = froz
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    names = {f.name for cls in ENGINE_CONFIGS for f in dataclasses.fields(cls)} - {"model"}
+    names = engine_field_names() - {"model"}
     names.add("speculative_config")
     return {name: getattr(args, name) for name in names if hasattr(args, name)}
 
 
 # -- serve ---------------------------------------------------------------------------------------
 def _add_serve(sub: Any) -> None:
+    from pagedllm.entrypoints.serve_args import add_serve_args
+
     p = sub.add_parser("serve", help="serve the OpenAI-compatible API",
-                       description="Serve a model over the OpenAI-compatible HTTP API.")
+                       description="Serve a model over the OpenAI-compatible HTTP API. Flags take "
+                                   "vLLM's spellings, with dashes or underscores.")
     p.add_argument("model_tag", nargs="?", metavar="MODEL", help="model folder (default: the demo model)")
     p.add_argument("--model", default=None, help="model folder (same as MODEL)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
@@ -87,13 +118,12 @@ def _add_serve(sub: Any) -> None:
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="model name(s) clients use; the first is reported (default: the model "
                         "folder's name, then MODEL as given)")
-    p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every /v1 request")
     p.add_argument("--chat-template", default=None,
                    help="chat template (a file or the Jinja text) for models without one")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--shutdown-timeout", type=float, default=5.0,
                    help="seconds in-flight requests get to finish on SIGINT/SIGTERM (default: 5)")
+    add_serve_args(p, engine_field_names())
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
 
@@ -101,16 +131,22 @@ def _add_serve(sub: Any) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     from pagedllm.config import default_model
     from pagedllm.engine.async_engine import AsyncLLM
+    from pagedllm.engine.llm import default_chat_template
     from pagedllm.entrypoints.openai.server import build_app, load_chat_template, run_server
+    from pagedllm.entrypoints.serve_args import check_compat_flags, server_options, uvicorn_kwargs
 
     if args.model_tag and args.model and args.model_tag != args.model:
         raise PagedLLMError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
     model = args.model_tag or args.model or default_model()
-    chat_template = load_chat_template(args.chat_template)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    check_compat_flags(args, engine_field_names())
+    options = server_options(args)
+    listen = uvicorn_kwargs(args)
+    chat_template = load_chat_template(args.chat_template) or default_chat_template(model)
     llm = AsyncLLM.from_engine_args(model, **engine_kwargs(args))
-    app = build_app(llm, args.served_model_name, chat_template, args.api_key)
-    run_server(app, args.host, args.port, args.log_level, args.shutdown_timeout)
+    app = build_app(llm, args.served_model_name, chat_template, options=options)
+    run_server(app, args.host, args.port, args.uvicorn_log_level or args.log_level,
+               args.shutdown_timeout, **listen)
     return 0
 
 
@@ -217,7 +253,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 # -- main ----------------------------------------------------------------------------------------
 def make_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pagedllm", description="pagedllm: a compact vLLM-class engine")
+    parser = FlexibleArgumentParser(prog="pagedllm", description="pagedllm: a compact vLLM-class engine")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_serve(sub)
     _add_generate(sub)

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import signal
+import socket
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -13,7 +17,7 @@ import pytest
 from server_utils import CLI_API_KEY, HTTP, wait_for_health
 
 from pagedllm import SamplingParams
-from pagedllm.config import CacheConfig, ModelConfig, SchedulerConfig
+from pagedllm.config import CacheConfig, ModelConfig, SchedulerConfig, default_model
 from pagedllm.entrypoints.cli import engine_kwargs, main, make_parser
 
 
@@ -146,3 +150,84 @@ def test_serve_api_key_and_clean_sigint_shutdown(cli_server):
     assert events[-1] == "data: [DONE]", events[-3:]
     # Finished in the grace period, or told why not.
     assert '"finish_reason":"length"' in events[-2] or '"error"' in events[-2], events[-2]
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--quantization", "fp8"], "pagedllm has no quantization"),
+    (["--kv-cache-dtype", "fp8"], "only 'auto'"),
+    (["-tp", "2"], "tensor parallelism is not built yet"),
+])
+def test_vllm_flags_pagedllm_lacks_fail_in_one_line(capsys, flags, message):
+    assert main(["serve", "--num-gpu-blocks-override", "16", *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_underscore_spellings_parse_like_dashes():
+    dashed = make_parser().parse_args(["serve", "--max-num-seqs", "4", "--served-model-name", "x"])
+    under = make_parser().parse_args(["serve", "--max_num_seqs", "4", "--served_model_name=x"])
+    assert engine_kwargs(dashed) == engine_kwargs(under) == {"max_num_seqs": 4}
+    assert under.served_model_name == ["x"]
+
+
+def test_a_vllm_launch_line_parses_and_serves_and_sigterm_exits_0(tmp_path):
+    """vLLM's flags, TLS, CORS, no --chat-template (the demo's own is used), then SIGTERM."""
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key),
+                    "-out", str(cert), "-days", "1", "-subj", "/CN=127.0.0.1"], check=True,
+                   capture_output=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--model", default_model(),
+           "--port", str(port), "--served-model-name", "demo", "--max_model_len", "256", "-tp", "1",
+           "--enforce-eager", "--disable-log-stats", "--enable-log-requests", "--max-logprobs", "5",
+           "--generation-config", "auto", "--trust-remote-code", "--uvicorn-log-level", "warning",
+           "--allowed-origins", '["http://example.com"]', "--root-path", "/proxy",
+           "--ssl-keyfile", str(key), "--ssl-certfile", str(cert), "--enable-auto-tool-choice",
+           "--tool-call-parser", "hermes", "--kv-cache-dtype", "auto", "--gpu_memory_utilization",
+           "0.5", "--num_gpu_blocks_override", "64", "--shutdown-timeout", "1"]
+    log = tempfile.TemporaryFile(mode="w+")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    url = f"https://127.0.0.1:{port}"
+    try:
+        with httpx.Client(verify=False, timeout=30) as tls:
+            deadline = time.monotonic() + 90
+            while True:
+                assert proc.poll() is None, _tail(log)
+                try:
+                    if tls.get(f"{url}/ping").status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                assert time.monotonic() < deadline, _tail(log)
+                time.sleep(0.2)
+            body = {"model": "demo", "prompt": "Once upon a time", "max_tokens": 4, "logprobs": 5}
+            r = tls.post(f"{url}/v1/completions", json=body, headers={"Origin": "http://example.com"})
+            assert r.status_code == 200, r.text
+            assert r.headers["access-control-allow-origin"] == "http://example.com"
+            assert tls.post(f"{url}/v1/completions", json={**body, "logprobs": 6}).status_code == 400
+            chat = tls.post(f"{url}/v1/chat/completions", json={
+                "model": "demo", "messages": [{"role": "user", "content": "Once upon a time"}],
+                "max_tokens": 4})
+            assert chat.status_code == 200, chat.text  # the demo's template, found by itself
+            assert tls.get(f"{url}/version").json()["version"]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0, _tail(log)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def _tail(log) -> str:
+    log.seek(0)
+    return log.read()[-3000:]
+
+
+def test_llm_chat_works_on_the_demo_model_out_of_the_box(reference_llm):
+    out = reference_llm.chat([{"role": "user", "content": "Once upon a time"}],
+                             SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert out[0].outputs[0].text

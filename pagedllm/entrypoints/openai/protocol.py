@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from pagedllm.errors import ValidationError
-from pagedllm.engine.beam_search import BeamSearchParams
+from pagedllm import BeamSearchParams
 from pagedllm.entrypoints.openai.request_base import OpenAIRequest
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 

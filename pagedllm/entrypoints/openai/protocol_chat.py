@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
-from pagedllm.engine.beam_search import BeamSearchParams
+from pagedllm import BeamSearchParams
 from pagedllm.entrypoints.openai.protocol import OpenAIBaseModel, SamplingRequest, UsageInfo
 from pagedllm.errors import ValidationError
 from pagedllm.sampling_params import SamplingParams

@@ -127,8 +127,12 @@ def build_app(engine: AsyncLLM | LLMEngine, served_model_names: list[str] | None
             return error_response(503, f"the engine is dead: {llm.dead_error}")
         return Response(status_code=200)
 
-    @app.api_route("/ping", methods=["GET", "POST"])
+    @app.get("/ping")
     async def ping() -> Response:  # vLLM's (SageMaker's) liveness route: /health's answer
+        return await health()
+
+    @app.post("/ping")
+    async def ping_post() -> Response:
         return await health()
 
     @app.get("/version")

@@ -1,0 +1,145 @@
+"""The flags of ``pagedllm serve`` beyond the engine's own: the HTTP surface, vLLM's spellings,
+and the vLLM flags that pagedllm accepts for launch-line compatibility.
+
+A vLLM flag does what vLLM's does, or, where pagedllm has no such thing, either is accepted and
+ignored with a log line (it changes nothing a client can see: ``--trust-remote-code``,
+``--disable-log-stats``, ``--enforce-eager`` while the engine has no compiled mode) or fails with
+one line that says so (it would change results: ``--quantization``, ``--kv-cache-dtype`` other
+than auto, ``-tp`` > 1).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from typing import Any
+
+from pagedllm.errors import PagedLLMError
+
+logger = logging.getLogger("pagedllm.entrypoints.serve")
+
+_LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
+
+
+def _str_list(value: str) -> list[str]:
+    """vLLM passes lists as JSON (``'["http://a", "http://b"]'``); a plain string is one item."""
+    value = value.strip()
+    if value.startswith("["):
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"not a JSON list: {e}") from e
+        if not isinstance(parsed, list) or not all(isinstance(v, str) for v in parsed):
+            raise argparse.ArgumentTypeError("must be a JSON list of strings")
+        return parsed
+    return [value]
+
+
+def add_serve_args(p: argparse.ArgumentParser, engine_fields: set[str]) -> None:
+    """``engine_fields``: the engine config's field names (a flag for one of them is generated
+    from the config, so the compatibility flag below is added only while the field is absent)."""
+    p.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' (any of the keys given) on every "
+                        "route except /health, /ping, /version, /metrics and the API docs")
+    p.add_argument("--cache-salt-per-key", action="store_true",
+                   help="give each API key's requests their own prefix-cache namespace, so one "
+                        "client cannot probe another's prompts through cached_tokens or timing")
+    p.add_argument("--max-logprobs", type=int, default=20,
+                   help="most logprobs / top_logprobs / prompt_logprobs a request may ask for (default: 20)")
+    p.add_argument("--max-seqs-per-request", type=int, default=None,
+                   help="most sequences one request may run (n x prompts, or the beam width); "
+                        "default: min(max_num_seqs, 64)")
+    p.add_argument("--max-request-body-bytes", type=int, default=None,
+                   help="larger request bodies get 413 (default: 8 MiB)")
+    p.add_argument("--request-header-timeout", type=float, default=30.0,
+                   help="seconds a client has to send the request line and headers (default: 30)")
+    p.add_argument("--request-body-timeout", type=float, default=30.0,
+                   help="seconds a request body may stall between chunks before a 408 (default: 30)")
+    p.add_argument("--timeout-keep-alive", type=int, default=5,
+                   help="seconds an idle keep-alive connection stays open (default: 5)")
+    p.add_argument("--uvicorn-log-level", choices=_LOG_LEVELS, default=None,
+                   help="uvicorn's log level (default: --log-level)")
+    p.add_argument("--enable-log-requests", action="store_true", help="log every request's parameters")
+    p.add_argument("--disable-log-requests", action="store_true", help=argparse.SUPPRESS)  # older vLLM
+    p.add_argument("--disable-log-stats", action="store_true",
+                   help="accepted for vLLM compatibility (pagedllm logs no periodic stats)")
+    p.add_argument("--generation-config", default="auto",
+                   help="sampling defaults: auto (the model's generation_config.json), vllm "
+                        "(none: vLLM's defaults), or a folder holding a generation_config.json")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="accepted for vLLM compatibility (pagedllm never runs a model's own code)")
+    cors = p.add_argument_group("CORS (off unless --allowed-origins is given)")
+    cors.add_argument("--allowed-origins", type=_str_list, default=None, help='e.g. \'["*"]\'')
+    cors.add_argument("--allow-credentials", action="store_true")
+    cors.add_argument("--allowed-methods", type=_str_list, default=["*"])
+    cors.add_argument("--allowed-headers", type=_str_list, default=["*"])
+    http = p.add_argument_group("HTTP server (uvicorn)")
+    http.add_argument("--root-path", default=None, help="the path prefix a proxy serves the app under")
+    http.add_argument("--ssl-keyfile", default=None)
+    http.add_argument("--ssl-certfile", default=None)
+    http.add_argument("--ssl-ca-certs", default=None)
+    http.add_argument("--ssl-cert-reqs", type=int, default=0,
+                      help="whether client certificates are required (see Python's ssl module)")
+    tools = p.add_argument_group("tool calling")
+    tools.add_argument("--enable-auto-tool-choice", action="store_true")
+    tools.add_argument("--tool-call-parser", default=None)
+    compat = p.add_argument_group("vLLM engine flags pagedllm has no counterpart for")
+    compat.add_argument("--kv-cache-dtype", default="auto", help="auto only (the model's dtype)")
+    compat.add_argument("--quantization", "-q", default=None, help="not available in pagedllm")
+    if "tensor_parallel_size" not in engine_fields:
+        compat.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                            help="1 only: tensor parallelism is not built yet")
+    if "enforce_eager" not in engine_fields:
+        compat.add_argument("--enforce-eager", action="store_true",
+                            help="accepted: the engine always runs eagerly")
+
+
+def check_compat_flags(args: argparse.Namespace, engine_fields: set[str]) -> None:
+    """Fail in one line for what pagedllm cannot do; log what it ignores."""
+    if args.quantization not in (None, "none", "None"):
+        raise PagedLLMError(f"--quantization {args.quantization}: pagedllm has no quantization; "
+                            "serve an unquantized model")
+    if args.kv_cache_dtype != "auto":
+        raise PagedLLMError(f"--kv-cache-dtype {args.kv_cache_dtype}: only 'auto' (the model's dtype) "
+                            "is available in pagedllm")
+    if "tensor_parallel_size" not in engine_fields and args.tensor_parallel_size != 1:
+        raise PagedLLMError(f"--tensor-parallel-size {args.tensor_parallel_size}: tensor "
+                            "parallelism is not built yet; use 1")
+    if "enforce_eager" not in engine_fields and args.enforce_eager:
+        logger.info("--enforce-eager: accepted; the engine has no compiled mode, it always runs eagerly")
+    if args.trust_remote_code:
+        logger.info("--trust-remote-code: accepted; pagedllm never runs a model's own code")
+    if args.disable_log_stats:
+        logger.info("--disable-log-stats: accepted; pagedllm logs no periodic stats")
+    if args.enable_auto_tool_choice or args.tool_call_parser:
+        logger.warning("--enable-auto-tool-choice / --tool-call-parser: accepted, but this build has "
+                       "no tool calling: requests with tools get a 400")
+
+
+def server_options(args: argparse.Namespace) -> Any:
+    from pagedllm.entrypoints.openai.server_options import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerOptions
+
+    return ServerOptions(
+        api_keys=tuple(args.api_key or ()), cache_salt_per_key=args.cache_salt_per_key,
+        max_logprobs=args.max_logprobs, max_seqs_per_request=args.max_seqs_per_request,
+        max_request_body_bytes=args.max_request_body_bytes or DEFAULT_MAX_REQUEST_BODY_BYTES,
+        request_body_timeout=args.request_body_timeout, request_header_timeout=args.request_header_timeout,
+        allowed_origins=tuple(args.allowed_origins or ()), allow_credentials=args.allow_credentials,
+        allowed_methods=tuple(args.allowed_methods), allowed_headers=tuple(args.allowed_headers),
+        enable_log_requests=args.enable_log_requests and not args.disable_log_requests,
+        generation_config=args.generation_config,
+        enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser)
+
+
+def uvicorn_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {"timeout_keep_alive": args.timeout_keep_alive}
+    if args.root_path:
+        kwargs["root_path"] = args.root_path
+    if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
+        raise PagedLLMError("TLS needs both --ssl-keyfile and --ssl-certfile")
+    if args.ssl_keyfile:
+        kwargs.update(ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
+                      ssl_cert_reqs=args.ssl_cert_reqs)
+        if args.ssl_ca_certs:
+            kwargs["ssl_ca_certs"] = args.ssl_ca_certs
+    return kwargs
