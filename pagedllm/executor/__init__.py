@@ -7,6 +7,7 @@ built by ``build_model_runner``, lazily, in whichever process runs it.
 from __future__ import annotations
 
 import functools
+
 from pagedllm.config import EngineConfig
 from pagedllm.errors import ValidationError
 from pagedllm.executor.abstract import Executor, RunnerFactory, build_model_runner, return_runner

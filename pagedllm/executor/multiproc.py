@@ -183,13 +183,27 @@ class MultiprocExecutor(Executor):
 
     def _check_alive(self) -> None:
         for rank, proc in enumerate(self._procs):
-            if not proc.is_alive():
-                code = proc.exitcode
-                how = (f"killed by signal {signal.Signals(-code).name}" if code is not None and code < 0
-                       else f"exited with code {code}")
-                self._failure = (f"worker rank {rank} (pid {proc.pid}) {how}; the engine cannot "
-                                 f"continue (restart it)")
-                raise EngineDeadError(self._failure)
+            if proc.is_alive():
+                continue
+            last_words = self._last_error(rank)
+            if last_words is not None:  # it said why before it went (a failed startup does)
+                self._failure = f"worker rank {rank} failed: {last_words['type']}: {last_words['message']}"
+                raise remote_error(last_words, f"worker rank {rank} failed")
+            code = proc.exitcode
+            how = (f"killed by signal {signal.Signals(-code).name}" if code is not None and code < 0
+                   else f"exited with code {code}")
+            self._failure = (f"worker rank {rank} (pid {proc.pid}) {how}; the engine cannot "
+                             f"continue (restart it)")
+            raise EngineDeadError(self._failure)
+
+    def _last_error(self, rank: int) -> dict[str, Any] | None:
+        """The error report an ended worker left unread on its socket, if any."""
+        sock = self._responses[rank]
+        while sock.poll(0):
+            kind, payload = self._codec.decode(sock.recv())
+            if kind == "error":
+                return payload
+        return None
 
 
 def _release(procs: list, requests: list[zmq.Socket], responses: list[zmq.Socket],

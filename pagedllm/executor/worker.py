@@ -14,6 +14,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import sys
 import traceback
 from typing import Any, Callable
 
@@ -43,21 +44,23 @@ def worker_main(rank: int, runner_factory: Callable[[], Any], request_addr: str,
     requests.connect(request_addr)
     responses.connect(response_addr)
     try:
-        _serve(rank, runner_factory, codec, requests, responses)
+        exit_code = _serve(rank, runner_factory, codec, requests, responses)
     finally:
         requests.close(linger=0)
         # A moment to flush a last reply (an error report) if the engine still listens.
         responses.close(linger=1000)
         ctx.term()
+    sys.exit(exit_code)
 
 
 def _serve(rank: int, runner_factory: Callable[[], Any], codec: Codec, requests: zmq.Socket,
-           responses: zmq.Socket) -> None:
+           responses: zmq.Socket) -> int:
+    """Serve calls until told to stop (exit code 0); 1 if the runner could not be built."""
     try:
         runner = runner_factory()
     except BaseException as exc:  # the executor re-raises it with this text
         responses.send(codec.encode(["error", error_info(exc)]))
-        return
+        return 1
     responses.send(codec.encode(["ready", os.getpid()]))
 
     # Never outlive the engine: wake up when the parent process goes away, too.
@@ -69,10 +72,10 @@ def _serve(rank: int, runner_factory: Callable[[], Any], codec: Codec, requests:
     while True:
         ready = dict(poller.poll())
         if requests not in ready:
-            return  # the parent died
+            return 0  # the parent died
         method, args = codec.decode(requests.recv())
         if method == "shutdown":
-            return
+            return 0
         try:
             if method not in CALLS:
                 raise ValueError(f"worker: unknown call {method!r}")

@@ -159,6 +159,9 @@ def test_startup_failure_carries_the_worker_exception():
     with pytest.raises(ValidationError, match="too small for one block") as info:
         MultiprocExecutor(invalid_runner)
     assert info.value.param == "kv_cache_memory_bytes"
+    # With two ranks failing, whichever report is read first: the worker's text, never a bare exit code.
+    with pytest.raises(EngineDeadError, match="boom while building the runner"):
+        MultiprocExecutor(failing_runner, world_size=2)
     assert time.monotonic() - start < 20
     assert child_pids() == before
 

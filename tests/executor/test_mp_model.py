@@ -36,6 +36,7 @@ def _greedy(executor: Executor, config: EngineConfig, info: ModelInfo) -> dict[s
     return tokens
 
 
+@pytest.mark.slow  # two model loads (torch import and weights in the worker): 8-20 s here
 def test_mp_matches_uniproc_greedy_on_the_demo_model():
     if not (DEMO / "config.json").is_file():
         pytest.fail(f"demo model missing at {DEMO}")
