@@ -181,3 +181,32 @@ def test_a_forgotten_executor_still_reaps_its_worker():
     del executor
     gc.collect()
     assert child_pids() == before
+
+
+_ORPHAN_SCRIPT = """
+import functools, sys, time
+from pagedllm.executor.multiproc import MultiprocExecutor
+from pagedllm.runner.fake import FakeRunner
+if __name__ == "__main__":
+    executor = MultiprocExecutor(functools.partial(FakeRunner, vocab_size=10))
+    print(executor.worker_pids[0], flush=True)
+    time.sleep(60)
+"""
+
+
+def test_worker_exits_when_the_engine_process_is_killed(tmp_path):
+    """kill -9 of the engine's process skips every cleanup: the worker must notice by itself."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "engine.py"
+    script.write_text(_ORPHAN_SCRIPT)
+    engine = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        worker = psutil.Process(int(engine.stdout.readline()))
+        engine.kill()
+        engine.wait(10)
+        worker.wait(timeout=5)  # psutil.TimeoutExpired if it outlived the engine
+    finally:
+        engine.kill()
+        engine.stdout.close()
