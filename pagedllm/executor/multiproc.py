@@ -165,9 +165,7 @@ class MultiprocExecutor(Executor):
                 # No connected peer to take it: the worker is gone (or going). Wait a little for
                 # room, checking that every worker is still there.
                 self._check_alive()
-                poller = zmq.Poller()
-                poller.register(sock, zmq.POLLOUT)
-                poller.poll(100)
+                sock.poll(100, zmq.POLLOUT)
 
     def _recv(self, rank: int, deadline: float | None = None) -> Any:
         """Rank's next reply; EngineDeadError as soon as any worker ends; None past deadline."""

@@ -56,15 +56,15 @@ def worker_main(rank: int, runner_factory: Callable[[], Any], request_addr: str,
 def _serve(rank: int, runner_factory: Callable[[], Any], codec: Codec, requests: zmq.Socket,
            responses: zmq.Socket) -> int:
     """Serve calls until told to stop (exit code 0); 1 if the runner could not be built."""
+    # Never outlive the engine: watch the parent process while waiting and while sending.
+    parent = multiprocessing.parent_process()
     try:
         runner = runner_factory()
     except BaseException as exc:  # the executor re-raises it with this text
-        responses.send(codec.encode(["error", error_info(exc)]))
+        _send(responses, codec.encode(["error", error_info(exc)]), parent)
         return 1
-    responses.send(codec.encode(["ready", os.getpid()]))
-
-    # Never outlive the engine: wake up when the parent process goes away, too.
-    parent = multiprocessing.parent_process()
+    if not _send(responses, codec.encode(["ready", os.getpid()]), parent):
+        return 0
     poller = zmq.Poller()
     poller.register(requests, zmq.POLLIN)
     if parent is not None:
@@ -85,4 +85,17 @@ def _serve(rank: int, runner_factory: Callable[[], Any], codec: Codec, requests:
             reply = codec.encode(["ok", result])
         except Exception as exc:  # the runner's error (or an unencodable result) goes back
             reply = codec.encode(["error", error_info(exc)])
-        responses.send(reply)
+        if not _send(responses, reply, parent):
+            return 0  # the parent died while we were computing
+
+
+def _send(sock: zmq.Socket, message: bytes, parent: Any) -> bool:
+    """Send, unless the parent is gone (a PUSH with no peer would block forever)."""
+    while True:
+        try:
+            sock.send(message, zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            if parent is not None and not parent.is_alive():
+                return False
+            sock.poll(100, zmq.POLLOUT)

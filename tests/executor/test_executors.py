@@ -9,6 +9,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -185,22 +186,25 @@ def test_a_forgotten_executor_still_reaps_its_worker():
 
 _ORPHAN_SCRIPT = """
 import functools, sys, time
+sys.path.insert(0, {helpers!r})
+from executor_helpers import SlowFakeRunner
+from pagedllm.core.outputs import CachedRequestData, SchedulerOutput
 from pagedllm.executor.multiproc import MultiprocExecutor
-from pagedllm.runner.fake import FakeRunner
 if __name__ == "__main__":
-    executor = MultiprocExecutor(functools.partial(FakeRunner, vocab_size=10))
+    executor = MultiprocExecutor(functools.partial(SlowFakeRunner, 1.0, vocab_size=10))
     print(executor.worker_pids[0], flush=True)
-    time.sleep(60)
+    executor.execute_model(SchedulerOutput([], CachedRequestData(), {{}}, 0))  # killed in here
 """
 
 
 def test_worker_exits_when_the_engine_process_is_killed(tmp_path):
-    """kill -9 of the engine's process skips every cleanup: the worker must notice by itself."""
+    """kill -9 of the engine's process (while its worker is in a step) skips every cleanup: the
+    worker must notice by itself, and not block on sending a reply nobody will read."""
     import subprocess
     import sys
 
     script = tmp_path / "engine.py"
-    script.write_text(_ORPHAN_SCRIPT)
+    script.write_text(_ORPHAN_SCRIPT.format(helpers=str(Path(__file__).parent)))
     engine = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     try:
         worker = psutil.Process(int(engine.stdout.readline()))
