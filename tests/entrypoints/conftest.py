@@ -121,13 +121,18 @@ def fake_server(demo_tokenizer) -> Iterator[Callable[..., ServerThread]]:
 
 
 def scrape(url: str) -> dict[str, float]:
-    """GET /metrics as {sample name (labels dropped unless 'le'): value}."""
+    """GET /metrics as {sample name: value}, summed over labels; a sample with an 'le' or a
+    'finished_reason' label is also keyed ``name{label=value}``."""
     text = HTTP.get(f"{url}/metrics", timeout=10).text
     values: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            key = s.name + (f"{{le={s.labels['le']}}}" if "le" in s.labels else "")
-            values[key] = s.value
+            for label in ("le", "finished_reason"):
+                if label in s.labels:
+                    key = f"{s.name}{{{label}={s.labels[label]}}}"
+                    values[key] = values.get(key, 0.0) + s.value
+            if "le" not in s.labels:
+                values[s.name] = values.get(s.name, 0.0) + s.value
     return values
 
 

@@ -22,7 +22,7 @@ def _wait_idle(metrics, url: str, timeout: float = 20.0) -> dict[str, float]:
     deadline = time.monotonic() + timeout
     while True:
         m = metrics(url)
-        if m["pagedllm:num_requests_running"] == 0 and m["pagedllm:num_requests_waiting"] == 0:
+        if m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0:
             return m
         assert time.monotonic() < deadline, m
         time.sleep(0.05)
@@ -55,17 +55,17 @@ def test_64_concurrent_streaming_clients(server, reference_llm, metrics):
         assert text == expected[i % 8], (i, text)
         assert chunks > 1  # streamed, not sent whole
     after = _wait_idle(metrics, server.url)
-    done = after["pagedllm:request_success_total"] - before["pagedllm:request_success_total"]
+    done = after["vllm:request_success_total"] - before["vllm:request_success_total"]
     assert done == 64
     for name in ("e2e_request_latency_seconds", "time_to_first_token_seconds",
                  "request_queue_time_seconds"):
-        key = f"pagedllm:{name}_count"
+        key = f"vllm:{name}_count"
         assert after[key] - before[key] == 64, name
-    assert (after["pagedllm:inter_token_latency_seconds_count"]
-            - before["pagedllm:inter_token_latency_seconds_count"]) > 64
-    assert (after["pagedllm:generation_tokens_total"] - before["pagedllm:generation_tokens_total"]
+    assert (after["vllm:inter_token_latency_seconds_count"]
+            - before["vllm:inter_token_latency_seconds_count"]) > 64
+    assert (after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"]
             == 8 * sum(len(o.outputs[0].token_ids) for o in offline))
-    assert after["pagedllm:kv_cache_usage_perc"] == 0
+    assert after["vllm:kv_cache_usage_perc"] == 0
 
 
 def test_client_leaving_a_stream_aborts_its_request(server, metrics):
@@ -98,9 +98,9 @@ def test_client_leaving_a_stream_aborts_its_request(server, metrics):
     seen, *texts = asyncio.run(run())
     assert seen == 3 and all(t.endswith("data: [DONE]") for t in texts)
     after = _wait_idle(metrics, server.url)
-    assert after["pagedllm:request_aborted_total"] - before["pagedllm:request_aborted_total"] == 1
-    assert after["pagedllm:kv_cache_usage_perc"] == 0
-    generated = after["pagedllm:generation_tokens_total"] - before["pagedllm:generation_tokens_total"]
+    assert after["vllm:request_success_total{finished_reason=abort}"] - before["vllm:request_success_total{finished_reason=abort}"] == 1
+    assert after["vllm:kv_cache_usage_perc"] == 0
+    generated = after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"]
     assert generated < 4 * 60 + 200  # the leaver's 400 tokens were never all generated
 
 
@@ -111,6 +111,6 @@ def test_client_leaving_a_whole_request_aborts_it(server, metrics):
                    json={"model": "demo", "prompt": "Once upon a time", "max_tokens": 500,
                          "ignore_eos": True, "temperature": 0})
     after = _wait_idle(metrics, server.url, timeout=5)
-    assert after["pagedllm:request_aborted_total"] - before["pagedllm:request_aborted_total"] == 1
-    assert after["pagedllm:kv_cache_usage_perc"] == 0
-    assert after["pagedllm:generation_tokens_total"] - before["pagedllm:generation_tokens_total"] < 500
+    assert after["vllm:request_success_total{finished_reason=abort}"] - before["vllm:request_success_total{finished_reason=abort}"] == 1
+    assert after["vllm:kv_cache_usage_perc"] == 0
+    assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] < 500

@@ -57,12 +57,31 @@ def test_metrics_exposition(server, client, metrics):
              "num_preemptions": "counter", "time_to_first_token_seconds": "histogram",
              "inter_token_latency_seconds": "histogram", "e2e_request_latency_seconds": "histogram",
              "request_queue_time_seconds": "histogram"}
+    types.update({"request_prompt_tokens": "histogram", "request_generation_tokens": "histogram",
+                  "request_prefill_time_seconds": "histogram", "request_decode_time_seconds": "histogram",
+                  "request_inference_time_seconds": "histogram", "request_params_n": "histogram",
+                  "request_params_max_tokens": "histogram", "request_max_num_generation_tokens": "histogram",
+                  "request_time_per_output_token_seconds": "histogram", "cache_config_info": "gauge",
+                  "prompt_tokens_cached": "counter", "spec_decode_num_drafts": "counter",
+                  "spec_decode_num_draft_tokens": "counter", "spec_decode_num_accepted_tokens": "counter"})
     for name, kind in types.items():
         # prometheus_client names a counter's TYPE line with or without _total, by version.
-        assert re.search(rf"^# TYPE pagedllm:{name}(_total)? {kind}$", text, re.M), name
+        assert re.search(rf"^# TYPE vllm:{name}(_total)? {kind}$", text, re.M), name
+    # vLLM's labels on every vllm: sample, and finish reasons on request_success.
+    for line in text.splitlines():
+        if line.startswith("vllm:") and not line.startswith("vllm:cache_config_info"):
+            assert 'model_name="demo"' in line and 'engine="0"' in line, line
+    assert re.search(r'^vllm:request_success_total\{.*finished_reason="length".*\} [1-9]', text, re.M)
+    assert re.search(r'^vllm:cache_config_info\{.*block_size="16".*num_gpu_blocks="[1-9]', text, re.M)
+    # vLLM's buckets: TTFT up to 2560 s; token counts 1-2-5 up to max_model_len.
+    assert 'vllm:time_to_first_token_seconds_bucket{engine="0",le="2560.0",model_name="demo"}' in text
+    assert re.search(r'^vllm:request_prompt_tokens_bucket\{.*le="200.0"', text, re.M)
     m = metrics(server.url)
-    assert m["pagedllm:request_success_total"] >= 1 and m["pagedllm:num_gpu_blocks"] > 0
-    assert m["pagedllm:e2e_request_latency_seconds_count"] >= 1
+    assert m["vllm:request_success_total{finished_reason=length}"] >= 1
+    assert m["vllm:e2e_request_latency_seconds_count"] >= 1
+    assert m["vllm:request_params_n_count"] >= 1 and m["vllm:request_generation_tokens_sum"] >= 4
+    assert not any(name.startswith("pagedllm:") and name != "pagedllm:prompt_tokens_computed_total"
+                   for name in m), [n for n in m if n.startswith("pagedllm:")]
 
 
 def test_dead_engine_fails_requests_and_health(fake_server):
@@ -102,3 +121,34 @@ def test_default_served_model_names():
     assert default_served_model_names("/m/stories260K/hf") == ["stories260K", "/m/stories260K/hf"]
     assert default_served_model_names("/m/Qwen3-0.6B") == ["Qwen3-0.6B", "/m/Qwen3-0.6B"]
     assert default_served_model_names("tiny") == ["tiny"]
+
+
+# The series vLLM's own example dashboard (examples/online_serving/prometheus_grafana/grafana.json
+# in vllm-project/vllm) queries, every one filtered on model_name.
+VLLM_DASHBOARD_SERIES = [
+    "vllm:e2e_request_latency_seconds_bucket", "vllm:e2e_request_latency_seconds_sum",
+    "vllm:e2e_request_latency_seconds_count", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+    "vllm:time_per_output_token_seconds_bucket", "vllm:time_per_output_token_seconds_sum",
+    "vllm:time_per_output_token_seconds_count", "vllm:num_requests_running", "vllm:num_requests_waiting",
+    "vllm:time_to_first_token_seconds_bucket", "vllm:time_to_first_token_seconds_sum",
+    "vllm:time_to_first_token_seconds_count", "vllm:gpu_cache_usage_perc",
+    "vllm:request_prompt_tokens_bucket", "vllm:request_generation_tokens_bucket",
+    "vllm:request_success_total", "vllm:request_queue_time_seconds_sum",
+    "vllm:request_prefill_time_seconds_sum", "vllm:request_decode_time_seconds_sum",
+    "vllm:request_max_num_generation_tokens_sum",
+]
+
+
+def test_every_dashboard_series_is_served(server, client, metrics):
+    import json
+    from pathlib import Path
+
+    client.completions.create(model="demo", prompt=PROMPT, max_tokens=4)
+    dashboard = json.loads((Path(__file__).parents[2] / "examples" / "grafana_dashboard.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    ours = {name for e in exprs for name in re.findall(r"vllm:[a-z0-9_]+", e)}
+    assert all('model_name="$model_name"' in e for e in exprs)
+    served = metrics(server.url)
+    names = set(served) | {key.split("{")[0] for key in served}
+    missing = sorted(n for n in ours | set(VLLM_DASHBOARD_SERIES) if n not in names)
+    assert not missing, missing

@@ -1,71 +1,165 @@
-"""GET /metrics: Prometheus text from the server's own CollectorRegistry.
+"""GET /metrics: Prometheus text under vLLM's names, so vLLM's dashboards and alerts work as they are.
 
-The engine's counters and gauges (LLMEngine.get_metrics(), named ``pagedllm:*``) are read at scrape
-time, on the engine thread; the latency histograms are fed by AsyncLLM as requests finish.
+Every series carries vLLM's labels ``model_name`` (the first served name) and ``engine`` ("0": one
+engine core); counters get Prometheus' ``_total`` suffix, as vLLM's do; buckets are vLLM's.
+Three sources feed it:
+
+* the engine's counters and gauges (``LLMEngine.get_metrics()``, a dict keyed ``pagedllm:*``),
+  read on the engine thread at scrape time and renamed here (:data:`_ENGINE_SERIES`);
+* AsyncLLM's per-request latencies (``RequestStats``: TTFT, inter-token gaps, e2e, queue time);
+* what the server sees of each finished request (:meth:`ServerMetrics.observe`): its finish
+  reason, token counts, ``n`` and ``max_tokens``, and its prefill / decode / inference times.
+
+A pagedllm counter with no vLLM counterpart keeps its ``pagedllm:`` name (prompt tokens
+actually computed, recompute included); any engine key not listed is exported as a gauge under
+its own name, so a new engine metric shows up without a change here.
 """
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from pagedllm.engine.async_engine import AsyncLLM, RequestStats
+from pagedllm.outputs import RequestOutput
 
-# Monotonic engine metrics (exported with Prometheus' ``_total`` suffix); the rest are gauges.
-_COUNTERS = {
-    "pagedllm:num_preemptions": "Requests preempted (recomputed later) since start.",
-    "pagedllm:prefix_cache_queries": "Prompt tokens looked up in the prefix cache.",
-    "pagedllm:prefix_cache_hits": "Prompt tokens found in the prefix cache.",
-    "pagedllm:prompt_tokens": "Prompt tokens of the requests added.",
-    "pagedllm:prompt_tokens_computed": "Prompt tokens run through the model (recompute included).",
-    "pagedllm:generation_tokens": "Tokens generated.",
-    "pagedllm:request_success": "Requests finished (stopped or length-capped).",
-    "pagedllm:request_aborted": "Requests aborted because their client went away.",
-    "pagedllm:spec_decode_num_draft_tokens": "Draft tokens verified (speculative decoding).",
-    "pagedllm:spec_decode_num_accepted_tokens": "Draft tokens accepted (speculative decoding).",
+LABELS = ("model_name", "engine")
+# vLLM's buckets (vllm/v1/metrics/loggers.py).
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                 10.0, 20.0, 40.0, 80.0)
+_REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                            50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_N_BUCKETS = (1, 2, 5, 10, 20)
+FINISH_REASONS = ("stop", "length", "abort")
+
+# engine key -> (exported name, "counter" | "gauge", help); a key may feed several series.
+_ENGINE_SERIES: dict[str, list[tuple[str, str, str]]] = {
+    "pagedllm:num_requests_running": [("vllm:num_requests_running", "gauge",
+                                       "Number of requests in model execution batches.")],
+    "pagedllm:num_requests_waiting": [("vllm:num_requests_waiting", "gauge",
+                                       "Number of requests waiting to be processed.")],
+    "pagedllm:kv_cache_usage_perc": [
+        ("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage."),
+        # vLLM's older name, still read by its example Grafana dashboard.
+        ("vllm:gpu_cache_usage_perc", "gauge", "KV-cache usage. DEPRECATED: use vllm:kv_cache_usage_perc.")],
+    "pagedllm:num_preemptions": [("vllm:num_preemptions", "counter",
+                                  "Cumulative number of preemption from the engine.")],
+    "pagedllm:prefix_cache_queries": [("vllm:prefix_cache_queries", "counter",
+                                       "Prefix cache queries, in terms of number of queried tokens.")],
+    "pagedllm:prefix_cache_hits": [("vllm:prefix_cache_hits", "counter",
+                                    "Prefix cache hits, in terms of number of cached tokens.")],
+    "pagedllm:prompt_tokens": [("vllm:prompt_tokens", "counter", "Number of prefill tokens processed.")],
+    "pagedllm:generation_tokens": [("vllm:generation_tokens", "counter",
+                                    "Number of generation tokens processed.")],
+    "pagedllm:spec_decode_num_drafts": [("vllm:spec_decode_num_drafts", "counter", "Number of spec decoding drafts.")],
+    "pagedllm:spec_decode_num_draft_tokens": [("vllm:spec_decode_num_draft_tokens", "counter",
+                                               "Number of draft tokens.")],
+    "pagedllm:spec_decode_num_accepted_tokens": [("vllm:spec_decode_num_accepted_tokens", "counter",
+                                                  "Number of accepted tokens.")],
+    "pagedllm:prompt_tokens_computed": [("pagedllm:prompt_tokens_computed", "counter",
+                                         "Prompt tokens run through the model (recompute included).")],
 }
-_GAUGES = {
-    "pagedllm:num_requests_running": "Requests in the running batch.",
-    "pagedllm:num_requests_waiting": "Requests waiting to be scheduled.",
-    "pagedllm:kv_cache_usage_perc": "Share of KV cache blocks in use (0..1).",
-    "pagedllm:num_gpu_blocks": "KV cache blocks allocated.",
-}
-_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+# Read for other series (finish reasons, cache_config_info), not exported under their own name.
+_CONSUMED = {"pagedllm:request_success", "pagedllm:request_aborted", "pagedllm:num_gpu_blocks"}
+
+
+def build_1_2_5_buckets(max_value: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to max_value (vLLM's token-count buckets)."""
+    buckets: list[int] = []
+    scale = 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_value:
+                return tuple(buckets)
+            buckets.append(m * scale)
+        scale *= 10
 
 
 class _EngineCollector:
     """Yields the latest engine snapshot as metric families at every scrape."""
 
-    def __init__(self) -> None:
+    def __init__(self, model_name: str, cache_info: dict[str, str]) -> None:
+        self.labels = [model_name, "0"]
+        self.cache_info = cache_info
         self.snapshot: dict[str, float] = {}
+        self.success: dict[str, float] = dict.fromkeys(FINISH_REASONS, 0.0)
 
     def collect(self) -> Iterator[Metric]:
-        for name, value in self.snapshot.items():
-            if name in _COUNTERS:
-                yield CounterMetricFamily(name, _COUNTERS[name], value=value)
-            else:  # unknown names are gauges: a gauge may go either way, a counter may not
-                yield GaugeMetricFamily(name, _GAUGES.get(name, f"Engine metric {name}."), value=value)
+        snap = self.snapshot
+        for key, value in snap.items():
+            if key in _CONSUMED:
+                continue
+            for name, kind, doc in _ENGINE_SERIES.get(key, [(key, "gauge", f"Engine metric {key}.")]):
+                family_cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+                family = family_cls(name, doc, labels=LABELS)
+                family.add_metric(self.labels, value)
+                yield family
+        success = CounterMetricFamily("vllm:request_success", "Count of successfully processed requests.",
+                                      labels=(*LABELS, "finished_reason"))
+        counts = {**self.success, "abort": float(snap.get("pagedllm:request_aborted", 0.0))}
+        for reason in FINISH_REASONS:
+            success.add_metric([*self.labels, reason], counts[reason])
+        yield success
+        info = dict(self.cache_info, engine="0")
+        if "pagedllm:num_gpu_blocks" in snap:
+            info["num_gpu_blocks"] = str(int(snap["pagedllm:num_gpu_blocks"]))
+        family = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                                   labels=sorted(info))
+        family.add_metric([info[k] for k in sorted(info)], 1.0)
+        yield family
 
 
 class ServerMetrics:
-    def __init__(self, llm: AsyncLLM) -> None:
+    def __init__(self, llm: AsyncLLM, model_name: str, cache_info: dict[str, str] | None = None) -> None:
         self.llm = llm
         self.registry = CollectorRegistry(auto_describe=False)
-        self._engine = _EngineCollector()
+        self._engine = _EngineCollector(model_name, cache_info or {})
         self.registry.register(self._engine)
+        labels = [model_name, "0"]
+        token_buckets = build_1_2_5_buckets(max(1, llm.max_model_len))
 
-        def histogram(name: str, doc: str) -> Histogram:
-            return Histogram(name, doc, registry=self.registry, buckets=_LATENCY_BUCKETS)
+        def histogram(name: str, doc: str, buckets: tuple) -> Any:
+            return Histogram(name, doc, LABELS, registry=self.registry, buckets=buckets).labels(*labels)
 
-        self.ttft = histogram("pagedllm:time_to_first_token_seconds", "Time to the first token.")
-        self.itl = histogram("pagedllm:inter_token_latency_seconds", "Time between output tokens.")
-        self.e2e = histogram("pagedllm:e2e_request_latency_seconds", "Arrival to finish.")
-        self.queue = histogram("pagedllm:request_queue_time_seconds", "Arrival to first scheduled.")
-        llm.stat_loggers.append(self.observe)
+        self.ttft = histogram("vllm:time_to_first_token_seconds",
+                              "Histogram of time to first token in seconds.", _TTFT_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds",
+                             "Histogram of inter-token latency in seconds.", _TPOT_BUCKETS)
+        self.tpot_old = histogram("vllm:time_per_output_token_seconds",
+                                  "Histogram of time per output token in seconds. DEPRECATED: use "
+                                  "vllm:inter_token_latency_seconds.", _TPOT_BUCKETS)
+        self.request_tpot = histogram("vllm:request_time_per_output_token_seconds",
+                                      "Histogram of time_per_output_token_seconds per request.", _TPOT_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds",
+                             "Histogram of e2e request latency in seconds.", _REQUEST_LATENCY_BUCKETS)
+        self.queue = histogram("vllm:request_queue_time_seconds",
+                               "Histogram of time spent in WAITING phase for request.", _REQUEST_LATENCY_BUCKETS)
+        self.inference = histogram("vllm:request_inference_time_seconds",
+                                   "Histogram of time spent in RUNNING phase for request.", _REQUEST_LATENCY_BUCKETS)
+        self.prefill = histogram("vllm:request_prefill_time_seconds",
+                                 "Histogram of time spent in PREFILL phase for request.", _REQUEST_LATENCY_BUCKETS)
+        self.decode = histogram("vllm:request_decode_time_seconds",
+                                "Histogram of time spent in DECODE phase for request.", _REQUEST_LATENCY_BUCKETS)
+        self.prompt_tokens = histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.",
+                                       token_buckets)
+        self.generation_tokens = histogram("vllm:request_generation_tokens",
+                                           "Number of generation tokens processed.", token_buckets)
+        self.max_num_generation_tokens = histogram(
+            "vllm:request_max_num_generation_tokens",
+            "Histogram of maximum number of requested generation tokens.", token_buckets)
+        self.params_n = histogram("vllm:request_params_n", "Histogram of the n request parameter.", _N_BUCKETS)
+        self.params_max_tokens = histogram("vllm:request_params_max_tokens",
+                                           "Histogram of the max_tokens request parameter.", token_buckets)
+        self.prompt_tokens_cached = Counter("vllm:prompt_tokens_cached", "Number of cached prompt tokens.",
+                                            LABELS, registry=self.registry).labels(*labels)
+        llm.stat_loggers.append(self.observe_latency)
 
-    def observe(self, stats: RequestStats) -> None:
+    def observe_latency(self, stats: RequestStats) -> None:
+        """AsyncLLM's per-request latencies (called as each request finishes)."""
         self.e2e.observe(stats.e2e)
         if stats.ttft is not None:
             self.ttft.observe(stats.ttft)
@@ -73,6 +167,32 @@ class ServerMetrics:
             self.queue.observe(stats.queue)
         for t in stats.inter_token:
             self.itl.observe(t)
+            self.tpot_old.observe(t)
+
+    def observe(self, out: RequestOutput, num_generated: list[int], n: int, max_tokens: int | None) -> None:
+        """One finished request as the server saw it; ``num_generated``: tokens per choice."""
+        for c in out.outputs:
+            if c.finish_reason in self._engine.success:
+                self._engine.success[c.finish_reason] += 1
+        self.params_n.observe(n)
+        if max_tokens is not None:
+            self.params_max_tokens.observe(max_tokens)
+        self.prompt_tokens.observe(len(out.prompt_token_ids))
+        self.prompt_tokens_cached.inc(out.num_cached_tokens)
+        for count in num_generated:
+            self.generation_tokens.observe(count)
+        self.max_num_generation_tokens.observe(max(num_generated, default=0))
+        m = out.metrics
+        if m is None or m.first_scheduled_time is None or m.first_token_time is None:
+            return
+        last = m.last_token_time or m.first_token_time
+        decode = max(0.0, last - m.first_token_time)
+        self.prefill.observe(max(0.0, m.first_token_time - m.first_scheduled_time))
+        self.decode.observe(decode)
+        self.inference.observe(max(0.0, last - m.first_scheduled_time))
+        most = max(num_generated, default=0)
+        if most > 1:
+            self.request_tpot.observe(decode / (most - 1))
 
     async def render(self) -> bytes:
         try:

@@ -9,6 +9,7 @@ POST /reset_prefix_cache. Which need the API key: see auth.py; limits: http_limi
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import signal
 import threading
@@ -100,9 +101,9 @@ def build_app(engine: AsyncLLM | LLMEngine, served_model_names: list[str] | None
                            allow_credentials=options.allow_credentials,
                            allow_methods=list(options.allowed_methods),
                            allow_headers=list(options.allowed_headers))
-    completions = OpenAIServingCompletion(llm, names, options)
-    chat = OpenAIServingChat(llm, names, chat_template, options)
-    metrics = ServerMetrics(llm)
+    metrics = ServerMetrics(llm, names[0], _cache_config_info(llm))
+    completions = OpenAIServingCompletion(llm, names, options, metrics)
+    chat = OpenAIServingChat(llm, names, chat_template, options, metrics)
 
     v1 = APIRouter(prefix="/v1")
 
@@ -174,6 +175,14 @@ def build_app(engine: AsyncLLM | LLMEngine, served_model_names: list[str] | None
         return DetokenizeResponse(prompt=_tokenizer(llm).decode(request.tokens))
 
     return app
+
+
+def _cache_config_info(llm: AsyncLLM) -> dict[str, str]:
+    """The labels of vllm:cache_config_info: the cache config's fields, as strings."""
+    cache = getattr(getattr(llm.engine, "config", None), "cache_config", None)
+    if cache is None or not dataclasses.is_dataclass(cache):
+        return {}
+    return {f.name: str(getattr(cache, f.name)) for f in dataclasses.fields(cache)}
 
 
 def _tokenizer(llm: AsyncLLM) -> Any:

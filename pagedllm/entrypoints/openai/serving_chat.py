@@ -19,6 +19,7 @@ from pagedllm.entrypoints.openai.protocol_chat import (ChatCompletionChoice, Cha
 from pagedllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing, collect_final,
                                                         decoded, merge_streams, sse, sse_error,
                                                         top_by_rank, with_cancellation)
+from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.server_options import ServerOptions
 from pagedllm.errors import ValidationError
 from pagedllm.outputs import Logprob
@@ -28,8 +29,8 @@ _MIN_LOGPROB = -9999.0  # JSON has no -inf
 
 class OpenAIServingChat(OpenAIServing):
     def __init__(self, llm: AsyncLLM, served_model_names: list[str], chat_template: str | None,
-                 options: ServerOptions | None = None) -> None:
-        super().__init__(llm, served_model_names, options)
+                 options: ServerOptions | None = None, metrics: ServerMetrics | None = None) -> None:
+        super().__init__(llm, served_model_names, options, metrics)
         self.chat_template = chat_template
 
     async def render_prompt(self, messages: list[dict[str, Any]], chat_template: str | None,

@@ -16,7 +16,9 @@ from pagedllm.entrypoints.openai.auth import KEY_SALT_STATE, combine_salt
 from pagedllm.entrypoints.openai.server_options import ServerOptions
 from pagedllm.errors import ValidationError
 from pagedllm.outputs import Logprob, RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm import BeamSearchParams
+from pagedllm.entrypoints.openai.metrics import ServerMetrics
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 T = TypeVar("T")
 logger = logging.getLogger("pagedllm.entrypoints.openai")
@@ -40,8 +42,9 @@ def engine_max_num_seqs(llm: AsyncLLM) -> int:
 
 class OpenAIServing:
     def __init__(self, llm: AsyncLLM, served_model_names: list[str],
-                 options: ServerOptions | None = None) -> None:
+                 options: ServerOptions | None = None, metrics: ServerMetrics | None = None) -> None:
         self.llm = llm
+        self.metrics = metrics
         self.served_model_names = served_model_names
         self.model_name = served_model_names[0]
         self.options = options or ServerOptions()
@@ -69,15 +72,16 @@ class OpenAIServing:
                                 f"{', '.join(repr(n) for n in self.served_model_names)}", "model")
 
     async def add_requests(self, request_id: str, prompts: list[Any], params: SamplingParams,
-                           priority: int, cache_salt: str | None) -> list[RequestStream]:
+                           priority: int, cache_salt: str | None) -> list[Stream]:
         """Queue one engine request per prompt; if one is rejected, withdraw those queued."""
         if self.options.enable_log_requests:
             logger.info("Received request %s: %d prompt(s), params=%r", request_id, len(prompts), params)
-        streams: list[RequestStream] = []
+        streams: list[Stream] = []
         try:
             for i, prompt in enumerate(prompts):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-                streams.append(await self.llm.add_request(rid, prompt, params, priority, cache_salt))
+                stream = await self.llm.add_request(rid, prompt, params, priority, cache_salt)
+                streams.append(stream if self.metrics is None else ObservedStream(stream, params, self.metrics))
         except BaseException:
             for s in streams:
                 s.close()
@@ -90,7 +94,42 @@ class OpenAIServing:
         return await self.llm.run(fn, *args, **kwargs)
 
 
-async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+class ObservedStream:
+    """A request stream that reports the finished request to the server's metrics (token
+    counts per choice are summed from the deltas of a streamed request)."""
+
+    def __init__(self, stream: RequestStream, params: SamplingParams | BeamSearchParams,
+                 metrics: ServerMetrics) -> None:
+        self._stream = stream
+        self._metrics = metrics
+        self._delta = isinstance(params, SamplingParams) and params.output_kind == RequestOutputKind.DELTA
+        self._n = params.n if isinstance(params, SamplingParams) else params.beam_width
+        self._max_tokens = params.max_tokens
+        self._num_generated: dict[int, int] = {}
+
+    def __aiter__(self) -> "ObservedStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        out = await self._stream.__anext__()
+        for c in out.outputs:
+            seen = self._num_generated.get(c.index, 0) if self._delta else 0
+            self._num_generated[c.index] = seen + len(c.token_ids)
+        if out.finished:
+            try:
+                self._metrics.observe(out, list(self._num_generated.values()), self._n, self._max_tokens)
+            except Exception:  # noqa: BLE001 - metrics never break a request
+                logger.exception("metrics observation failed")
+        return out
+
+    def close(self) -> None:
+        self._stream.close()
+
+
+Stream = RequestStream | ObservedStream
+
+
+async def merge_streams(streams: list[Stream]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Interleave several request streams as (stream index, output); closing the merge (or an
     error in one stream) closes every stream, which aborts the unfinished ones."""
     if len(streams) == 1:  # the common case, without tasks
@@ -122,7 +161,7 @@ async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int
             s.close()
 
 
-async def collect_final(streams: list[RequestStream]) -> list[RequestOutput]:
+async def collect_final(streams: list[Stream]) -> list[RequestOutput]:
     """The finished output of each stream (FINAL_ONLY requests yield just that one)."""
     finals: list[RequestOutput | None] = [None] * len(streams)
     async for i, out in merge_streams(streams):
