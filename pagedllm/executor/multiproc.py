@@ -185,7 +185,8 @@ class MultiprocExecutor(Executor):
                 continue
             last_words = self._last_error(rank)
             if last_words is not None:  # it said why before it went (a failed startup does)
-                self._failure = f"worker rank {rank} failed: {last_words['type']}: {last_words['message']}"
+                self._failure = (f"worker rank {rank} failed: {last_words['type']}: "
+                                 f"{last_words['message']}")
                 raise remote_error(last_words, f"worker rank {rank} failed")
             code = proc.exitcode
             how = (f"killed by signal {signal.Signals(-code).name}" if code is not None and code < 0

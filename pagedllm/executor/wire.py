@@ -2,21 +2,25 @@
 
 The contracts (``SchedulerOutput``, ``RunnerOutput``, ``SamplingParams``...) are plain
 dataclasses of ints, strings, lists, dicts and sets. msgpack packs the native values in C; the
-few types it does not know (dataclasses, sets, frozensets, tuples, IntEnums) reach ``_default``
-and travel as msgpack extension types:
+few types it does not know (dataclasses, sets, frozensets, tuples, IntEnums) reach ``_default``,
+which turns each into a *tagged array*: a one-item msgpack extension naming the type, then the
+values, which msgpack goes on packing natively:
 
-* a dataclass: its class name and a map of field name -> value, rebuilt only if the class is in
-  the codec's registry (the wire never builds an arbitrary type, unlike pickle);
-* set / frozenset / tuple: their items, so they come back as the same container;
-* an IntEnum of the registry: its class name and value.
+    dataclass          [tag "NewRequestData", req_id, prompt_token_ids, ...]   (fields in order)
+    set/frozenset/tuple [tag "set", item, item, ...]
+    IntEnum            [tag "RequestOutputKind", value]
 
-The codec is generic over dataclasses rather than written per class, so a contract can gain or
-lose fields without touching this file: both ends run the same code.
+Decoding, the tag comes back as a ``_Tag`` and ``list_hook`` rebuilds the object from its array
+(inner arrays first, so nesting needs nothing special). Only the registry's types are ever built:
+unlike pickle, the wire cannot be made to construct an arbitrary class. The codec is generic
+over dataclasses, not written per class, so a contract can gain or lose fields without touching
+this file (both ends run the same code, so the field order is the same on both).
 """
 from __future__ import annotations
 
 import dataclasses
 import enum
+import operator
 from typing import Any, Callable, Iterable
 
 import msgpack
@@ -24,11 +28,8 @@ import msgpack
 from pagedllm.core import outputs
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
-_EXT_DATACLASS = 1
-_EXT_SET = 2
-_EXT_FROZENSET = 3
-_EXT_TUPLE = 4
-_EXT_ENUM = 5
+_EXT_TAG = 1
+_CONTAINERS: dict[type, Callable[[list], Any]] = {set: set, frozenset: frozenset, tuple: tuple}
 
 
 def contract_types() -> list[type]:
@@ -40,6 +41,36 @@ def contract_types() -> list[type]:
     return [*found, SamplingParams, RequestOutputKind]
 
 
+class _Tag:
+    """A decoded type tag: knows how to build its type from the values that follow it."""
+    __slots__ = ("build",)
+
+    def __init__(self, build: Callable[[list], Any]) -> None:
+        self.build = build
+
+
+def _dataclass_builder(cls: type, names: tuple[str, ...]) -> Callable[[list], Any]:
+    positional = all(f.init and not f.kw_only for f in dataclasses.fields(cls))
+    if positional and not hasattr(cls, "__post_init__"):
+        return lambda values: cls(*values)  # the generated __init__: assignments only
+    # Otherwise around __init__: the values were validated when first built (SamplingParams'
+    # __post_init__ again would cost every step); frozen classes take these writes too.
+    new = object.__new__
+    if "__slots__" not in cls.__dict__:
+        def build(values: list) -> Any:
+            obj = new(cls)
+            obj.__dict__.update(zip(names, values))
+            return obj
+        return build
+
+    def build_slotted(values: list) -> Any:
+        obj = new(cls)
+        for name, value in zip(names, values):
+            object.__setattr__(obj, name, value)
+        return obj
+    return build_slotted
+
+
 class Codec:
     """``encode(obj) -> bytes`` and ``decode(bytes) -> obj`` for the registered types.
 
@@ -47,73 +78,61 @@ class Codec:
     """
 
     def __init__(self, types: Iterable[type] | None = None) -> None:
-        self._types: dict[str, type] = {}
-        self._field_names: dict[type, tuple[str, ...]] = {}
+        self._field_getters: dict[type, Callable[[Any], tuple]] = {}
+        self._headers: dict[type, msgpack.ExtType] = {}
+        self._tags: dict[bytes, _Tag] = {}
+        for cls, build in _CONTAINERS.items():
+            self._register(cls, cls.__name__, build)
         for cls in contract_types() if types is None else types:
-            assert cls.__qualname__ not in self._types, f"two wire types named {cls.__qualname__}"
-            self._types[cls.__qualname__] = cls
             if dataclasses.is_dataclass(cls):
-                self._field_names[cls] = tuple(f.name for f in dataclasses.fields(cls))
+                names = tuple(f.name for f in dataclasses.fields(cls))
+                # attrgetter reads every field in C; a lone field comes back bare, not in a tuple.
+                getter = operator.attrgetter(*names) if names else (lambda obj: ())
+                self._field_getters[cls] = ((lambda obj, get=getter: (get(obj),))
+                                            if len(names) == 1 else getter)
+                self._register(cls, cls.__qualname__, _dataclass_builder(cls, names))
             else:
                 assert issubclass(cls, enum.IntEnum), f"{cls} is neither a dataclass nor an IntEnum"
-        # strict_types: subclasses of native types (IntEnum is an int) and tuples reach
+                members = {int(m): m for m in cls}  # faster than calling the enum class
+                self._register(cls, cls.__qualname__, lambda values, members=members: members[values[0]])
+        # strict_types: subclasses of native types (an IntEnum is an int) and tuples reach
         # _default instead of being flattened, so they come back as what they were.
         self._packer = msgpack.Packer(default=self._default, strict_types=True)
+
+    def _register(self, cls: type, name: str, build: Callable[[list], Any]) -> None:
+        key = name.encode()
+        assert key not in self._tags, f"two wire types named {name}"
+        self._headers[cls] = msgpack.ExtType(_EXT_TAG, key)
+        self._tags[key] = _Tag(build)
 
     def encode(self, obj: Any) -> bytes:
         return self._packer.pack(obj)
 
     def decode(self, data: bytes) -> Any:
-        return msgpack.unpackb(data, ext_hook=self._ext_hook, strict_map_key=False)
+        return msgpack.unpackb(data, ext_hook=self._ext_hook, list_hook=self._list_hook,
+                               strict_map_key=False)
 
-    # -- encoding ---------------------------------------------------------------------------
-    def _pack_nested(self, payload: Any) -> bytes:
-        # The outer packer is busy (we are inside its call): a small one for the payload.
-        return msgpack.Packer(default=self._default, strict_types=True, buf_size=256).pack(payload)
-
-    def _default(self, obj: Any) -> msgpack.ExtType:
+    def _default(self, obj: Any) -> list:
         cls = type(obj)
-        names = self._field_names.get(cls)
-        if names is not None:
-            values = {name: getattr(obj, name) for name in names}
-            return msgpack.ExtType(_EXT_DATACLASS, self._pack_nested([cls.__qualname__, values]))
-        if cls is set:
-            return msgpack.ExtType(_EXT_SET, self._pack_nested(list(obj)))
-        if cls is frozenset:
-            return msgpack.ExtType(_EXT_FROZENSET, self._pack_nested(list(obj)))
-        if cls is tuple:
-            return msgpack.ExtType(_EXT_TUPLE, self._pack_nested(list(obj)))
-        if isinstance(obj, enum.IntEnum) and self._types.get(cls.__qualname__) is cls:
-            return msgpack.ExtType(_EXT_ENUM, self._pack_nested([cls.__qualname__, int(obj)]))
-        raise TypeError(f"the executor wire cannot encode {cls.__module__}.{cls.__qualname__}: "
-                        f"contracts carry plain data; register the type in pagedllm.executor.wire")
+        header = self._headers.get(cls)
+        if header is None:
+            raise TypeError(f"the executor wire cannot encode {cls.__module__}.{cls.__qualname__}: "
+                            f"contracts carry plain data; register the type in pagedllm.executor.wire")
+        get_fields = self._field_getters.get(cls)
+        if get_fields is not None:
+            return [header, *get_fields(obj)]
+        if cls in _CONTAINERS:
+            return [header, *obj]
+        return [header, int(obj)]  # an IntEnum
 
-    # -- decoding ---------------------------------------------------------------------------
-    def _ext_hook(self, code: int, data: bytes) -> Any:
-        payload = self.decode(data)
-        if code == _EXT_DATACLASS:
-            name, values = payload
-            cls = self._lookup(name)
-            # Rebuild without __init__: the values were validated when first built (running
-            # SamplingParams.__post_init__ again would cost every step), and frozen or slotted
-            # dataclasses take object.__setattr__ alike.
-            obj = cls.__new__(cls)
-            for key, value in values.items():
-                object.__setattr__(obj, key, value)
-            return obj
-        if code == _EXT_SET:
-            return set(payload)
-        if code == _EXT_FROZENSET:
-            return frozenset(payload)
-        if code == _EXT_TUPLE:
-            return tuple(payload)
-        if code == _EXT_ENUM:
-            name, value = payload
-            return self._lookup(name)(value)
-        raise ValueError(f"unknown msgpack extension code {code} on the executor wire")
+    def _ext_hook(self, code: int, data: bytes) -> _Tag:
+        tag = self._tags.get(data) if code == _EXT_TAG else None
+        if tag is None:
+            raise ValueError(f"the executor wire received an unregistered type {data!r} (code {code})")
+        return tag
 
-    def _lookup(self, name: str) -> Callable[..., Any]:
-        cls = self._types.get(name)
-        if cls is None:
-            raise ValueError(f"the executor wire received an unregistered type {name!r}")
-        return cls
+    @staticmethod
+    def _list_hook(items: list) -> Any:
+        if items and type(items[0]) is _Tag:
+            return items[0].build(items[1:])
+        return items
