@@ -17,6 +17,10 @@ _REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL_DIR = _REPO_ROOT.parent / "shared" / "models" / "stories260K" / "hf"
 
 
+# The values of ModelConfig.attention_backend (the backends live in pagedllm/layers/attention/).
+ATTENTION_BACKENDS = ("auto", "torch", "cpu_paged")
+
+
 def default_model() -> str:
     return os.environ.get("PAGEDLLM_MODEL", str(DEFAULT_MODEL_DIR))
 
@@ -35,6 +39,9 @@ class ModelConfig:
                                      "model's max_position_embeddings.", default=None)
     seed: int = _doc("Seed of the engine's random generator (unseeded requests).", default=0)
     device: str = _doc("cpu, cuda, or auto (cuda when available).", default="auto")
+    attention_backend: str = _doc(
+        "auto (cpu_paged on CPU, torch elsewhere), torch (gather + SDPA, the reference) or "
+        "cpu_paged (a C++ kernel reading the paged cache in place; CPU only).", default="auto")
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16", "half", "float", "fp32", "bf16", "fp16"):
@@ -44,6 +51,9 @@ class ModelConfig:
             raise ValidationError(f"max_model_len must be >= 1, got {self.max_model_len}", "max_model_len")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValidationError(f"device must be auto, cpu or cuda, got {self.device!r}", "device")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValidationError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}; "
+                                  f"got {self.attention_backend!r}", "attention_backend")
 
 
 @dataclass(frozen=True)

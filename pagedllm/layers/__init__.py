@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from pagedllm.layers.activation import GatedActivation
-from pagedllm.layers.attention import Attention, write_kv
+from pagedllm.layers.attention import (ATTENTION_BACKENDS, Attention, AttentionBackend,
+                                       get_attn_backend, write_kv)
 from pagedllm.layers.attention_metadata import (AttentionMetadata, DecodeBatch, PrefillChunk,
                                                 build_attention_metadata)
 from pagedllm.layers.embed_head import LMHead, VocabEmbedding
@@ -13,8 +14,8 @@ from pagedllm.layers.linear import Linear, MergedLinear, prepack_linear_weights
 from pagedllm.layers.rotary import RopeConfig, RotaryEmbedding, apply_rotary
 
 __all__ = [
-    "Attention", "AttentionMetadata", "DecodeBatch", "GatedActivation", "LMHead", "Linear",
+    "ATTENTION_BACKENDS", "Attention", "AttentionBackend", "AttentionMetadata", "DecodeBatch", "GatedActivation", "LMHead", "Linear",
     "MergedLinear", "PrefillChunk", "RMSNorm", "RopeConfig", "RotaryEmbedding", "VocabEmbedding",
     "apply_rotary", "attention_layers", "bind_kv_caches", "build_attention_metadata",
-    "copy_blocks", "get_attn_metadata", "kv_cache_shape", "prepack_linear_weights", "set_forward_context", "write_kv",
+    "copy_blocks", "get_attn_backend", "get_attn_metadata", "kv_cache_shape", "prepack_linear_weights", "set_forward_context", "write_kv",
 ]

@@ -2,7 +2,8 @@
 
 The flat batch concatenates the new tokens of B requests: request i contributes
 ``query_lens[i]`` tokens at positions ``num_computed_tokens[i] ..  seq_lens[i] - 1``.
-Everything derived here (slots, gather tables, masks) is shared by all layers of the step.
+Everything derived here (slots, gather tables, masks) is shared by all layers of the step,
+and so is the backend that attends (see attention/backend.py): it says what it needs built.
 """
 from __future__ import annotations
 
@@ -11,22 +12,20 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedllm.layers.decode_kv import DecodeKVPlan
+from pagedllm.layers.attention.backend import AttentionBackend, get_attn_backend
 
 ToDevice = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass(slots=True)
 class DecodeBatch:
-    """All requests with exactly one new token, attended with a single batched SDPA call: over
-    the contiguous decode store when ``contiguous`` is set, else over blocks gathered from the
-    paged cache (``block_tables`` and ``mask`` are only built for that path)."""
+    """All requests with exactly one new token, attended by the torch backend with a single
+    batched SDPA call over blocks gathered from the paged cache."""
 
     token_indices: torch.Tensor  # [Bd] long: rows of the flat batch
     rows: slice | torch.Tensor   # token_indices as a slice when they are consecutive (no copies)
-    block_tables: torch.Tensor | None  # [Bd, nb] long: enough blocks for the longest of them
-    mask: torch.Tensor | None    # [Bd, 1, 1, nb * block_size] bool: True = position < seq_len
-    contiguous: DecodeKVPlan | None = None
+    block_tables: torch.Tensor   # [Bd, nb] long: enough blocks for the longest of them
+    mask: torch.Tensor           # [Bd, 1, 1, nb * block_size] bool: True = position < seq_len
 
 
 @dataclass(slots=True)
@@ -51,6 +50,8 @@ class AttentionMetadata:
     positions: torch.Tensor           # [T] long: position of each new token (what the model's rope needs)
     query_start_loc_tensor: torch.Tensor  # [B + 1] long, on the device
     seq_lens_tensor: torch.Tensor     # [B] long, on the device
+    backend: AttentionBackend         # attends in every layer of the step
+    # The torch backend's gather plan (None / empty for backends that read the cache in place).
     decode: DecodeBatch | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
 
@@ -62,11 +63,9 @@ class AttentionMetadata:
 def build_attention_metadata(query_lens: list[int], num_computed_tokens: list[int],
                              block_tables: list[list[int]], block_size: int,
                              device: torch.device | str = "cpu",
-                             decode_kv: DecodeKVPlan | None = None) -> AttentionMetadata:
-    """Per-step metadata for requests ``i`` advancing by ``query_lens[i]`` tokens.
-
-    ``decode_kv``: the decode store's plan for the requests with one new token (in batch order),
-    or None to attend to them through the paged cache.
+                             backend: AttentionBackend | None = None) -> AttentionMetadata:
+    """Per-step metadata for requests ``i`` advancing by ``query_lens[i]`` tokens, for
+    ``backend`` (default: the device's, see ``get_attn_backend``).
 
     Built in plain Python (runs per block, not per token) and turned into one tensor per field:
     a decode step has a single token per request, and a dozen small torch ops would cost more.
@@ -104,21 +103,23 @@ def build_attention_metadata(query_lens: list[int], num_computed_tokens: list[in
     def to_dev(t: torch.Tensor) -> torch.Tensor:
         return t.to(device, non_blocking=True)
 
-    return AttentionMetadata(
+    if backend is None:
+        backend = get_attn_backend("auto", torch.device(device).type)
+    md = AttentionMetadata(
         slot_mapping=longs(slot_mapping), query_start_loc=query_start_loc, seq_lens=seq_lens,
         num_computed_tokens=list(num_computed_tokens), block_tables=to_dev(tables),
         block_size=block_size, positions=longs(positions),
         query_start_loc_tensor=longs(query_start_loc), seq_lens_tensor=longs(seq_lens),
-        decode=_build_decode(query_lens, seq_lens, query_start_loc, tables, block_size, to_dev,
-                             decode_kv),
-        prefills=_build_prefills(query_lens, num_computed_tokens, query_start_loc, seq_lens,
-                                 tables, block_size, to_dev),
-    )
+        backend=backend)
+    if backend.needs_gather_plan:
+        md.decode = _build_decode(query_lens, seq_lens, query_start_loc, tables, block_size, to_dev)
+        md.prefills = _build_prefills(query_lens, num_computed_tokens, query_start_loc, seq_lens,
+                                      tables, block_size, to_dev)
+    return md
 
 
 def _build_decode(query_lens: list[int], seq_lens: list[int], query_start_loc: list[int],
-                  tables: torch.Tensor, block_size: int, to_dev: ToDevice,
-                  plan: DecodeKVPlan | None) -> DecodeBatch | None:
+                  tables: torch.Tensor, block_size: int, to_dev: ToDevice) -> DecodeBatch | None:
     decode_reqs = [i for i, q in enumerate(query_lens) if q == 1]
     if not decode_reqs:
         return None
@@ -126,8 +127,6 @@ def _build_decode(query_lens: list[int], seq_lens: list[int], query_start_loc: l
     first, num = token_indices[0], len(token_indices)
     token_indices_t = to_dev(torch.tensor(token_indices, dtype=torch.long))
     rows = slice(first, first + num) if token_indices[-1] - first == num - 1 else token_indices_t
-    if plan is not None:
-        return DecodeBatch(token_indices_t, rows, None, None, plan)
     dec_seq_lens = torch.tensor([seq_lens[i] for i in decode_reqs])  # [Bd]
     num_blocks = -(-int(dec_seq_lens.max()) // block_size)
     key_pos = torch.arange(num_blocks * block_size)  # [L]

@@ -6,14 +6,15 @@ import torch
 from torch import nn
 
 from pagedllm.layers import (Attention, bind_kv_caches, build_attention_metadata, copy_blocks,
-                             kv_cache_shape)
+                             get_attn_backend, kv_cache_shape)
 
 
 def test_metadata_slots_positions_and_groups():
     # Request 0: 3-token prefill chunk after 2 cached tokens; 1: a decode at position 5;
     # 2: a fresh 2-token prompt. block_size 4.
     md = build_attention_metadata(query_lens=[3, 1, 2], num_computed_tokens=[2, 5, 0],
-                                  block_tables=[[7, 3], [1, 9], [4]], block_size=4)
+                                  block_tables=[[7, 3], [1, 9], [4]], block_size=4,
+                                  backend=get_attn_backend("torch"))
     assert md.query_start_loc == [0, 3, 4, 6]
     assert md.seq_lens == [5, 6, 2]
     assert md.positions.tolist() == [2, 3, 4, 5, 0, 1]
@@ -30,6 +31,13 @@ def test_metadata_slots_positions_and_groups():
     # query at position 2 sees keys 0..2; at 4 sees 0..4
     assert first.mask.int().tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
     assert (second.token_start, second.num_computed_tokens, second.mask) == (4, 0, None)
+    assert md.query_start_loc_tensor.tolist() == [0, 3, 4, 6] and md.seq_lens_tensor.tolist() == [5, 6, 2]
+
+
+def test_metadata_for_an_in_place_backend_has_no_gather_plan():
+    backend = get_attn_backend("cpu_paged")
+    md = build_attention_metadata([3, 1], [2, 5], [[7, 3], [1, 9]], block_size=4, backend=backend)
+    assert md.backend is backend and md.decode is None and md.prefills == []
 
 
 def test_metadata_rejects_short_block_table():

@@ -1,0 +1,14 @@
+"""Paged attention: the layer models use, and the backends that compute it (one file each):
+
+- ``torch_backend.py``: gather + SDPA in plain torch, CPU and CUDA; the numerical reference.
+- ``cpu_paged.py``: the CPU default, a C++ kernel (``csrc/``, built by ``cpu_kernel.py``) that
+  reads the paged cache in place.
+
+``backend.py`` holds the interface and ``get_attn_backend`` (the choice per device).
+"""
+from __future__ import annotations
+
+from pagedllm.layers.attention.backend import ATTENTION_BACKENDS, AttentionBackend, get_attn_backend
+from pagedllm.layers.attention.layer import Attention, write_kv
+
+__all__ = ["ATTENTION_BACKENDS", "Attention", "AttentionBackend", "get_attn_backend", "write_kv"]

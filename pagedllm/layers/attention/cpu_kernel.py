@@ -1,0 +1,84 @@
+"""Builds and loads the C++ paged-attention kernel (csrc/paged_attention.cpp), once per machine.
+
+torch.utils.cpp_extension compiles it into torch's extension cache (``TORCH_EXTENSIONS_DIR``,
+default ``~/.cache/torch_extensions``) on first use, which takes ~30 s, and reloads the shared
+library in later processes. ``load_paged_attention_op()`` returns the op, or None after logging
+one warning when the build is impossible or fails: the caller then uses the torch backend.
+"""
+from __future__ import annotations
+
+import fcntl
+import functools
+import hashlib
+import logging
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+# -march=native: the dot products vectorise to the widest units this CPU has. The binary is then
+# only valid here, so the extension's name carries a hash of the CPU's flags (a cache directory
+# shared between different machines gets one build per kind of CPU).
+_CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=fast"]
+
+
+def _cpu_tag() -> str:
+    try:
+        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return hashlib.sha1(flags.encode()).hexdigest()[:8]
+
+
+def _ensure_ninja_on_path() -> None:
+    """cpp_extension runs ``ninja`` from PATH; the pip package (a dependency) installs it into
+    the venv's bin folder, which is not on PATH when the venv is not activated."""
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
+        except ImportError:
+            return
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
+def _build() -> Callable[..., torch.Tensor]:
+    from torch.utils import cpp_extension
+
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        raise RuntimeError(f"no C++ compiler ({compiler!r} is not on PATH)")
+    _ensure_ninja_on_path()
+    name = f"pagedllm_paged_attention_{_cpu_tag()}"
+    build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
+    # An flock, released by the OS even if the process dies: parallel pytest workers build once,
+    # one after the other. torch's own lock file is a plain file a killed build leaves behind
+    # (every later build would wait on it forever); under our lock nobody else is building, so
+    # a leftover one is stale.
+    with open(build_dir / "pagedllm.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        (build_dir / "lock").unlink(missing_ok=True)
+        cpp_extension.load(name, sources=[str(SOURCE)], extra_cflags=_CFLAGS,
+                           build_directory=str(build_dir), is_python_module=False, verbose=False)
+    return torch.ops.pagedllm.paged_attention
+
+
+@functools.cache
+def load_paged_attention_op() -> Callable[..., torch.Tensor] | None:
+    try:
+        return _build()
+    except Exception as exc:  # any build failure means "use the torch backend", never a crash
+        logger.warning("pagedllm: cannot build the cpu_paged attention kernel (%s); using the "
+                       "torch attention backend instead", _first_error_line(exc))
+        return None
+
+
+def _first_error_line(exc: Exception) -> str:
+    """A compiler's log is long; its first ``error`` line says what went wrong."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [repr(exc)]
+    return next((line for line in lines if "error" in line.lower()), lines[-1])[:300]

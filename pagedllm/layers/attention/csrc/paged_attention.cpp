@@ -1,0 +1,340 @@
+// Paged attention on CPU: reads K/V in place from the paged cache through the block tables.
+//
+// One call covers a whole flat batch: request b owns query rows [qsl[b], qsl[b+1]) and attends
+// to its first seq_lens[b] cached positions; its query row i sits at position
+// seq_lens[b] - n + i (n = its number of query rows) and sees keys at positions <= its own
+// (causal over the cached prefix and the chunk itself). The layer has already written this
+// step's K/V into the cache, so the kernel only reads.
+//
+// Work item = (request, kv head, tile of query rows): the group of query heads that share a kv
+// head is scored against each key while it sits in L1, so K/V are read from memory once per kv
+// head (GQA) and decode is bound by memory bandwidth. Items are handed out through an atomic
+// counter (dynamic scheduling: ragged lengths) on torch's own thread pool.
+// Softmax is online (flash-attention style): per key tile, one max, one rescale of the
+// accumulators, so nothing of size seq_len is materialised.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kKeyTile = 32;   // keys scored before one softmax rescale
+constexpr int64_t kMaxRows = 32;   // query rows x group heads of one work item (decode: G)
+
+// Eight floats in a register (GCC/Clang vector extensions: AVX, NEON, or two SSE halves).
+// head_dim is a multiple of 8 in every model we serve; other sizes take the scalar loops.
+constexpr int64_t kW = 8;
+typedef float vfloat __attribute__((vector_size(kW * sizeof(float))));
+typedef uint16_t vu16 __attribute__((vector_size(kW * sizeof(uint16_t))));
+typedef uint32_t vu32 __attribute__((vector_size(kW * sizeof(uint32_t))));
+
+inline vfloat load(const float* p) {
+  vfloat v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline vfloat load(const c10::BFloat16* p) {  // bf16 is the top half of a float
+  vu16 h;
+  std::memcpy(&h, p, sizeof h);
+  vu32 w = __builtin_convertvector(h, vu32) << 16;
+  vfloat v;
+  std::memcpy(&v, &w, sizeof v);
+  return v;
+}
+inline vfloat load(const c10::Half* p) {
+  vfloat v;
+  for (int64_t i = 0; i < kW; ++i) v[i] = static_cast<float>(p[i]);
+  return v;
+}
+inline void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof v); }
+
+
+inline float hsum(vfloat v) {
+  float s = 0.f;
+  for (int64_t i = 0; i < kW; ++i) s += v[i];
+  return s;
+}
+
+// Scores of GB query rows (one kv head's group, pre-scaled, row stride d) against 4 keys:
+// 4 x GB dot products sharing every load of q and k (a tiny GEMM in registers).
+// out[g * kKeyTile + j] for j < 4; k[j] points at the keys' kv head.
+template <int GB, typename T>
+inline void score4(const float* __restrict q, const T* const* k, int64_t d, float* out) {
+  vfloat a[GB][4] = {};
+  int64_t i = 0;
+  for (; i + kW <= d; i += kW) {
+    const vfloat k0 = load(k[0] + i), k1 = load(k[1] + i), k2 = load(k[2] + i), k3 = load(k[3] + i);
+    for (int g = 0; g < GB; ++g) {
+      const vfloat qv = load(q + g * d + i);
+      a[g][0] += qv * k0;
+      a[g][1] += qv * k1;
+      a[g][2] += qv * k2;
+      a[g][3] += qv * k3;
+    }
+  }
+  for (int g = 0; g < GB; ++g)
+    for (int j = 0; j < 4; ++j) {
+      float s = hsum(a[g][j]);
+      for (int64_t t = i; t < d; ++t) s += q[g * d + t] * static_cast<float>(k[j][t]);
+      out[g * kKeyTile + j] = s;
+    }
+}
+
+// acc[g] += sum_j p[g][j] * v[j] for GB rows of one kv head's group and tile keys: each value
+// vector is loaded once for the group; the accumulators stay in registers across the keys.
+template <int GB, typename T>
+inline void accumulate(float* __restrict acc, const float* __restrict p, const T* const* v,
+                       int64_t tile, int64_t d) {
+  int64_t i = 0;
+  for (; i + kW <= d; i += kW) {
+    vfloat a[GB];
+    for (int g = 0; g < GB; ++g) a[g] = load(acc + g * d + i);
+    for (int64_t j = 0; j < tile; ++j) {
+      const vfloat vv = load(v[j] + i);
+      for (int g = 0; g < GB; ++g) a[g] += p[g * kKeyTile + j] * vv;
+    }
+    for (int g = 0; g < GB; ++g) store(acc + g * d + i, a[g]);
+  }
+  for (; i < d; ++i)
+    for (int64_t j = 0; j < tile; ++j)
+      for (int g = 0; g < GB; ++g) acc[g * d + i] += p[g * kKeyTile + j] * static_cast<float>(v[j][i]);
+}
+
+// The group's rows in passes of up to 4 (register pressure), dispatched to the templates.
+template <typename T>
+void score_group(const float* q, const T* const* k, int64_t rows, int64_t d, float* out) {
+  for (int64_t g = 0; g < rows; g += 4) {
+    const float* qg = q + g * d;
+    float* o = out + g * kKeyTile;
+    switch (std::min<int64_t>(4, rows - g)) {
+      case 4: score4<4>(qg, k, d, o); break;
+      case 3: score4<3>(qg, k, d, o); break;
+      case 2: score4<2>(qg, k, d, o); break;
+      default: score4<1>(qg, k, d, o); break;
+    }
+  }
+}
+
+template <typename T>
+void accumulate_group(float* acc, const float* p, const T* const* v, int64_t tile, int64_t rows,
+                      int64_t d) {
+  for (int64_t g = 0; g < rows; g += 4) {
+    float* a = acc + g * d;
+    const float* pg = p + g * kKeyTile;
+    switch (std::min<int64_t>(4, rows - g)) {
+      case 4: accumulate<4>(a, pg, v, tile, d); break;
+      case 3: accumulate<3>(a, pg, v, tile, d); break;
+      case 2: accumulate<2>(a, pg, v, tile, d); break;
+      default: accumulate<1>(a, pg, v, tile, d); break;
+    }
+  }
+}
+
+// e^x for x <= 0, relative error ~2e-7 (glibc's expf is a call per element; this vectorises):
+// x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor series to r^6, 2^n through the exponent.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.f);  // keeps 2^n a normal float
+  const float magic = 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer in the mantissa
+  const float t = x * 1.44269504f + magic;
+  const float n = t - magic;
+  const float r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
+  const float p = 1.f + r * (1.f + r * (0.5f + r * (1.f / 6 + r * (1.f / 24 + r * (1.f / 120 + r * (1.f / 720))))));
+  int32_t bits;
+  std::memcpy(&bits, &t, sizeof bits);  // low mantissa bits of t hold n (two's complement)
+  const int32_t scale_bits = (bits - 0x4B400000 + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &scale_bits, sizeof scale);
+  return p * scale;
+}
+
+struct Item {
+  int64_t req, head0, head1, row0, row1;  // kv heads [head0, head1), query rows [row0, row1)
+};
+
+// Which work items cover a flat batch. An item takes as many kv heads as fit kMaxRows query
+// (row, head) pairs, all of them for a decode of a typical model: a slot's K (or V) of all kv
+// heads is one contiguous run, so reading whole slots streams through memory, where one head's
+// slice of every slot would be a page-crossing stride. Heads are split further only when there
+// are too few items to keep every thread busy.
+std::vector<Item> plan_items(const int64_t* qsl, int64_t num_reqs, int64_t num_kv_heads,
+                             int64_t group, int64_t num_threads) {
+  int64_t heads = std::clamp<int64_t>(kMaxRows / group, 1, num_kv_heads);
+  int64_t num_rows = 0;
+  for (int64_t b = 0; b < num_reqs; ++b) num_rows += qsl[b + 1] - qsl[b];
+  while (heads > 1 && num_rows * (-(-num_kv_heads / heads)) < 4 * num_threads) heads /= 2;
+  const int64_t rows_per_item = std::max<int64_t>(1, kMaxRows / (heads * group));
+  std::vector<Item> items;
+  for (int64_t b = 0; b < num_reqs; ++b) {
+    const int64_t n = qsl[b + 1] - qsl[b];
+    for (int64_t h = 0; h < num_kv_heads; h += heads)
+      for (int64_t r = 0; r < n; r += rows_per_item)
+        items.push_back({b, h, std::min(num_kv_heads, h + heads), r, std::min(n, r + rows_per_item)});
+  }
+  return items;
+}
+
+template <typename T>
+void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
+         const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
+         at::Tensor& out) {
+  const int64_t num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t block_size = kv_cache.size(2), num_kv_heads = kv_cache.size(3);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t num_reqs = seq_lens.size(0), max_blocks = block_tables.size(1);
+  const int64_t q_tok = query.stride(0), q_head = query.stride(1);
+  const int64_t o_tok = out.stride(0), o_head = out.stride(1);
+  // kv_cache is contiguous [2, num_blocks, block_size, Hkv, D]: slot s of kv head h starts at
+  // (s * Hkv + h) * D; values sit one half of the tensor further.
+  const int64_t value_offset = kv_cache.stride(0), slot_stride = num_kv_heads * head_dim;
+  const T* cache = kv_cache.const_data_ptr<T>();
+  const T* q_ptr = query.const_data_ptr<T>();
+  T* o_ptr = out.data_ptr<T>();
+  const int64_t* tables = block_tables.const_data_ptr<int64_t>();
+  const int64_t* qsl = query_start_loc.const_data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.const_data_ptr<int64_t>();
+
+  const int64_t num_threads = at::get_num_threads();
+  const std::vector<Item> items = plan_items(qsl, num_reqs, num_kv_heads, group, num_threads);
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  std::atomic<int64_t> next{0};
+
+  at::parallel_for(0, num_threads, 1, [&](int64_t, int64_t) {
+    const int64_t max_rows = std::max(kMaxRows, group);
+    std::vector<float> qs(max_rows * head_dim), acc(max_rows * head_dim);
+    std::vector<float> scores(max_rows * kKeyTile), row_max(max_rows), row_sum(max_rows);
+    std::vector<const T*> slot_of;  // position -> its slot's first element (kv head 0)
+    const T* ptrs[kKeyTile];
+    for (int64_t it = next++; it < num_items; it = next++) {
+      const Item item = items[it];
+      const int64_t n = qsl[item.req + 1] - qsl[item.req], seq_len = lens[item.req];
+      const int64_t first_pos = seq_len - n;  // position of the request's query row 0
+      const int64_t item_heads = item.head1 - item.head0;  // kv heads of the item
+      // Rows come in groups of `group`: one query row and the query heads of one kv head.
+      // Group gi: query row item.row0 + gi / item_heads, kv head item.head0 + gi % item_heads.
+      const int64_t num_groups = (item.row1 - item.row0) * item_heads;
+      const int64_t rows = num_groups * group;
+      const int64_t* table = tables + item.req * max_blocks;
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t gi = r / group;
+        const int64_t head = (item.head0 + gi % item_heads) * group + r % group;
+        const T* src = q_ptr + (qsl[item.req] + item.row0 + gi / item_heads) * q_tok + head * q_head;
+        for (int64_t d = 0; d < head_dim; ++d) qs[r * head_dim + d] = static_cast<float>(src[d]) * scale;
+      }
+      std::fill(acc.begin(), acc.begin() + rows * head_dim, 0.f);
+      std::fill(row_max.begin(), row_max.begin() + rows, -std::numeric_limits<float>::infinity());
+      std::fill(row_sum.begin(), row_sum.begin() + rows, 0.f);
+
+      const int64_t num_keys = first_pos + item.row1;  // the last row sees this many keys
+      // Padded by 3 copies of the last slot: a 4-key block may run past the end, and must read
+      // (and ignore) valid memory there.
+      slot_of.resize(num_keys + 3);
+      for (int64_t pos = 0; pos < num_keys; pos += block_size) {
+        const T* block = cache + table[pos / block_size] * block_size * slot_stride;
+        for (int64_t o = 0; o < block_size && pos + o < num_keys; ++o)
+          slot_of[pos + o] = block + o * slot_stride;
+      }
+      for (int64_t j = num_keys; j < num_keys + 3; ++j) slot_of[j] = slot_of[num_keys - 1];
+
+      for (int64_t k0 = 0; k0 < num_keys; k0 += kKeyTile) {
+        const int64_t tile = std::min(kKeyTile, num_keys - k0);
+        const T* const* slots = &slot_of[k0];
+        // Keys a group sees in this tile: those up to its query's position (causal mask).
+        auto visible = [&](int64_t gi) {
+          return std::clamp<int64_t>(first_pos + item.row0 + gi / item_heads + 1 - k0, 0, tile);
+        };
+        // Scores, 4 keys at a time for every group, so each slot is read front to back once:
+        // within a block that is one sequential stream, which the hardware prefetcher follows
+        // (software prefetching measured slower).
+        for (int64_t jb = 0; jb < tile; jb += 4) {
+          for (int64_t gi = 0; gi < num_groups; ++gi) {
+            if (jb >= visible(gi)) continue;
+            const int64_t off = (item.head0 + gi % item_heads) * head_dim;
+            const T* k4[4] = {slots[jb] + off, slots[jb + 1] + off, slots[jb + 2] + off, slots[jb + 3] + off};
+            score_group(&qs[gi * group * head_dim], k4, group, head_dim, &scores[gi * group * kKeyTile + jb]);
+          }
+        }
+        for (int64_t gi = 0; gi < num_groups; ++gi) {
+          const int64_t vis = visible(gi);
+          for (int64_t r = gi * group; r < (gi + 1) * group; ++r) {
+            float* sr = &scores[r * kKeyTile];
+            std::fill(sr + vis, sr + tile, 0.f);  // masked keys: weight 0, never exp(-inf)
+            if (vis == 0) continue;               // nothing visible in this tile: no update
+            float tile_max = sr[0];
+            for (int64_t j = 1; j < vis; ++j) tile_max = std::max(tile_max, sr[j]);
+            const float new_max = std::max(row_max[r], tile_max);
+            const float alpha = std::exp(row_max[r] - new_max);  // 0 on the first tile
+            float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t j = 0; j < vis; ++j) {
+              sr[j] = exp_nonpositive(sr[j] - new_max);
+              sum += sr[j];
+            }
+            row_sum[r] = row_sum[r] * alpha + sum;
+            row_max[r] = new_max;
+            if (alpha != 1.f) {
+              float* a = &acc[r * head_dim];
+              for (int64_t d = 0; d < head_dim; ++d) a[d] *= alpha;
+            }
+          }
+          if (vis == 0) continue;
+          const int64_t off = value_offset + (item.head0 + gi % item_heads) * head_dim;
+          for (int64_t j = 0; j < vis; ++j) ptrs[j] = slots[j] + off;
+          accumulate_group(&acc[gi * group * head_dim], &scores[gi * group * kKeyTile], ptrs, vis,
+                           group, head_dim);
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t gi = r / group;
+        const int64_t head = (item.head0 + gi % item_heads) * group + r % group;
+        T* dst = o_ptr + (qsl[item.req] + item.row0 + gi / item_heads) * o_tok + head * o_head;
+        const float inv = 1.f / row_sum[r];
+        for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<T>(acc[r * head_dim + d] * inv);
+      }
+    }
+  });
+}
+
+at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
+                           const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                           const at::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "query must be [T, H, D], D contiguous");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
+              "kv_cache must be a contiguous [2, blocks, block_size, Hkv, D]");
+  TORCH_CHECK(kv_cache.scalar_type() == query.scalar_type(), "query and kv_cache dtypes differ");
+  TORCH_CHECK(kv_cache.size(4) == query.size(2), "head_dim of query and kv_cache differ");
+  TORCH_CHECK(query.size(1) % kv_cache.size(3) == 0, "heads must be a multiple of kv heads");
+  for (const at::Tensor* t : {&block_tables, &query_start_loc, &seq_lens})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(),
+                "block_tables, query_start_loc and seq_lens must be contiguous int64");
+  TORCH_CHECK(query_start_loc.size(0) == seq_lens.size(0) + 1 &&
+                  block_tables.size(0) == seq_lens.size(0),
+              "query_start_loc must be [B + 1], block_tables [B, max_blocks], seq_lens [B]");
+  at::Tensor out = at::empty_like(query, at::MemoryFormat::Contiguous);
+  switch (query.scalar_type()) {
+    case at::kFloat: run<float>(query, kv_cache, block_tables, query_start_loc, seq_lens, scale, out); break;
+    case at::kBFloat16: run<c10::BFloat16>(query, kv_cache, block_tables, query_start_loc, seq_lens, scale, out); break;
+    case at::kHalf: run<c10::Half>(query, kv_cache, block_tables, query_start_loc, seq_lens, scale, out); break;
+    default: TORCH_CHECK(false, "paged_attention: unsupported dtype ", query.scalar_type());
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pagedllm, m) {
+  m.def("paged_attention(Tensor query, Tensor kv_cache, Tensor block_tables, "
+        "Tensor query_start_loc, Tensor seq_lens, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pagedllm, CPU, m) { m.impl("paged_attention", &paged_attention); }

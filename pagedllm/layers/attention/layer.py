@@ -1,0 +1,59 @@
+"""The attention layer models use: writes the step's K/V into the paged cache, then lets the
+step's backend attend.
+
+KV cache of one layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (index 0 = keys,
+1 = values). Writing first matters: requests scheduled in the same step may share blocks
+(identical prompts), and the reader must see the writer's K/V.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedllm.layers.attention.torch_backend import attend_causal
+from pagedllm.layers.forward_context import get_attn_metadata
+
+
+def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store ``key``/``value`` ``[T, kv_heads, head_dim]`` at the flat cache slots ``[T]``."""
+    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)  # slot-indexed view
+    flat[0].index_copy_(0, slot_mapping, key)
+    flat[1].index_copy_(0, slot_mapping, value)
+
+
+class Attention(nn.Module):
+    """Scaled dot-product attention over the paged KV cache of layer ``layer_idx``.
+
+    ``forward(q [T, H, D], k [T, Hkv, D], v [T, Hkv, D]) -> [T, H * D]`` where rope has already
+    been applied. ``kv_cache`` is bound by the runner (see ``bind_kv_caches``).
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 layer_idx: int) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.layer_idx = layer_idx
+        self.num_groups = num_heads // num_kv_heads
+        # A plain attribute (not a buffer): the runner owns the cache memory, and model.to() or
+        # state_dict() must not copy or save it. Empty until bound.
+        self.kv_cache: torch.Tensor = torch.empty(0, device="cpu")
+
+    def extra_repr(self) -> str:
+        return (f"layer_idx={self.layer_idx}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
+                f"head_dim={self.head_dim}")
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        num_tokens = q.shape[0]
+        md = get_attn_metadata()
+        if md is None:  # no step: one causal sequence, no cache (warm-up, profiling)
+            return attend_causal(q, k, v, self.scale).reshape(num_tokens, -1)
+        if self.kv_cache.dim() != 5:
+            raise RuntimeError(f"attention layer {self.layer_idx} has no KV cache bound; "
+                               "call bind_kv_caches(model, kv_caches) first")
+        write_kv(self.kv_cache, k, v, md.slot_mapping)
+        return md.backend.forward(self, q, k, v, md).reshape(num_tokens, -1)  # [T, H * D]

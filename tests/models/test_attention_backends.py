@@ -1,0 +1,136 @@
+"""The cpu_paged kernel against the torch reference backend: decode, prefill chunks over a
+cached prefix, fresh prompts, mixed batches; GQA and MHA; block sizes 1, 4, 16; ragged lengths;
+float32 and bfloat16. Plus the choice of backend and the fallback when the kernel cannot build."""
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+import torch
+
+from pagedllm.config import ModelConfig
+from pagedllm.errors import ValidationError
+from pagedllm.layers import (Attention, bind_kv_caches, build_attention_metadata, get_attn_backend,
+                             kv_cache_shape, set_forward_context)
+from pagedllm.layers.attention import backend as backend_module
+from pagedllm.layers.attention import cpu_kernel
+
+
+@pytest.fixture(scope="module")
+def cpu_paged():
+    backend = get_attn_backend("cpu_paged", "cpu")
+    # Not a skip: CI has a compiler, and a kernel that stopped building must fail loudly here.
+    assert backend.name == "cpu_paged", "the cpu_paged kernel did not build (see the warning)"
+    return backend
+
+
+def _run(backend, batch, *, heads, kv_heads, head_dim, block_size, dtype=torch.float32,
+         num_blocks=None, poison=False, seed=0):
+    """``batch``: (cached prefix length, new tokens) per request. Writes random K/V for the
+    prefixes, then runs one step with ``backend``; returns the layer's output ``[T, H * D]``.
+    ``poison``: every slot no request may read holds NaN (the torch reference needs zeros
+    there, so the caller compares against an unpoisoned run)."""
+    gen = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    need = [-(-(c + n) // block_size) for c, n in batch]
+    num_blocks = num_blocks or sum(need) + 3
+    cache = torch.zeros(kv_cache_shape(num_blocks, block_size, kv_heads, head_dim), dtype=dtype)
+    if poison:
+        cache.fill_(float("nan"))
+    ids = list(range(num_blocks))
+    rng.shuffle(ids)  # non-contiguous block tables
+    tables = [[ids.pop() for _ in range(k)] for k in need]
+    for (computed, _), table in zip(batch, tables):  # the cached prefix
+        for pos in range(computed):
+            slot = cache[:, table[pos // block_size], pos % block_size]
+            slot.copy_(torch.randn(slot.shape, generator=gen))
+    layer = Attention(heads, kv_heads, head_dim, scale=head_dim ** -0.5, layer_idx=0)
+    bind_kv_caches(torch.nn.ModuleList([layer]), [cache])
+    num_tokens = sum(n for _, n in batch)
+    q = torch.randn(num_tokens, heads, head_dim, generator=gen).to(dtype)
+    k = torch.randn(num_tokens, kv_heads, head_dim, generator=gen).to(dtype)
+    v = torch.randn(num_tokens, kv_heads, head_dim, generator=gen).to(dtype)
+    md = build_attention_metadata([n for _, n in batch], [c for c, _ in batch], tables, block_size,
+                                  backend=backend)
+    with torch.inference_mode(), set_forward_context(md):
+        return layer(q, k, v).float()
+
+
+BATCHES = {
+    "decode": [(7, 1), (0, 1), (33, 1), (130, 1)],
+    "prefix_chunks": [(5, 9), (16, 16), (47, 3)],
+    "fresh_prompts": [(0, 1), (0, 17), (0, 40)],
+    "mixed": [(12, 1), (0, 23), (30, 6), (3, 1), (64, 1), (0, 2)],
+}
+
+
+@pytest.mark.parametrize("shape", [(4, 2, 8), (8, 8, 16), (32, 8, 128), (14, 2, 64), (6, 1, 12)],
+                         ids=["gqa2", "mha", "gqa4_d128", "gqa7", "mqa_d12"])
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("kind", sorted(BATCHES))
+def test_cpu_paged_matches_torch(cpu_paged, kind, block_size, shape):
+    heads, kv_heads, head_dim = shape
+    kw = dict(heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size)
+    ours = _run(cpu_paged, BATCHES[kind], **kw)
+    ref = _run(get_attn_backend("torch"), BATCHES[kind], **kw)
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_cpu_paged_random_ragged_batches(cpu_paged, seed):
+    rng = random.Random(seed)
+    batch = [(rng.choice([0, rng.randint(1, 90)]), rng.choice([1, 1, rng.randint(2, 20)]))
+             for _ in range(rng.randint(1, 9))]
+    kw = dict(heads=8, kv_heads=2, head_dim=32, block_size=rng.choice([1, 2, 4, 16]), seed=seed)
+    torch.testing.assert_close(_run(cpu_paged, batch, **kw), _run(get_attn_backend("torch"), batch, **kw),
+                               rtol=1e-5, atol=2e-6)
+
+
+def test_cpu_paged_bfloat16(cpu_paged):
+    kw = dict(heads=8, kv_heads=2, head_dim=64, block_size=4, dtype=torch.bfloat16)
+    ours = _run(cpu_paged, BATCHES["mixed"], **kw)
+    ref = _run(get_attn_backend("torch"), BATCHES["mixed"], **kw)
+    # Both accumulate in float32; bf16 rounding of the output dominates.
+    torch.testing.assert_close(ours, ref, rtol=2e-2, atol=2e-2)
+
+
+def test_cpu_paged_reads_only_the_requests_own_positions(cpu_paged):
+    """Every slot outside the requests' contexts (other blocks, the unused tail of a last
+    block, block-table padding) holds NaN: reading any of them, even with weight 0, would
+    turn the output into NaN (0 * NaN)."""
+    kw = dict(heads=4, kv_heads=2, head_dim=16, block_size=16)
+    batch = BATCHES["mixed"]
+    ours = _run(cpu_paged, batch, poison=True, num_blocks=40, **kw)
+    assert not ours.isnan().any()
+    torch.testing.assert_close(ours, _run(get_attn_backend("torch"), batch, num_blocks=40, **kw),
+                               rtol=1e-5, atol=2e-6)
+
+
+def test_backend_choice_and_validation():
+    assert get_attn_backend("torch", "cpu").name == "torch"
+    assert get_attn_backend("auto", "cpu").name in ("cpu_paged", "torch")
+    assert get_attn_backend("auto", "cuda").name == "torch"  # nothing CUDA-specific is imported
+    with pytest.raises(ValueError, match="CPU only"):
+        get_attn_backend("cpu_paged", "cuda")
+    with pytest.raises(ValidationError, match="auto, torch, cpu_paged") as info:
+        ModelConfig(attention_backend="flash")
+    assert info.value.param == "attention_backend"
+
+
+def test_a_failed_build_falls_back_to_torch_with_one_warning(monkeypatch, caplog):
+    def broken_build():
+        raise RuntimeError("c++: error: no such compiler")
+
+    monkeypatch.setattr(cpu_kernel, "_build", broken_build)
+    cpu_kernel.load_paged_attention_op.cache_clear()
+    backend_module.get_attn_backend.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING):
+            assert get_attn_backend("cpu_paged", "cpu").name == "torch"
+            assert get_attn_backend("auto", "cpu").name == "torch"
+        warnings = [r for r in caplog.records if "cpu_paged" in r.getMessage()]
+        assert len(warnings) == 1 and "no such compiler" in warnings[0].getMessage()
+    finally:  # the real kernel for the tests after this one
+        cpu_kernel.load_paged_attention_op.cache_clear()
+        backend_module.get_attn_backend.cache_clear()
