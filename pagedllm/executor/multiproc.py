@@ -67,6 +67,7 @@ class MultiprocExecutor(Executor):
         self._codec = Codec()
         self._failure: str | None = None  # once a rank failed, every call raises this
         self._is_shut_down = False
+        self._started = False  # every rank reported ready
         self._procs: list[multiprocessing.process.BaseProcess] = []
         self._requests: list[zmq.Socket] = []
         self._responses: list[zmq.Socket] = []
@@ -112,6 +113,7 @@ class MultiprocExecutor(Executor):
             if kind == "error":
                 raise remote_error(payload, f"worker rank {rank} failed to start")
             assert kind == "ready", kind
+        self._started = True
 
     # -- the Executor interface -------------------------------------------------------------
     def determine_num_blocks(self, block_size: int) -> int:
@@ -191,8 +193,16 @@ class MultiprocExecutor(Executor):
             code = proc.exitcode
             how = (f"killed by signal {signal.Signals(-code).name}" if code is not None and code < 0
                    else f"exited with code {code}")
-            self._failure = (f"worker rank {rank} (pid {proc.pid}) {how}; the engine cannot "
-                             f"continue (restart it)")
+            if self._started:
+                self._failure = (f"worker rank {rank} (pid {proc.pid}) {how}; the engine cannot "
+                                 f"continue (restart it)")
+            else:
+                # The usual cause: spawn re-imports the main script in the worker, and a script
+                # that builds an engine at top level does it again there (multiprocessing refuses).
+                self._failure = (f"worker rank {rank} (pid {proc.pid}) {how} before it was ready "
+                                 f"(its stderr says why; a script that starts an engine needs an "
+                                 f"`if __name__ == \"__main__\":` guard, as spawn re-runs it in "
+                                 f"the worker)")
             raise EngineDeadError(self._failure)
 
     def _last_error(self, rank: int) -> dict[str, Any] | None:

@@ -214,3 +214,18 @@ def test_worker_exits_when_the_engine_process_is_killed(tmp_path):
     finally:
         engine.kill()
         engine.stdout.close()
+
+
+def test_a_script_without_a_main_guard_gets_told(tmp_path):
+    """spawn re-runs the main script in the worker; one that starts an engine at top level
+    fails there, and the error says what to add."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "noguard.py"
+    script.write_text("import functools\nfrom pagedllm.executor.multiproc import MultiprocExecutor\n"
+                      "from pagedllm.runner.fake import FakeRunner\n"
+                      "MultiprocExecutor(functools.partial(FakeRunner, vocab_size=10)).shutdown()\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    assert 'before it was ready' in proc.stderr and '__name__ == "__main__"' in proc.stderr
