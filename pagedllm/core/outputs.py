@@ -20,7 +20,6 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int  # tokens already in the cache (prefix-cache hit) before this step
     eos_token_ids: frozenset[int] = frozenset()
-    min_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -48,9 +47,6 @@ class SchedulerOutput:
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     finished_req_ids: set[str] = field(default_factory=set)  # runner drops their state
     preempted_req_ids: set[str] = field(default_factory=set)
-    # Parallel sampling: requests whose prompt completes this step and whose children must each
-    # get a first token sampled from the same logits: leader id -> [(child id, params)].
-    pending_forks: dict[str, list[tuple[str, SamplingParams]]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -82,13 +78,28 @@ class RunnerOutput:
     # Per request, None or one TokenLogprobs per sampled token (SamplingParams.logprobs).
     logprobs: list[list[TokenLogprobs] | None] | None = None
     prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
-    # Parallel sampling: leader id -> first token of each pending child (SchedulerOutput.pending_forks).
-    fork_token_ids: dict[str, list[int]] = field(default_factory=dict)
-    fork_logprobs: dict[str, list[TokenLogprobs | None]] = field(default_factory=dict)
 
     @classmethod
     def empty(cls) -> "RunnerOutput":
         return cls([], {}, [])
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    """What one step did, built once from its SchedulerOutput and the tokens it produced; the
+    engine's metrics and logs add these up instead of keeping counters of their own."""
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    num_scheduled_tokens: int = 0
+    num_prompt_tokens: int = 0  # prompt tokens computed this step, recomputation included
+    num_generation_tokens: int = 0  # tokens appended to sequences this step
+    num_preempted_reqs: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up at admission this step ...
+    prefix_cache_hits: int = 0  # ... and found cached
+    num_drafts: int = 0  # speculative decoding: draft runs verified, draft tokens, accepted
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -123,6 +134,7 @@ class EngineCoreOutputs:
     # Prefix-cache hit of requests admitted for the first time (or forked) since the last step;
     # such a request may have no row yet (a partial prefill).
     num_cached_tokens: dict[str, int] = field(default_factory=dict)
+    scheduler_stats: SchedulerStats = field(default_factory=SchedulerStats)
 
     def add(self, req_id: str, new_token_ids: list[int], logprobs: list[TokenLogprobs] | None = None,
             prompt_logprobs: PromptLogprobsChunk | None = None) -> None:

@@ -23,9 +23,6 @@ class FCFSRequestQueue:
         """Put back, in order, requests popped for a look past the head."""
         self._queue.extendleft(reversed(requests))
 
-    def peek_request(self) -> Request:
-        return self._queue[0]
-
     def pop_request(self) -> Request:
         return self._queue.popleft()
 
@@ -60,9 +57,6 @@ class PriorityRequestQueue:
     def prepend_requests(self, requests: list[Request]) -> None:
         for r in requests:
             heapq.heappush(self._heap, r)
-
-    def peek_request(self) -> Request:
-        return self._heap[0]
 
     def pop_request(self) -> Request:
         return heapq.heappop(self._heap)

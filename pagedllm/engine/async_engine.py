@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from pagedllm.config import EngineConfig
-from pagedllm.engine.beam_search import BeamSearchParams
+from pagedllm.beam_search_params import BeamSearchParams
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.errors import EngineDeadError, ValidationError

@@ -9,9 +9,8 @@ only, so batching, chunking and preemption can never change a result.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from pagedllm.core.outputs import RunnerOutput, SchedulerOutput
+from pagedllm.runner.input_batch import CachedRequestState, InputBatch
 
 
 def fake_next_token(token_ids: list[int], vocab_size: int) -> int:
@@ -42,22 +41,19 @@ class KVMismatchError(AssertionError):
     pass
 
 
-@dataclass(slots=True)
-class _ReqState:
-    token_ids: list[int]
-    block_ids: list[int]
-    num_computed_tokens: int
-
-
 class FakeRunner:
     def __init__(self, vocab_size: int = 1000, verify_kv: bool = True) -> None:
         self.vocab_size = vocab_size
         self.verify_kv = verify_kv
         self.block_size = 0
         self.cache: list[list[int]] = []
-        self.requests: dict[str, _ReqState] = {}
+        self.input_batch = InputBatch()
         self.num_steps = 0
         self.max_tokens_in_step = 0
+
+    @property
+    def requests(self) -> dict[str, CachedRequestState]:
+        return self.input_batch.requests
 
     def determine_num_blocks(self, block_size: int) -> int:
         return 1024
@@ -67,74 +63,45 @@ class FakeRunner:
         self.cache = [[-1] * block_size for _ in range(num_blocks)]
 
     def execute_model(self, so: SchedulerOutput) -> RunnerOutput:
-        for rid in so.finished_req_ids:
-            self.requests.pop(rid, None)
-        for rid in so.preempted_req_ids:
-            self.requests.pop(rid, None)
+        scheduled = self.input_batch.update_states(so)
         for src, dst in so.block_copies:
             self.cache[dst] = list(self.cache[src])
-        for new in so.scheduled_new_reqs:
-            self.requests[new.req_id] = _ReqState(
-                new.prompt_token_ids + new.output_token_ids, list(new.block_ids), new.num_computed_tokens)
-        cached = so.scheduled_cached_reqs
-        for rid, blocks, num_computed, new_ids in zip(cached.req_ids, cached.new_block_ids,
-                                                      cached.num_computed_tokens, cached.new_token_ids):
-            state = self.requests[rid]
-            state.block_ids.extend(blocks)
-            state.token_ids.extend(new_ids)
-            if num_computed > state.num_computed_tokens:
-                raise KVMismatchError(f"{rid}: runner computed {state.num_computed_tokens}, "
-                                      f"scheduler says {num_computed}")
-            state.num_computed_tokens = num_computed  # lower after rejected drafts
-        for rid, table in so.replaced_block_tables.items():
-            self.requests[rid].block_ids = list(table)
         self.num_steps += 1
         self.max_tokens_in_step = max(self.max_tokens_in_step, so.total_num_scheduled_tokens)
 
         # Write every new token first (like each layer writes its K/V before attending), so a
         # request may read blocks that another request fills in this same step.
         bs = self.block_size
-        for rid, n in so.num_scheduled_tokens.items():
-            state = self.requests[rid]
-            tokens = state.token_ids + so.scheduled_spec_decode_tokens.get(rid, [])
-            for pos in range(state.num_computed_tokens, state.num_computed_tokens + n):
-                self.cache[state.block_ids[pos // bs]][pos % bs] = tokens[pos]
+        for s in scheduled:
+            for pos, tok in enumerate(s.input_ids, s.start):
+                self.cache[s.state.block_ids[pos // bs]][pos % bs] = tok
 
-        req_ids = list(so.num_scheduled_tokens)
         sampled: list[list[int]] = []
-        fork_tokens: dict[str, list[int]] = {}
-        for rid in req_ids:
-            state = self.requests[rid]
-            drafts = so.scheduled_spec_decode_tokens.get(rid, [])
-            n_real = so.num_scheduled_tokens[rid] - len(drafts)
-            end = state.num_computed_tokens + n_real
-            state.num_computed_tokens = end + len(drafts)
+        for s in scheduled:
+            state = s.state
             if self.verify_kv:
-                self._verify(rid, state, end)
-            if end < len(state.token_ids):
+                self._verify(state, s.start + s.num_tokens - len(s.drafts))
+            if not s.samples:
                 sampled.append([])  # partial prefill: nothing to sample
                 continue
             # Greedy verification of drafts against the deterministic "model".
             context = list(state.token_ids)
             out: list[int] = []
-            for d in [*drafts, None]:
+            for d in [*s.drafts, None]:
                 tok = fake_next_token(context, self.vocab_size)
                 out.append(tok)
                 if d is None or d != tok:
                     break
                 context.append(tok)
             sampled.append(out)
-            forks = so.pending_forks.get(rid)
-            if forks:
-                fork_tokens[rid] = [fake_next_token(state.token_ids, self.vocab_size)] * len(forks)
-        return RunnerOutput(req_ids, {rid: i for i, rid in enumerate(req_ids)}, sampled,
-                            fork_token_ids=fork_tokens)
+        req_ids = list(so.num_scheduled_tokens)
+        return RunnerOutput(req_ids, {rid: i for i, rid in enumerate(req_ids)}, sampled)
 
-    def _verify(self, rid: str, state: _ReqState, end: int) -> None:
+    def _verify(self, state: CachedRequestState, end: int) -> None:
         bs = self.block_size
         for pos in range(end):
             got = self.cache[state.block_ids[pos // bs]][pos % bs]
             if got != state.token_ids[pos]:
                 raise KVMismatchError(
-                    f"{rid}: position {pos} (block {state.block_ids[pos // bs]}) holds {got}, "
-                    f"expected {state.token_ids[pos]}")
+                    f"{state.req_id}: position {pos} (block {state.block_ids[pos // bs]}) holds "
+                    f"{got}, expected {state.token_ids[pos]}")

@@ -8,23 +8,20 @@ from __future__ import annotations
 
 import ctypes
 import platform
-from dataclasses import dataclass
 
 import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.outputs import PromptLogprobsChunk, RunnerOutput, SchedulerOutput, TokenLogprobs
-from pagedllm.engine.model_info import ModelInfo
+from pagedllm.layers.attention import get_attn_backend
 from pagedllm.layers.attention_metadata import build_attention_metadata
-from pagedllm.layers.decode_kv import DecodeKVStore
 from pagedllm.layers.forward_context import set_forward_context
 from pagedllm.layers.kv_cache import bind_kv_caches, copy_blocks, kv_cache_shape
 from pagedllm.layers.linear import prepack_linear_weights
 from pagedllm.models.loader import load_model
-from pagedllm.runner.sampler import (Sampler, SamplingMetadata, compute_topk_logprobs, greedy_sample,
-                                     is_plain_greedy)
+from pagedllm.runner.input_batch import CachedRequestState, InputBatch, ScheduledRequest
+from pagedllm.runner.sampler import Sampler, SamplingMetadata, compute_topk_logprobs
 from pagedllm.runner.spec_decode import verify_drafts
-from pagedllm.sampling_params import SamplingParams
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -44,23 +41,8 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
-@dataclass(slots=True)
-class CachedRequestState:
-    req_id: str
-    token_ids: list[int]  # prompt + outputs known to the runner
-    num_prompt_tokens: int
-    params: SamplingParams
-    block_ids: list[int]
-    num_computed_tokens: int
-    eos_token_ids: frozenset[int]
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
-
-
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_info: ModelInfo) -> None:
+    def __init__(self, config: EngineConfig, max_model_len: int) -> None:
         mc = config.model_config
         self.config = config
         self.device = resolve_device(mc.device)
@@ -74,11 +56,11 @@ class ModelRunner:
             prepack_linear_weights(self.model)
         self.vocab_size = self.model.vocab_size
         self.sampler = Sampler()
-        self.requests: dict[str, CachedRequestState] = {}
+        self.input_batch = InputBatch()
         self.kv_caches: list[torch.Tensor] = []
-        self.decode_kv: DecodeKVStore | None = None
+        self.attn_backend = get_attn_backend(mc.attention_backend, self.device.type)
         self.block_size = 0
-        self.max_model_len = mc.max_model_len or model_info.max_position_embeddings
+        self.max_model_len = max_model_len
 
     # -- KV cache ----------------------------------------------------------------------------
     def bytes_per_block(self, block_size: int) -> int:
@@ -114,192 +96,129 @@ class ModelRunner:
                           for _ in range(m.num_layers)]
         bind_kv_caches(m, self.kv_caches)
         self.block_size = block_size
-        if self.device.type == "cpu":
-            # Decode attention without a per-step gather (see layers/decode_kv.py), holding at
-            # most as many tokens as the paged cache.
-            self.decode_kv = DecodeKVStore(m.num_layers, m.num_kv_heads, m.head_dim, self.dtype,
-                                           self.device, max_tokens=num_blocks * block_size)
 
     # -- one step ----------------------------------------------------------------------------
-    def _update_states(self, so: SchedulerOutput) -> None:
-        store = self.decode_kv
-        for rid in (*so.finished_req_ids, *so.preempted_req_ids):
-            self.requests.pop(rid, None)
-            if store is not None:
-                store.release(rid)
-        for new in so.scheduled_new_reqs:
-            if store is not None:
-                store.release(new.req_id)  # a resumed request starts over
-            self.requests[new.req_id] = CachedRequestState(
-                new.req_id, new.prompt_token_ids + new.output_token_ids, len(new.prompt_token_ids),
-                new.sampling_params, list(new.block_ids), new.num_computed_tokens, new.eos_token_ids)
-        cached = so.scheduled_cached_reqs
-        for rid, blocks, num_computed, new_ids in zip(cached.req_ids, cached.new_block_ids,
-                                                      cached.num_computed_tokens, cached.new_token_ids):
-            state = self.requests[rid]
-            if blocks:
-                state.block_ids.extend(blocks)
-            if new_ids:
-                state.token_ids.extend(new_ids)
-            # The scheduler's count wins: it rolls back past rejected drafts.
-            state.num_computed_tokens = num_computed
-        for rid, table in so.replaced_block_tables.items():
-            self.requests[rid].block_ids = list(table)
-            if store is not None:
-                store.invalidate(rid)
-
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> RunnerOutput:
-        self._update_states(so)
+        scheduled = self.input_batch.update_states(so)
         copy_blocks(self.kv_caches, so.block_copies)
-        if so.total_num_scheduled_tokens == 0:
+        if not scheduled:
             return RunnerOutput.empty()
 
-        req_ids = list(so.num_scheduled_tokens)
         input_ids: list[int] = []
         positions: list[int] = []
         query_lens: list[int] = []
         num_computed: list[int] = []
         block_tables: list[list[int]] = []
-        decodes: list[tuple[str, int, list[int]]] = []  # (rid, position, block table) if n == 1
-        # Requests that sample this step: (state, first logits row, drafts to verify).
-        samplers: list[tuple[CachedRequestState, int, list[int]]] = []
-        prompt_lp_jobs: list[tuple[str, int, int, int]] = []  # (rid, first row, first pos, count)
-        for rid in req_ids:
-            state = self.requests[rid]
-            n = so.num_scheduled_tokens[rid]
-            drafts = so.scheduled_spec_decode_tokens.get(rid, [])
-            start = state.num_computed_tokens
-            n_real = n - len(drafts)
+        samplers: list[tuple[ScheduledRequest, int]] = []  # (request, its first logits row)
+        # (state, first row, first position, count): rows whose logits score prompt tokens.
+        prompt_lp_jobs: list[tuple[CachedRequestState, int, int, int]] = []
+        for s in scheduled:
+            state, start, n = s.state, s.start, s.num_tokens
+            n_real = n - len(s.drafts)
             row0 = len(input_ids)
-            input_ids.extend(state.token_ids[start:start + n_real])
-            input_ids.extend(drafts)
+            input_ids.extend(s.input_ids)
             positions.extend(range(start, start + n))
             query_lens.append(n)
             num_computed.append(start)
             block_tables.append(state.block_ids)
-            if n == 1:
-                decodes.append((rid, start, state.block_ids))
             if state.params.prompt_logprobs is not None and start < state.num_prompt_tokens - 1:
                 # Logits at position p score prompt token p + 1.
                 count = min(start + n_real, state.num_prompt_tokens - 1) - start
-                prompt_lp_jobs.append((rid, row0, start, count))
-            state.num_computed_tokens = start + n
-            if start + n_real >= len(state.token_ids):  # caught up: sample (a partial prefill does not)
-                samplers.append((state, row0 + n_real - 1, drafts))
+                prompt_lp_jobs.append((state, row0, start, count))
+            if s.samples:
+                samplers.append((s, row0 + n_real - 1))
 
         device = self.device
         ids_t = torch.tensor(input_ids, dtype=torch.long, device=device)
         pos_t = torch.tensor(positions, dtype=torch.long, device=device)
-        plan = self.decode_kv.plan(decodes, self.block_size) if decodes and self.decode_kv else None
         attn_md = build_attention_metadata(query_lens, num_computed, block_tables, self.block_size,
-                                           device, decode_kv=plan)
+                                           device, backend=self.attn_backend)
         with set_forward_context(attn_md):
             hidden = self.model(ids_t, pos_t)
 
+        req_ids = [s.state.req_id for s in scheduled]
         out = RunnerOutput(req_ids=req_ids, req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
                            sampled_token_ids=[[] for _ in req_ids])
         if prompt_lp_jobs:
             out.prompt_logprobs = self._prompt_logprobs(hidden, prompt_lp_jobs)
         if samplers:
-            self._sample(hidden, samplers, so, out)
+            self._sample(hidden, samplers, out)
         return out
 
-    def _sample(self, hidden: torch.Tensor, samplers: list[tuple[CachedRequestState, int, list[int]]],
-                so: SchedulerOutput, out: RunnerOutput) -> None:
-        """Sample one token per request (plus draft verification and the first token of forked
-        children), filling ``out`` in place."""
-        if not so.pending_forks and all(
-                not drafts and is_plain_greedy(state.params, len(state.token_ids) - state.num_prompt_tokens)
-                for state, _, drafts in samplers):
-            # The common case, kept lean: logits of the sampled rows, one argmax, no metadata.
-            index = torch.tensor([row for _, row, _ in samplers], device=self.device)
-            tokens = greedy_sample(self.model.compute_logits(hidden[index])).tolist()
-            for (state, _, _), token in zip(samplers, tokens):
-                out.sampled_token_ids[out.req_id_to_index[state.req_id]] = [token]
-            return
-        # One virtual row per logits position: (state, params, draft prefix, hidden row).
-        rows: list[tuple[CachedRequestState, SamplingParams, list[int], int]] = []
-        groups: list[tuple[int, list[int]]] = []
-        for state, row, drafts in samplers:
-            groups.append((len(rows), drafts))
-            for j in range(len(drafts) + 1):
-                rows.append((state, state.params, drafts[:j], row + j))
-            for _child_id, child_params in so.pending_forks.get(state.req_id, ()):
-                rows.append((state, child_params, [], row))
-        logits = self.model.compute_logits(hidden[torch.tensor([r[3] for r in rows], device=self.device)])
+    def _sample(self, hidden: torch.Tensor, samplers: list[tuple[ScheduledRequest, int]],
+                out: RunnerOutput) -> None:
+        """Sample one token per request, or verify its drafts, filling ``out`` in place."""
+        # One row per logits position: (state, draft prefix before it, hidden row).
+        rows: list[tuple[CachedRequestState, list[int], int]] = []
+        groups: list[tuple[int, list[int]]] = []  # per request: (its first row, its drafts)
+        for s, row in samplers:
+            groups.append((len(rows), s.drafts))
+            for j in range(len(s.drafts) + 1):
+                rows.append((s.state, s.drafts[:j], row + j))
+        logits = self.model.compute_logits(hidden[torch.tensor([r[2] for r in rows], device=self.device)])
         md, generators = self._sampling_metadata(rows)
-        index = {rid: i for i, rid in enumerate(out.req_ids)}
 
-        # chosen[r]: the token picked at virtual row r; outputs[k]: request k's new tokens.
-        if not any(drafts for _, _, drafts in samplers):
+        if not any(drafts for _, drafts in groups):
             result = self.sampler(logits, md)
-            chosen: list[int | None] = list(result.sampled_token_ids)
-            outputs = [[chosen[first]] for first, _ in groups]
+            outputs = [[result.sampled_token_ids[first]] for first, _ in groups]
             row_logprobs = result.logprobs
         else:
-            greedy = [p.sampling_type_greedy for _, p, _, _ in rows]
+            greedy = [state.params.sampling_type_greedy for state, _, _ in rows]
             outputs = verify_drafts(logits, md, greedy, groups, generators)
-            chosen = [None] * len(rows)
-            for (first, _), toks in zip(groups, outputs):
-                chosen[first:first + len(toks)] = toks
-            for r, (state, params, _, _) in enumerate(rows):
-                if state.params is not params:  # a fork's first token: plain sampling
-                    chosen[r] = self.sampler(logits[r:r + 1], self._sampling_metadata([rows[r]])[0]).sampled_token_ids[0]
             row_logprobs = None
             if md.max_num_logprobs is not None:
-                ks = [p.logprobs or 0 for _, p, _, _ in rows]
-                entries = compute_topk_logprobs(logits, [c if c is not None else 0 for c in chosen], ks)
-                row_logprobs = [e if p.logprobs is not None and c is not None else None
-                                for e, (_, p, _, _), c in zip(entries, rows, chosen)]
+                chosen = [0] * len(rows)  # rows past a rejection score token 0; nobody reads them
+                for (first, _), toks in zip(groups, outputs):
+                    chosen[first:first + len(toks)] = toks
+                entries = compute_topk_logprobs(logits, chosen, [st.params.logprobs or 0 for st, _, _ in rows])
+                row_logprobs = [e if st.params.logprobs is not None else None
+                                for e, (st, _, _) in zip(entries, rows)]
 
-        for (state, _row, drafts), (first, _), toks in zip(samplers, groups, outputs):
-            rid = state.req_id
-            out.sampled_token_ids[index[rid]] = toks
+        for (s, _), (first, _), toks in zip(samplers, groups, outputs):
+            i = out.req_id_to_index[s.state.req_id]
+            out.sampled_token_ids[i] = toks
             if row_logprobs is not None and row_logprobs[first] is not None:
                 if out.logprobs is None:
                     out.logprobs = [None] * len(out.req_ids)
-                out.logprobs[index[rid]] = [TokenLogprobs(*row_logprobs[first + j]) for j in range(len(toks))]
-            forks = so.pending_forks.get(rid, ())
-            if forks:
-                base = first + len(drafts) + 1
-                out.fork_token_ids[rid] = [chosen[base + c] for c in range(len(forks))]
-                if row_logprobs is not None:
-                    out.fork_logprobs[rid] = [TokenLogprobs(*row_logprobs[base + c]) if row_logprobs[base + c] else None
-                                              for c in range(len(forks))]
+                out.logprobs[i] = [TokenLogprobs(*row_logprobs[first + j]) for j in range(len(toks))]
 
-    def _prompt_logprobs(self, hidden: torch.Tensor,
-                         jobs: list[tuple[str, int, int, int]]) -> dict[str, PromptLogprobsChunk]:
+    def _prompt_logprobs(self, hidden: torch.Tensor, jobs: list[tuple[CachedRequestState, int, int, int]]
+                         ) -> dict[str, PromptLogprobsChunk]:
         result = {}
-        for rid, row0, pos0, count in jobs:
+        for state, row0, pos0, count in jobs:
             if count <= 0:
                 continue
-            state = self.requests[rid]
             logits = self.model.compute_logits(hidden[row0:row0 + count])
             targets = state.token_ids[pos0 + 1:pos0 + 1 + count]
             entries = compute_topk_logprobs(logits, targets, state.params.prompt_logprobs)
-            result[rid] = PromptLogprobsChunk(pos0 + 1, [TokenLogprobs(*e) for e in entries])
+            result[state.req_id] = PromptLogprobsChunk(pos0 + 1, [TokenLogprobs(*e) for e in entries])
         return result
 
-    def _sampling_metadata(self, rows: list[tuple[CachedRequestState, SamplingParams, list[int], int]]
+    def _sampling_metadata(self, rows: list[tuple[CachedRequestState, list[int], int]]
                            ) -> tuple[SamplingMetadata, list[torch.Generator | None]]:
         params, prompts, outputs = [], [], []
         generators: list[torch.Generator | None] = []
         stop_masks: list[frozenset[int]] = []
-        for state, p, prefix, _ in rows:
-            out = state.output_token_ids + prefix if prefix else state.output_token_ids
+        for state, prefix, _ in rows:
+            p = state.params
+            num_output = len(state.token_ids) - state.num_prompt_tokens + len(prefix)
             params.append(p)
-            prompts.append(state.token_ids[:state.num_prompt_tokens])
-            outputs.append(out)
+            if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty:
+                prompts.append(state.token_ids[:state.num_prompt_tokens])
+                outputs.append(state.output_token_ids + prefix)
+            else:  # only penalties read the tokens: do not copy them for every row
+                prompts.append(_NO_TOKENS)
+                outputs.append(_NO_TOKENS)
             if p.seed is not None and not p.sampling_type_greedy:
                 # One stream per (seed, output position): the draw for token i does not depend
                 # on the batch, on earlier steps, or on whether the request was preempted.
                 g = torch.Generator(device=self.device)
-                g.manual_seed((p.seed * 1_000_003 + len(out)) % (1 << 63))
+                g.manual_seed((p.seed * 1_000_003 + num_output) % (1 << 63))
                 generators.append(g)
             else:
                 generators.append(None)
-            if len(out) < p.min_tokens:
+            if num_output < p.min_tokens:
                 ids = p.all_stop_token_ids if p.ignore_eos else (p.all_stop_token_ids | state.eos_token_ids)
                 stop_masks.append(ids)
             else:
@@ -307,6 +226,10 @@ class ModelRunner:
         md = SamplingMetadata.build(params, prompts, outputs, generators, stop_masks,
                                     self.vocab_size, self.device)
         return md, generators
+
+
+_NO_TOKENS: list[int] = []
+
 
 def _keep_freed_memory() -> None:
     """Make glibc keep freed activation memory for the next step instead of returning it.

@@ -147,14 +147,6 @@ class SamplingMetadata:
         )
 
 
-def is_plain_greedy(params: SamplingParams, num_output_tokens: int) -> bool:
-    """True when the token is just the argmax of the raw logits: greedy, and no logits processor
-    or logprobs apply (SamplingMetadata.build would find nothing to do)."""
-    return (params.temperature < _SAMPLING_EPS and params.logprobs is None and not params.logit_bias
-            and params.repetition_penalty == 1.0 and params.frequency_penalty == 0.0
-            and params.presence_penalty == 0.0 and num_output_tokens >= params.min_tokens)
-
-
 _ARGMAX_CHUNK = 128
 
 

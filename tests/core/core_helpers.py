@@ -4,7 +4,7 @@ from __future__ import annotations
 import itertools
 
 from pagedllm.config import SchedulerConfig
-from pagedllm.core.outputs import EngineCoreOutput, RunnerOutput, SchedulerOutput
+from pagedllm.core.outputs import EngineCoreOutput, EngineCoreOutputs, RunnerOutput, SchedulerOutput
 from pagedllm.core.request import Request
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.runner.fake import FakeRunner, fake_generate
@@ -18,11 +18,12 @@ _arrival = itertools.count()
 def make_request(rid: str, prompt: list[int], max_tokens: int | None = 8, *,
                  eos: frozenset[int] = frozenset(), priority: int = 0,
                  cache_salt: str | None = None, arrival_time: float | None = None,
-                 **sp_kwargs) -> Request:
+                 output_token_ids: list[int] | None = None, **sp_kwargs) -> Request:
     """A Request with a strictly increasing arrival time (so order never depends on the clock)."""
     sp = SamplingParams(max_tokens=max_tokens, **sp_kwargs)
     return Request(rid, prompt, sp, eos_token_ids=eos, priority=priority, cache_salt=cache_salt,
-                   arrival_time=float(next(_arrival)) if arrival_time is None else arrival_time)
+                   arrival_time=float(next(_arrival)) if arrival_time is None else arrival_time,
+                   output_token_ids=output_token_ids)
 
 
 def make_scheduler(num_blocks: int = 10, block_size: int = BLOCK_SIZE, max_model_len: int = 64,
@@ -39,12 +40,17 @@ def make_runner(sched: Scheduler, vocab_size: int = VOCAB) -> FakeRunner:
     return runner
 
 
-def step(sched: Scheduler, runner: FakeRunner) -> tuple[SchedulerOutput, list[EngineCoreOutput]]:
+def step_with_stats(sched: Scheduler, runner: FakeRunner) -> tuple[SchedulerOutput, EngineCoreOutputs]:
     so = sched.schedule()
     ro = runner.execute_model(so)
-    outs = list(sched.update_from_output(so, ro))
+    outs = sched.update_from_output(so, ro)
     sched.check_integrity()
     return so, outs
+
+
+def step(sched: Scheduler, runner: FakeRunner) -> tuple[SchedulerOutput, list[EngineCoreOutput]]:
+    so, outs = step_with_stats(sched, runner)
+    return so, list(outs)
 
 
 def run_to_completion(sched: Scheduler, runner: FakeRunner, max_steps: int = 1000,

@@ -1,7 +1,7 @@
 """KVCacheManager: chained hashes, prefix hits, all-or-nothing allocation, copy-on-write, free."""
 from __future__ import annotations
 
-from core_helpers import free_ids, make_request, make_runner, make_scheduler, step
+from core_helpers import free_ids, make_request, make_runner, make_scheduler, step, step_with_stats
 
 from pagedllm.core.block_hash import extend_block_hashes, hash_block_tokens
 from pagedllm.core.kv_cache_manager import KVCacheManager
@@ -185,13 +185,6 @@ def test_chunked_allocation_publishes_only_full_blocks():
     mgr.check_integrity()
 
 
-def test_lookahead_tokens_allocate_extra_blocks():
-    mgr = kvm()
-    a = make_request("a", list(range(4)))
-    new = mgr.allocate_slots(a, 4, num_lookahead_tokens=4)
-    assert [b.block_id for b in new] == [0, 1]
-
-
 def test_prompt_logprobs_skip_the_cache():
     mgr = kvm()
     admit(mgr, make_request("a", list(range(12))))
@@ -371,48 +364,49 @@ def test_identical_prompts_in_one_step_share_blocks():
     prompt = list(range(10))
     sched.add_request(make_request("a", prompt, 2))
     sched.add_request(make_request("b", prompt, 2))
-    so, _ = step(sched, runner)
+    so, outs = step_with_stats(sched, runner)
     assert so.num_scheduled_tokens == {"a": 10, "b": 2}
     kv = sched.kv_cache_manager
     assert kv.get_block_ids("a") == [0, 1, 2]
     assert kv.get_block_ids("b") == [0, 1, 3]
     assert [r.num_computed_tokens for r in so.scheduled_new_reqs] == [0, 8]
-    assert kv.prefix_cache_queries == 20 and kv.prefix_cache_hits == 8
+    stats = outs.scheduler_stats
+    assert stats.prefix_cache_queries == 20 and stats.prefix_cache_hits == 8
 
 
 def test_prefix_cache_stats_in_tokens():
     sched = make_scheduler(num_blocks=10)
     runner = make_runner(sched)
     sched.add_request(make_request("a", list(range(10)), 1))
-    step(sched, runner)
-    kv = sched.kv_cache_manager
-    assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (10, 0)
+    _, outs = step_with_stats(sched, runner)
+    stats = outs.scheduler_stats
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (10, 0)
     sched.add_request(make_request("b", list(range(8)) + [40, 41, 42], 1))
-    so, _ = step(sched, runner)
+    so, outs = step_with_stats(sched, runner)
     assert so.num_scheduled_tokens == {"b": 3}
-    assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (21, 8)
+    stats = outs.scheduler_stats  # per step: this step's lookups only
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (11, 8)
     req_b = so.scheduled_new_reqs[0]
     assert req_b.num_computed_tokens == 8 and req_b.block_ids == [0, 1, 3]
 
 
-# -- append_slot: the decode shortcut ------------------------------------------------------------
+# -- the decode step: decided from the last block in O(1) ----------------------------------------
 def decode(mgr: KVCacheManager, req, token: int):
     """One decode step as the scheduler does it: room for the last token, then a new token."""
-    new = mgr.append_slot(req)
+    new = mgr.allocate_slots(req, 1)
     if new is not None:
         req.num_computed_tokens += 1
         req.append_output_token_ids(token)
     return new
 
 
-def test_append_slot_in_place_fill_and_new_block():
+def test_decode_in_place_fill_and_new_block():
     mgr = kvm()
     req = make_request("a", [1, 2, 3, 4, 5])  # one full block + 1 token
     admit(mgr, req, 5)
     req.append_output_token_ids(6)
     assert mgr.get_block_ids("a") == [0, 1]
     assert decode(mgr, req, 7) == []  # token 6 at position 5: inside block 1
-    assert req.kv_in_place_until == 7  # position 6 lands in place too; 7 fills the block
     hashes_before = len(req.block_hashes)
     assert decode(mgr, req, 8) == []  # token 7 at position 6
     assert decode(mgr, req, 9) == []  # token 8 at position 7 fills block 1: published now
@@ -422,36 +416,48 @@ def test_append_slot_in_place_fill_and_new_block():
     assert mgr.num_cached_blocks["a"] == 2
     new = decode(mgr, req, 10)  # token 9 at position 8 needs block 2, from the free queue's head
     assert [b.block_id for b in new] == [2] and mgr.get_block_ids("a") == [0, 1, 2]
-    assert req.kv_in_place_until == 8 + BS - 1
     # The general path agrees: a second request with the same tokens hits both full blocks.
     twin = make_request("b", req.all_token_ids[:9])
     assert mgr.get_computed_blocks(twin)[1] == 8
 
 
-def test_append_slot_returns_none_when_no_block_is_free():
+def test_decode_returns_none_when_no_block_is_free():
     mgr = kvm(num_blocks=2)
     req = make_request("a", [1, 2, 3, 4, 5, 6, 7, 8])
     admit(mgr, req, 8)
     req.append_output_token_ids(9)
     before = snapshot(mgr)
-    assert mgr.append_slot(req) is None
+    assert mgr.allocate_slots(req, 1) is None
     assert snapshot(mgr) == before
 
 
-def test_append_slot_copies_a_shared_last_block_and_fork_resets_the_hint():
+def test_decode_copies_a_shared_last_block():
     mgr = kvm()
     parent = make_request("p", [1, 2, 3, 4, 5])
     admit(mgr, parent, 5)
     parent.append_output_token_ids(6)
-    decode(mgr, parent, 7)
-    assert parent.kv_in_place_until > parent.num_computed_tokens  # would skip the manager
-    child = make_request("c", [1, 2, 3, 4, 5])
-    mgr.fork(parent, child)
-    child.all_token_ids = list(parent.all_token_ids)
-    child.num_computed_tokens = parent.num_computed_tokens
-    assert parent.kv_in_place_until == 0 and child.kv_in_place_until == 0
-    new = mgr.append_slot(parent)  # the shared partial block is copied before the write
+    decode(mgr, parent, 7)  # in place: the decode path would skip all bookkeeping ...
+    child = make_request("c", [1, 2, 3, 4, 5], output_token_ids=[6, 7, 99])
+    assert mgr.fork(parent, child) == parent.num_computed_tokens == 6
+    child.num_computed_tokens = 6
+    new = mgr.allocate_slots(parent, 1)  # ... but the last block is shared now: copied first
     assert new == [] and mgr.take_block_copies()[0] == [(1, 2)]
     assert mgr.get_block_ids("p") == [0, 2] and mgr.get_block_ids("c") == [0, 1]
     mgr.free(parent)
-    assert parent.kv_in_place_until == 0
+    mgr.free(child)
+    mgr.check_integrity()
+
+
+def test_fork_of_a_parallel_sample_recomputes_only_the_last_prompt_token():
+    mgr = kvm()
+    leader = make_request("l", [1, 2, 3, 4, 5, 6])
+    admit(mgr, leader, 6)
+    leader.append_output_token_ids(50)  # its first token: the prompt is computed
+    sample = make_request("s", [1, 2, 3, 4, 5, 6])
+    assert mgr.fork(leader, sample) == 5  # every token but the last prompt token
+    assert mgr.get_block_ids("s") == [0, 1] and refs(mgr)[:2] == [2, 2]
+    sample.num_computed_tokens = 5
+    assert mgr.allocate_slots(sample, 1) == []  # position 5 lands in the shared block: copied
+    assert mgr.take_block_copies()[0] == [(1, 2)]
+    assert mgr.get_block_ids("s") == [0, 2]
+    mgr.check_integrity()

@@ -7,10 +7,11 @@ from __future__ import annotations
 import random
 
 import pytest
-from core_helpers import (assert_all_free, expected_tokens, free_ids, make_request, make_runner,
+from core_helpers import (VOCAB, assert_all_free, expected_tokens, free_ids, make_request, make_runner,
                           make_scheduler, run_to_completion, runner_output, step)
 
 from pagedllm.core.request import RequestStatus
+from pagedllm.runner.fake import fake_generate
 from pagedllm.errors import ValidationError
 
 
@@ -140,7 +141,7 @@ def test_fcfs_preempts_most_recent_and_resumes_from_head():
     assert so.num_scheduled_tokens == {"a": 1}
     assert so.preempted_req_ids == {"b"}
     assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
-    assert b.num_preemptions == 1 and sched.num_preemptions == 1
+    assert b.num_preemptions == 1 and a.num_preemptions == 0
     assert kv.get_block_ids("a") == [0, 2, 3]  # b's blocks, its tail first
     assert free_ids(sched) == [1]
     assert [r.request_id for r in sched.waiting] == ["b", "c"]  # b at the head
@@ -248,7 +249,7 @@ def test_waiting_request_never_preempts():
     assert a.status == RequestStatus.FINISHED_LENGTH_CAPPED and a.num_preemptions == 0
     so, _ = step(sched, runner)
     assert so.num_scheduled_tokens == {"b": 9}
-    assert sched.num_preemptions == 0
+    assert b.num_preemptions == 0
     run_to_completion(sched, runner)
     assert b.output_token_ids == expected_tokens(b)
     assert_all_free(sched)
@@ -386,7 +387,7 @@ def test_min_tokens_suppresses_eos():
     assert outs[0].new_token_ids == [9, 9]
     assert (outs[0].finish_reason, outs[0].stop_reason) == ("stop", None)
     assert req.output_token_ids == [9, 9] and req.all_token_ids == [1, 2, 3, 9, 9]
-    assert sched.num_generation_tokens == 2
+    assert outs.scheduler_stats.num_generation_tokens == 2
     _finished_ok(sched, req)
 
 
@@ -425,7 +426,7 @@ def test_max_tokens_trims_surplus():
     assert outs[0].new_token_ids == [5, 6]
     assert (outs[0].finish_reason, outs[0].stop_reason) == ("length", None)
     assert req.output_token_ids == [5, 6] and req.num_tokens == 5
-    assert sched.num_generation_tokens == 2
+    assert outs.scheduler_stats.num_generation_tokens == 2
     _finished_ok(sched, req)
 
 
@@ -580,38 +581,81 @@ def test_everything_free_after_mixed_workload():
     for r in reqs:
         assert results[r.request_id] == expected_tokens(r)
         assert r.status == RequestStatus.FINISHED_LENGTH_CAPPED
-    assert sched.kv_cache_manager.prefix_cache_hits > 0
+    assert any(r.num_cached_tokens > 0 for r in reqs)
     assert_all_free(sched)
     assert sched.reset_prefix_cache() is True
 
 
-# -- parallel samples: fork + copy-on-write through the scheduler ---------------------------------
-def test_forked_children_share_prompt_blocks_then_copy_on_write():
+# -- sharing: fork + copy-on-write through the scheduler -----------------------------------------
+def test_forked_samples_share_prompt_blocks_then_copy_on_write():
     sched = make_scheduler(num_blocks=10)
     runner = make_runner(sched)
     kv = sched.kv_cache_manager
-    group = [make_request(rid, [1, 2, 3, 4, 5, 6], 4, ignore_eos=True, arrival_time=0.0)
-             for rid in ("p", "c1", "c2")]
-    sched.add_request(group[0], forks=group[1:])
-    assert list(sched.waiting) == [group[0]]
+    p, c1, c2 = [make_request(rid, [1, 2, 3, 4, 5, 6], 4, ignore_eos=True, arrival_time=0.0)
+                 for rid in ("p", "c1", "c2")]
+    sched.add_request(p)
     so, outs = step(sched, runner)
     assert so.num_scheduled_tokens == {"p": 6}
-    assert [c for c, _ in so.pending_forks["p"]] == ["c1", "c2"]
-    # Every child shares every block, the partial last one included, and got its first token.
+    assert [o.request_id for o in outs] == ["p"]
+    # The prompt is computed: the samples fork, sharing every block, the partial one included.
+    sched.fork([("p", c1), ("p", c2)])
     assert [kv.get_block_ids(r) for r in ("p", "c1", "c2")] == [[0, 1]] * 3
     assert [b.ref_cnt for b in kv.block_pool.blocks[:3]] == [3, 3, 0]
-    assert sorted(o.request_id for o in outs) == ["c1", "c2", "p"]
     assert [r.request_id for r in sched.running] == ["p", "c1", "c2"]
-    # Step 2: p and c1 write into the shared partial block: each copies it; c2, the last
-    # holder, writes in place.
+    assert (c1.num_computed_tokens, c2.num_computed_tokens) == (5, 5)
+    sched.check_integrity()
+    # Step 2: p writes its first output, each sample recomputes the last prompt token, all into
+    # the shared partial block: p and c1 copy it; c2, the last holder, writes in place.
     so, _ = step(sched, runner)
     assert so.num_scheduled_tokens == {"p": 1, "c1": 1, "c2": 1}
     assert so.block_copies == [(1, 2), (1, 3)]
     assert [kv.get_block_ids(r) for r in ("p", "c1", "c2")] == [[0, 2], [0, 3], [0, 1]]
     assert [b.ref_cnt for b in kv.block_pool.blocks[:4]] == [3, 1, 1, 1]
     assert so.replaced_block_tables == {"p": [0, 2]}
-    assert {r.req_id: r.block_ids for r in so.scheduled_new_reqs} == {"c1": [0, 3], "c2": [0, 1]}
+    assert {r.req_id: (r.block_ids, r.num_computed_tokens) for r in so.scheduled_new_reqs} == {
+        "c1": ([0, 3], 5), "c2": ([0, 1], 5)}
     run_to_completion(sched, runner)
-    for r in group:
+    for r in (p, c1, c2):
         assert r.output_token_ids == expected_tokens(r)
+    assert_all_free(sched)
+
+
+def test_fork_without_a_free_slot_or_parent_kv_waits_and_recomputes():
+    sched = make_scheduler(num_blocks=10, max_num_seqs=2)
+    runner = make_runner(sched)
+    p, c1, c2 = [make_request(rid, [1, 2, 3, 4, 5, 6], 3, arrival_time=0.0) for rid in ("p", "c1", "c2")]
+    sched.add_request(p)
+    step(sched, runner)
+    sched.fork([("p", c1), ("p", c2)])
+    assert [r.request_id for r in sched.running] == ["p", "c1"]
+    assert list(sched.waiting) == [c2] and c2.num_computed_tokens == 0
+    assert sched.kv_cache_manager.get_block_ids("c2") == []
+    ghost = make_request("g", [1, 2, 3, 4, 5, 6], 3)
+    sched.fork([("gone", ghost)])  # the parent no longer exists: a plain waiting request
+    assert list(sched.waiting) == [ghost, c2]
+    sched.check_integrity()
+    run_to_completion(sched, runner)
+    for r in (p, c1, c2, ghost):
+        assert r.output_token_ids == expected_tokens(r)
+    assert_all_free(sched)
+
+
+def test_fork_then_finish_replaces_sequences_like_a_beam_step():
+    sched = make_scheduler(num_blocks=10)
+    runner = make_runner(sched)
+    a = make_request("a", [1, 2, 3, 4, 5], 6)
+    sched.add_request(a)
+    step(sched, runner)  # a computed 5 tokens and sampled one
+    kv = sched.kv_cache_manager
+    x = make_request("x", [1, 2, 3, 4, 5], 6, output_token_ids=[a.all_token_ids[5], 70])
+    y = make_request("y", [1, 2, 3, 4, 5], 6, output_token_ids=[a.all_token_ids[5], 71])
+    step(sched, runner)  # a's first output token is computed too
+    sched.fork([("a", x), ("a", y)], finish=["a"])
+    assert "a" not in sched.requests and "a" in sched.finished_req_ids
+    assert [r.request_id for r in sched.running] == ["x", "y"]
+    assert x.num_computed_tokens == y.num_computed_tokens == 6
+    assert kv.get_block_ids("x") == kv.get_block_ids("y") == [0, 1]
+    run_to_completion(sched, runner)
+    for r in (x, y):
+        assert r.output_token_ids[2:] == fake_generate(r.all_token_ids[:7], 4, VOCAB)
     assert_all_free(sched)

@@ -1,10 +1,14 @@
 """Random workloads against the scheduler + KV cache manager, checked by the FakeRunner.
 
-Arrivals (shared prefixes, salts, priorities, min_tokens, stop ids, n > 1 groups that fork),
-aborts (also between the runner and update_from_output) and steps, under both policies, with and
-without n-gram speculative decoding, with a cache small enough to force preemption. FakeRunner(verify_kv=True) reads every context back through its block table, so a
-wrong block id, a bad prefix hit or a stale published block raises KVMismatchError. At the end,
-every request that was not aborted must have produced exactly what it produces alone.
+Arrivals (shared prefixes, salts, priorities, min_tokens, stop ids, n > 1 groups that fork through
+ParallelSampling, as the engine runs them), aborts of whole groups in every state (leader
+waiting with its samples not forked yet, forked, preempted, between the runner and
+update_from_output) and steps, under both policies, with and without n-gram speculative
+decoding, with a cache small enough to force preemption. FakeRunner(verify_kv=True) reads every
+context back through its block table, so a wrong block id, a bad prefix hit or a stale published
+block raises KVMismatchError. After every step every request the scheduler holds is in exactly
+one queue; at the end every request that was not aborted produced exactly what it produces
+alone, and every block is free.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from core_helpers import make_request, make_scheduler
 
 from pagedllm.core.ngram_proposer import NgramProposer
 from pagedllm.core.request import RequestStatus
+from pagedllm.engine.parallel_sampling import ParallelSampling
 from pagedllm.errors import ValidationError
 from pagedllm.runner.fake import FakeRunner, fake_generate
 
@@ -63,8 +68,12 @@ class SchedulerMachine(RuleBasedStateMachine):
             enable_caching=caching, scheduling_policy=policy, max_num_batched_tokens=budget,
             long_prefill_token_threshold=threshold, max_num_seqs=max_num_seqs,
             max_skip_ahead=max_skip_ahead)
-        if spec_k:  # n-gram speculative decoding: drafts verified greedily by the FakeRunner
-            self.sched.proposer = NgramProposer(spec_k, 1, 3)
+        # n-gram speculative decoding: drafts verified greedily by the FakeRunner.
+        self.proposer = NgramProposer(spec_k, 1, 3) if spec_k else None
+        self.parallel = ParallelSampling(self.sched)
+        self.groups: dict[str, list[str]] = {}  # group id -> its request ids
+        self.num_accepted = 0
+        self.any_prefix_hit = False
         self.budget, self.max_num_seqs, self.threshold = budget, max_num_seqs, threshold
         self.runner = FakeRunner(vocab_size=VOCAB, verify_kv=True)
         self.runner.initialize_kv_cache(NUM_BLOCKS, BS)
@@ -84,14 +93,10 @@ class SchedulerMachine(RuleBasedStateMachine):
                                   stop_token_ids=sorted(stop_ids), ignore_eos=ignore_eos,
                                   arrival_time=float(len(self.reqs)))
                      for i in range(n)]
-            if n > self.max_num_seqs:
-                try:
-                    self.sched.add_request(group[0], forks=group[1:])
-                except ValidationError:
-                    continue
-                raise AssertionError("a group larger than max_num_seqs was admitted")
-            # Admissible by construction: must not raise.
-            self.sched.add_request(group[0], forks=group[1:])
+            # Admissible by construction: must not raise. Samples beyond the free sequence slots
+            # wait and recompute when they fork.
+            self.parallel.add(group[0], group[1:])
+            self.groups[base] = [r.request_id for r in group]
             for req in group:
                 self.reqs[req.request_id] = req
                 self.outputs[req.request_id] = []
@@ -117,7 +122,33 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert self.sched.abort_requests(rid) == [self.reqs[rid]]
         assert self.sched.abort_requests(rid) == []
         self.aborted.add(rid)
+        self.parallel.abort([rid])  # a leader takes the samples that have not forked with it
+        self._mark_dropped()
         self.sched.check_integrity()
+
+    @precondition(lambda self: any(not self.reqs[r].is_finished() for ids in self.groups.values()
+                                   for r in ids))
+    @rule(data=st.data())
+    def abort_group(self, data):
+        """The engine's abort of an n > 1 request, whatever state each sample is in."""
+        live = sorted(g for g, ids in self.groups.items() if any(not self.reqs[r].is_finished() for r in ids))
+        ids = self.groups[data.draw(st.sampled_from(live), "abort_group")]
+        self._abort_group(ids)
+        self.sched.check_integrity()
+
+    def _abort_group(self, ids):
+        self.parallel.abort(ids)
+        for req in self.sched.abort_requests(ids):
+            self.aborted.add(req.request_id)
+        self._mark_dropped()
+
+    def _mark_dropped(self):
+        """Samples that were only waiting to fork end with their aborted group."""
+        pending = {c.request_id for cs in self.parallel.pending.values() for c in cs}
+        for rid, req in self.reqs.items():
+            if not req.is_finished() and rid not in self.sched.requests and rid not in pending:
+                req.status = RequestStatus.FINISHED_ABORTED
+                self.aborted.add(rid)
 
     @rule(abort_mid_step=st.booleans(), data=st.data())
     def step(self, abort_mid_step, data):
@@ -140,15 +171,27 @@ class SchedulerMachine(RuleBasedStateMachine):
         ro = self.runner.execute_model(so)  # raises KVMismatchError on a bad block table
         if data is not None and so.num_scheduled_tokens:
             rid = data.draw(st.sampled_from(sorted(so.num_scheduled_tokens)), "abort_mid_step")
-            sched.abort_requests(rid)
-            self.aborted.add(rid)
+            group = next(ids for ids in self.groups.values() if rid in ids)
+            self._abort_group(group if data.draw(st.booleans(), "whole_group") else [rid])
         outs = sched.update_from_output(so, ro)
+        self.parallel.step(outs)
+        stats = outs.scheduler_stats
+        self.num_accepted += stats.num_accepted_tokens
+        self.any_prefix_hit |= stats.prefix_cache_hits > 0
         for o in outs:
             assert o.request_id not in self.finish_reasons, "output after finishing"
             self.outputs[o.request_id].extend(o.new_token_ids)
             if o.finish_reason is not None:
                 self.finish_reasons[o.request_id] = o.finish_reason
+            elif self.proposer is not None and o.new_token_ids:
+                req = sched.requests[o.request_id]
+                sched.set_draft_tokens(o.request_id, self.proposer.propose(req.all_token_ids))
         sched.check_integrity()
+        # Nothing is lost: every request not finished is in the scheduler or waiting to fork.
+        pending = {c.request_id for cs in self.parallel.pending.values() for c in cs}
+        for rid, req in self.reqs.items():
+            if not req.is_finished():
+                assert (rid in sched.requests) != (rid in pending), rid
 
     @invariant()
     def integrity(self):
@@ -160,15 +203,16 @@ class SchedulerMachine(RuleBasedStateMachine):
             return
         for _ in range(3000):
             if not self.sched.has_unfinished_requests():
+                assert not self.parallel.pending, "samples left waiting to fork"
                 break
             self._step()
         else:
             raise AssertionError(f"requests never finished: {list(self.sched.requests)}")
         event(f"preempted: {self.num_preempted > 0}")
         event(f"aborted: {bool(self.aborted)}")
-        event(f"prefix hits: {self.sched.kv_cache_manager.prefix_cache_hits > 0}")
+        event(f"prefix hits: {self.any_prefix_hit}")
         event(f"forked: {any('_' in r for r in self.reqs)}")
-        event(f"drafts accepted: {self.sched.num_accepted_tokens > 0}")
+        event(f"drafts accepted: {self.num_accepted > 0}")
         for rid, req in self.reqs.items():
             sp = req.sampling_params
             expected = fake_generate(req.prompt_token_ids, req.max_tokens, VOCAB, EOS,
@@ -205,10 +249,11 @@ def test_random_workload_preempts():
     reqs = [make_request(f"p{i}", BASES[i % 3][:8], 20, eos=EOS, ignore_eos=True) for i in range(4)]
     for r in reqs:
         sched.add_request(r)
+    num_preempted = 0
     while sched.has_unfinished_requests():
         so = sched.schedule()
-        sched.update_from_output(so, runner.execute_model(so))
+        num_preempted += sched.update_from_output(so, runner.execute_model(so)).scheduler_stats.num_preempted_reqs
         sched.check_integrity()
-    assert sched.num_preemptions > 0
+    assert num_preempted > 0
     for r in reqs:
         assert r.output_token_ids == fake_generate(r.prompt_token_ids, 20, VOCAB, EOS, True)

@@ -15,7 +15,7 @@ DEMO = Path(__file__).resolve().parents[2].parent / "shared" / "models" / "stori
 def test_half_precision_runs_and_agrees_early(dtype):
     case = json.loads((DEMO.parent / "golden_greedy.json").read_text())["cases"][1]
     llm = LLM(str(DEMO), dtype=dtype, block_size=4)
-    assert llm.llm_engine.runner.kv_caches[0].dtype.__repr__().endswith(dtype)
+    assert llm.llm_engine.executor.runner.kv_caches[0].dtype.__repr__().endswith(dtype)
     out = llm.generate({"prompt_token_ids": case["prompt_ids"]}, SamplingParams(temperature=0, max_tokens=12),
                        use_tqdm=False)[0]
     # Half precision may drift eventually; the first tokens of a confident story must agree.

@@ -1,0 +1,93 @@
+"""InputBatch: the runner's half of the SchedulerOutput contract, written once.
+
+A runner keeps a small state per request (its tokens, block table, progress, sampling params)
+and receives only diffs each step. Both the FakeRunner and the ModelRunner apply a
+SchedulerOutput through this table, so the FakeRunner's KV check covers the real runner's
+bookkeeping too. Plain Python: no torch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedllm.core.outputs import SchedulerOutput
+from pagedllm.sampling_params import SamplingParams
+
+
+class StateMismatchError(AssertionError):
+    """The scheduler and the runner disagree about a request (a contract bug, never user error)."""
+
+
+@dataclass(slots=True)
+class CachedRequestState:
+    req_id: str
+    token_ids: list[int]  # prompt + outputs known to the runner
+    num_prompt_tokens: int
+    params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    eos_token_ids: frozenset[int]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One request's share of a step: positions [start, start + num_tokens) are computed, the
+    last ``len(drafts)`` of them draft tokens; ``samples``: the step reaches the end of its known
+    tokens, so the logits at its last real position are sampled (a partial prefill samples
+    nothing)."""
+    state: CachedRequestState
+    start: int
+    num_tokens: int
+    drafts: list[int]
+    samples: bool
+
+    @property
+    def input_ids(self) -> list[int]:
+        end = self.start + self.num_tokens - len(self.drafts)
+        return self.state.token_ids[self.start:end] + self.drafts
+
+
+class InputBatch:
+    def __init__(self) -> None:
+        self.requests: dict[str, CachedRequestState] = {}
+
+    def update_states(self, so: SchedulerOutput) -> list[ScheduledRequest]:
+        """Apply the step's diffs, then return the scheduled requests in order, each advanced
+        past the tokens it computes this step."""
+        requests = self.requests
+        for rid in so.finished_req_ids:
+            requests.pop(rid, None)
+        for rid in so.preempted_req_ids:
+            requests.pop(rid, None)
+        for new in so.scheduled_new_reqs:  # first admission, resume after preemption, or fork
+            requests[new.req_id] = CachedRequestState(
+                new.req_id, new.prompt_token_ids + new.output_token_ids, len(new.prompt_token_ids),
+                new.sampling_params, list(new.block_ids), new.num_computed_tokens, new.eos_token_ids)
+        cached = so.scheduled_cached_reqs
+        for rid, blocks, num_computed, new_ids in zip(cached.req_ids, cached.new_block_ids,
+                                                      cached.num_computed_tokens, cached.new_token_ids):
+            state = requests[rid]
+            if blocks:
+                state.block_ids.extend(blocks)
+            if new_ids:
+                state.token_ids.extend(new_ids)
+            if num_computed > state.num_computed_tokens:
+                raise StateMismatchError(f"{rid}: the runner computed {state.num_computed_tokens} "
+                                         f"tokens, the scheduler says {num_computed}")
+            state.num_computed_tokens = num_computed  # lower after rejected drafts
+        for rid, table in so.replaced_block_tables.items():
+            requests[rid].block_ids = list(table)
+
+        scheduled = []
+        spec = so.scheduled_spec_decode_tokens
+        for rid, n in so.num_scheduled_tokens.items():
+            state = requests[rid]
+            drafts = spec.get(rid, []) if spec else []
+            start = state.num_computed_tokens
+            state.num_computed_tokens = start + n
+            samples = start + n - len(drafts) >= len(state.token_ids)
+            scheduled.append(ScheduledRequest(state, start, n, drafts, samples))
+        return scheduled
