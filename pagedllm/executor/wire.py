@@ -33,12 +33,13 @@ _CONTAINERS: dict[type, Callable[[list], Any]] = {set: set, frozenset: frozenset
 
 
 def contract_types() -> list[type]:
-    """Every dataclass of ``pagedllm.core.outputs`` (found, not listed, so new contracts join by
-    themselves), plus what they carry from elsewhere."""
+    """Every pagedllm dataclass in ``pagedllm.core.outputs``' namespace, defined there or
+    imported for a field (found, not listed, so new contracts join by themselves), plus the
+    enum SamplingParams carries."""
     found = [obj for obj in vars(outputs).values()
              if isinstance(obj, type) and dataclasses.is_dataclass(obj)
-             and obj.__module__ == outputs.__name__]
-    return [*found, SamplingParams, RequestOutputKind]
+             and obj.__module__.startswith("pagedllm.")]
+    return list(dict.fromkeys([*found, SamplingParams, RequestOutputKind]))
 
 
 class _Tag:

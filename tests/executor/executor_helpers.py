@@ -34,6 +34,16 @@ class SlowFakeRunner(FakeRunner):
         return super().execute_model(so)
 
 
+def torch_free_runner() -> FakeRunner:
+    """A FakeRunner that fails to start if anything imported torch into its worker."""
+    import sys
+
+    heavy = sorted(m for m in ("torch", "numpy", "transformers") if m in sys.modules)
+    if heavy:
+        raise RuntimeError(f"the worker imported {heavy} before building a FakeRunner")
+    return FakeRunner(vocab_size=VOCAB)
+
+
 def failing_runner() -> FakeRunner:
     raise RuntimeError("boom while building the runner")
 

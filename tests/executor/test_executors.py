@@ -23,7 +23,7 @@ from pagedllm.executor.uniproc import UniProcExecutor
 from pagedllm.runner.fake import FakeRunner
 
 from executor_helpers import (VOCAB, SlowFakeRunner, child_pids, failing_runner, invalid_runner,
-                              run_loop, workload)
+                              run_loop, torch_free_runner, workload)
 
 FAKE = functools.partial(FakeRunner, vocab_size=VOCAB, verify_kv=True)
 
@@ -90,6 +90,11 @@ def test_create_mp_executor_with_a_runner_instance(uni_results):
         assert isinstance(executor, MultiprocExecutor)
         assert run_loop(executor)[0] == uni_results[0]
     assert runner.num_steps == 0  # the worker ran its own copy
+
+
+def test_a_fake_runner_worker_never_imports_torch():
+    with MultiprocExecutor(torch_free_runner) as executor:
+        executor.check_health()
 
 
 def test_shutdown_is_idempotent_and_final():
