@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
 from pagedllm.errors import ValidationError
 from pagedllm import BeamSearchParams
@@ -28,6 +28,16 @@ def random_id(prefix: str) -> str:
 class OpenAIBaseModel(BaseModel):
     """Base of the response bodies (requests derive from OpenAIRequest)."""
     model_config = ConfigDict(extra="forbid")
+
+
+class OmitsUnrequested(OpenAIBaseModel):
+    """A response body whose vLLM extras (token ids, prompt logprobs) appear only when the
+    request asked for them, instead of as nulls in every answer."""
+    _omit_if_none: ClassVar[frozenset[str]] = frozenset({"prompt_token_ids", "token_ids", "prompt_logprobs"})
+
+    @model_serializer(mode="wrap")
+    def _without_unrequested(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if not (v is None and k in self._omit_if_none)}
 
 
 # -- errors -------------------------------------------------------------------------------------
@@ -77,6 +87,10 @@ class SamplingRequest(OpenAIRequest):
     use_beam_search: bool = False
     length_penalty: float = 1.0
     request_id: str | None = None
+    truncate_prompt_tokens: int | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    return_token_ids: bool = False
 
     def _beam_search_params(self, max_tokens: int) -> BeamSearchParams:
         """vLLM's form: n beams, returned whole, best first; errors name the request's fields."""
@@ -124,6 +138,7 @@ class CompletionRequest(SamplingRequest):
     best_of: int | None = None
     suffix: str | None = None
     prompt_logprobs: int | None = None
+    add_special_tokens: bool = True
 
     def to_sampling_params(self, defaults: dict[str, Any]) -> SamplingParams | BeamSearchParams:
         if self.use_beam_search:
@@ -156,12 +171,15 @@ class CompletionLogProbs(OpenAIBaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
-class CompletionChoice(OpenAIBaseModel):
+class CompletionChoice(OmitsUnrequested):
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids
+    token_ids: list[int] | None = None
 
 
 class PromptTokensDetails(OpenAIBaseModel):

@@ -7,7 +7,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
 from pagedllm import BeamSearchParams
-from pagedllm.entrypoints.openai.protocol import OpenAIBaseModel, SamplingRequest, UsageInfo
+from pagedllm.entrypoints.openai.protocol import (OmitsUnrequested, OpenAIBaseModel, SamplingRequest,
+                                                  UsageInfo)
 from pagedllm.errors import ValidationError
 from pagedllm.sampling_params import SamplingParams
 
@@ -42,6 +43,9 @@ class ChatCompletionRequest(SamplingRequest):
     add_generation_prompt: bool = True
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool = False  # the template writes them (vLLM's default for chat)
+    echo: bool = False  # prepend the last message to the reply when it is the assistant's
+    continue_final_message: bool = False  # the reply continues the last (assistant) message
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -54,6 +58,9 @@ class ChatCompletionRequest(SamplingRequest):
             raise ValidationError("top_logprobs needs logprobs=true", "top_logprobs")
         if not self.messages:
             raise ValidationError("messages must not be empty", "messages")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValidationError("continue_final_message needs add_generation_prompt=false",
+                                  "continue_final_message")
         max_tokens = self.requested_max_tokens()
         try:
             if self.use_beam_search:
@@ -71,6 +78,19 @@ class ChatCompletionRequest(SamplingRequest):
 
     def conversation(self) -> list[dict[str, Any]]:
         return [m.to_template_dict() for m in self.messages]
+
+    def echoed(self) -> str:
+        """What ``echo`` puts before the reply: the last message, if it is the assistant's."""
+        last = self.messages[-1] if self.messages else None
+        if not self.echo or last is None or last.role != "assistant":
+            return ""
+        return str(last.to_template_dict().get("content") or "")
+
+    def template_kwargs(self) -> dict[str, Any]:
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.continue_final_message:
+            kwargs["continue_final_message"] = True
+        return kwargs
 
 
 class ChatLogProb(OpenAIBaseModel):
@@ -92,21 +112,23 @@ class ChatResponseMessage(OpenAIBaseModel):
     content: str | None = None
 
 
-class ChatCompletionChoice(OpenAIBaseModel):
+class ChatCompletionChoice(OmitsUnrequested):
     index: int
     message: ChatResponseMessage
     logprobs: ChatLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids
 
 
-class ChatCompletionResponse(OpenAIBaseModel):
+class ChatCompletionResponse(OmitsUnrequested):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids
 
 
 class DeltaMessage(OpenAIBaseModel):
@@ -119,18 +141,20 @@ class DeltaMessage(OpenAIBaseModel):
         return {k: v for k, v in handler(self).items() if v is not None}
 
 
-class ChatStreamChoice(OpenAIBaseModel):
+class ChatStreamChoice(OmitsUnrequested):
     index: int
     delta: DeltaMessage
     logprobs: ChatLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids
 
 
-class ChatCompletionChunk(OpenAIBaseModel):
+class ChatCompletionChunk(OmitsUnrequested):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids, in the first chunk

@@ -9,14 +9,15 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from pagedllm.engine.async_engine import AsyncLLM, RequestStream
+from pagedllm.engine.async_engine import AsyncLLM
 from pagedllm.engine.tokenizer import apply_chat_template
 from pagedllm.entrypoints.openai.protocol import make_usage, random_id
 from pagedllm.entrypoints.openai.protocol_chat import (ChatCompletionChoice, ChatCompletionChunk,
                                                        ChatCompletionRequest, ChatCompletionResponse,
                                                        ChatLogProb, ChatLogProbs, ChatLogProbsContent,
                                                        ChatResponseMessage, ChatStreamChoice, DeltaMessage)
-from pagedllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing, collect_final,
+from pagedllm.entrypoints.openai.request_extras import check_truncate, truncate
+from pagedllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing, Stream, collect_final,
                                                         decoded, merge_streams, sse, sse_error,
                                                         top_by_rank, with_cancellation)
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
@@ -53,8 +54,14 @@ class OpenAIServingChat(OpenAIServing):
         request.check_extra_fields()
         params = request.to_sampling_params(self.generation_defaults)  # validate before rendering
         self.check_limits(request.n, "n", {"top_logprobs": request.top_logprobs if request.logprobs else None})
+        check_truncate(request.truncate_prompt_tokens, self.llm.max_model_len)
+        params = await self.apply_token_bans(request, params)
         prompt_ids = await self.render_prompt(request.conversation(), request.chat_template,
-                                              request.add_generation_prompt, request.chat_template_kwargs)
+                                              request.add_generation_prompt, request.template_kwargs())
+        if request.add_special_tokens:  # what tokenizing the rendered text with them would add
+            build = getattr(self.llm.tokenizer, "build_inputs_with_special_tokens", None)
+            prompt_ids = list(build(prompt_ids)) if build is not None else prompt_ids
+        prompt_ids = truncate(prompt_ids, request.truncate_prompt_tokens, self.llm.max_model_len)
         if request.use_beam_search and request.requested_max_tokens() is None:
             params = request.to_sampling_params(
                 self.generation_defaults, max(1, self.llm.max_model_len - len(prompt_ids)))
@@ -69,21 +76,24 @@ class OpenAIServingChat(OpenAIServing):
             raise
         created = int(time.time())
         if request.stream:
-            return StreamingResponse(self._stream(request, request_id, created, streams[0]),
+            return StreamingResponse(self._stream(request, request_id, created, streams[0], prompt_ids),
                                      media_type="text/event-stream")
         out = (await with_cancellation(raw_request, collect_final(streams)))[0]
         k = request.top_logprobs or 0
+        echoed = request.echoed()
         choices = [
             ChatCompletionChoice(
-                index=c.index, message=ChatResponseMessage(role="assistant", content=c.text),
+                index=c.index, message=ChatResponseMessage(role="assistant", content=echoed + c.text),
                 logprobs=self._logprobs(c.token_ids, c.logprobs, k) if request.logprobs else None,
-                finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                token_ids=list(c.token_ids) if request.return_token_ids else None)
             for c in out.outputs
         ]
         usage = make_usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs),
                            out.num_cached_tokens)
-        return ChatCompletionResponse(id=request_id, created=created, model=self.model_name,
-                                      choices=choices, usage=usage)
+        return ChatCompletionResponse(
+            id=request_id, created=created, model=self.model_name, choices=choices, usage=usage,
+            prompt_token_ids=list(out.prompt_token_ids) if request.return_token_ids else None)
 
     def _logprobs(self, token_ids: list[int], positions: list[dict[int, Logprob]] | None,
                   k: int) -> ChatLogProbs:
@@ -105,14 +115,17 @@ class OpenAIServingChat(OpenAIServing):
         return sse(ChatCompletionChunk(id=request_id, created=created, model=self.model_name, choices=[choice]))
 
     async def _stream(self, request: ChatCompletionRequest, request_id: str, created: int,
-                      stream: RequestStream) -> AsyncIterator[str]:
+                      stream: Stream, prompt_ids: list[int]) -> AsyncIterator[str]:
         k = request.top_logprobs or 0
         num_generated = num_prompt = num_cached = 0
         try:
+            echoed = request.echoed()
             for i in range(request.n):  # the role first, for every choice (OpenAI's order)
-                yield self._chunk(request_id, created, ChatStreamChoice(
-                    index=i, delta=DeltaMessage(role="assistant", content=""), logprobs=None,
-                    finish_reason=None))
+                yield sse(ChatCompletionChunk(
+                    id=request_id, created=created, model=self.model_name,
+                    prompt_token_ids=list(prompt_ids) if request.return_token_ids and i == 0 else None,
+                    choices=[ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=echoed),
+                                              logprobs=None, finish_reason=None)]))
             async for _, out in merge_streams([stream]):
                 for c in out.outputs:
                     if not (c.text or c.token_ids or c.finish_reason):
@@ -121,7 +134,8 @@ class OpenAIServingChat(OpenAIServing):
                     logprobs = self._logprobs(c.token_ids, c.logprobs, k) if request.logprobs else None
                     choice = ChatStreamChoice(index=c.index, delta=DeltaMessage(content=c.text),
                                               logprobs=logprobs, finish_reason=c.finish_reason,
-                                              stop_reason=c.stop_reason)
+                                              stop_reason=c.stop_reason,
+                                              token_ids=list(c.token_ids) if request.return_token_ids else None)
                     yield self._chunk(request_id, created, choice)
                 if out.finished:
                     num_prompt, num_cached = len(out.prompt_token_ids), out.num_cached_tokens

@@ -18,6 +18,7 @@ from pagedllm.errors import ValidationError
 from pagedllm.outputs import Logprob, RequestOutput
 from pagedllm import BeamSearchParams
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
+from pagedllm.entrypoints.openai.request_extras import bad_word_token_ids, ban_bias
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 T = TypeVar("T")
@@ -61,6 +62,25 @@ class OpenAIServing:
             if value is not None and value > self.options.max_logprobs:
                 raise ValidationError(f"{name} must be at most {self.options.max_logprobs} "
                                       f"(--max-logprobs), got {value}", name)
+
+    async def apply_token_bans(self, request: Any, params: SamplingParams | BeamSearchParams
+                               ) -> SamplingParams | BeamSearchParams:
+        """allowed_token_ids and bad_words, as logit_bias entries (see request_extras.py)."""
+        if not request.allowed_token_ids and not request.bad_words:
+            return params
+        field = "allowed_token_ids" if request.allowed_token_ids else "bad_words"
+        if isinstance(params, BeamSearchParams):
+            raise ValidationError(f"{field} does not work with use_beam_search", field)
+        bad = (await self.tokenizer_call(bad_word_token_ids, self.llm.tokenizer, request.bad_words)
+               if request.bad_words else [])
+        bias = ban_bias(request.allowed_token_ids, bad, self.llm.model_info.vocab_size, params.logit_bias)
+        return params.clone(logit_bias=bias)
+
+    async def tokenize_prompt(self, text: str, add_special_tokens: bool) -> list[int]:
+        if self.llm.tokenizer is None:
+            raise ValidationError("this server has no tokenizer; send token ids", "prompt")
+        return list((await self.tokenizer_call(self.llm.tokenizer, text,
+                                               add_special_tokens=add_special_tokens)).input_ids)
 
     def cache_salt(self, raw_request: Request, request_salt: str | None) -> str | None:
         """The request's cache_salt, under its API key's salt with --cache-salt-per-key."""
