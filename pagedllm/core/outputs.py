@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedllm.core.scheduler_stats import SchedulerStats
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -82,24 +83,6 @@ class RunnerOutput:
     @classmethod
     def empty(cls) -> "RunnerOutput":
         return cls([], {}, [])
-
-
-@dataclass(slots=True)
-class SchedulerStats:
-    """What one step did, built once from its SchedulerOutput and the tokens it produced; the
-    engine's metrics and logs add these up instead of keeping counters of their own."""
-    num_running_reqs: int = 0
-    num_waiting_reqs: int = 0
-    kv_cache_usage: float = 0.0
-    num_scheduled_tokens: int = 0
-    num_prompt_tokens: int = 0  # prompt tokens computed this step, recomputation included
-    num_generation_tokens: int = 0  # tokens appended to sequences this step
-    num_preempted_reqs: int = 0
-    prefix_cache_queries: int = 0  # prompt tokens looked up at admission this step ...
-    prefix_cache_hits: int = 0  # ... and found cached
-    num_drafts: int = 0  # speculative decoding: draft runs verified, draft tokens, accepted
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
 
 
 @dataclass(slots=True)

@@ -17,9 +17,10 @@ from pagedllm.config import SchedulerConfig
 from pagedllm.core.admission import validate_request
 from pagedllm.core.kv_cache_manager import NO_NEW_BLOCKS, KVCacheManager
 from pagedllm.core.outputs import (CachedRequestData, EngineCoreOutputs, NewRequestData,
-                                   RunnerOutput, SchedulerOutput, SchedulerStats)
+                                   RunnerOutput, SchedulerOutput)
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.request_queue import create_request_queue
+from pagedllm.core.scheduler_stats import SchedulerStats, count_prompt_tokens
 from pagedllm.errors import ValidationError
 
 _NO_IDS: list[int] = []  # shared "no new blocks" entry; the runner only reads it
@@ -42,14 +43,11 @@ class Scheduler:
         self.running: list[Request] = []
         # Finished or aborted since the last schedule(): the runner must drop their state.
         self.finished_req_ids: set[str] = set()
-        # Prefix-cache hits of sequences that started since the last step (first admissions and
-        # forks), reported with the next step's outputs.
+        # Prefix-cache hits of sequences started (admitted, forked) since the last step's report.
         self._new_num_cached: dict[str, int] = {}
         self._stop_id_sets: dict[frozenset[int], frozenset[int]] = {}
 
-    # ------------------------------------------------------------------------------------------
-    # Requests in
-    # ------------------------------------------------------------------------------------------
+    # -- Requests in -----------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         """Queue a request, or reject it now (ValidationError) if it could never run."""
         self._register(request)
@@ -104,9 +102,7 @@ class Scheduler:
             room = req.max_num_tokens - req.num_tokens - 1  # never draft past the length limit
             req.spec_token_ids = token_ids[:max(room, 0)]
 
-    # ------------------------------------------------------------------------------------------
-    # schedule()
-    # ------------------------------------------------------------------------------------------
+    # -- schedule() ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         kv = self.kv_cache_manager
         budget = self.max_num_batched_tokens
@@ -121,7 +117,8 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
-            n = self._num_new_tokens(req, budget)
+            n = self._num_new_tokens(
+                len(req.all_token_ids) + len(req.spec_token_ids) - req.num_computed_tokens, budget)
             if n <= 0:
                 i += 1
                 continue
@@ -147,12 +144,11 @@ class Scheduler:
         if not preempted:
             self._schedule_waiting(budget, num_scheduled)
 
-        output = self._make_output(num_scheduled, new_block_ids, preempted)
-        self._update_after_schedule(output)
-        return output
+        return self._update_after_schedule(num_scheduled, new_block_ids, preempted)
 
-    def _num_new_tokens(self, req: Request, budget: int) -> int:
-        n = len(req.all_token_ids) + len(req.spec_token_ids) - req.num_computed_tokens
+    def _num_new_tokens(self, n: int, budget: int) -> int:
+        """A request's share of the step: the ``n`` tokens it lacks, capped by
+        ``long_prefill_token_threshold`` and the budget left."""
         threshold = self.long_prefill_token_threshold
         if threshold and n > threshold:
             n = threshold
@@ -166,19 +162,17 @@ class Scheduler:
         """Admit waiting requests in queue order while budget, sequence slots and blocks last.
 
         Bounded skip-ahead: when the head does not fit in the KV cache, later requests may be
-        admitted past it, but each admission past a waiting request counts against it; once any
-        skipped request has been passed ``max_skip_ahead`` times, admission stops until it fits.
-        Its wait is thus bounded by ``max_skip_ahead`` admissions plus the time the running
-        requests need to finish (they never wait for it, and waiting requests preempt nobody,
-        so blocks only free up), and it fits once they are gone: admission checked that it fits
-        the whole cache.
+        admitted past it, each admission counting against every request it passes; once one
+        has been passed ``max_skip_ahead`` times, admission stops until it fits. Its wait is thus
+        bounded by those admissions plus the time the running requests need to finish (waiting
+        requests preempt nobody, so blocks only free up), and it fits the empty cache.
         """
         kv = self.kv_cache_manager
         skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting.pop_request()
             hit_blocks, num_hit = kv.get_computed_blocks(req)
-            n = min(req.num_tokens - num_hit, budget, self.long_prefill_token_threshold or budget)
+            n = self._num_new_tokens(req.num_tokens - num_hit, budget)
             if kv.allocate_slots(req, n, num_hit, hit_blocks) is None:
                 skipped.append(req)
                 if len(skipped) > self.max_skip_ahead or any(
@@ -216,38 +210,44 @@ class Scheduler:
         self.waiting.prepend_request(req)
 
     def preempt_requests(self, request_ids: Iterable[str]) -> None:
-        """Preempt running requests on their owner's behalf (a beam group that cannot decide
-        until a member that lost its KV has recomputed gives its idle members' memory back)."""
+        """Preempt running requests on their owner's behalf (a stalled beam group, say)."""
         for rid in request_ids:
             req = self.requests.get(rid)
             if req is not None and req.status == RequestStatus.RUNNING:
                 self._preempt(req)
 
-    def _make_output(self, num_scheduled: dict[str, int], new_block_ids: dict[str, list[int]],
-                     preempted: set[str]) -> SchedulerOutput:
-        """The step's work order. A request the runner does not hold (admitted, resumed or
-        forked) goes out whole; one it holds, as the diff since it last saw it."""
-        kv = self.kv_cache_manager
-        requests = self.requests
+    def _update_after_schedule(self, num_scheduled: dict[str, int], new_block_ids: dict[str, list[int]],
+                               preempted: set[str]) -> SchedulerOutput:
+        """Write the step's work order and advance every scheduled request (the one place that
+        does): the next schedule() sees these tokens as computed (the runner computes them
+        before then), and a preemption frees exactly what was computed.
+
+        A request the runner does not hold (admitted, resumed or forked) goes out whole; one it
+        holds, as the diff since it last saw it (new block ids, tokens appended since)."""
+        kv, requests = self.kv_cache_manager, self.requests
         new_reqs: list[NewRequestData] = []
         cached = CachedRequestData()
+        add_id, add_blocks = cached.req_ids.append, cached.new_block_ids.append
+        add_computed, add_tokens = cached.num_computed_tokens.append, cached.new_token_ids.append
         spec_tokens: dict[str, list[int]] = {}
         for rid, n in num_scheduled.items():
             req = requests[rid]
+            all_ids, start = req.all_token_ids, req.num_computed_tokens
             if req.num_sent_tokens == 0:
-                new_reqs.append(NewRequestData(
-                    rid, req.prompt_token_ids, req.output_token_ids, req.sampling_params,
-                    kv.get_block_ids(rid), req.num_computed_tokens, req.eos_token_ids))
+                new_reqs.append(NewRequestData(rid, req.prompt_token_ids, req.output_token_ids,
+                                               req.sampling_params, kv.get_block_ids(rid), start,
+                                               req.eos_token_ids))
             else:
-                cached.req_ids.append(rid)
-                cached.new_block_ids.append(new_block_ids[rid])
-                cached.num_computed_tokens.append(req.num_computed_tokens)
-                cached.new_token_ids.append(req.all_token_ids[req.num_sent_tokens:])
-            if req.spec_token_ids:  # the drafts that fit in this step's share
-                num_drafts = req.num_computed_tokens + n - len(req.all_token_ids)
-                if num_drafts > 0:
-                    spec_tokens[rid] = req.spec_token_ids[:num_drafts]
+                add_id(rid)
+                add_blocks(new_block_ids[rid])
+                add_computed(start)
+                add_tokens(all_ids[req.num_sent_tokens:])
+            if req.spec_token_ids and start + n > len(all_ids):  # the drafts that fit this step
+                spec_tokens[rid] = req.spec_token_ids[:start + n - len(all_ids)]
+            req.num_computed_tokens = start + n
+            req.num_sent_tokens = len(all_ids)
         block_copies, replaced = kv.take_block_copies()
+        finished, self.finished_req_ids = self.finished_req_ids, set()
         return SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached,
@@ -256,26 +256,13 @@ class Scheduler:
             block_copies=block_copies,
             # Copy-on-write changed these tables beyond appending (new requests go out whole).
             replaced_block_tables={rid: kv.get_block_ids(rid) for rid in replaced
-                                   if rid in new_block_ids and requests[rid].num_sent_tokens},
+                                   if rid in cached.req_ids},
             scheduled_spec_decode_tokens=spec_tokens,
-            finished_req_ids=self.finished_req_ids,
+            finished_req_ids=finished,
             preempted_req_ids=preempted,
         )
 
-    def _update_after_schedule(self, output: SchedulerOutput) -> None:
-        """Advance every scheduled request now: the next schedule() sees these tokens as computed
-        (the runner computes them before then), and a preemption frees exactly what was
-        computed. The runner now knows each one's tokens."""
-        requests = self.requests
-        for rid, n in output.num_scheduled_tokens.items():
-            req = requests[rid]
-            req.num_computed_tokens += n
-            req.num_sent_tokens = len(req.all_token_ids)
-        self.finished_req_ids = set()
-
-    # ------------------------------------------------------------------------------------------
-    # update_from_output()
-    # ------------------------------------------------------------------------------------------
+    # -- update_from_output() --------------------------------------------------------------------
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: RunnerOutput) -> EngineCoreOutputs:
         """Append the sampled tokens, apply the stop checks, free finished requests, and report
@@ -286,12 +273,14 @@ class Scheduler:
         drafts = scheduler_output.scheduled_spec_decode_tokens
         logprobs, prompt_logprobs = runner_output.logprobs, runner_output.prompt_logprobs
         requests, running_status = self.requests, RequestStatus.RUNNING
+        add_row, add_tokens = outputs.req_ids.append, outputs.new_token_ids.append  # the columns
+        num_generated = 0
         any_finished = False
-        for i, (rid, new_ids) in enumerate(zip(runner_output.req_ids, runner_output.sampled_token_ids)):
+        for rid, new_ids in zip(runner_output.req_ids, runner_output.sampled_token_ids):
             req = requests.get(rid)
             if req is None or req.status is not running_status:
                 continue  # aborted (or finished) after it was scheduled
-            new_logprobs = logprobs[i] if logprobs else None
+            new_logprobs = logprobs[runner_output.req_id_to_index[rid]] if logprobs else None
             if drafts and rid in drafts:
                 # Rejected drafts were computed but are not part of the sequence: roll back so
                 # their slots are rewritten next step.
@@ -305,31 +294,32 @@ class Scheduler:
                 if new_ids:
                     outputs.add(rid, [], new_logprobs)
                 continue
-            kept = self._append_tokens(req, new_ids)
-            if kept < len(new_ids):  # tokens sampled past a stop condition are dropped
+            # Append until a token stops the sequence; tokens sampled past it are dropped.
+            all_ids, kept = req.all_token_ids, 0
+            for tok in new_ids:
+                all_ids.append(tok)
+                kept += 1
+                if (tok in req.maybe_stop_ids or len(all_ids) >= req.max_num_tokens) and self._check_stop(req):
+                    break
+            if kept < len(new_ids):
                 new_ids = new_ids[:kept]
                 new_logprobs = new_logprobs[:kept] if new_logprobs else new_logprobs
-            stats.num_generation_tokens += kept
+            num_generated += kept
             prompt_lp = prompt_logprobs.get(rid) if prompt_logprobs else None
-            if new_ids or prompt_lp is not None:
+            if prompt_lp is not None or new_logprobs:
                 outputs.add(rid, new_ids, new_logprobs, prompt_lp)
+            elif new_ids:
+                add_row(rid)
+                add_tokens(new_ids)
             if req.status is not running_status:
                 outputs.finished[rid] = (req.get_finished_reason(), req.stop_reason)
                 self._free_request(req)
                 any_finished = True
         if any_finished:
             self.running = [r for r in self.running if r.status is running_status]
+        stats.num_generation_tokens = num_generated
         self._fill_stats(stats, scheduler_output)
         return outputs
-
-    def _append_tokens(self, req: Request, new_ids: list[int]) -> int:
-        """Append tokens until one stops the sequence; returns how many were kept."""
-        all_ids = req.all_token_ids
-        for kept, tok in enumerate(new_ids, 1):
-            all_ids.append(tok)
-            if (tok in req.maybe_stop_ids or len(all_ids) >= req.max_num_tokens) and self._check_stop(req):
-                return kept
-        return len(new_ids)
 
     def _check_stop(self, req: Request) -> bool:
         """Stop checks for the token just appended: min_tokens, EOS, stop ids, then length."""
@@ -349,29 +339,16 @@ class Scheduler:
         return False
 
     def _fill_stats(self, stats: SchedulerStats, so: SchedulerOutput) -> None:
-        """The step's SchedulerStats, from its SchedulerOutput (the update filled the rest)."""
-        num_prompt = 0
-        for new in so.scheduled_new_reqs:
-            num_prompt += max(min(len(new.prompt_token_ids), new.num_computed_tokens
-                                  + so.num_scheduled_tokens[new.req_id]) - new.num_computed_tokens, 0)
-        cached = so.scheduled_cached_reqs
-        requests = self.requests
-        for rid, start in zip(cached.req_ids, cached.num_computed_tokens):
-            req = requests.get(rid)
-            if req is not None and start < req.num_prompt_tokens:  # a prefill chunk
-                num_prompt += min(req.num_prompt_tokens, start + so.num_scheduled_tokens[rid]) - start
-        stats.num_prompt_tokens = num_prompt
+        """The rest of the step's SchedulerStats (the update counted tokens and drafts)."""
+        stats.num_prompt_tokens = count_prompt_tokens(so, self.requests)
         stats.num_scheduled_tokens = so.total_num_scheduled_tokens
         stats.num_preempted_reqs = len(so.preempted_req_ids)
-        stats.num_running_reqs = len(self.running)
-        stats.num_waiting_reqs = len(self.waiting)
+        stats.num_running_reqs, stats.num_waiting_reqs = len(self.running), len(self.waiting)
         stats.kv_cache_usage = self.kv_cache_manager.usage
         prefix = self.kv_cache_manager.make_prefix_cache_stats()
         stats.prefix_cache_queries, stats.prefix_cache_hits = prefix.queries, prefix.hits
 
-    # ------------------------------------------------------------------------------------------
-    # Finishing from outside: abort, stop strings, beams that end
-    # ------------------------------------------------------------------------------------------
+    # -- Finishing from outside: abort, stop strings, beams that end -----------------------------
     def finish_requests(self, request_ids: str | Iterable[str],
                         status: RequestStatus = RequestStatus.FINISHED_ABORTED,
                         stop_reason: int | str | None = None) -> list[Request]:
@@ -380,8 +357,6 @@ class Scheduler:
         if isinstance(request_ids, str):
             request_ids = (request_ids,)
         done = [self.requests[rid] for rid in dict.fromkeys(request_ids) if rid in self.requests]
-        if not done:
-            return done
         running_drop = {id(r) for r in done if r.status == RequestStatus.RUNNING}
         if running_drop:
             self.running = [r for r in self.running if id(r) not in running_drop]
@@ -395,22 +370,15 @@ class Scheduler:
             self._free_request(req)
         return done
 
-    abort_requests = finish_requests
-
     def _free_request(self, req: Request) -> None:
         self.kv_cache_manager.free(req)
         self.finished_req_ids.add(req.request_id)
         self._new_num_cached.pop(req.request_id, None)
         del self.requests[req.request_id]
 
-    # ------------------------------------------------------------------------------------------
-    # Introspection
-    # ------------------------------------------------------------------------------------------
+    # -- Introspection ---------------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
-
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.requests)
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
@@ -422,8 +390,7 @@ class Scheduler:
         assert all(r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) for r in self.waiting)
         assert len(self.running) <= self.max_num_seqs
         queued = [r.request_id for r in self.running] + [r.request_id for r in self.waiting]
-        assert len(queued) == len(set(queued)) == len(self.requests), "a request in no queue or two"
-        assert set(queued) == set(self.requests), "queues and requests disagree"
+        assert sorted(queued) == sorted(self.requests), "a request in no queue, or in two"
         for rid in self.kv_cache_manager.req_to_blocks:
             req = self.requests.get(rid)
             assert req is not None and req.status == RequestStatus.RUNNING, f"{rid} holds blocks"

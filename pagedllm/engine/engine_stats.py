@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedllm.core.outputs import SchedulerStats
+from pagedllm.core.scheduler_stats import SchedulerStats
 
 
 @dataclass

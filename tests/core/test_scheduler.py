@@ -468,10 +468,10 @@ def test_abort_waiting_request():
     runner = make_runner(sched)
     a = make_request("a", [1, 2, 3], 4)
     sched.add_request(a)
-    assert sched.abort_requests("a") == [a]
+    assert sched.finish_requests("a") == [a]
     assert a.status == RequestStatus.FINISHED_ABORTED and a.get_finished_reason() == "abort"
     assert len(sched.waiting) == 0 and not sched.has_unfinished_requests()
-    assert sched.abort_requests("a") == []
+    assert sched.finish_requests("a") == []
     so, outs = step(sched, runner)
     assert so.is_empty and so.finished_req_ids == {"a"} and outs == []
     assert_all_free(sched)
@@ -486,8 +486,8 @@ def test_abort_running_frees_at_once_and_reaches_runner():
     sched.add_request(b)
     step(sched, runner)
     assert sched.kv_cache_manager.get_block_ids("a") == [0, 1, 2]
-    assert sched.abort_requests(["a", "unknown"]) == [a]
-    assert sched.abort_requests(["a"]) == []  # idempotent
+    assert sched.finish_requests(["a", "unknown"]) == [a]
+    assert sched.finish_requests(["a"]) == []  # idempotent
     assert sched.kv_cache_manager.get_block_ids("a") == []
     assert free_ids(sched) == [5, 6, 7, 8, 9, 2, 1, 0]
     sched.check_integrity()
@@ -509,7 +509,7 @@ def test_abort_between_schedule_and_update():
     sched.add_request(a)
     so = sched.schedule()
     ro = runner.execute_model(so)
-    sched.abort_requests("a")
+    sched.finish_requests("a")
     assert not list(sched.update_from_output(so, ro))
     assert a.output_token_ids == []
     assert_all_free(sched)
@@ -518,7 +518,7 @@ def test_abort_between_schedule_and_update():
 def test_abort_preempted_request():
     sched, runner, a, b, so = _two_requests_competing("fcfs")
     assert b.status == RequestStatus.PREEMPTED
-    assert sched.abort_requests("b") == [b]
+    assert sched.finish_requests("b") == [b]
     assert len(sched.waiting) == 0
     sched.check_integrity()
     so, _ = step(sched, runner)

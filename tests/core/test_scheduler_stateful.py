@@ -119,8 +119,8 @@ class SchedulerMachine(RuleBasedStateMachine):
     def abort(self, data):
         live = sorted(r for r in self.reqs if r in self.sched.requests)
         rid = data.draw(st.sampled_from(live), "abort_id")
-        assert self.sched.abort_requests(rid) == [self.reqs[rid]]
-        assert self.sched.abort_requests(rid) == []
+        assert self.sched.finish_requests(rid) == [self.reqs[rid]]
+        assert self.sched.finish_requests(rid) == []
         self.aborted.add(rid)
         self.parallel.abort([rid])  # a leader takes the samples that have not forked with it
         self._mark_dropped()
@@ -138,7 +138,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def _abort_group(self, ids):
         self.parallel.abort(ids)
-        for req in self.sched.abort_requests(ids):
+        for req in self.sched.finish_requests(ids):
             self.aborted.add(req.request_id)
         self._mark_dropped()
 
