@@ -48,7 +48,7 @@ def add_serve_args(p: argparse.ArgumentParser, engine_fields: set[str]) -> None:
                    help="most logprobs / top_logprobs / prompt_logprobs a request may ask for (default: 20)")
     p.add_argument("--max-seqs-per-request", type=int, default=None,
                    help="most sequences one request may run (n x prompts, or the beam width); "
-                        "default: min(max_num_seqs, 64)")
+                        "default: max_num_seqs // 2, at most 64")
     p.add_argument("--max-request-body-bytes", type=int, default=None,
                    help="larger request bodies get 413 (default: 8 MiB)")
     p.add_argument("--request-header-timeout", type=float, default=30.0,

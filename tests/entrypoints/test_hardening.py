@@ -128,10 +128,39 @@ def test_per_request_caps(fake_server, path, body, param):
     assert r.json()["error"]["param"] == param
 
 
-def test_default_sequence_cap_is_the_batch_or_64(server):
-    assert ServerOptions().seqs_per_request_cap(256) == 64 and ServerOptions().seqs_per_request_cap(8) == 8
+def test_default_sequence_cap_is_half_the_batch_at_most_64(server):
+    cap = ServerOptions().seqs_per_request_cap
+    assert cap(256) == 64 and cap(8) == 4 and cap(1) == 1
     r = HTTP.post(f"{server.url}/v1/completions", json={**OK, "n": 65})
     assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+
+
+def test_the_largest_allowed_request_does_not_stall_a_small_one(server):
+    """The bound: a one-token request sent while a request with the largest allowed n (64, and
+    200 tokens each) is decoding finishes within 20% of the big request's run time: it is
+    admitted at the next step (the big one cannot hold every slot) and needs a step or two,
+    where without the cap it would wait for the big one to end."""
+    import threading
+
+    big_times: list[float] = []
+
+    def big() -> None:
+        start = time.monotonic()
+        r = HTTP.post(f"{server.url}/v1/completions", timeout=120,
+                      json={**OK, "n": 64, "max_tokens": 200, "ignore_eos": True, "temperature": 1.0})
+        assert r.status_code == 200, r.text
+        big_times.append(time.monotonic() - start)
+
+    thread = threading.Thread(target=big)
+    thread.start()
+    time.sleep(0.3)  # the big request is admitted and decoding
+    start = time.monotonic()
+    r = HTTP.post(f"{server.url}/v1/completions", json={**OK, "max_tokens": 1}, timeout=120)
+    small = time.monotonic() - start
+    assert r.status_code == 200
+    thread.join(timeout=120)
+    assert big_times, "the big request did not finish"
+    assert small < 0.2 * big_times[0], (small, big_times[0])
 
 
 def test_chat_beam_search(server):

@@ -12,9 +12,10 @@ from typing import Any
 from pagedllm.errors import ValidationError
 
 # Most sequences one request may put in the batch (n x prompts, or the beam width), unless
-# --max-seqs-per-request says otherwise: a quarter of the default batch (max_num_seqs 256), and
-# never more than the batch itself, so one request cannot take every slot (issue 15: n=256 made
-# an 8-token request wait 25.8 s).
+# --max-seqs-per-request says otherwise: half the batch (max_num_seqs // 2), and at most 64 (a
+# quarter of the default batch of 256). A request can then never hold every slot, so a request
+# that arrives behind it is admitted at the next step instead of waiting for all of its
+# sequences to finish (issue 15: n=256 = max_num_seqs made an 8-token request wait 25.8 s).
 DEFAULT_MAX_SEQS_PER_REQUEST = 64
 # Larger than any prompt a 128k-token context holds as JSON text or token ids, times a batch of
 # a few prompts; a 50 MB body is refused before it is parsed.
@@ -27,7 +28,7 @@ class ServerOptions:
     api_keys: tuple[str, ...] = ()
     cache_salt_per_key: bool = False
     max_logprobs: int = 20  # vLLM's --max-logprobs default
-    max_seqs_per_request: int | None = None  # None: min(max_num_seqs, DEFAULT_MAX_SEQS_PER_REQUEST)
+    max_seqs_per_request: int | None = None  # None: see seqs_per_request_cap
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     request_body_timeout: float = 30.0  # seconds a body may pause between chunks
     request_header_timeout: float = 30.0  # seconds for the request line and headers
@@ -59,7 +60,7 @@ class ServerOptions:
     def seqs_per_request_cap(self, max_num_seqs: int) -> int:
         if self.max_seqs_per_request is not None:
             return self.max_seqs_per_request
-        return min(max_num_seqs, DEFAULT_MAX_SEQS_PER_REQUEST)
+        return max(1, min(max_num_seqs // 2, DEFAULT_MAX_SEQS_PER_REQUEST))
 
     def generation_defaults(self, model_defaults: dict[str, Any]) -> dict[str, Any]:
         """The sampling defaults requests inherit (vLLM's --generation-config)."""
