@@ -14,7 +14,7 @@ from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.tokenizer import apply_chat_template
 from pagedllm.errors import ValidationError, check_text
-from pagedllm import BeamSearchParams
+from pagedllm.beam_search_params import BeamSearchParams
 from pagedllm.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 

@@ -4,6 +4,9 @@
    layers and run a FakeRunner engine loop to completion.
 2. Statically: no module under pagedllm/core or pagedllm/engine (nor the runner protocol and the
    FakeRunner) imports torch, numpy or transformers at module level.
+3. Statically, on every module of the package: pagedllm's own imports point the way the table of
+   DESIGN.md §2 says (lazy imports inside functions count too), and no import circle exists at
+   module level.
 """
 from __future__ import annotations
 
@@ -150,3 +153,106 @@ def test_static_check_catches_a_top_level_import():
     """))
     roots = [r for node in _module_level_imports(tree) for r in _imported_roots(node)]
     assert sorted(roots) == ["os", "torch", "transformers"]
+
+
+# -- pagedllm's own import direction (DESIGN.md §2) ----------------------------------------------
+# Layers by module: the plain-data base, then core, the torch-free runner parts, layers and models,
+# the torch runner, the executor, the engine, the entry points. A layer may import what its
+# entry names: layer names, or single modules (the public API of a layer above).
+BASE = {"config", "sampling_params", "errors", "beam_search_params", "outputs"}
+RUNNER_LIGHT = {"runner", "runner.base", "runner.fake", "runner.input_batch"}
+ALLOWED = {
+    "base": {"base"},
+    "core": {"base", "core"},
+    "runner_light": {"base", "core.outputs", "core.scheduler_stats", "runner_light"},
+    "layers": {"base", "layers"},
+    "models": {"base", "layers", "models"},
+    "runner": {"base", "core.outputs", "core.scheduler_stats", "runner_light", "runner", "layers", "models"},
+    "executor": {"base", "core", "runner_light", "runner", "executor"},
+    "engine": {"base", "core", "runner_light", "executor", "engine"},
+    # The public API only: LLM, AsyncLLM, the tokenizer helpers, the plain-data modules.
+    "entrypoints": {"base", "package", "engine.llm", "engine.async_engine", "engine.tokenizer",
+                    "entrypoints"},
+    "package": {"base", "engine.llm"},  # pagedllm/__init__.py: the public surface
+}
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(PKG).with_suffix("")
+    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+    return ".".join(parts) or "package"
+
+
+def layer_of(module: str) -> str:
+    if module == "package":
+        return "package"
+    if module in RUNNER_LIGHT:
+        return "runner_light"
+    first = module.split(".")[0]
+    return "base" if first in BASE else first
+
+
+def _pagedllm_imports(tree: ast.Module, nodes=None) -> list[tuple[int, str]]:
+    """(line, module) of every import of a pagedllm module, as dotted names below pagedllm."""
+    found = []
+    for node in (nodes if nodes is not None else ast.walk(tree)):
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            if node.module == "pagedllm":  # from pagedllm import X: a submodule or the package API
+                for alias in node.names:
+                    sub = (PKG / alias.name).with_suffix(".py").is_file() or (PKG / alias.name).is_dir()
+                    found.append((node.lineno, alias.name if sub else "package"))
+            elif node.module.startswith("pagedllm."):
+                found.append((node.lineno, node.module[len("pagedllm."):]))
+        elif isinstance(node, ast.Import):
+            found += [(node.lineno, a.name[len("pagedllm."):]) for a in node.names
+                      if a.name.startswith("pagedllm.")]
+    return found
+
+
+def _allowed(target: str, allowed: set[str]) -> bool:
+    return (target in allowed or layer_of(target) in allowed
+            or any(target.startswith(a + ".") for a in allowed))
+
+
+ALL_MODULES = sorted(PKG.rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", ALL_MODULES, ids=lambda p: str(p.relative_to(PKG)))
+def test_import_direction(path):
+    module = _module_name(path)
+    allowed = ALLOWED[layer_of(module)]
+    tree = ast.parse(path.read_text(), filename=str(path))
+    bad = [f"line {line}: {target}" for line, target in _pagedllm_imports(tree)
+           if not _allowed(target, allowed)]
+    assert not bad, f"{module} ({layer_of(module)}) imports against the layering: {bad}"
+
+
+def test_no_import_circle_at_module_level():
+    graph = {}
+    for path in ALL_MODULES:
+        tree = ast.parse(path.read_text(), filename=str(path))
+        graph[_module_name(path)] = {t for _, t in _pagedllm_imports(tree, _module_level_imports(tree))}
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(node: str, trail: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            nxt = nxt if nxt in graph else nxt.rsplit(".", 1)[0]  # "core" names a package
+            if state.get(nxt) == 1:
+                raise AssertionError(f"import circle: {' -> '.join(trail + [node, nxt])}")
+            if nxt in graph and not state.get(nxt):
+                visit(nxt, trail + [node])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if not state.get(node):
+            visit(node, [])
+
+
+def test_layering_table_catches_an_upward_import():
+    tree = ast.parse("from pagedllm.engine.llm_engine import LLMEngine\nfrom pagedllm import LLM\n")
+    targets = [t for _, t in _pagedllm_imports(tree)]
+    assert targets == ["engine.llm_engine", "package"]
+    assert not _allowed("engine.llm_engine", ALLOWED["entrypoints"])
+    assert not _allowed("engine", ALLOWED["core"]) and not _allowed("runner.model_runner", ALLOWED["engine"])
+    assert _allowed("core.outputs", ALLOWED["runner"]) and not _allowed("core.scheduler", ALLOWED["runner"])
