@@ -17,8 +17,6 @@ its own name, so a new engine metric shows up without a change here.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
-
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
@@ -65,6 +63,33 @@ _ENGINE_SERIES: dict[str, list[tuple[str, str, str]]] = {
 }
 # Read for other series (finish reasons, cache_config_info), not exported under their own name.
 _CONSUMED = {"pagedllm:request_success", "pagedllm:request_aborted", "pagedllm:num_gpu_blocks"}
+
+
+# attribute -> (name, help, bucket kind); vLLM's names and help texts.
+_HISTOGRAMS: dict[str, tuple[str, str, str]] = {
+    "ttft": ("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", "ttft"),
+    "itl": ("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", "tpot"),
+    "tpot_old": ("vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds. "
+                 "DEPRECATED: use vllm:inter_token_latency_seconds.", "tpot"),
+    "request_tpot": ("vllm:request_time_per_output_token_seconds",
+                     "Histogram of time_per_output_token_seconds per request.", "tpot"),
+    "e2e": ("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", "latency"),
+    "queue": ("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
+              "latency"),
+    "inference": ("vllm:request_inference_time_seconds",
+                  "Histogram of time spent in RUNNING phase for request.", "latency"),
+    "prefill": ("vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.",
+                "latency"),
+    "decode": ("vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.",
+               "latency"),
+    "prompt_tokens": ("vllm:request_prompt_tokens", "Number of prefill tokens processed.", "tokens"),
+    "generation_tokens": ("vllm:request_generation_tokens", "Number of generation tokens processed.", "tokens"),
+    "max_num_generation_tokens": ("vllm:request_max_num_generation_tokens",
+                                  "Histogram of maximum number of requested generation tokens.", "tokens"),
+    "params_n": ("vllm:request_params_n", "Histogram of the n request parameter.", "n"),
+    "params_max_tokens": ("vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.",
+                          "tokens"),
+}
 
 
 def build_1_2_5_buckets(max_value: int) -> tuple[int, ...]:
@@ -122,38 +147,11 @@ class ServerMetrics:
         labels = [model_name, "0"]
         token_buckets = build_1_2_5_buckets(max(1, llm.max_model_len))
 
-        def histogram(name: str, doc: str, buckets: tuple) -> Any:
-            return Histogram(name, doc, LABELS, registry=self.registry, buckets=buckets).labels(*labels)
-
-        self.ttft = histogram("vllm:time_to_first_token_seconds",
-                              "Histogram of time to first token in seconds.", _TTFT_BUCKETS)
-        self.itl = histogram("vllm:inter_token_latency_seconds",
-                             "Histogram of inter-token latency in seconds.", _TPOT_BUCKETS)
-        self.tpot_old = histogram("vllm:time_per_output_token_seconds",
-                                  "Histogram of time per output token in seconds. DEPRECATED: use "
-                                  "vllm:inter_token_latency_seconds.", _TPOT_BUCKETS)
-        self.request_tpot = histogram("vllm:request_time_per_output_token_seconds",
-                                      "Histogram of time_per_output_token_seconds per request.", _TPOT_BUCKETS)
-        self.e2e = histogram("vllm:e2e_request_latency_seconds",
-                             "Histogram of e2e request latency in seconds.", _REQUEST_LATENCY_BUCKETS)
-        self.queue = histogram("vllm:request_queue_time_seconds",
-                               "Histogram of time spent in WAITING phase for request.", _REQUEST_LATENCY_BUCKETS)
-        self.inference = histogram("vllm:request_inference_time_seconds",
-                                   "Histogram of time spent in RUNNING phase for request.", _REQUEST_LATENCY_BUCKETS)
-        self.prefill = histogram("vllm:request_prefill_time_seconds",
-                                 "Histogram of time spent in PREFILL phase for request.", _REQUEST_LATENCY_BUCKETS)
-        self.decode = histogram("vllm:request_decode_time_seconds",
-                                "Histogram of time spent in DECODE phase for request.", _REQUEST_LATENCY_BUCKETS)
-        self.prompt_tokens = histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.",
-                                       token_buckets)
-        self.generation_tokens = histogram("vllm:request_generation_tokens",
-                                           "Number of generation tokens processed.", token_buckets)
-        self.max_num_generation_tokens = histogram(
-            "vllm:request_max_num_generation_tokens",
-            "Histogram of maximum number of requested generation tokens.", token_buckets)
-        self.params_n = histogram("vllm:request_params_n", "Histogram of the n request parameter.", _N_BUCKETS)
-        self.params_max_tokens = histogram("vllm:request_params_max_tokens",
-                                           "Histogram of the max_tokens request parameter.", token_buckets)
+        buckets = {"ttft": _TTFT_BUCKETS, "tpot": _TPOT_BUCKETS, "latency": _REQUEST_LATENCY_BUCKETS,
+                   "n": _N_BUCKETS, "tokens": token_buckets}
+        for attr, (name, doc, kind) in _HISTOGRAMS.items():  # self.ttft, self.itl, ... one per entry
+            setattr(self, attr, Histogram(name, doc, LABELS, registry=self.registry,
+                                          buckets=buckets[kind]).labels(*labels))
         self.prompt_tokens_cached = Counter("vllm:prompt_tokens_cached", "Number of cached prompt tokens.",
                                             LABELS, registry=self.registry).labels(*labels)
         llm.stat_loggers.append(self.observe_latency)
