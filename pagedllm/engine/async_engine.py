@@ -32,6 +32,7 @@ from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+DEFAULT_WATCHDOG_TIMEOUT_S = 120.0
 
 
 @dataclass
@@ -47,8 +48,13 @@ StatLogger = Callable[[RequestStats], None]
 
 
 class AsyncLLM:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, watchdog_timeout_s: float = DEFAULT_WATCHDOG_TIMEOUT_S) -> None:
         self.engine = engine
+        # The watchdog: requests are open but no step has computed a token for this long (the
+        # loop idle with work left, or a step that never returns): the engine is stuck. 0: off.
+        self.watchdog_timeout_s = watchdog_timeout_s
+        self._last_progress = time.monotonic()
+        self._stuck_reported = False
         self._lock = threading.Lock()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-engine")
         self._streams: dict[str, asyncio.Queue] = {}
@@ -60,8 +66,10 @@ class AsyncLLM:
         self.num_aborted_requests = 0
 
     @classmethod
-    def from_engine_args(cls, model: str | None = None, **engine_args: Any) -> "AsyncLLM":
-        return cls(LLMEngine(EngineConfig.from_kwargs(model, **engine_args)))
+    def from_engine_args(cls, model: str | None = None,
+                         watchdog_timeout_s: float = DEFAULT_WATCHDOG_TIMEOUT_S,
+                         **engine_args: Any) -> "AsyncLLM":
+        return cls(LLMEngine(EngineConfig.from_kwargs(model, **engine_args)), watchdog_timeout_s)
 
     # -- what the server reads -----------------------------------------------------------------
     @property
@@ -91,6 +99,27 @@ class AsyncLLM:
     def default_sampling_params(self) -> SamplingParams:
         return self.engine.default_sampling_params()
 
+    def stuck_reason(self) -> str | None:
+        """Why the engine is stuck, or None. Read on the event loop, never waiting for the
+        engine thread (which may be the thing that hangs)."""
+        if not self.watchdog_timeout_s or not self._streams:
+            return None
+        idle = time.monotonic() - self._last_progress
+        if idle <= self.watchdog_timeout_s:
+            return None
+        reason = (f"the engine is stuck: {len(self._streams)} requests open, no token computed "
+                  f"for {idle:.1f} s (watchdog timeout {self.watchdog_timeout_s:g} s)")
+        if not self._stuck_reported:
+            self._stuck_reported = True
+            logger.error(reason)
+        return reason
+
+    def health_error(self) -> str | None:
+        """What /health reports: the engine is dead or stuck (None: healthy)."""
+        if self._dead is not None:
+            return f"the engine is dead: {self._dead}"
+        return self.stuck_reason()
+
     # -- engine thread -------------------------------------------------------------------------
     def _locked(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         with self._lock:
@@ -102,8 +131,10 @@ class AsyncLLM:
         return await loop.run_in_executor(self._executor, lambda: self._locked(fn, *args, **kwargs))
 
     async def get_metrics(self) -> dict[str, float]:
+        stuck = self.stuck_reason() is not None  # before waiting for the engine thread
         metrics = await self.run(self.engine.get_metrics)
         metrics["pagedllm:request_aborted"] = self.num_aborted_requests
+        metrics["pagedllm:engine_stuck"] = float(stuck)
         return metrics
 
     async def reset_prefix_cache(self) -> bool:
@@ -131,9 +162,19 @@ class AsyncLLM:
             if aborts:
                 self.engine.abort_request(aborts)
             if not self.engine.has_unfinished_requests():
+                self._progress()
                 return [], False
+            computed = self.engine.stats.num_scheduled_tokens
             outputs = self.engine.step()
+            if self.engine.stats.num_scheduled_tokens > computed:
+                self._progress()
             return outputs, self.engine.has_unfinished_requests()
+
+    def _progress(self) -> None:
+        self._last_progress = time.monotonic()
+        if self._stuck_reported:
+            self._stuck_reported = False
+            logger.warning("the engine makes progress again")
 
     async def _run_loop(self) -> None:
         assert self._wake is not None
@@ -192,6 +233,8 @@ class AsyncLLM:
         if request_id in self._streams:
             raise ValidationError(f"request id {request_id!r} is already in use", "request_id")
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        if not self._streams:  # the watchdog counts from the first open request on
+            self._last_progress = time.monotonic()
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
         try:

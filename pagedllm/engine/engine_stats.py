@@ -23,6 +23,7 @@ class EngineStats:
     num_accepted_tokens: int = 0
     num_requests_finished: int = 0
     num_steps: int = 0
+    num_scheduled_tokens: int = 0  # every token the steps computed (the watchdog's progress)
 
     def add(self, step: SchedulerStats, num_finished: int) -> None:
         self.num_prompt_tokens_computed += step.num_prompt_tokens
@@ -35,6 +36,7 @@ class EngineStats:
         self.num_accepted_tokens += step.num_accepted_tokens
         self.num_requests_finished += num_finished
         self.num_steps += 1
+        self.num_scheduled_tokens += step.num_scheduled_tokens
 
     def as_metrics(self) -> dict[str, float]:
         return {

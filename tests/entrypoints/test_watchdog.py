@@ -1,0 +1,109 @@
+"""The watchdog: open requests and no token computed for watchdog_timeout_s makes the engine
+report itself stuck (health_error, /health 503 with the reason, a metric, one log line), and
+recover once steps compute again; a healthy busy engine is never reported."""
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import httpx
+from server_utils import make_fake_engine
+
+from pagedllm.engine.async_engine import AsyncLLM
+from pagedllm.entrypoints.openai.server import build_app
+from pagedllm.runner.fake import FakeRunner
+from pagedllm.sampling_params import SamplingParams
+
+VOCAB = 512
+
+
+class BlockingRunner(FakeRunner):
+    """A step that does not return until released (a hung kernel, a wedged device)."""
+
+    def __init__(self) -> None:
+        super().__init__(VOCAB)
+        self.release = threading.Event()
+        self.release.set()
+
+    def execute_model(self, so):
+        self.release.wait(10)
+        return super().execute_model(so)
+
+
+def _params(max_tokens: int = 4) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+
+
+def test_a_hung_step_is_reported_and_recovery_clears_it(demo_tokenizer, caplog):
+    runner = BlockingRunner()
+    llm = AsyncLLM(make_fake_engine(demo_tokenizer, runner, num_gpu_blocks_override=64),
+                   watchdog_timeout_s=0.3)
+    app = build_app(llm)
+
+    async def run():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            assert (await client.get("/health")).status_code == 200
+            runner.release.clear()  # the next step hangs
+            task = asyncio.create_task(_collect(llm.generate([1, 403, 407], _params(), "a")))
+            await asyncio.sleep(0.6)
+            health = await client.get("/health")  # answered at once: it never waits for the engine
+            metrics_task = asyncio.create_task(llm.get_metrics())
+            await asyncio.sleep(0.05)
+            runner.release.set()
+            metrics = await metrics_task
+            tokens = await asyncio.wait_for(task, 10)
+            after = await client.get("/health")
+            return health, metrics, tokens, after
+
+    health, metrics, tokens, after = asyncio.run(run())
+    assert health.status_code == 503 and "stuck" in health.json()["error"]["message"]
+    assert metrics["pagedllm:engine_stuck"] == 1.0
+    assert len(tokens) == 4  # nothing lost once the step returned
+    assert after.status_code == 200
+    assert sum("the engine is stuck" in r.message for r in caplog.records) == 1
+
+
+def test_idle_loop_with_open_requests_is_stuck(demo_tokenizer):
+    """The wedge of issue 15: the scheduler says nothing is left while a stream still waits."""
+    engine = make_fake_engine(demo_tokenizer, None, num_gpu_blocks_override=64)
+    llm = AsyncLLM(engine, watchdog_timeout_s=0.2)
+
+    async def run():
+        engine.has_unfinished_requests = lambda: False  # a lost request: the loop goes idle
+        gen = llm.generate([1, 403, 407], _params(), "ghost")
+        task = asyncio.create_task(gen.__anext__())
+        await asyncio.sleep(0.4)
+        reason = llm.health_error()
+        task.cancel()
+        return reason
+
+    reason = asyncio.run(run())
+    assert reason is not None and "1 requests open" in reason
+
+
+def test_busy_engine_is_not_stuck(demo_tokenizer):
+    llm = AsyncLLM(make_fake_engine(demo_tokenizer, None, num_gpu_blocks_override=64),
+                   watchdog_timeout_s=0.5)
+
+    async def run():
+        reasons = []
+
+        async def probe():
+            for _ in range(20):
+                reasons.append(llm.health_error())
+                await asyncio.sleep(0.05)
+
+        await asyncio.gather(probe(), *[_collect(llm.generate([1, 403, 407 + i], _params(64), f"r{i}"))
+                                        for i in range(8)])
+        return reasons
+
+    assert all(r is None for r in asyncio.run(run()))
+
+
+async def _collect(gen) -> list[int]:
+    tokens: list[int] = []
+    async for out in gen:
+        tokens = out.outputs[0].token_ids
+    return tokens
+
