@@ -7,6 +7,7 @@ block that nobody uses. It is evicted lazily, only when ``get_new_blocks`` hands
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 
 class KVCacheBlock:
@@ -75,6 +76,14 @@ class FreeKVCacheBlockQueue:
         return [b.block_id for b in self]
 
 
+@dataclass(slots=True)
+class BlockEvents:
+    """What happened to blocks since the last report (for the step trace and stats)."""
+    num_allocated: int = 0  # handed out from the free queue
+    num_freed: int = 0  # last reference dropped: back to the free queue
+    num_evicted: int = 0  # a cached block's hash forgotten when it was handed out again
+
+
 class BlockPool:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
         if num_blocks < 1 or block_size < 1:
@@ -85,6 +94,7 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         self.cached_block_hash_to_block: dict[int, KVCacheBlock] = {}
+        self.events = BlockEvents()
 
     # -- queries -----------------------------------------------------------------------------
     def get_num_free_blocks(self) -> int:
@@ -112,7 +122,9 @@ class BlockPool:
         block = queue.popleft()
         if block.block_hash is not None:
             self._evict(block)
+            self.events.num_evicted += 1
         block.ref_cnt = 1
+        self.events.num_allocated += 1
         return block
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -130,6 +142,12 @@ class BlockPool:
             assert block.ref_cnt >= 0, f"double free of {block}"
             if block.ref_cnt == 0:
                 self.free_block_queue.append(block)
+                self.events.num_freed += 1
+
+    def take_events(self) -> BlockEvents:
+        """The block events since the last call, and start counting afresh."""
+        events, self.events = self.events, BlockEvents()
+        return events
 
     # -- prefix cache ------------------------------------------------------------------------
     def cache_block(self, block: KVCacheBlock, block_hash: int) -> None:

@@ -48,6 +48,10 @@ class SchedulerOutput:
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     finished_req_ids: set[str] = field(default_factory=set)  # runner drops their state
     preempted_req_ids: set[str] = field(default_factory=set)
+    # Why, for the step trace (the runner ignores these): each victim and the running request
+    # that needed its blocks; waiting requests that did not fit and were skipped (skip-ahead).
+    preempted_by: dict[str, str] = field(default_factory=dict)
+    skipped_req_ids: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

@@ -96,11 +96,10 @@ class Scheduler:
             self.waiting.prepend_requests(queued)  # part of a group already running: go first
 
     def set_draft_tokens(self, request_id: str, token_ids: list[int]) -> None:
-        """Draft tokens to verify in the next step (speculative decoding)."""
+        """Draft tokens to verify in the next step (never past the length limit)."""
         req = self.requests.get(request_id)
         if req is not None and req.status == RequestStatus.RUNNING:
-            room = req.max_num_tokens - req.num_tokens - 1  # never draft past the length limit
-            req.spec_token_ids = token_ids[:max(room, 0)]
+            req.spec_token_ids = token_ids[:max(req.max_num_tokens - req.num_tokens - 1, 0)]
 
     # -- schedule() ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -108,7 +107,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         new_block_ids: dict[str, list[int]] = {}
-        preempted: set[str] = set()
+        preempted: dict[str, str] = {}  # victim -> the running request that needed its blocks
 
         # 1. Running requests first, in order. One that cannot get a block preempts a victim,
         # which gives back what it was given this step; if the victim is the request itself, the
@@ -130,7 +129,7 @@ class Scheduler:
                 if running.index(victim) < i:
                     i -= 1
                 self._preempt(victim)
-                preempted.add(victim.request_id)
+                preempted[victim.request_id] = req.request_id
                 if victim is req:
                     break
             else:
@@ -141,10 +140,8 @@ class Scheduler:
                 i += 1
 
         # 2. Then waiting requests, unless this step had to preempt (memory is tight).
-        if not preempted:
-            self._schedule_waiting(budget, num_scheduled)
-
-        return self._update_after_schedule(num_scheduled, new_block_ids, preempted)
+        skipped = [] if preempted else self._schedule_waiting(budget, num_scheduled)
+        return self._update_after_schedule(num_scheduled, new_block_ids, preempted, skipped)
 
     def _num_new_tokens(self, n: int, budget: int) -> int:
         """A request's share of the step: the ``n`` tokens it lacks, capped by
@@ -158,8 +155,9 @@ class Scheduler:
         """FCFS: the most recently admitted; priority: the worst (priority, arrival)."""
         return self.running[-1] if self.policy == "fcfs" else max(self.running)
 
-    def _schedule_waiting(self, budget: int, num_scheduled: dict[str, int]) -> None:
-        """Admit waiting requests in queue order while budget, sequence slots and blocks last.
+    def _schedule_waiting(self, budget: int, num_scheduled: dict[str, int]) -> list[str]:
+        """Admit waiting requests in queue order while budget, sequence slots and blocks last;
+        returns the ids of those that did not fit and were skipped.
 
         Bounded skip-ahead: when the head does not fit in the KV cache, later requests may be
         admitted past it, each admission counting against every request it passes; once one
@@ -193,6 +191,7 @@ class Scheduler:
                 break  # a skipped request has been passed often enough: it goes next
         if skipped:
             self.waiting.prepend_requests(skipped)
+        return [r.request_id for r in skipped]
 
     def _preempt(self, req: Request) -> None:
         """Recompute preemption: free every block and go back to the head of the queue.
@@ -217,7 +216,7 @@ class Scheduler:
                 self._preempt(req)
 
     def _update_after_schedule(self, num_scheduled: dict[str, int], new_block_ids: dict[str, list[int]],
-                               preempted: set[str]) -> SchedulerOutput:
+                               preempted: dict[str, str], skipped: list[str]) -> SchedulerOutput:
         """Write the step's work order and advance every scheduled request (the one place that
         does): the next schedule() sees these tokens as computed (the runner computes them
         before then), and a preemption frees exactly what was computed.
@@ -259,7 +258,9 @@ class Scheduler:
                                    if rid in cached.req_ids},
             scheduled_spec_decode_tokens=spec_tokens,
             finished_req_ids=finished,
-            preempted_req_ids=preempted,
+            preempted_req_ids=set(preempted),
+            preempted_by=preempted,
+            skipped_req_ids=skipped,
         )
 
     # -- update_from_output() --------------------------------------------------------------------
@@ -347,6 +348,9 @@ class Scheduler:
         stats.kv_cache_usage = self.kv_cache_manager.usage
         prefix = self.kv_cache_manager.make_prefix_cache_stats()
         stats.prefix_cache_queries, stats.prefix_cache_hits = prefix.queries, prefix.hits
+        blocks = self.kv_cache_manager.block_pool.take_events()
+        stats.num_blocks_allocated, stats.num_blocks_freed = blocks.num_allocated, blocks.num_freed
+        stats.num_blocks_evicted, stats.num_blocks_copied = blocks.num_evicted, len(so.block_copies)
 
     # -- Finishing from outside: abort, stop strings, beams that end -----------------------------
     def finish_requests(self, request_ids: str | Iterable[str],

@@ -30,6 +30,10 @@ class SchedulerStats:
     num_drafts: int = 0  # speculative decoding: draft runs verified, draft tokens, accepted
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    num_blocks_allocated: int = 0  # KV blocks: handed out, given back, evicted from the prefix cache
+    num_blocks_freed: int = 0
+    num_blocks_evicted: int = 0
+    num_blocks_copied: int = 0  # copy-on-write copies
 
 
 def count_prompt_tokens(so: "SchedulerOutput", requests: Mapping[str, "Request"]) -> int:
