@@ -37,7 +37,7 @@ def _time(fn, iters: int) -> float:
     return (time.perf_counter() - start) / iters
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--context", type=int, default=1024)
@@ -48,7 +48,8 @@ def main() -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--iters", type=int, default=5, help="calls per candidate per round")
-    args = p.parse_args()
+    p.add_argument("--copy-mib", type=int, default=256, help="least size of the copied tensor")
+    args = p.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     B, L, H, Hkv, D, bs = (args.requests, args.context, args.heads, args.kv_heads,
                            args.head_dim, args.block_size)
@@ -86,7 +87,7 @@ def main() -> None:
                                            attn_mask=mask, scale=D ** -0.5)
 
     kv_bytes = 2 * B * L * Hkv * D * cache.element_size()
-    src = torch.randn(max(kv_bytes // 4, 1 << 26))  # at least 256 MiB: far beyond any cache
+    src = torch.randn(max(kv_bytes, args.copy_mib << 20) // 4)  # far beyond any CPU cache
     dst = torch.empty_like(src)
     candidates = {"cpu_paged": paged("cpu_paged"), "torch": paged("torch"), "dense": dense,
                   "copy": lambda: dst.copy_(src)}

@@ -12,6 +12,9 @@
 2. Batch size. The same workload with a fixed KV budget (``--kv-budget-mib``): the peak and the
    mean number of running requests over the steps that had requests waiting (the batch the budget
    sustains under load), against a contiguous cache: budget // (max_model_len x bytes per token).
+   Memory truth, in the same run: every KV byte the runner allocated (its cache tensors, and
+   every other tensor alive after the run besides the weights: a second copy of the KV would show
+   there) against the budget, and the process's peak RSS while the workload ran (Linux).
 
     python -m benchmarks.memory [--workload cpu] [--kv-budget-mib 64] [--max-model-len 2048]
 """
@@ -19,7 +22,10 @@ from __future__ import annotations
 
 import argparse
 import gc
+import resource
 import sys
+import warnings
+from pathlib import Path
 
 from benchmarks.common import (WORKLOADS, Workload, add_model_args, engine_args, log,
                                         make_workload, model_stats, resolve_model, write_json)
@@ -78,6 +84,51 @@ def measure_waste(model: str, workload: Workload, llm_kwargs: dict, block_size: 
             "mean_waste": 1 - sum_held / sum_slots if sum_slots else 0.0}
 
 
+def _reset_peak_rss() -> None:
+    """Linux: writing 5 to clear_refs resets the peak RSS (VmHWM) to the current RSS."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def _rss_bytes(field: str = "VmHWM") -> int:
+    """The process's peak (VmHWM) or current (VmRSS) resident memory."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def _kv_bytes_allocated(llm) -> dict:
+    """The runner's KV cache bytes, and the bytes of every other live tensor that is not a
+    weight (None with an out-of-process executor)."""
+    import torch
+
+    runner = getattr(llm.llm_engine.executor, "runner", None)
+    if runner is None or not hasattr(runner, "kv_caches"):
+        return {"kv_cache_bytes": None, "other_tensor_bytes": None}
+    kv = {c.untyped_storage().data_ptr(): c.untyped_storage().nbytes() for c in runner.kv_caches}
+    seen = set(kv) | {t.untyped_storage().data_ptr() for t in runner.model.state_dict().values()
+                      if not t.is_mkldnn}
+    gc.collect()
+    with warnings.catch_warnings():  # isinstance() pokes deprecated torch module attributes
+        warnings.simplefilter("ignore")
+        tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    other = 0
+    for t in tensors:
+        if t.is_mkldnn or t.is_meta:  # opaque oneDNN copies of the weights
+            continue
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            other += storage.nbytes()
+    return {"kv_cache_bytes": sum(kv.values()), "other_tensor_bytes": other}
+
+
 def measure_batch(model: str, workload: Workload, llm_kwargs: dict, block_size: int,
                   max_model_len: int, budget_bytes: int) -> dict:
     from pagedllm import LLM
@@ -87,6 +138,8 @@ def measure_batch(model: str, workload: Workload, llm_kwargs: dict, block_size: 
                         "max_model_len": max_model_len, "kv_cache_memory_bytes": budget_bytes})
     num_blocks = int(llm.get_metrics()["pagedllm:num_gpu_blocks"])
     _add_requests(llm, workload)
+    _reset_peak_rss()
+    rss_at_start = _rss_bytes("VmRSS")
     peak = 0
     loaded: list[int] = []  # running counts of the steps with requests still waiting
     while llm.llm_engine.has_unfinished_requests():
@@ -97,11 +150,24 @@ def measure_batch(model: str, workload: Workload, llm_kwargs: dict, block_size: 
         if m["pagedllm:num_requests_waiting"] > 0:
             loaded.append(running)
     preemptions = llm.get_metrics()["pagedllm:num_preemptions"]
+    peak_rss = _rss_bytes()
+    held = _kv_bytes_allocated(llm)
     del llm
     gc.collect()
     return {"num_gpu_blocks": num_blocks, "peak_running": peak,
             "mean_running_under_load": sum(loaded) / len(loaded) if loaded else float(peak),
-            "steps_under_load": len(loaded), "num_preemptions": preemptions}
+            "steps_under_load": len(loaded), "num_preemptions": preemptions,
+            "rss_at_start_bytes": rss_at_start, "peak_rss_bytes": peak_rss, **held}
+
+
+def _memory_truth(batch: dict, budget: int) -> str:
+    mib = 2**20
+    if batch["kv_cache_bytes"] is None:
+        return f"peak RSS {batch['peak_rss_bytes'] / mib:.0f} MiB"
+    return (f"KV allocated {batch['kv_cache_bytes'] / mib:.2f} MiB of the {budget / mib:.2f} MiB "
+            f"budget ({batch['kv_cache_bytes'] / budget:.1%}), other live tensors "
+            f"{batch['other_tensor_bytes'] / mib:.2f} MiB; peak RSS {batch['peak_rss_bytes'] / mib:.0f} "
+            f"MiB during the workload ({batch['rss_at_start_bytes'] / mib:.0f} MiB at its start)")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -142,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
           f"contiguous at max_model_len {args.max_model_len} | {args.kv_budget_mib:g} MiB KV: "
           f"{batch['mean_running_under_load']:.1f} running under load (peak {batch['peak_running']}, "
           f"{batch['num_preemptions']} preemptions) vs {contiguous_batch} contiguous "
-          f"({result['batch_ratio']:.1f}x)", flush=True)
+          f"({result['batch_ratio']:.1f}x) | {_memory_truth(batch, budget)}", flush=True)
     write_json(args.json, result)
 
 

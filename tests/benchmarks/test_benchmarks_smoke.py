@@ -84,6 +84,9 @@ def test_memory(tiny_model, tmp_path, capsys):
     b = r["waste"]["busiest_step"]
     assert 0 < b["tokens"] <= b["slots"] and 0 <= b["waste"] < b["contiguous_waste"]
     assert r["contiguous_batch"] == 1 and r["paged_batch"]["peak_running"] >= 1
+    held = r["paged_batch"]  # memory truth: the KV allocated is the budget, and nothing beside it
+    assert r["kv_budget_bytes"] - 16 * 512 < held["kv_cache_bytes"] <= r["kv_budget_bytes"]
+    assert held["other_tensor_bytes"] < 16 * 512 and held["peak_rss_bytes"] > 0
 
 
 def test_latency(tiny_model, tmp_path, capsys):
