@@ -5,9 +5,23 @@ Nothing on the scheduling path counts anything for metrics: each step reports wh
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from pagedllm.core.outputs import EngineCoreOutputs, SchedulerOutput
 from pagedllm.core.scheduler_stats import SchedulerStats
+
+
+@dataclass(slots=True)
+class StepTimings:
+    """Wall time of one step's phases, in seconds."""
+    schedule_s: float
+    execute_s: float
+    update_s: float
+
+
+# Sees every step after the scheduler's update (LLMEngine.step_observers).
+StepObserver = Callable[[SchedulerOutput, EngineCoreOutputs, StepTimings], None]
 
 
 @dataclass

@@ -20,7 +20,7 @@ from pagedllm.core.outputs import EngineCoreOutputs
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.beam_search import BeamSearch, BeamSearchGroup
-from pagedllm.engine.engine_stats import EngineStats
+from pagedllm.engine.engine_stats import EngineStats, StepObserver, StepTimings
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.model_info import ModelInfo
 from pagedllm.engine.output_processor import OutputProcessor, ParentRequest
@@ -95,6 +95,8 @@ class LLMEngine:
         self.input_processor = InputProcessor(tokenizer, self.model_info.vocab_size)
         self.output_processor = OutputProcessor(tokenizer)
         self.stats = EngineStats()
+        # Called after every step's update with (SchedulerOutput, EngineCoreOutputs, StepTimings).
+        self.step_observers: list[StepObserver] = []
         self._finished_beams: list[BeamSearchGroup] = []
 
     @classmethod
@@ -164,10 +166,16 @@ class LLMEngine:
 
     # -- the loop ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
+        t1 = time.perf_counter()
         self._record_first_scheduled(scheduler_output.scheduled_new_reqs)
         runner_output = self.executor.execute_model(scheduler_output)
+        t2 = time.perf_counter()
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        timings = StepTimings(t1 - t0, t2 - t1, time.perf_counter() - t2)
+        for observe in self.step_observers:  # the step trace, the dashboard's feed
+            observe(scheduler_output, core_outputs, timings)
         self._share(core_outputs, stalled=scheduler_output.is_empty and self.scheduler.has_unfinished_requests())
         outputs, stopped = self.output_processor.process_outputs(core_outputs)
         for child_id, stop_str in stopped:  # a stop string showed up in the text
