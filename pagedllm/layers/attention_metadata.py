@@ -54,6 +54,7 @@ class AttentionMetadata:
     # The torch backend's gather plan (None / empty for backends that read the cache in place).
     decode: DecodeBatch | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
+    backend_data: object = None       # whatever else the backend prepared (backend.prepare)
 
     @property
     def num_tokens(self) -> int:
@@ -115,6 +116,7 @@ def build_attention_metadata(query_lens: list[int], num_computed_tokens: list[in
         md.decode = _build_decode(query_lens, seq_lens, query_start_loc, tables, block_size, to_dev)
         md.prefills = _build_prefills(query_lens, num_computed_tokens, query_start_loc, seq_lens,
                                       tables, block_size, to_dev)
+    md.backend_data = backend.prepare(md)
     return md
 
 

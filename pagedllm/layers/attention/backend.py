@@ -29,6 +29,11 @@ class AttentionBackend(ABC):
     # and masks) that the torch backend reads; building them costs a few small tensors per step.
     needs_gather_plan: ClassVar[bool]
 
+    def prepare(self, md: AttentionMetadata) -> object:
+        """Anything per step that every layer would otherwise rebuild; kept as
+        ``md.backend_data``."""
+        return None
+
     @abstractmethod
     def forward(self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 md: AttentionMetadata) -> torch.Tensor:

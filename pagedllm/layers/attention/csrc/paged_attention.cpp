@@ -3,7 +3,8 @@
 // One call covers a whole flat batch: request b owns query rows [qsl[b], qsl[b+1]) and attends
 // to its first seq_lens[b] cached positions; its query row i sits at position
 // seq_lens[b] - n + i (n = its number of query rows) and sees keys at positions <= its own
-// (causal over the cached prefix and the chunk itself). The layer has already written this
+// (causal over the cached prefix and the chunk itself). A request with seq_lens[b] == 0 is
+// skipped: its output rows are left for the caller to fill. The layer has already written this
 // step's K/V into the cache, so the kernel only reads.
 //
 // Work item = (request, kv head, tile of query rows): the group of query heads that share a kv
@@ -162,21 +163,24 @@ struct Item {
   int64_t req, head0, head1, row0, row1;  // kv heads [head0, head1), query rows [row0, row1)
 };
 
-// Which work items cover a flat batch. An item takes as many kv heads as fit kMaxRows query
-// (row, head) pairs, all of them for a decode of a typical model: a slot's K (or V) of all kv
-// heads is one contiguous run, so reading whole slots streams through memory, where one head's
-// slice of every slot would be a page-crossing stride. Heads are split further only when there
-// are too few items to keep every thread busy.
-std::vector<Item> plan_items(const int64_t* qsl, int64_t num_reqs, int64_t num_kv_heads,
+// Which work items cover a flat batch. A decode item takes as many kv heads as fit kMaxRows
+// query heads, all of them in a typical model: a slot's K (or V) of all kv heads is one
+// contiguous run, so reading whole slots streams through memory, where one head's slice of
+// every slot would be a page-crossing stride. Heads are split further only when there are too
+// few items to keep every thread busy. A multi-token item takes one kv head and as many query
+// rows as fit, so that each key it loads is scored against kMaxRows rows (a small GEMM).
+std::vector<Item> plan_items(const int64_t* qsl, const int64_t* seq_lens, int64_t num_reqs, int64_t num_kv_heads,
                              int64_t group, int64_t num_threads) {
-  int64_t heads = std::clamp<int64_t>(kMaxRows / group, 1, num_kv_heads);
+  int64_t decode_heads = std::clamp<int64_t>(kMaxRows / group, 1, num_kv_heads);
   int64_t num_rows = 0;
-  for (int64_t b = 0; b < num_reqs; ++b) num_rows += qsl[b + 1] - qsl[b];
-  while (heads > 1 && num_rows * (-(-num_kv_heads / heads)) < 4 * num_threads) heads /= 2;
-  const int64_t rows_per_item = std::max<int64_t>(1, kMaxRows / (heads * group));
+  for (int64_t b = 0; b < num_reqs; ++b) num_rows += seq_lens[b] == 0 ? 0 : qsl[b + 1] - qsl[b];
+  while (decode_heads > 1 && num_rows * (-(-num_kv_heads / decode_heads)) < 4 * num_threads)
+    decode_heads /= 2;
   std::vector<Item> items;
   for (int64_t b = 0; b < num_reqs; ++b) {
-    const int64_t n = qsl[b + 1] - qsl[b];
+    const int64_t n = seq_lens[b] == 0 ? 0 : qsl[b + 1] - qsl[b];  // seq_len 0: skipped
+    const int64_t heads = n == 1 ? decode_heads : 1;
+    const int64_t rows_per_item = std::max<int64_t>(1, kMaxRows / (heads * group));
     for (int64_t h = 0; h < num_kv_heads; h += heads)
       for (int64_t r = 0; r < n; r += rows_per_item)
         items.push_back({b, h, std::min(num_kv_heads, h + heads), r, std::min(n, r + rows_per_item)});
@@ -205,7 +209,7 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
   const int64_t* lens = seq_lens.const_data_ptr<int64_t>();
 
   const int64_t num_threads = at::get_num_threads();
-  const std::vector<Item> items = plan_items(qsl, num_reqs, num_kv_heads, group, num_threads);
+  const std::vector<Item> items = plan_items(qsl, lens, num_reqs, num_kv_heads, group, num_threads);
   const int64_t num_items = static_cast<int64_t>(items.size());
   std::atomic<int64_t> next{0};
 
@@ -220,15 +224,17 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
       const int64_t n = qsl[item.req + 1] - qsl[item.req], seq_len = lens[item.req];
       const int64_t first_pos = seq_len - n;  // position of the request's query row 0
       const int64_t item_heads = item.head1 - item.head0;  // kv heads of the item
-      // Rows come in groups of `group`: one query row and the query heads of one kv head.
-      // Group gi: query row item.row0 + gi / item_heads, kv head item.head0 + gi % item_heads.
-      const int64_t num_groups = (item.row1 - item.row0) * item_heads;
-      const int64_t rows = num_groups * group;
+      const int64_t item_rows = item.row1 - item.row0;     // query rows of the item
+      // Rows are kv-head major: row r is kv head item.head0 + r / group_rows, query row
+      // item.row0 + (r / group) % item_rows, query head kv_head * group + r % group. The
+      // group_rows rows of one kv head share every key and value they read.
+      const int64_t group_rows = item_rows * group;
+      const int64_t rows = item_heads * group_rows;
       const int64_t* table = tables + item.req * max_blocks;
+      auto query_row = [&](int64_t r) { return item.row0 + (r / group) % item_rows; };
+      auto query_head = [&](int64_t r) { return (item.head0 + r / group_rows) * group + r % group; };
       for (int64_t r = 0; r < rows; ++r) {
-        const int64_t gi = r / group;
-        const int64_t head = (item.head0 + gi % item_heads) * group + r % group;
-        const T* src = q_ptr + (qsl[item.req] + item.row0 + gi / item_heads) * q_tok + head * q_head;
+        const T* src = q_ptr + (qsl[item.req] + query_row(r)) * q_tok + query_head(r) * q_head;
         for (int64_t d = 0; d < head_dim; ++d) qs[r * head_dim + d] = static_cast<float>(src[d]) * scale;
       }
       std::fill(acc.begin(), acc.begin() + rows * head_dim, 0.f);
@@ -249,55 +255,55 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
       for (int64_t k0 = 0; k0 < num_keys; k0 += kKeyTile) {
         const int64_t tile = std::min(kKeyTile, num_keys - k0);
         const T* const* slots = &slot_of[k0];
-        // Keys a group sees in this tile: those up to its query's position (causal mask).
-        auto visible = [&](int64_t gi) {
-          return std::clamp<int64_t>(first_pos + item.row0 + gi / item_heads + 1 - k0, 0, tile);
+        // Keys a row sees in this tile: those up to its query's position (causal mask). The
+        // scores are computed up to what the item's last query row sees, then masked per row.
+        auto visible = [&](int64_t r) {
+          return std::clamp<int64_t>(first_pos + query_row(r) + 1 - k0, 0, tile);
         };
-        // Scores, 4 keys at a time for every group, so each slot is read front to back once:
+        const int64_t tile_visible = std::clamp<int64_t>(num_keys - k0, 0, tile);
+        // Scores, 4 keys at a time for every kv head, so each slot is read front to back once:
         // within a block that is one sequential stream, which the hardware prefetcher follows
         // (software prefetching measured slower).
-        for (int64_t jb = 0; jb < tile; jb += 4) {
-          for (int64_t gi = 0; gi < num_groups; ++gi) {
-            if (jb >= visible(gi)) continue;
-            const int64_t off = (item.head0 + gi % item_heads) * head_dim;
+        for (int64_t jb = 0; jb < tile_visible; jb += 4) {
+          for (int64_t h = 0; h < item_heads; ++h) {
+            const int64_t off = (item.head0 + h) * head_dim;
             const T* k4[4] = {slots[jb] + off, slots[jb + 1] + off, slots[jb + 2] + off, slots[jb + 3] + off};
-            score_group(&qs[gi * group * head_dim], k4, group, head_dim, &scores[gi * group * kKeyTile + jb]);
+            score_group(&qs[h * group_rows * head_dim], k4, group_rows, head_dim,
+                        &scores[h * group_rows * kKeyTile + jb]);
           }
         }
-        for (int64_t gi = 0; gi < num_groups; ++gi) {
-          const int64_t vis = visible(gi);
-          for (int64_t r = gi * group; r < (gi + 1) * group; ++r) {
-            float* sr = &scores[r * kKeyTile];
-            std::fill(sr + vis, sr + tile, 0.f);  // masked keys: weight 0, never exp(-inf)
-            if (vis == 0) continue;               // nothing visible in this tile: no update
-            float tile_max = sr[0];
-            for (int64_t j = 1; j < vis; ++j) tile_max = std::max(tile_max, sr[j]);
-            const float new_max = std::max(row_max[r], tile_max);
-            const float alpha = std::exp(row_max[r] - new_max);  // 0 on the first tile
-            float sum = 0.f;
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t vis = visible(r);
+          float* sr = &scores[r * kKeyTile];
+          std::fill(sr + vis, sr + tile, 0.f);  // masked keys: weight 0, never exp(-inf)
+          if (vis == 0) continue;               // nothing visible in this tile: no update
+          float tile_max = sr[0];
+          for (int64_t j = 1; j < vis; ++j) tile_max = std::max(tile_max, sr[j]);
+          const float new_max = std::max(row_max[r], tile_max);
+          const float alpha = std::exp(row_max[r] - new_max);  // 0 on the first tile
+          float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-            for (int64_t j = 0; j < vis; ++j) {
-              sr[j] = exp_nonpositive(sr[j] - new_max);
-              sum += sr[j];
-            }
-            row_sum[r] = row_sum[r] * alpha + sum;
-            row_max[r] = new_max;
-            if (alpha != 1.f) {
-              float* a = &acc[r * head_dim];
-              for (int64_t d = 0; d < head_dim; ++d) a[d] *= alpha;
-            }
+          for (int64_t j = 0; j < vis; ++j) {
+            sr[j] = exp_nonpositive(sr[j] - new_max);
+            sum += sr[j];
           }
-          if (vis == 0) continue;
-          const int64_t off = value_offset + (item.head0 + gi % item_heads) * head_dim;
-          for (int64_t j = 0; j < vis; ++j) ptrs[j] = slots[j] + off;
-          accumulate_group(&acc[gi * group * head_dim], &scores[gi * group * kKeyTile], ptrs, vis,
-                           group, head_dim);
+          row_sum[r] = row_sum[r] * alpha + sum;
+          row_max[r] = new_max;
+          if (alpha != 1.f) {
+            float* a = &acc[r * head_dim];
+            for (int64_t d = 0; d < head_dim; ++d) a[d] *= alpha;
+          }
+        }
+        // P @ V, in the same slot order; masked weights are 0.
+        for (int64_t h = 0; h < item_heads && tile_visible > 0; ++h) {
+          const int64_t off = value_offset + (item.head0 + h) * head_dim;
+          for (int64_t j = 0; j < tile_visible; ++j) ptrs[j] = slots[j] + off;
+          accumulate_group(&acc[h * group_rows * head_dim], &scores[h * group_rows * kKeyTile], ptrs,
+                           tile_visible, group_rows, head_dim);
         }
       }
       for (int64_t r = 0; r < rows; ++r) {
-        const int64_t gi = r / group;
-        const int64_t head = (item.head0 + gi % item_heads) * group + r % group;
-        T* dst = o_ptr + (qsl[item.req] + item.row0 + gi / item_heads) * o_tok + head * o_head;
+        T* dst = o_ptr + (qsl[item.req] + query_row(r)) * o_tok + query_head(r) * o_head;
         const float inv = 1.f / row_sum[r];
         for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<T>(acc[r * head_dim + d] * inv);
       }
