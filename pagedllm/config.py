@@ -129,18 +129,26 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class ObservabilityConfig:
+    trace_file: str | None = _doc(
+        "Write one JSON line per engine step to this file (the step trace: docs/trace_schema.md); "
+        "off by default, and free when off.", default=None)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model_config: ModelConfig = field(default_factory=ModelConfig)
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative_config: dict | None = None
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    observability_config: ObservabilityConfig = field(default_factory=ObservabilityConfig)
 
     @classmethod
     def from_kwargs(cls, model: str | None = None, **kwargs) -> "EngineConfig":
         """Build from vLLM-style flat engine arguments (``LLM(model, max_num_seqs=...)``)."""
         parts: dict[type, dict] = {ModelConfig: {}, CacheConfig: {}, SchedulerConfig: {},
-                                   ParallelConfig: {}}
+                                   ParallelConfig: {}, ObservabilityConfig: {}}
         if model is not None:
             parts[ModelConfig]["model"] = str(model)
         speculative_config = kwargs.pop("speculative_config", None)
@@ -153,4 +161,5 @@ class EngineConfig:
                 raise ValidationError(f"unknown engine argument {key!r}", key)
         return cls(ModelConfig(**parts[ModelConfig]), CacheConfig(**parts[CacheConfig]),
                    SchedulerConfig(**parts[SchedulerConfig]), speculative_config,
-                   ParallelConfig(**parts[ParallelConfig]))
+                   ParallelConfig(**parts[ParallelConfig]),
+                   ObservabilityConfig(**parts[ObservabilityConfig]))

@@ -25,6 +25,7 @@ from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.model_info import ModelInfo
 from pagedllm.engine.output_processor import OutputProcessor, ParentRequest
 from pagedllm.engine.parallel_sampling import ParallelSampling
+from pagedllm.engine.step_trace import StepTraceWriter
 from pagedllm.errors import ValidationError
 from pagedllm.executor import create_executor
 from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -97,6 +98,8 @@ class LLMEngine:
         self.stats = EngineStats()
         # Called after every step's update with (SchedulerOutput, EngineCoreOutputs, StepTimings).
         self.step_observers: list[StepObserver] = []
+        if config.observability_config.trace_file:  # the step trace (docs/trace_schema.md)
+            self.step_observers.append(StepTraceWriter.for_config(config, self.scheduler))
         self._finished_beams: list[BeamSearchGroup] = []
 
     @classmethod
@@ -229,6 +232,8 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+        for observer in self.step_observers:  # the step trace's file, among others
+            getattr(observer, "close", lambda: None)()
 
     # -- metrics -----------------------------------------------------------------------------
     def get_metrics(self) -> dict[str, float]:

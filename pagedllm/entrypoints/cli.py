@@ -25,12 +25,13 @@ from pathlib import Path
 from typing import Any
 
 from pagedllm import config as _config
-from pagedllm.config import CacheConfig, ModelConfig, SchedulerConfig
+from pagedllm.config import CacheConfig, ModelConfig, ObservabilityConfig, SchedulerConfig
 from pagedllm.errors import PagedLLMError
 
 # ParallelConfig joins when the engine has one (its executors are being built alongside).
 ENGINE_CONFIGS = tuple(c for c in (ModelConfig, CacheConfig, SchedulerConfig,
-                                   getattr(_config, "ParallelConfig", None)) if c is not None)
+                                   getattr(_config, "ParallelConfig", None), ObservabilityConfig)
+                       if c is not None)
 _SHORT_FLAGS = {"tensor_parallel_size": "-tp"}  # vLLM's short spellings of engine flags
 
 
@@ -251,6 +252,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return result if isinstance(result, int) else 0
 
 
+# -- explain, trace (the step trace: pagedllm/explain/, docs/trace_schema.md) ---------------------
+def _add_explain(sub: Any) -> None:
+    from pagedllm.explain.command import add_explain_parser
+
+    add_explain_parser(sub)
+
+
+def _add_trace(sub: Any) -> None:
+    from pagedllm.explain.command import add_trace_parser
+
+    add_trace_parser(sub)
+
+
 # -- main ----------------------------------------------------------------------------------------
 def make_parser() -> argparse.ArgumentParser:
     parser = FlexibleArgumentParser(prog="pagedllm", description="pagedllm: a compact vLLM-class engine")
@@ -258,6 +272,8 @@ def make_parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     _add_generate(sub)
     _add_bench(sub)
+    _add_explain(sub)
+    _add_trace(sub)
     return parser
 
 

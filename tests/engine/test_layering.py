@@ -172,7 +172,9 @@ ALLOWED = {
     "engine": {"base", "core", "runner_light", "executor", "engine"},
     # The public API only: LLM, AsyncLLM, the tokenizer helpers, the plain-data modules.
     "entrypoints": {"base", "package", "engine.llm", "engine.async_engine", "engine.tokenizer",
-                    "entrypoints"},
+                    "engine.step_trace", "explain", "entrypoints"},
+    # pagedllm explain: scenarios on the Scheduler and the FakeRunner, rendered from step traces.
+    "explain": {"base", "core", "runner_light", "engine", "explain"},
     "package": {"base", "engine.llm"},  # pagedllm/__init__.py: the public surface
 }
 
