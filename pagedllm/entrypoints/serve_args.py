@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 from typing import Any
 
 from pagedllm.errors import PagedLLMError
@@ -40,12 +41,14 @@ def add_serve_args(p: argparse.ArgumentParser, engine_fields: set[str]) -> None:
     from the config, so the compatibility flag below is added only while the field is absent)."""
     p.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
                    help="require 'Authorization: Bearer KEY' (any of the keys given) on every "
-                        "route except /health, /ping, /version, /metrics and the API docs")
+                        "route except /health, /ping, /version, /metrics and the API docs "
+                        "(default: $VLLM_API_KEY, as vLLM)")
     p.add_argument("--cache-salt-per-key", action="store_true",
                    help="give each API key's requests their own prefix-cache namespace, so one "
                         "client cannot probe another's prompts through cached_tokens or timing")
     p.add_argument("--max-logprobs", type=int, default=20,
-                   help="most logprobs / top_logprobs / prompt_logprobs a request may ask for (default: 20)")
+                   help="most logprobs / top_logprobs / prompt_logprobs a request may ask for "
+                        "(default and most: 20)")
     p.add_argument("--max-seqs-per-request", type=int, default=None,
                    help="most sequences one request may run (n x prompts, or the beam width); "
                         "default: max_num_seqs // 2, at most 64")
@@ -105,6 +108,9 @@ def check_compat_flags(args: argparse.Namespace, engine_fields: set[str]) -> Non
     if "tensor_parallel_size" not in engine_fields and args.tensor_parallel_size != 1:
         raise PagedLLMError(f"--tensor-parallel-size {args.tensor_parallel_size}: tensor "
                             "parallelism is not built yet; use 1")
+    if not 0 <= args.max_logprobs <= 20:
+        raise PagedLLMError(f"--max-logprobs {args.max_logprobs}: pagedllm returns 0 to 20 "
+                            "logprobs per token")
     if "enforce_eager" not in engine_fields and args.enforce_eager:
         logger.info("--enforce-eager: accepted; the engine has no compiled mode, it always runs eagerly")
     if args.trust_remote_code:
@@ -119,8 +125,10 @@ def check_compat_flags(args: argparse.Namespace, engine_fields: set[str]) -> Non
 def server_options(args: argparse.Namespace) -> Any:
     from pagedllm.entrypoints.openai.server_options import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerOptions
 
+    env_key = os.environ.get("VLLM_API_KEY")
     return ServerOptions(
-        api_keys=tuple(args.api_key or ()), cache_salt_per_key=args.cache_salt_per_key,
+        api_keys=tuple(args.api_key or ([env_key] if env_key else [])),
+        cache_salt_per_key=args.cache_salt_per_key,
         max_logprobs=args.max_logprobs, max_seqs_per_request=args.max_seqs_per_request,
         max_request_body_bytes=args.max_request_body_bytes or DEFAULT_MAX_REQUEST_BODY_BYTES,
         request_body_timeout=args.request_body_timeout, request_header_timeout=args.request_header_timeout,

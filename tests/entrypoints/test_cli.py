@@ -156,6 +156,7 @@ def test_serve_api_key_and_clean_sigint_shutdown(cli_server):
     (["--quantization", "fp8"], "pagedllm has no quantization"),
     (["--kv-cache-dtype", "fp8"], "only 'auto'"),
     (["-tp", "2"], "tensor parallelism is not built yet"),
+    (["--max-logprobs", "50"], "0 to 20 logprobs"),
 ])
 def test_vllm_flags_pagedllm_lacks_fail_in_one_line(capsys, flags, message):
     assert main(["serve", "--num-gpu-blocks-override", "16", *flags]) == 2
