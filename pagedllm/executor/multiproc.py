@@ -9,8 +9,9 @@ context) can deadlock. Waiting for a reply also watches every worker's process s
 descriptor that becomes readable when the process ends), so a dead worker wakes the engine at
 once with EngineDeadError instead of leaving it blocked on a socket nobody will write to.
 
-The sockets belong to the thread that calls the executor (the engine loop); ``check_health``
-touches only process state and may be called from any thread.
+Calls must not overlap (ZeroMQ sockets are not thread-safe): one thread at a time, e.g. the
+engine loop, or the one thread it hands steps to. ``check_health`` touches only process state
+and may be called from any thread.
 """
 from __future__ import annotations
 
