@@ -89,6 +89,9 @@ class SchedulerConfig:
     max_skip_ahead: int = _doc(
         "How many later waiting requests may be admitted past a head-of-line request that does "
         "not fit, before the queue waits for it.", default=16)
+    async_scheduling: bool = _doc(
+        "Schedule step N+1 while step N runs (its sampled tokens are in flight: the runner "
+        "feeds them in itself), hiding the Python work behind the model.", default=False)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

@@ -43,7 +43,7 @@ class Request:
         "priority", "cache_salt", "max_tokens", "status", "num_computed_tokens", "num_cached_tokens",
         "stop_reason", "num_preemptions", "block_hashes", "spec_token_ids", "num_skipped_past",
         "num_sent_tokens", "is_beam", "all_token_ids", "num_prompt_tokens", "max_num_tokens",
-        "maybe_stop_ids",
+        "maybe_stop_ids", "num_output_placeholders",
     )
 
     def __init__(
@@ -76,6 +76,9 @@ class Request:
         self.spec_token_ids: list[int] = []
         self.num_skipped_past = 0  # later requests admitted while this one waited at the head
         self.num_sent_tokens = 0
+        # Async scheduling: tokens sampled by steps still in flight, not yet appended. The next
+        # step may already compute them: the runner feeds in what it sampled itself.
+        self.num_output_placeholders = 0
         # Beam search: the engine, not the sampler, picks this request's next token; the
         # scheduler only reports the step's top-k logprobs once its sequence is computed.
         self.is_beam = False

@@ -34,6 +34,7 @@ class Scheduler:
         self.long_prefill_token_threshold = scheduler_config.long_prefill_token_threshold
         self.policy = scheduler_config.scheduling_policy
         self.max_skip_ahead = scheduler_config.max_skip_ahead
+        self.async_scheduling = scheduler_config.async_scheduling
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.kv_cache_manager = KVCacheManager(num_blocks, block_size, enable_caching)
@@ -116,8 +117,12 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
-            n = self._num_new_tokens(
-                len(req.all_token_ids) + len(req.spec_token_ids) - req.num_computed_tokens, budget)
+            # What it lacks: its tokens (those in flight too) and drafts to verify, never past the
+            # last position whose logits matter.
+            end = len(req.all_token_ids) + req.num_output_placeholders + len(req.spec_token_ids)
+            if end >= req.max_num_tokens:
+                end = req.max_num_tokens - 1
+            n = self._num_new_tokens(end - req.num_computed_tokens, budget)
             if n <= 0:
                 i += 1
                 continue
@@ -204,6 +209,7 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.spec_token_ids = []
+        req.num_output_placeholders = 0  # in flight, lost: recomputed, they come out the same
         req.num_sent_tokens = 0  # the runner drops it; it is resent whole on resume
         req.num_preemptions += 1
         self.waiting.prepend_request(req)
@@ -229,6 +235,7 @@ class Scheduler:
         add_id, add_blocks = cached.req_ids.append, cached.new_block_ids.append
         add_computed, add_tokens = cached.num_computed_tokens.append, cached.new_token_ids.append
         spec_tokens: dict[str, list[int]] = {}
+        placeholders = self.async_scheduling
         for rid, n in num_scheduled.items():
             req = requests[rid]
             all_ids, start = req.all_token_ids, req.num_computed_tokens
@@ -245,6 +252,8 @@ class Scheduler:
                 spec_tokens[rid] = req.spec_token_ids[:start + n - len(all_ids)]
             req.num_computed_tokens = start + n
             req.num_sent_tokens = len(all_ids)
+            if placeholders and start + n >= len(all_ids) + req.num_output_placeholders and not req.is_beam:
+                req.num_output_placeholders += 1  # it samples: one more token in flight
         block_copies, replaced = kv.take_block_copies()
         finished, self.finished_req_ids = self.finished_req_ids, set()
         return SchedulerOutput(
@@ -282,6 +291,8 @@ class Scheduler:
             if req is None or req.status is not running_status:
                 continue  # aborted (or finished) after it was scheduled
             new_logprobs = logprobs[runner_output.req_id_to_index[rid]] if logprobs else None
+            if req.num_output_placeholders and new_ids:
+                req.num_output_placeholders -= 1  # the token in flight has landed
             if drafts and rid in drafts:
                 # Rejected drafts were computed but are not part of the sequence: roll back so
                 # their slots are rewritten next step.

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from pagedllm.beam_search_params import BeamSearchParams
 from pagedllm.config import EngineConfig
 from pagedllm.core.ngram_proposer import NgramProposer
-from pagedllm.core.outputs import EngineCoreOutputs
+from pagedllm.core.outputs import EngineCoreOutputs, SchedulerOutput
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.beam_search import BeamSearch, BeamSearchGroup
@@ -101,6 +103,17 @@ class LLMEngine:
         if config.observability_config.trace_file:  # the step trace (docs/trace_schema.md)
             self.step_observers.append(StepTraceWriter.for_config(config, self.scheduler))
         self._finished_beams: list[BeamSearchGroup] = []
+        # Steps scheduled whose results are not in yet: at most one more than the step being
+        # finished with async scheduling (executed in order on one thread), none without.
+        self._in_flight: deque[tuple[SchedulerOutput, Future]] = deque()
+        async_scheduling = config.scheduler_config.async_scheduling
+        if async_scheduling and self.proposer is not None:
+            raise ValidationError("async_scheduling does not work with speculative decoding yet: "
+                                  "drafts need the previous token; turn one of them off",
+                                  "async_scheduling")
+        self._max_in_flight = 1 if async_scheduling else 0
+        self._execute_thread = (ThreadPoolExecutor(1, thread_name_prefix="pagedllm-execute")
+                                if async_scheduling else None)
 
     @classmethod
     def from_engine_args(cls, model: str | None = None, **engine_args: Any) -> "LLMEngine":
@@ -169,11 +182,20 @@ class LLMEngine:
 
     # -- the loop ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Schedule and launch a step, then finish the oldest one in flight. Synchronous, that
+        is the same step; with async_scheduling, step N+1 is scheduled and queued on the execute
+        thread before step N's tokens are known (the runner feeds them in itself), so the
+        scheduling, the update and the output processing run while the model computes."""
         t0 = time.perf_counter()
-        scheduler_output = self.scheduler.schedule()
+        if self.scheduler.has_unfinished_requests() or not self._in_flight:
+            scheduler_output = self.scheduler.schedule()
+            self._record_first_scheduled(scheduler_output.scheduled_new_reqs)
+            self._in_flight.append((scheduler_output, self._launch(scheduler_output)))
         t1 = time.perf_counter()
-        self._record_first_scheduled(scheduler_output.scheduled_new_reqs)
-        runner_output = self.executor.execute_model(scheduler_output)
+        if len(self._in_flight) <= self._max_in_flight and self.scheduler.has_unfinished_requests():
+            return []  # the first step of a run: nothing has finished yet
+        scheduler_output, result = self._in_flight.popleft()
+        runner_output = result.result()
         t2 = time.perf_counter()
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         timings = StepTimings(t1 - t0, t2 - t1, time.perf_counter() - t2)
@@ -186,6 +208,13 @@ class LLMEngine:
         outputs += [self._beam_output(g) for g in self._finished_beams]
         self.stats.add(core_outputs.scheduler_stats, sum(1 for o in outputs if o.finished))
         return outputs
+
+    def _launch(self, scheduler_output: SchedulerOutput) -> Future:
+        if self._execute_thread is not None:
+            return self._execute_thread.submit(self.executor.execute_model, scheduler_output)
+        done: Future = Future()
+        done.set_result(self.executor.execute_model(scheduler_output))
+        return done
 
     def _share(self, core_outputs: EngineCoreOutputs, stalled: bool) -> None:
         """After the scheduler's update: samples fork, beams advance, drafts are proposed."""
@@ -222,7 +251,7 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return (self.scheduler.has_unfinished_requests() or self.output_processor.has_unfinished_requests()
-                or self.beam_search.has_unfinished())
+                or self.beam_search.has_unfinished() or bool(self._in_flight))
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.output_processor.parents) + len(self.beam_search.groups)
@@ -231,6 +260,8 @@ class LLMEngine:
         return self.scheduler.reset_prefix_cache()
 
     def shutdown(self) -> None:
+        if self._execute_thread is not None:
+            self._execute_thread.shutdown(wait=True)
         self.executor.shutdown()
         for observer in self.step_observers:  # the step trace's file, among others
             getattr(observer, "close", lambda: None)()

@@ -94,6 +94,7 @@ class FakeRunner:
                     break
                 context.append(tok)
             sampled.append(out)
+            self.input_batch.append_sampled(state, out)
         req_ids = list(so.num_scheduled_tokens)
         return RunnerOutput(req_ids, {rid: i for i, rid in enumerate(req_ids)}, sampled)
 

@@ -20,12 +20,16 @@ class StateMismatchError(AssertionError):
 @dataclass(slots=True)
 class CachedRequestState:
     req_id: str
-    token_ids: list[int]  # prompt + outputs known to the runner
+    # Prompt + outputs known to the runner: those the scheduler sent, then those the runner
+    # sampled itself and the scheduler has not echoed back yet (``num_unconfirmed``). With async
+    # scheduling a step may compute a token that only the runner knows so far.
+    token_ids: list[int]
     num_prompt_tokens: int
     params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
     eos_token_ids: frozenset[int]
+    num_unconfirmed: int = 0
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -73,7 +77,7 @@ class InputBatch:
             if blocks:
                 state.block_ids.extend(blocks)
             if new_ids:
-                state.token_ids.extend(new_ids)
+                _confirm(state, new_ids)
             if num_computed > state.num_computed_tokens:
                 raise StateMismatchError(f"{rid}: the runner computed {state.num_computed_tokens} "
                                          f"tokens, the scheduler says {num_computed}")
@@ -91,3 +95,24 @@ class InputBatch:
             samples = start + n - len(drafts) >= len(state.token_ids)
             scheduled.append(ScheduledRequest(state, start, n, drafts, samples))
         return scheduled
+
+    @staticmethod
+    def append_sampled(state: CachedRequestState, token_ids: list[int]) -> None:
+        """The tokens this runner just sampled for a request: the next step may compute them
+        before the scheduler sends them back."""
+        state.token_ids.extend(token_ids)
+        state.num_unconfirmed += len(token_ids)
+
+
+def _confirm(state: CachedRequestState, new_ids: list[int]) -> None:
+    """Tokens the scheduler appended since the runner last saw the request: those the runner
+    sampled itself are already there (and must agree), the rest (a beam's choice) are added."""
+    k = min(state.num_unconfirmed, len(new_ids))
+    if k:
+        start = len(state.token_ids) - state.num_unconfirmed
+        if state.token_ids[start:start + k] != new_ids[:k]:
+            raise StateMismatchError(f"{state.req_id}: the scheduler appended {new_ids[:k]}, the "
+                                     f"runner sampled {state.token_ids[start:start + k]}")
+        state.num_unconfirmed -= k
+    if k < len(new_ids):
+        state.token_ids.extend(new_ids[k:])

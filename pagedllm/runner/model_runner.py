@@ -178,6 +178,7 @@ class ModelRunner:
         for (s, _), (first, _), toks in zip(samplers, groups, outputs):
             i = out.req_id_to_index[s.state.req_id]
             out.sampled_token_ids[i] = toks
+            self.input_batch.append_sampled(s.state, toks)
             if row_logprobs is not None and row_logprobs[first] is not None:
                 if out.logprobs is None:
                     out.logprobs = [None] * len(out.req_ids)

@@ -61,13 +61,19 @@ class SchedulerMachine(RuleBasedStateMachine):
         max_skip_ahead=st.sampled_from([0, 1, 16]),
         caching=st.sampled_from([True, True, False]),
         spec_k=st.sampled_from([0, 0, 2]),
+        async_scheduling=st.booleans(),
     )
-    def setup(self, policy, budget, threshold, max_num_seqs, max_skip_ahead, caching, spec_k):
+    def setup(self, policy, budget, threshold, max_num_seqs, max_skip_ahead, caching, spec_k,
+              async_scheduling):
         self.sched = make_scheduler(
             num_blocks=NUM_BLOCKS, block_size=BS, max_model_len=MAX_MODEL_LEN,
             enable_caching=caching, scheduling_policy=policy, max_num_batched_tokens=budget,
             long_prefill_token_threshold=threshold, max_num_seqs=max_num_seqs,
-            max_skip_ahead=max_skip_ahead)
+            max_skip_ahead=max_skip_ahead, async_scheduling=async_scheduling)
+        # Async scheduling: step N+1 is scheduled and executed before step N's output is applied
+        # (the delayed output), as the engine pipelines them. Drafts need the previous token.
+        self.in_flight = None
+        spec_k = 0 if async_scheduling else spec_k
         # n-gram speculative decoding: drafts verified greedily by the FakeRunner.
         self.proposer = NgramProposer(spec_k, 1, 3) if spec_k else None
         self.parallel = ParallelSampling(self.sched)
@@ -169,6 +175,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         for rid in so.num_scheduled_tokens:
             assert sched.requests[rid].status == RequestStatus.RUNNING
         ro = self.runner.execute_model(so)  # raises KVMismatchError on a bad block table
+        if self.sched.async_scheduling:
+            (so, ro), self.in_flight = (self.in_flight or (None, None)), (so, ro)
+            if so is None:
+                return  # the first step: its output is applied after the next one is scheduled
         if data is not None and so.num_scheduled_tokens:
             rid = data.draw(st.sampled_from(sorted(so.num_scheduled_tokens)), "abort_mid_step")
             group = next(ids for ids in self.groups.values() if rid in ids)
@@ -204,12 +214,17 @@ class SchedulerMachine(RuleBasedStateMachine):
         for _ in range(3000):
             if not self.sched.has_unfinished_requests():
                 assert not self.parallel.pending, "samples left waiting to fork"
+                if self.in_flight is not None:  # drain the step still in flight
+                    so, ro = self.in_flight
+                    self.in_flight = None
+                    assert not self.sched.update_from_output(so, ro).req_ids
                 break
             self._step()
         else:
             raise AssertionError(f"requests never finished: {list(self.sched.requests)}")
         event(f"preempted: {self.num_preempted > 0}")
         event(f"aborted: {bool(self.aborted)}")
+        event(f"async scheduling: {self.sched.async_scheduling}")
         event(f"prefix hits: {self.any_prefix_hit}")
         event(f"forked: {any('_' in r for r in self.reqs)}")
         event(f"drafts accepted: {self.num_accepted > 0}")
