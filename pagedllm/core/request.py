@@ -123,6 +123,24 @@ class Request:
             self.all_token_ids.extend(token_ids)
 
     # -- status ------------------------------------------------------------------------------
+    def check_stop(self) -> bool:
+        """Stop checks for the token just appended, in order: min_tokens, EOS, stop token ids,
+        then length. Sets the finished status and returns True if the sequence stops."""
+        sp = self.sampling_params
+        if self.num_output_tokens >= sp.min_tokens:
+            last = self.all_token_ids[-1]
+            if not sp.ignore_eos and last in self.eos_token_ids:
+                self.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if last in sp.all_stop_token_ids:
+                self.status = RequestStatus.FINISHED_STOPPED
+                self.stop_reason = last
+                return True
+        if len(self.all_token_ids) >= self.max_num_tokens:
+            self.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False
+
     def is_finished(self) -> bool:
         return self.status >= RequestStatus.FINISHED_STOPPED
 

@@ -311,7 +311,7 @@ class Scheduler:
             for tok in new_ids:
                 all_ids.append(tok)
                 kept += 1
-                if (tok in req.maybe_stop_ids or len(all_ids) >= req.max_num_tokens) and self._check_stop(req):
+                if (tok in req.maybe_stop_ids or len(all_ids) >= req.max_num_tokens) and req.check_stop():
                     break
             if kept < len(new_ids):
                 new_ids = new_ids[:kept]
@@ -332,23 +332,6 @@ class Scheduler:
         stats.num_generation_tokens = num_generated
         self._fill_stats(stats, scheduler_output)
         return outputs
-
-    def _check_stop(self, req: Request) -> bool:
-        """Stop checks for the token just appended: min_tokens, EOS, stop ids, then length."""
-        sp = req.sampling_params
-        if req.num_output_tokens >= sp.min_tokens:
-            last = req.all_token_ids[-1]
-            if not sp.ignore_eos and last in req.eos_token_ids:
-                req.status = RequestStatus.FINISHED_STOPPED
-                return True
-            if last in sp.all_stop_token_ids:
-                req.status = RequestStatus.FINISHED_STOPPED
-                req.stop_reason = last
-                return True
-        if len(req.all_token_ids) >= req.max_num_tokens:
-            req.status = RequestStatus.FINISHED_LENGTH_CAPPED
-            return True
-        return False
 
     def _fill_stats(self, stats: SchedulerStats, so: SchedulerOutput) -> None:
         """The rest of the step's SchedulerStats (the update counted tokens and drafts)."""
