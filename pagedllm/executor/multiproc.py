@@ -115,6 +115,9 @@ class MultiprocExecutor(Executor):
                 raise remote_error(payload, f"worker rank {rank} failed to start")
             assert kind == "ready", kind
         self._started = True
+        # Every connection is up: the socket files are needed no more (an established ipc
+        # connection outlives its path), and an engine killed -9 now leaves nothing behind.
+        shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
     # -- the Executor interface -------------------------------------------------------------
     def determine_num_blocks(self, block_size: int) -> int:
