@@ -8,7 +8,8 @@ Three sources feed it:
   read on the engine thread at scrape time and renamed here (:data:`_ENGINE_SERIES`);
 * AsyncLLM's per-request latencies (``RequestStats``: TTFT, inter-token gaps, e2e, queue time);
 * what the server sees of each finished request (:meth:`ServerMetrics.observe`): its finish
-  reason, token counts, ``n`` and ``max_tokens``, and its prefill / decode / inference times.
+  reason, token counts, ``n`` and ``max_tokens``, and its prefill / decode / inference times;
+* every engine step (``LLMEngine.step_observers``): the tokens it computed.
 
 A pagedllm counter with no vLLM counterpart keeps its ``pagedllm:`` name (prompt tokens
 actually computed, recompute included); any engine key not listed is exported as a gauge under
@@ -17,6 +18,7 @@ its own name, so a new engine metric shows up without a change here.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
@@ -89,7 +91,10 @@ _HISTOGRAMS: dict[str, tuple[str, str, str]] = {
     "params_n": ("vllm:request_params_n", "Histogram of the n request parameter.", "n"),
     "params_max_tokens": ("vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.",
                           "tokens"),
+    "iteration_tokens": ("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+                         "iteration"),
 }
+_ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 def build_1_2_5_buckets(max_value: int) -> tuple[int, ...]:
@@ -148,13 +153,22 @@ class ServerMetrics:
         token_buckets = build_1_2_5_buckets(max(1, llm.max_model_len))
 
         buckets = {"ttft": _TTFT_BUCKETS, "tpot": _TPOT_BUCKETS, "latency": _REQUEST_LATENCY_BUCKETS,
-                   "n": _N_BUCKETS, "tokens": token_buckets}
+                   "n": _N_BUCKETS, "tokens": token_buckets, "iteration": _ITERATION_BUCKETS}
         for attr, (name, doc, kind) in _HISTOGRAMS.items():  # self.ttft, self.itl, ... one per entry
             setattr(self, attr, Histogram(name, doc, LABELS, registry=self.registry,
                                           buckets=buckets[kind]).labels(*labels))
         self.prompt_tokens_cached = Counter("vllm:prompt_tokens_cached", "Number of cached prompt tokens.",
                                             LABELS, registry=self.registry).labels(*labels)
         llm.stat_loggers.append(self.observe_latency)
+        observers = getattr(llm.engine, "step_observers", None)  # every step, on the engine thread
+        if observers is not None:
+            observers.append(self.observe_step)
+
+    def observe_step(self, scheduler_output: Any, core_outputs: Any, timings: Any) -> None:
+        """One engine step: the tokens it computed (prompt chunks and generated tokens)."""
+        stats = getattr(core_outputs, "scheduler_stats", None)
+        if stats is not None and (stats.num_prompt_tokens or stats.num_generation_tokens):
+            self.iteration_tokens.observe(stats.num_prompt_tokens + stats.num_generation_tokens)
 
     def observe_latency(self, stats: RequestStats) -> None:
         """AsyncLLM's per-request latencies (called as each request finishes)."""
