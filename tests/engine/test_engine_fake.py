@@ -400,7 +400,9 @@ class ScriptedRunner(FakeRunner):
         ro = super().execute_model(so)
         for i, rid in enumerate(ro.req_ids):
             if ro.sampled_token_ids[i]:
-                ro.sampled_token_ids[i] = [self.scripts[rid].pop(0)]
+                token = self.scripts[rid].pop(0)
+                ro.sampled_token_ids[i] = [token]
+                self.requests[rid].token_ids[-1] = token  # what this runner "sampled" and feeds on
         return ro
 
 
