@@ -156,3 +156,29 @@ def test_every_dashboard_series_is_served(server, client, metrics):
     names = set(served) | {key.split("{")[0] for key in served}
     missing = sorted(n for n in ours | set(VLLM_DASHBOARD_SERIES) if n not in names)
     assert not missing, missing
+
+
+def test_speculative_decoding_metrics(demo_tokenizer):
+    """n-gram drafts on a repetitive prompt: drafts, draft tokens, accepted tokens and the
+    accepted count per draft position, as vLLM's counters."""
+    from conftest import scrape
+    from server_utils import ServerThread
+
+    from pagedllm.config import default_model
+    from pagedllm.engine.async_engine import AsyncLLM
+    from pagedllm.entrypoints.openai.server import build_app
+
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    llm = AsyncLLM.from_engine_args(default_model(), speculative_config=spec, num_gpu_blocks_override=64)
+    srv = ServerThread(build_app(llm, ["demo"])).start()
+    try:
+        r = HTTP.post(f"{srv.url}/v1/completions", json={
+            "prompt": "the cat the cat the cat the cat the cat", "max_tokens": 24, "temperature": 0})
+        assert r.status_code == 200
+        m = scrape(srv.url)
+    finally:
+        srv.stop()
+    assert m["vllm:spec_decode_num_drafts_total"] > 0
+    assert m["vllm:spec_decode_num_draft_tokens_total"] >= m["vllm:spec_decode_num_drafts_total"]
+    accepted = m["vllm:spec_decode_num_accepted_tokens_total"]
+    assert accepted > 0 and m["vllm:spec_decode_num_accepted_tokens_per_pos_total"] == accepted

@@ -117,6 +117,7 @@ class _EngineCollector:
         self.cache_info = cache_info
         self.snapshot: dict[str, float] = {}
         self.success: dict[str, float] = dict.fromkeys(FINISH_REASONS, 0.0)
+        self.accepted_per_pos: dict[int, int] = {}  # draft position -> times accepted
 
     def collect(self) -> Iterator[Metric]:
         snap = self.snapshot
@@ -134,6 +135,12 @@ class _EngineCollector:
         for reason in FINISH_REASONS:
             success.add_metric([*self.labels, reason], counts[reason])
         yield success
+        if self.accepted_per_pos:
+            family = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                         "Accepted tokens per draft position.", labels=(*LABELS, "position"))
+            for pos, count in sorted(self.accepted_per_pos.items()):
+                family.add_metric([*self.labels, str(pos)], count)
+            yield family
         info = dict(self.cache_info, engine="0")
         if "pagedllm:num_gpu_blocks" in snap:
             info["num_gpu_blocks"] = str(int(snap["pagedllm:num_gpu_blocks"]))
@@ -165,10 +172,20 @@ class ServerMetrics:
             observers.append(self.observe_step)
 
     def observe_step(self, scheduler_output: Any, core_outputs: Any, timings: Any) -> None:
-        """One engine step: the tokens it computed (prompt chunks and generated tokens)."""
+        """One engine step: the tokens it computed (prompt chunks and generated tokens), and
+        which draft positions were accepted (a request verifying k drafts that gets m + 1
+        tokens back accepted positions 0..m-1)."""
         stats = getattr(core_outputs, "scheduler_stats", None)
         if stats is not None and (stats.num_prompt_tokens or stats.num_generation_tokens):
             self.iteration_tokens.observe(stats.num_prompt_tokens + stats.num_generation_tokens)
+        drafts = getattr(scheduler_output, "scheduled_spec_decode_tokens", None)
+        if not drafts:
+            return
+        per_pos = self._engine.accepted_per_pos
+        for rid, new_ids in zip(core_outputs.req_ids, core_outputs.new_token_ids):
+            if drafts.get(rid):
+                for pos in range(min(len(new_ids) - 1, len(drafts[rid]))):
+                    per_pos[pos] = per_pos.get(pos, 0) + 1
 
     def observe_latency(self, stats: RequestStats) -> None:
         """AsyncLLM's per-request latencies (called as each request finishes)."""
