@@ -86,7 +86,8 @@ def build_app(engine: AsyncLLM | LLMEngine, served_model_names: list[str] | None
         yield
         await llm.shutdown()
 
-    app = FastAPI(title="pagedllm", version=__version__, lifespan=lifespan)
+    docs = {} if not options.disable_fastapi_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="pagedllm", version=__version__, lifespan=lifespan, **docs)
     app.state.llm = llm
     app.state.options = options
     install_exception_handlers(app)

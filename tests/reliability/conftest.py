@@ -1,0 +1,32 @@
+"""tests/reliability: the chaos test, the group-abort regression and schemathesis. They reuse the
+entrypoint tests' helpers (server_utils: a uvicorn server thread on a free port, a FakeRunner
+engine), so that folder is importable from here."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+_ENTRYPOINTS = str(Path(__file__).resolve().parent.parent / "entrypoints")
+if _ENTRYPOINTS not in sys.path:
+    sys.path.insert(0, _ENTRYPOINTS)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_torch_thread():
+    """The demo model is tiny: intra-op threads only fight each other on a small machine."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="session")
+def demo_tokenizer():
+    from pagedllm.config import default_model
+    from pagedllm.engine.tokenizer import load_tokenizer
+
+    return load_tokenizer(default_model())
