@@ -62,7 +62,13 @@ def add_serve_args(p: argparse.ArgumentParser, engine_fields: set[str]) -> None:
                    help="seconds an idle keep-alive connection stays open (default: 5)")
     p.add_argument("--uvicorn-log-level", choices=_LOG_LEVELS, default=None,
                    help="uvicorn's log level (default: --log-level)")
-    p.add_argument("--enable-log-requests", action="store_true", help="log every request's parameters")
+    p.add_argument("--enable-log-requests", action="store_true",
+                   help="log every request's prompts and parameters")
+    p.add_argument("--max-log-len", type=int, default=None,
+                   help="characters of each prompt in a request log line (default: all)")
+    p.add_argument("--disable-fastapi-docs", action="store_true",
+                   help="serve no /docs, /redoc or /openapi.json")
+    p.add_argument("--disable-uvicorn-access-log", action="store_true")
     p.add_argument("--disable-log-requests", action="store_true", help=argparse.SUPPRESS)  # older vLLM
     p.add_argument("--disable-log-stats", action="store_true",
                    help="accepted for vLLM compatibility (pagedllm logs no periodic stats)")
@@ -135,12 +141,14 @@ def server_options(args: argparse.Namespace) -> Any:
         allowed_origins=tuple(args.allowed_origins or ()), allow_credentials=args.allow_credentials,
         allowed_methods=tuple(args.allowed_methods), allowed_headers=tuple(args.allowed_headers),
         enable_log_requests=args.enable_log_requests and not args.disable_log_requests,
+        max_log_len=args.max_log_len, disable_fastapi_docs=args.disable_fastapi_docs,
         generation_config=args.generation_config,
         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser)
 
 
 def uvicorn_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    kwargs: dict[str, Any] = {"timeout_keep_alive": args.timeout_keep_alive}
+    kwargs: dict[str, Any] = {"timeout_keep_alive": args.timeout_keep_alive,
+                              "access_log": not args.disable_uvicorn_access_log}
     if args.root_path:
         kwargs["root_path"] = args.root_path
     if bool(args.ssl_keyfile) != bool(args.ssl_certfile):

@@ -187,7 +187,8 @@ def test_a_vllm_launch_line_parses_and_serves_and_sigterm_exits_0(tmp_path):
            "--allowed-origins", '["http://example.com"]', "--root-path", "/proxy",
            "--ssl-keyfile", str(key), "--ssl-certfile", str(cert), "--enable-auto-tool-choice",
            "--tool-call-parser", "hermes", "--kv-cache-dtype", "auto", "--gpu_memory_utilization",
-           "0.5", "--num_gpu_blocks_override", "64", "--shutdown-timeout", "1"]
+           "0.5", "--num_gpu_blocks_override", "64", "--shutdown-timeout", "1",
+           "--disable-uvicorn-access-log", "--max-log-len", "100", "--disable-fastapi-docs"]
     log = tempfile.TemporaryFile(mode="w+")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -214,6 +215,7 @@ def test_a_vllm_launch_line_parses_and_serves_and_sigterm_exits_0(tmp_path):
                 "max_tokens": 4})
             assert chat.status_code == 200, chat.text  # the demo's template, found by itself
             assert tls.get(f"{url}/version").json()["version"]
+            assert tls.get(f"{url}/openapi.json").status_code == 404  # --disable-fastapi-docs
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0, _tail(log)
     finally:

@@ -37,6 +37,8 @@ class ServerOptions:
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)
     enable_log_requests: bool = False
+    max_log_len: int | None = None  # characters of each prompt in a request log line (None: all)
+    disable_fastapi_docs: bool = False  # no /docs, /redoc, /openapi.json
     generation_config: str = "auto"  # auto (the model's), vllm (none), or a folder
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None

@@ -95,7 +95,9 @@ class OpenAIServing:
                            priority: int, cache_salt: str | None) -> list[Stream]:
         """Queue one engine request per prompt; if one is rejected, withdraw those queued."""
         if self.options.enable_log_requests:
-            logger.info("Received request %s: %d prompt(s), params=%r", request_id, len(prompts), params)
+            cut = self.options.max_log_len
+            shown = [str(p)[:cut] if cut is not None else str(p) for p in prompts]
+            logger.info("Received request %s: prompts=%r, params=%r", request_id, shown, params)
         streams: list[Stream] = []
         try:
             for i, prompt in enumerate(prompts):
