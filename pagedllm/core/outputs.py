@@ -7,8 +7,32 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedllm.beam_search_params import BeamSearchParams
 from pagedllm.core.scheduler_stats import SchedulerStats
 from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class EngineCoreRequest:
+    """A request as the front end hands it to the engine core: tokenized, validated, plain data.
+    ``sampling_params.n`` samples run as ``n`` sequences; a beam search has ``beam_search_params``."""
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams | None
+    eos_token_ids: frozenset[int]
+    arrival_time: float
+    priority: int = 0
+    cache_salt: str | None = None
+    beam_search_params: BeamSearchParams | None = None
+
+
+@dataclass(slots=True)
+class FinishedBeam:
+    """One result of a beam search."""
+    tokens: list[int]  # generated tokens (EOS included when it ended the beam)
+    cum_logprob: float
+    score: float  # cum_logprob / len(tokens) ** length_penalty
+    finish_reason: str
 
 
 @dataclass(slots=True)
@@ -122,6 +146,8 @@ class EngineCoreOutputs:
     # such a request may have no row yet (a partial prefill).
     num_cached_tokens: dict[str, int] = field(default_factory=dict)
     scheduler_stats: SchedulerStats = field(default_factory=SchedulerStats)
+    # Beam searches that ended this step: request id -> its beams, best first.
+    finished_beams: dict[str, list[FinishedBeam]] = field(default_factory=dict)
 
     def add(self, req_id: str, new_token_ids: list[int], logprobs: list[TokenLogprobs] | None = None,
             prompt_logprobs: PromptLogprobsChunk | None = None) -> None:

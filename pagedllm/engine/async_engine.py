@@ -164,9 +164,9 @@ class AsyncLLM:
             if not self.engine.has_unfinished_requests():
                 self._progress()
                 return [], False
-            computed = self.engine.stats.num_scheduled_tokens
+            computed = self.engine.num_scheduled_tokens
             outputs = self.engine.step()
-            if self.engine.stats.num_scheduled_tokens > computed:
+            if self.engine.num_scheduled_tokens > computed:
                 self._progress()
             return outputs, self.engine.has_unfinished_requests()
 

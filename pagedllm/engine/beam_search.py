@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from pagedllm.beam_search_params import BeamSearchParams
-from pagedllm.core.outputs import EngineCoreOutputs, TokenLogprobs
+from pagedllm.core.outputs import EngineCoreOutputs, FinishedBeam, TokenLogprobs
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.errors import ValidationError
@@ -30,14 +30,6 @@ class _Beam:
     request_id: str  # the scheduler request holding this beam's sequence
     score: float  # sum of logprobs of the generated tokens
     tokens: list[int] = field(default_factory=list)
-
-
-@dataclass
-class FinishedBeam:
-    tokens: list[int]  # generated tokens (EOS included when it ended the beam)
-    cum_logprob: float
-    score: float  # cum_logprob / len(tokens) ** length_penalty
-    finish_reason: str
 
 
 class BeamSearchGroup:

@@ -26,7 +26,6 @@ StepObserver = Callable[[SchedulerOutput, EngineCoreOutputs, StepTimings], None]
 
 @dataclass
 class EngineStats:
-    num_prompt_tokens: int = 0  # prompt tokens of the requests received
     num_prompt_tokens_computed: int = 0  # prompt tokens run through the model, recompute included
     num_generation_tokens: int = 0
     num_preemptions: int = 0
@@ -35,11 +34,10 @@ class EngineStats:
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
-    num_requests_finished: int = 0
     num_steps: int = 0
-    num_scheduled_tokens: int = 0  # every token the steps computed (the watchdog's progress)
+    num_scheduled_tokens: int = 0
 
-    def add(self, step: SchedulerStats, num_finished: int) -> None:
+    def add(self, step: SchedulerStats) -> None:
         self.num_prompt_tokens_computed += step.num_prompt_tokens
         self.num_generation_tokens += step.num_generation_tokens
         self.num_preemptions += step.num_preempted_reqs
@@ -48,7 +46,6 @@ class EngineStats:
         self.num_drafts += step.num_drafts
         self.num_draft_tokens += step.num_draft_tokens
         self.num_accepted_tokens += step.num_accepted_tokens
-        self.num_requests_finished += num_finished
         self.num_steps += 1
         self.num_scheduled_tokens += step.num_scheduled_tokens
 
@@ -57,10 +54,8 @@ class EngineStats:
             "pagedllm:num_preemptions": self.num_preemptions,
             "pagedllm:prefix_cache_queries": self.prefix_cache_queries,
             "pagedllm:prefix_cache_hits": self.prefix_cache_hits,
-            "pagedllm:prompt_tokens": self.num_prompt_tokens,
             "pagedllm:prompt_tokens_computed": self.num_prompt_tokens_computed,
             "pagedllm:generation_tokens": self.num_generation_tokens,
-            "pagedllm:request_success": self.num_requests_finished,
             "pagedllm:spec_decode_num_drafts": self.num_drafts,
             "pagedllm:spec_decode_num_draft_tokens": self.num_draft_tokens,
             "pagedllm:spec_decode_num_accepted_tokens": self.num_accepted_tokens,

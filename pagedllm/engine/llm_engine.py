@@ -1,73 +1,37 @@
-"""LLMEngine: the synchronous engine loop.
+"""LLMEngine: the front end of the engine loop.
 
-    schedule() -> execute_model() -> update_from_output() -> sharing -> process_outputs()
+    process inputs -> EngineCore.step() (schedule, execute, update, sharing) -> process outputs
 
-It owns the parts around the scheduler: input and output processing, the executor, and the
-sequence sharing that sits above the scheduler's one rule (parallel sampling, beam search,
-speculative drafts). Everything here is plain Python; the executor builds the real runner
-(torch) lazily, so importing the engine never imports torch.
+It tokenizes and validates requests, hands them to the engine core as plain data, and turns
+what each step produced into RequestOutputs (detokenization, stop strings, n samples gathered
+under their parent, beam results). The engine core, with the scheduler and the executor, runs
+here (``LLM``, tests) or in its own process behind the same methods (serving). Everything is
+plain Python; the executor builds the real runner (torch) lazily.
 """
 from __future__ import annotations
 
-import logging
 import time
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from pagedllm.beam_search_params import BeamSearchParams
 from pagedllm.config import EngineConfig
-from pagedllm.core.ngram_proposer import NgramProposer
-from pagedllm.core.outputs import EngineCoreOutputs, SchedulerOutput
-from pagedllm.core.request import Request, RequestStatus
-from pagedllm.core.scheduler import Scheduler
-from pagedllm.engine.beam_search import BeamSearch, BeamSearchGroup
-from pagedllm.engine.engine_stats import EngineStats, StepObserver, StepTimings
+from pagedllm.core.outputs import EngineCoreOutputs, EngineCoreRequest, FinishedBeam
+from pagedllm.engine.engine_core import EngineCore
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.model_info import ModelInfo
 from pagedllm.engine.output_processor import OutputProcessor, ParentRequest
-from pagedllm.engine.parallel_sampling import ParallelSampling
-from pagedllm.engine.step_trace import StepTraceWriter
+from pagedllm.engine.parallel_sampling import sample_request_ids
 from pagedllm.errors import ValidationError
-from pagedllm.executor import create_executor
 from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedllm.runner.base import Runner
 from pagedllm.sampling_params import SamplingParams
-
-
-logger = logging.getLogger("pagedllm")
-
-
-def make_proposer(speculative_config: dict | None) -> NgramProposer | None:
-    """vLLM's speculative_config: {"method": "ngram", "num_speculative_tokens": k,
-    "prompt_lookup_max": 4, "prompt_lookup_min": 2}."""
-    if not speculative_config:
-        return None
-    if not isinstance(speculative_config, dict):
-        raise ValidationError("speculative_config must be a JSON object", "speculative_config")
-    cfg = dict(speculative_config)
-    method = cfg.pop("method", "ngram")
-    if method not in ("ngram", "ngram-prompt-lookup"):
-        raise ValidationError(f"speculative method {method!r} is not supported; use 'ngram'",
-                              "speculative_config")
-    k = cfg.pop("num_speculative_tokens", None)
-    lo, hi = cfg.pop("prompt_lookup_min", None), cfg.pop("prompt_lookup_max", None)
-    if cfg:
-        raise ValidationError(f"unknown speculative_config keys: {sorted(cfg)}", "speculative_config")
-    if not isinstance(k, int) or k < 1:
-        raise ValidationError("speculative_config needs num_speculative_tokens >= 1", "speculative_config")
-    hi = hi if hi is not None else (lo if lo is not None else 4)
-    lo = lo if lo is not None else min(2, hi)
-    if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
-        raise ValidationError("need 1 <= prompt_lookup_min <= prompt_lookup_max", "speculative_config")
-    return NgramProposer(k, lo, hi)
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, runner: Runner | None = None,
                  model_info: ModelInfo | None = None, tokenizer: Any | None = None,
                  load_tokenizer: bool = True) -> None:
-        mc, cc = config.model_config, config.cache_config
+        mc = config.model_config
         self.config = config
         self.model_info = model_info or ModelInfo.from_folder(mc.model)
         if tokenizer is None and load_tokenizer:
@@ -83,37 +47,30 @@ class LLMEngine:
         # Resolved once here and passed down (the runner and the scheduler never re-derive it).
         self.max_model_len = mc.max_model_len or max_pos
 
-        self.executor = create_executor(config, runner, self.max_model_len)
-        num_blocks = cc.num_gpu_blocks_override or self.executor.determine_num_blocks(cc.block_size)
-        self.executor.initialize(num_blocks, cc.block_size)
-        self.num_blocks = num_blocks
-        logger.info("KV cache: %d blocks of %d tokens (%d tokens); max_model_len %d",
-                    num_blocks, cc.block_size, num_blocks * cc.block_size, self.max_model_len)
-        self.scheduler = Scheduler(config.scheduler_config, num_blocks, cc.block_size,
-                                   self.max_model_len, cc.enable_prefix_caching)
-        # Sharing, at its own level above the scheduler's one rule.
-        self.parallel_sampling = ParallelSampling(self.scheduler)
-        self.beam_search = BeamSearch(self.scheduler)
-        self.proposer = make_proposer(config.speculative_config)
+        self.engine_core = EngineCore(config, self.max_model_len, runner)
         self.input_processor = InputProcessor(tokenizer, self.model_info.vocab_size)
         self.output_processor = OutputProcessor(tokenizer)
-        self.stats = EngineStats()
-        # Called after every step's update with (SchedulerOutput, EngineCoreOutputs, StepTimings).
-        self.step_observers: list[StepObserver] = []
-        if config.observability_config.trace_file:  # the step trace (docs/trace_schema.md)
-            self.step_observers.append(StepTraceWriter.for_config(config, self.scheduler))
-        self._finished_beams: list[BeamSearchGroup] = []
-        # Steps scheduled whose results are not in yet: at most one more than the step being
-        # finished with async scheduling (executed in order on one thread), none without.
-        self._in_flight: deque[tuple[SchedulerOutput, Future]] = deque()
-        async_scheduling = config.scheduler_config.async_scheduling
-        if async_scheduling and self.proposer is not None:
-            raise ValidationError("async_scheduling does not work with speculative decoding yet: "
-                                  "drafts need the previous token; turn one of them off",
-                                  "async_scheduling")
-        self._max_in_flight = 1 if async_scheduling else 0
-        self._execute_thread = (ThreadPoolExecutor(1, thread_name_prefix="pagedllm-execute")
-                                if async_scheduling else None)
+        self.beam_prompts: dict[str, tuple[str | None, list[int]]] = {}  # open beam searches
+        self.num_prompt_tokens = 0  # prompt tokens of the requests received
+        self.num_requests_finished = 0
+        self.num_scheduled_tokens = 0  # tokens the steps computed: the watchdog's sign of progress
+
+    # The in-process engine core's parts, for tests and tools (a core process has none here).
+    @property
+    def scheduler(self):
+        return self.engine_core.scheduler
+
+    @property
+    def executor(self):
+        return self.engine_core.executor
+
+    @property
+    def step_observers(self):
+        return self.engine_core.step_observers
+
+    @property
+    def num_blocks(self) -> int:
+        return self.engine_core.num_blocks
 
     @classmethod
     def from_engine_args(cls, model: str | None = None, **engine_args: Any) -> "LLMEngine":
@@ -142,19 +99,12 @@ class LLMEngine:
                                   f"max_num_seqs", "n")
         text, prompt_ids = self.input_processor.process_prompt(prompt)
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        child_ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
-        children = []
-        for i, cid in enumerate(child_ids):
-            child_params = params
-            if params.n > 1:
-                # Each sample is its own sequence; a seeded request seeds sample i with seed + i.
-                child_params = params.clone(n=1, seed=None if params.seed is None else params.seed + i)
-            children.append(Request(cid, prompt_ids, child_params, self.model_info.eos_token_ids,
-                                    arrival_time=arrival_time, priority=priority, cache_salt=cache_salt))
-        self.parallel_sampling.add(children[0], children[1:])
+        self.engine_core.add_request(EngineCoreRequest(
+            request_id, prompt_ids, params, self.model_info.eos_token_ids, arrival_time, priority,
+            cache_salt))
         parent = ParentRequest(request_id, text, prompt_ids, params, RequestMetrics(arrival_time))
-        self.output_processor.add_request(parent, child_ids)
-        self.stats.num_prompt_tokens += len(prompt_ids)
+        self.output_processor.add_request(parent, sample_request_ids(request_id, params.n))
+        self.num_prompt_tokens += len(prompt_ids)
 
     def add_beam_search_request(self, request_id: str, prompt: PromptType, params: BeamSearchParams,
                                 priority: int = 0) -> None:
@@ -162,13 +112,14 @@ class LLMEngine:
         outputs are the beams, best first (``cumulative_logprob`` unpenalised)."""
         self._check_new_id(request_id)
         text, prompt_ids = self.input_processor.process_prompt(prompt)
-        group = self.beam_search.add(request_id, prompt_ids, params, self.model_info.eos_token_ids,
-                                     time.monotonic(), priority)
-        group.prompt_text = text
-        self.stats.num_prompt_tokens += len(prompt_ids)
+        self.engine_core.add_request(EngineCoreRequest(
+            request_id, prompt_ids, None, self.model_info.eos_token_ids, time.monotonic(), priority,
+            beam_search_params=params))
+        self.beam_prompts[request_id] = (text, prompt_ids)
+        self.num_prompt_tokens += len(prompt_ids)
 
     def _check_new_id(self, request_id: str) -> None:
-        if request_id in self.output_processor.parents or request_id in self.beam_search.groups:
+        if request_id in self.output_processor.parents or request_id in self.beam_prompts:
             raise ValidationError(f"request id {request_id!r} is already in use", "request_id")
 
     def abort_request(self, request_ids: str | list[str]) -> None:
@@ -176,105 +127,65 @@ class LLMEngine:
         if isinstance(request_ids, str):
             request_ids = [request_ids]
         child_ids = self.output_processor.abort_requests(list(request_ids))
-        self.parallel_sampling.abort(child_ids)
-        self.beam_search.abort(request_ids)
-        self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
+        for rid in request_ids:
+            if self.beam_prompts.pop(rid, None) is not None:
+                child_ids.append(rid)
+        self.engine_core.abort_requests(child_ids)
 
     # -- the loop ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule and launch a step, then finish the oldest one in flight. Synchronous, that
-        is the same step; with async_scheduling, step N+1 is scheduled and queued on the execute
-        thread before step N's tokens are known (the runner feeds them in itself), so the
-        scheduling, the update and the output processing run while the model computes."""
-        t0 = time.perf_counter()
-        if self.scheduler.has_unfinished_requests() or not self._in_flight:
-            scheduler_output = self.scheduler.schedule()
-            self._record_first_scheduled(scheduler_output.scheduled_new_reqs)
-            self._in_flight.append((scheduler_output, self._launch(scheduler_output)))
-        t1 = time.perf_counter()
-        if len(self._in_flight) <= self._max_in_flight and self.scheduler.has_unfinished_requests():
-            return []  # the first step of a run: nothing has finished yet
-        scheduler_output, result = self._in_flight.popleft()
-        runner_output = result.result()
-        t2 = time.perf_counter()
-        core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        timings = StepTimings(t1 - t0, t2 - t1, time.perf_counter() - t2)
-        for observe in self.step_observers:  # the step trace, the dashboard's feed
-            observe(scheduler_output, core_outputs, timings)
-        self._share(core_outputs, stalled=scheduler_output.is_empty and self.scheduler.has_unfinished_requests())
+        core_outputs = self.engine_core.step()
+        if core_outputs is None:
+            return []  # async scheduling's first step: nothing has finished yet
+        self._record_first_scheduled(core_outputs)
+        self.num_scheduled_tokens += core_outputs.scheduler_stats.num_scheduled_tokens
         outputs, stopped = self.output_processor.process_outputs(core_outputs)
         for child_id, stop_str in stopped:  # a stop string showed up in the text
-            self.scheduler.finish_requests(child_id, RequestStatus.FINISHED_STOPPED, stop_str)
-        outputs += [self._beam_output(g) for g in self._finished_beams]
-        self.stats.add(core_outputs.scheduler_stats, sum(1 for o in outputs if o.finished))
+            self.engine_core.finish_requests([child_id], stop_str)
+        outputs += [self._beam_output(rid, beams) for rid, beams in core_outputs.finished_beams.items()]
+        self.num_requests_finished += sum(1 for o in outputs if o.finished)
         return outputs
 
-    def _launch(self, scheduler_output: SchedulerOutput) -> Future:
-        if self._execute_thread is not None:
-            return self._execute_thread.submit(self.executor.execute_model, scheduler_output)
-        done: Future = Future()
-        done.set_result(self.executor.execute_model(scheduler_output))
-        return done
-
-    def _share(self, core_outputs: EngineCoreOutputs, stalled: bool) -> None:
-        """After the scheduler's update: samples fork, beams advance, drafts are proposed."""
-        self.parallel_sampling.step(core_outputs)
-        self._finished_beams = self.beam_search.step(core_outputs, stalled)
-        if self.proposer is not None:
-            finished = core_outputs.finished
-            for rid, new_ids in zip(core_outputs.req_ids, core_outputs.new_token_ids):
-                req = self.scheduler.requests.get(rid)
-                if new_ids and rid not in finished and req is not None:
-                    self.scheduler.set_draft_tokens(rid, self.proposer.propose(req.all_token_ids))
-
-    def _beam_output(self, group: BeamSearchGroup) -> RequestOutput:
+    def _beam_output(self, request_id: str, beams: list[FinishedBeam]) -> RequestOutput:
+        text, prompt_ids = self.beam_prompts.pop(request_id)
         completions = []
-        for i, beam in enumerate(group.results()):
+        for i, beam in enumerate(beams):
             ids = beam.tokens
             shown = ids[:-1] if beam.finish_reason == "stop" else ids
-            text = self.tokenizer.decode(shown, skip_special_tokens=True) if self.tokenizer is not None else ""
-            completions.append(CompletionOutput(i, text, list(ids), beam.cum_logprob, None,
+            text_i = self.tokenizer.decode(shown, skip_special_tokens=True) if self.tokenizer is not None else ""
+            completions.append(CompletionOutput(i, text_i, list(ids), beam.cum_logprob, None,
                                                 beam.finish_reason))
-        return RequestOutput(group.request_id, group.prompt_text, group.prompt_token_ids, None,
-                             completions, True, beam_scores=[b.score for b in group.results()])
+        return RequestOutput(request_id, text, prompt_ids, None, completions, True,
+                             beam_scores=[b.score for b in beams])
 
-    def _record_first_scheduled(self, new_reqs: list) -> None:
-        """Stamp RequestMetrics.first_scheduled_time (the server's queue-time histogram)."""
-        if not new_reqs:
+    def _record_first_scheduled(self, core_outputs: EngineCoreOutputs) -> None:
+        """Stamp RequestMetrics.first_scheduled_time (the server's queue-time histogram): the
+        core reports the prefix-cache hit of every sequence it started since the last step."""
+        if not core_outputs.num_cached_tokens:
             return
         now = time.monotonic()
         states = self.output_processor.request_states
-        for new in new_reqs:
-            state = states.get(new.req_id)
+        for rid in core_outputs.num_cached_tokens:
+            state = states.get(rid)
             if state is not None and state.parent.metrics.first_scheduled_time is None:
                 state.parent.metrics.first_scheduled_time = now
 
     def has_unfinished_requests(self) -> bool:
-        return (self.scheduler.has_unfinished_requests() or self.output_processor.has_unfinished_requests()
-                or self.beam_search.has_unfinished() or bool(self._in_flight))
+        return (self.engine_core.has_unfinished_requests() or self.output_processor.has_unfinished_requests()
+                or bool(self.beam_prompts))
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.output_processor.parents) + len(self.beam_search.groups)
+        return len(self.output_processor.parents) + len(self.beam_prompts)
 
     def reset_prefix_cache(self) -> bool:
-        return self.scheduler.reset_prefix_cache()
+        return self.engine_core.reset_prefix_cache()
 
     def shutdown(self) -> None:
-        if self._execute_thread is not None:
-            self._execute_thread.shutdown(wait=True)
-        self.executor.shutdown()
-        for observer in self.step_observers:  # the step trace's file, among others
-            getattr(observer, "close", lambda: None)()
+        self.engine_core.shutdown()
 
     # -- metrics -----------------------------------------------------------------------------
     def get_metrics(self) -> dict[str, float]:
-        """Counters (the steps' SchedulerStats added up) and gauges (read now), named as the
-        server exports them."""
-        s = self.scheduler
-        return {
-            "pagedllm:num_requests_running": len(s.running),
-            "pagedllm:num_requests_waiting": len(s.waiting),
-            "pagedllm:kv_cache_usage_perc": s.kv_cache_manager.usage,
-            "pagedllm:num_gpu_blocks": self.num_blocks,
-            **self.stats.as_metrics(),
-        }
+        """Counters and gauges, named as the server exports them."""
+        return {**self.engine_core.get_metrics(),
+                "pagedllm:prompt_tokens": self.num_prompt_tokens,
+                "pagedllm:request_success": self.num_requests_finished}

@@ -15,6 +15,11 @@ from pagedllm.core.request import Request
 from pagedllm.core.scheduler import Scheduler
 
 
+def sample_request_ids(request_id: str, n: int) -> list[str]:
+    """The scheduler request ids of a request's ``n`` samples (the request's own id when n = 1)."""
+    return [request_id] if n == 1 else [f"{i}_{request_id}" for i in range(n)]
+
+
 class ParallelSampling:
     def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler

@@ -113,6 +113,18 @@ class StepRecorder:
             record["block_map"] = block_map(self.kv)
         return record
 
+    def request_block_map(self) -> None:
+        """Put a block map in the next record (a new viewer needs one at once)."""
+        self._last_map = float("-inf")
+
+    def skip(self, so: SchedulerOutput, outs: EngineCoreOutputs) -> None:
+        """Follow a step without building its record (a sampled stream drops most steps, but
+        the table must see every diff)."""
+        self.num_steps += 1
+        self._apply(so)
+        for rid in outs.finished:
+            self._known.pop(rid, None)
+
     def _apply(self, so: SchedulerOutput) -> tuple[list[str], list[str], dict[str, int]]:
         """Follow the step's diffs (as a runner does): returns the admitted and resumed ids, and
         each scheduled request's computed tokens before this step."""

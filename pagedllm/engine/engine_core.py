@@ -1,0 +1,194 @@
+"""EngineCore: the scheduler, the executor, and the sharing that sits above the scheduler.
+
+Everything that has to run beside the scheduler, step after step, lives here: admission of
+tokenized requests, the step pipeline (schedule -> execute -> update; with async scheduling one
+step in flight while the next is scheduled), parallel-sampling forks, beam-search steps and
+speculative drafts. It speaks plain data only (EngineCoreRequest in, EngineCoreOutputs out), so
+that it can run in the caller's process (LLM, tests) or in a process of its own behind the same
+methods (serving). Tokenization, detokenization and stop strings are the front end's
+(LLMEngine's), as in vLLM V1.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.ngram_proposer import NgramProposer
+from pagedllm.core.outputs import EngineCoreOutputs, EngineCoreRequest, SchedulerOutput
+from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.engine.beam_search import BeamSearch
+from pagedllm.engine.engine_stats import EngineStats, StepObserver, StepTimings
+from pagedllm.engine.parallel_sampling import ParallelSampling, sample_request_ids
+from pagedllm.engine.step_trace import StepTraceWriter
+from pagedllm.errors import ValidationError
+from pagedllm.executor import create_executor
+from pagedllm.runner.base import Runner
+
+logger = logging.getLogger("pagedllm")
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, max_model_len: int, runner: Runner | None = None) -> None:
+        cc = config.cache_config
+        self.config = config
+        self.executor = create_executor(config, runner, max_model_len)
+        num_blocks = cc.num_gpu_blocks_override or self.executor.determine_num_blocks(cc.block_size)
+        self.executor.initialize(num_blocks, cc.block_size)
+        self.num_blocks = num_blocks
+        logger.info("KV cache: %d blocks of %d tokens (%d tokens); max_model_len %d",
+                    num_blocks, cc.block_size, num_blocks * cc.block_size, max_model_len)
+        self.scheduler = Scheduler(config.scheduler_config, num_blocks, cc.block_size,
+                                   max_model_len, cc.enable_prefix_caching)
+        # Sharing, at its own level above the scheduler's one rule.
+        self.parallel_sampling = ParallelSampling(self.scheduler)
+        self.beam_search = BeamSearch(self.scheduler)
+        self.proposer = make_proposer(config.speculative_config)
+        self.stats = EngineStats()
+        # Called after every step's update with (SchedulerOutput, EngineCoreOutputs, StepTimings).
+        self.step_observers: list[StepObserver] = []
+        if config.observability_config.trace_file:  # the step trace (docs/trace_schema.md)
+            self.step_observers.append(StepTraceWriter.for_config(config, self.scheduler))
+        # Steps scheduled whose results are not in yet: at most one more than the step being
+        # finished with async scheduling (executed in order on one thread), none without.
+        self._in_flight: deque[tuple[SchedulerOutput, Future]] = deque()
+        async_scheduling = config.scheduler_config.async_scheduling
+        if async_scheduling and self.proposer is not None:
+            raise ValidationError("async_scheduling does not work with speculative decoding yet: "
+                                  "drafts need the previous token; turn one of them off",
+                                  "async_scheduling")
+        self._max_in_flight = 1 if async_scheduling else 0
+        self._execute_thread = (ThreadPoolExecutor(1, thread_name_prefix="pagedllm-execute")
+                                if async_scheduling else None)
+
+    # -- requests ----------------------------------------------------------------------------
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a tokenized request (its n samples, or its beam search); ValidationError, and
+        nothing queued, if it could never run."""
+        if request.request_id in self.beam_search.groups:
+            raise ValidationError(f"request id {request.request_id!r} is already in use", "request_id")
+        if request.beam_search_params is not None:
+            self.beam_search.add(request.request_id, request.prompt_token_ids,
+                                 request.beam_search_params, request.eos_token_ids,
+                                 request.arrival_time, request.priority)
+            return
+        params = request.sampling_params
+        samples = []
+        for i, sid in enumerate(sample_request_ids(request.request_id, params.n)):
+            # Each sample is its own sequence; a seeded request seeds sample i with seed + i.
+            sample_params = params if params.n == 1 else params.clone(
+                n=1, seed=None if params.seed is None else params.seed + i)
+            samples.append(Request(sid, request.prompt_token_ids, sample_params, request.eos_token_ids,
+                                   arrival_time=request.arrival_time, priority=request.priority,
+                                   cache_salt=request.cache_salt))
+        self.parallel_sampling.add(samples[0], samples[1:])
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        """Abort requests (their samples or beam searches) now; idempotent, unknown ids ignored."""
+        request_ids = list(request_ids)
+        self.parallel_sampling.abort(request_ids)
+        self.beam_search.abort(request_ids)
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def finish_requests(self, request_ids: Iterable[str], stop_reason: str) -> None:
+        """Finish sequences the front end stopped (a stop string showed up in the text)."""
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED, stop_reason)
+
+    # -- the loop ----------------------------------------------------------------------------
+    def step(self) -> EngineCoreOutputs | None:
+        """Schedule and launch a step, then finish the oldest one in flight and return what it
+        produced (None: nothing finished yet). Synchronous, that is the same step; with
+        async_scheduling, step N+1 is scheduled and queued on the execute thread before step N's
+        tokens are known (the runner feeds them in itself), so scheduling, the update and the
+        front end's output processing run while the model computes."""
+        t0 = time.perf_counter()
+        if self.scheduler.has_unfinished_requests() or not self._in_flight:
+            scheduler_output = self.scheduler.schedule()
+            self._in_flight.append((scheduler_output, self._launch(scheduler_output)))
+        t1 = time.perf_counter()
+        if len(self._in_flight) <= self._max_in_flight and self.scheduler.has_unfinished_requests():
+            return None  # the first step of a run: nothing has finished yet
+        scheduler_output, result = self._in_flight.popleft()
+        runner_output = result.result()
+        t2 = time.perf_counter()
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        timings = StepTimings(t1 - t0, t2 - t1, time.perf_counter() - t2)
+        for observe in self.step_observers:  # the step trace, the dashboard's feed
+            observe(scheduler_output, outputs, timings)
+        self._share(outputs, stalled=scheduler_output.is_empty and self.scheduler.has_unfinished_requests())
+        self.stats.add(outputs.scheduler_stats)
+        return outputs
+
+    def _launch(self, scheduler_output: SchedulerOutput) -> Future:
+        if self._execute_thread is not None:
+            return self._execute_thread.submit(self.executor.execute_model, scheduler_output)
+        done: Future = Future()
+        done.set_result(self.executor.execute_model(scheduler_output))
+        return done
+
+    def _share(self, outputs: EngineCoreOutputs, stalled: bool) -> None:
+        """After the scheduler's update: samples fork, beams advance, drafts are proposed."""
+        self.parallel_sampling.step(outputs)
+        for group in self.beam_search.step(outputs, stalled):
+            outputs.finished_beams[group.request_id] = group.results()
+        if self.proposer is not None:
+            requests = self.scheduler.requests
+            for rid, new_ids in zip(outputs.req_ids, outputs.new_token_ids):
+                req = requests.get(rid)
+                if new_ids and rid not in outputs.finished and req is not None:
+                    self.scheduler.set_draft_tokens(rid, self.proposer.propose(req.all_token_ids))
+
+    # -- state -------------------------------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        return (self.scheduler.has_unfinished_requests() or bool(self.parallel_sampling.pending)
+                or self.beam_search.has_unfinished() or bool(self._in_flight))
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.reset_prefix_cache()
+
+    def get_metrics(self) -> dict[str, float]:
+        """Gauges (read now) and counters (the steps' SchedulerStats added up)."""
+        s = self.scheduler
+        return {
+            "pagedllm:num_requests_running": len(s.running),
+            "pagedllm:num_requests_waiting": len(s.waiting),
+            "pagedllm:kv_cache_usage_perc": s.kv_cache_manager.usage,
+            "pagedllm:num_gpu_blocks": self.num_blocks,
+            **self.stats.as_metrics(),
+        }
+
+    def shutdown(self) -> None:
+        if self._execute_thread is not None:
+            self._execute_thread.shutdown(wait=True)
+        self.executor.shutdown()
+        for observer in self.step_observers:  # the step trace's file, among others
+            getattr(observer, "close", lambda: None)()
+
+
+def make_proposer(speculative_config: dict | None) -> NgramProposer | None:
+    """vLLM's speculative_config: {"method": "ngram", "num_speculative_tokens": k,
+    "prompt_lookup_max": 4, "prompt_lookup_min": 2}."""
+    if not speculative_config:
+        return None
+    if not isinstance(speculative_config, dict):
+        raise ValidationError("speculative_config must be a JSON object", "speculative_config")
+    cfg = dict(speculative_config)
+    method = cfg.pop("method", "ngram")
+    if method not in ("ngram", "ngram-prompt-lookup"):
+        raise ValidationError(f"speculative method {method!r} is not supported; use 'ngram'",
+                              "speculative_config")
+    k = cfg.pop("num_speculative_tokens", None)
+    lo, hi = cfg.pop("prompt_lookup_min", None), cfg.pop("prompt_lookup_max", None)
+    if cfg:
+        raise ValidationError(f"unknown speculative_config keys: {sorted(cfg)}", "speculative_config")
+    if not isinstance(k, int) or k < 1:
+        raise ValidationError("speculative_config needs num_speculative_tokens >= 1", "speculative_config")
+    hi = hi if hi is not None else (lo if lo is not None else 4)
+    lo = lo if lo is not None else min(2, hi)
+    if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
+        raise ValidationError("need 1 <= prompt_lookup_min <= prompt_lookup_max", "speculative_config")
+    return NgramProposer(k, lo, hi)
