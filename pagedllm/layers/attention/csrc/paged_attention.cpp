@@ -31,7 +31,10 @@
 namespace {
 
 constexpr int64_t kKeyTile = 32;   // keys scored before one softmax rescale
-constexpr int64_t kMaxRows = 32;   // query rows x group heads of one work item (decode: G)
+constexpr int64_t kTransposeRows = 16;  // rows sharing a kv head from which keys are transposed
+constexpr int64_t kMaxRows = 32;   // query heads of a decode item (all of a typical model's)
+constexpr int64_t kPrefillRows = 64;  // rows of a multi-token item: each key it loads serves
+                                      // them all (32 and 128 measured slower)
 
 // Eight floats in a register (GCC/Clang vector extensions: AVX, NEON, or two SSE halves).
 // head_dim is a multiple of 8 in every model we serve; other sizes take the scalar loops.
@@ -112,6 +115,48 @@ inline void accumulate(float* __restrict acc, const float* __restrict p, const T
       for (int g = 0; g < GB; ++g) acc[g * d + i] += p[g * kKeyTile + j] * static_cast<float>(v[j][i]);
 }
 
+// Scores of RB rows against a whole tile of keys held transposed (kt[i * kKeyTile + j] =
+// key j, element i; zero past the tile): per element, four vectors of keys times one broadcast
+// query element per row. No horizontal sums, so it wins when many rows share the keys
+// (prefill chunks) and the transposition is amortised.
+template <int RB>
+inline void score_transposed(const float* __restrict q, const float* __restrict kt, int64_t d,
+                             float* out) {
+  static_assert(kKeyTile == 4 * kW, "one row of scores is four vectors");
+  vfloat a[RB][4] = {};
+  for (int64_t i = 0; i < d; ++i) {
+    const float* kr = kt + i * kKeyTile;
+    const vfloat k0 = load(kr), k1 = load(kr + kW), k2 = load(kr + 2 * kW), k3 = load(kr + 3 * kW);
+    for (int r = 0; r < RB; ++r) {
+      const float qe = q[r * d + i];
+      a[r][0] += qe * k0;
+      a[r][1] += qe * k1;
+      a[r][2] += qe * k2;
+      a[r][3] += qe * k3;
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int c = 0; c < 4; ++c) store(out + r * kKeyTile + c * kW, a[r][c]);
+}
+
+template <typename T>
+void score_group_transposed(const float* q, const T* const* k, int64_t tile, int64_t rows,
+                            int64_t d, float* kt, float* out) {
+  // Key by key: reads stream through memory, the scattered writes stay in L1.
+  for (int64_t j = 0; j < tile; ++j)
+    for (int64_t i = 0; i < d; ++i) kt[i * kKeyTile + j] = static_cast<float>(k[j][i]);
+  for (int64_t j = tile; j < kKeyTile; ++j)
+    for (int64_t i = 0; i < d; ++i) kt[i * kKeyTile + j] = 0.f;
+  for (int64_t r = 0; r < rows; r += 4) {
+    switch (std::min<int64_t>(4, rows - r)) {
+      case 4: score_transposed<4>(q + r * d, kt, d, out + r * kKeyTile); break;
+      case 3: score_transposed<3>(q + r * d, kt, d, out + r * kKeyTile); break;
+      case 2: score_transposed<2>(q + r * d, kt, d, out + r * kKeyTile); break;
+      default: score_transposed<1>(q + r * d, kt, d, out + r * kKeyTile); break;
+    }
+  }
+}
+
 // The group's rows in passes of up to 4 (register pressure), dispatched to the templates.
 template <typename T>
 void score_group(const float* q, const T* const* k, int64_t rows, int64_t d, float* out) {
@@ -130,14 +175,23 @@ void score_group(const float* q, const T* const* k, int64_t rows, int64_t d, flo
 template <typename T>
 void accumulate_group(float* acc, const float* p, const T* const* v, int64_t tile, int64_t rows,
                       int64_t d) {
-  for (int64_t g = 0; g < rows; g += 4) {
+  // Passes of 8 rows (one value load feeds 8 FMAs), the rest by 4, 2, 1.
+  for (int64_t g = 0; g < rows;) {
     float* a = acc + g * d;
     const float* pg = p + g * kKeyTile;
-    switch (std::min<int64_t>(4, rows - g)) {
-      case 4: accumulate<4>(a, pg, v, tile, d); break;
-      case 3: accumulate<3>(a, pg, v, tile, d); break;
-      case 2: accumulate<2>(a, pg, v, tile, d); break;
-      default: accumulate<1>(a, pg, v, tile, d); break;
+    const int64_t left = rows - g;
+    if (left >= 8) {
+      accumulate<8>(a, pg, v, tile, d);
+      g += 8;
+    } else if (left >= 4) {
+      accumulate<4>(a, pg, v, tile, d);
+      g += 4;
+    } else if (left >= 2) {
+      accumulate<2>(a, pg, v, tile, d);
+      g += 2;
+    } else {
+      accumulate<1>(a, pg, v, tile, d);
+      g += 1;
     }
   }
 }
@@ -180,7 +234,7 @@ std::vector<Item> plan_items(const int64_t* qsl, const int64_t* seq_lens, int64_
   for (int64_t b = 0; b < num_reqs; ++b) {
     const int64_t n = seq_lens[b] == 0 ? 0 : qsl[b + 1] - qsl[b];  // seq_len 0: skipped
     const int64_t heads = n == 1 ? decode_heads : 1;
-    const int64_t rows_per_item = std::max<int64_t>(1, kMaxRows / (heads * group));
+    const int64_t rows_per_item = std::max<int64_t>(1, (n == 1 ? kMaxRows : kPrefillRows) / (heads * group));
     for (int64_t h = 0; h < num_kv_heads; h += heads)
       for (int64_t r = 0; r < n; r += rows_per_item)
         items.push_back({b, h, std::min(num_kv_heads, h + heads), r, std::min(n, r + rows_per_item)});
@@ -214,8 +268,8 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
   std::atomic<int64_t> next{0};
 
   at::parallel_for(0, num_threads, 1, [&](int64_t, int64_t) {
-    const int64_t max_rows = std::max(kMaxRows, group);
-    std::vector<float> qs(max_rows * head_dim), acc(max_rows * head_dim);
+    const int64_t max_rows = std::max({kMaxRows, kPrefillRows, group});
+    std::vector<float> qs(max_rows * head_dim), acc(max_rows * head_dim), kt(head_dim * kKeyTile);
     std::vector<float> scores(max_rows * kKeyTile), row_max(max_rows), row_sum(max_rows);
     std::vector<const T*> slot_of;  // position -> its slot's first element (kv head 0)
     const T* ptrs[kKeyTile];
@@ -264,7 +318,15 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
         // Scores, 4 keys at a time for every kv head, so each slot is read front to back once:
         // within a block that is one sequential stream, which the hardware prefetcher follows
         // (software prefetching measured slower).
-        for (int64_t jb = 0; jb < tile_visible; jb += 4) {
+        if (group_rows >= kTransposeRows && head_dim % kW == 0) {
+          for (int64_t h = 0; h < item_heads; ++h) {
+            const int64_t off = (item.head0 + h) * head_dim;
+            for (int64_t j = 0; j < tile_visible; ++j) ptrs[j] = slots[j] + off;
+            score_group_transposed(&qs[h * group_rows * head_dim], ptrs, tile_visible, group_rows,
+                                   head_dim, kt.data(), &scores[h * group_rows * kKeyTile]);
+          }
+        }
+        for (int64_t jb = 0; jb < tile_visible && group_rows < kTransposeRows; jb += 4) {
           for (int64_t h = 0; h < item_heads; ++h) {
             const int64_t off = (item.head0 + h) * head_dim;
             const T* k4[4] = {slots[jb] + off, slots[jb + 1] + off, slots[jb + 2] + off, slots[jb + 3] + off};
@@ -278,6 +340,7 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
           std::fill(sr + vis, sr + tile, 0.f);  // masked keys: weight 0, never exp(-inf)
           if (vis == 0) continue;               // nothing visible in this tile: no update
           float tile_max = sr[0];
+#pragma omp simd reduction(max : tile_max)
           for (int64_t j = 1; j < vis; ++j) tile_max = std::max(tile_max, sr[j]);
           const float new_max = std::max(row_max[r], tile_max);
           const float alpha = std::exp(row_max[r] - new_max);  // 0 on the first tile
