@@ -16,6 +16,7 @@ from typing import Any
 from pagedllm.beam_search_params import BeamSearchParams
 from pagedllm.config import EngineConfig
 from pagedllm.core.outputs import EngineCoreOutputs, EngineCoreRequest, FinishedBeam
+from pagedllm.engine.core_client import MPEngineCoreClient, make_engine_core
 from pagedllm.engine.engine_core import EngineCore
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.model_info import ModelInfo
@@ -30,7 +31,9 @@ from pagedllm.sampling_params import SamplingParams
 class LLMEngine:
     def __init__(self, config: EngineConfig, runner: Runner | None = None,
                  model_info: ModelInfo | None = None, tokenizer: Any | None = None,
-                 load_tokenizer: bool = True) -> None:
+                 load_tokenizer: bool = True, multiprocess: bool | None = None) -> None:
+        """``multiprocess``: run the engine core in a process of its own (None: the
+        ``PAGEDLLM_ENABLE_MULTIPROCESSING`` environment variable, off when unset)."""
         mc = config.model_config
         self.config = config
         self.model_info = model_info or ModelInfo.from_folder(mc.model)
@@ -47,7 +50,8 @@ class LLMEngine:
         # Resolved once here and passed down (the runner and the scheduler never re-derive it).
         self.max_model_len = mc.max_model_len or max_pos
 
-        self.engine_core = EngineCore(config, self.max_model_len, runner)
+        self.engine_core: EngineCore | MPEngineCoreClient = make_engine_core(
+            config, self.max_model_len, runner, multiprocess)
         self.input_processor = InputProcessor(tokenizer, self.model_info.vocab_size)
         self.output_processor = OutputProcessor(tokenizer)
         self.beam_prompts: dict[str, tuple[str | None, list[int]]] = {}  # open beam searches
@@ -58,15 +62,25 @@ class LLMEngine:
     # The in-process engine core's parts, for tests and tools (a core process has none here).
     @property
     def scheduler(self):
-        return self.engine_core.scheduler
+        return self._local_core("scheduler").scheduler
 
     @property
     def executor(self):
-        return self.engine_core.executor
+        return self._local_core("executor").executor
 
     @property
     def step_observers(self):
-        return self.engine_core.step_observers
+        return self._local_core("step_observers").step_observers
+
+    def _local_core(self, part: str) -> EngineCore:
+        core = self.engine_core
+        if not isinstance(core, EngineCore):
+            # AttributeError, so getattr(engine, part, None) still works as a probe.
+            raise AttributeError(
+                f"LLMEngine.{part} does not exist here: the engine core runs in another process "
+                f"(pid {core.pid}); use the engine's methods, or set "
+                f"PAGEDLLM_ENABLE_MULTIPROCESSING=0 to run it in this one")
+        return core
 
     @property
     def num_blocks(self) -> int:

@@ -99,3 +99,7 @@ def _send(sock: zmq.Socket, message: bytes, parent: Any) -> bool:
             if parent is not None and not parent.is_alive():
                 return False
             sock.poll(100, zmq.POLLOUT)
+
+
+# Public for the engine core process (engine/core_proc.py), which sends to its parent the same way.
+send_unless_orphaned = _send
