@@ -181,10 +181,15 @@ def test_request_that_can_never_fit_in_the_kv_cache(demo_model_path, reference, 
 # ----------------------------------------------------------------------------------------------
 # Chat
 # ----------------------------------------------------------------------------------------------
-def test_chat_without_and_with_template(llm, hf_demo_model, e2e, reference):
+def test_chat_without_and_with_template(llm, hf_demo_model, e2e, reference, demo_dir, tmp_path):
     messages = [{"role": "user", "content": "Once upon a time"}]
+    # The demo model answers with the demo's own template (beside its folder) ...
+    assert llm.chat(messages, _greedy(), use_tqdm=False)[0].outputs[0].token_ids
+    # ... a model without a template (the same weights elsewhere) keeps failing clearly.
+    other = LLM(str(_model_copy(demo_dir, tmp_path / "notemplate")), device="cpu",
+                max_model_len=MAX_MODEL_LEN, num_gpu_blocks_override=16)
     with pytest.raises(ValidationError, match="chat template") as info:
-        llm.chat(messages, _greedy(), use_tqdm=False)
+        other.chat(messages, _greedy(), use_tqdm=False)
     assert info.value.param == "messages"
     _assert_still_serving(llm, reference, e2e)
 

@@ -122,6 +122,9 @@ def build_app(engine: AsyncLLM | LLMEngine, served_model_names: list[str] | None
         return await chat.create_chat_completion(request, raw_request)
 
     app.include_router(v1)
+    from pagedllm.entrypoints.openai.dashboard import dashboard_router  # /dashboard, /v1/trace/stream
+
+    app.include_router(dashboard_router(llm))
 
     @app.get("/health")
     async def health() -> Response:
