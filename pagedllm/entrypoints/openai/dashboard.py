@@ -141,7 +141,10 @@ def _event(name: str, data: dict[str, Any]) -> str:
 def dashboard_router(llm: AsyncLLM) -> APIRouter:
     """The routes; ``build_app`` includes this router once."""
     router = APIRouter()
-    feed = TraceFeed(llm)
+    try:
+        feed: TraceFeed | None = TraceFeed(llm)
+    except AttributeError as e:  # the engine core runs in another process: no scheduler here
+        feed, unavailable = None, str(e)
 
     @router.get("/dashboard", include_in_schema=False)
     async def dashboard() -> FileResponse:
@@ -155,6 +158,8 @@ def dashboard_router(llm: AsyncLLM) -> APIRouter:
 
     @router.get("/v1/trace/stream")
     async def trace_stream() -> StreamingResponse:
+        if feed is None:
+            raise HTTPException(503, f"the step trace stream is not available: {unavailable}")
         return StreamingResponse(feed.stream(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
