@@ -285,6 +285,7 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
       const int64_t group_rows = item_rows * group;
       const int64_t rows = item_heads * group_rows;
       const int64_t* table = tables + item.req * max_blocks;
+      const bool transposed = group_rows >= kTransposeRows && head_dim % kW == 0;
       auto query_row = [&](int64_t r) { return item.row0 + (r / group) % item_rows; };
       auto query_head = [&](int64_t r) { return (item.head0 + r / group_rows) * group + r % group; };
       for (int64_t r = 0; r < rows; ++r) {
@@ -318,7 +319,7 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
         // Scores, 4 keys at a time for every kv head, so each slot is read front to back once:
         // within a block that is one sequential stream, which the hardware prefetcher follows
         // (software prefetching measured slower).
-        if (group_rows >= kTransposeRows && head_dim % kW == 0) {
+        if (transposed) {
           for (int64_t h = 0; h < item_heads; ++h) {
             const int64_t off = (item.head0 + h) * head_dim;
             for (int64_t j = 0; j < tile_visible; ++j) ptrs[j] = slots[j] + off;
@@ -326,7 +327,7 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
                                    head_dim, kt.data(), &scores[h * group_rows * kKeyTile]);
           }
         }
-        for (int64_t jb = 0; jb < tile_visible && group_rows < kTransposeRows; jb += 4) {
+        for (int64_t jb = 0; jb < tile_visible && !transposed; jb += 4) {
           for (int64_t h = 0; h < item_heads; ++h) {
             const int64_t off = (item.head0 + h) * head_dim;
             const T* k4[4] = {slots[jb] + off, slots[jb + 1] + off, slots[jb + 2] + off, slots[jb + 3] + off};
