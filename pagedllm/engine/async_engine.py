@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 
 from pagedllm.config import EngineConfig
 from pagedllm.beam_search_params import BeamSearchParams
+from pagedllm.engine.core_client import multiprocessing_enabled  # noqa: F401 - for the CLI
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.errors import EngineDeadError, ValidationError
@@ -64,12 +65,28 @@ class AsyncLLM:
         self._dead: EngineDeadError | None = None
         self.stat_loggers: list[StatLogger] = []
         self.num_aborted_requests = 0
+        self._owns_engine = False  # built by from_engine_args: shutdown() stops the engine too
+        # A core process that dies while nothing waits on it: fail every stream now, /health 503.
+        getattr(engine.engine_core, "on_dead", []).append(self._engine_core_died)
 
     @classmethod
     def from_engine_args(cls, model: str | None = None,
                          watchdog_timeout_s: float = DEFAULT_WATCHDOG_TIMEOUT_S,
-                         **engine_args: Any) -> "AsyncLLM":
-        return cls(LLMEngine(EngineConfig.from_kwargs(model, **engine_args)), watchdog_timeout_s)
+                         multiprocess: bool | None = None, **engine_args: Any) -> "AsyncLLM":
+        """``multiprocess``: the engine core in its own process (None: the
+        PAGEDLLM_ENABLE_MULTIPROCESSING environment variable; ``pagedllm serve`` defaults it on)."""
+        engine = LLMEngine(EngineConfig.from_kwargs(model, **engine_args), multiprocess=multiprocess)
+        llm = cls(engine, watchdog_timeout_s)
+        llm._owns_engine = True
+        return llm
+
+    def _engine_core_died(self, error: EngineDeadError) -> None:
+        """Called on the core client's monitor thread: hand the failure to the event loop."""
+        task = self._loop_task
+        if task is None or task.done():
+            self._dead = self._dead or error
+            return
+        task.get_loop().call_soon_threadsafe(self._fail_all, error)
 
     # -- what the server reads -----------------------------------------------------------------
     @property
@@ -219,6 +236,11 @@ class AsyncLLM:
                 await self._loop_task
             except (asyncio.CancelledError, Exception):
                 pass
+        # A core process this AsyncLLM started is stopped and reaped here (its shutdown is safe
+        # from any thread, even with a step in progress); an in-process core is left as it was.
+        if self._owns_engine and hasattr(self.engine.engine_core, "on_dead"):
+            self._owns_engine = False
+            await asyncio.to_thread(self.engine.shutdown)
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     # -- requests ------------------------------------------------------------------------------

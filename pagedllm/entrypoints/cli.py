@@ -131,7 +131,7 @@ def _add_serve(sub: Any) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from pagedllm.config import default_model
-    from pagedllm.engine.async_engine import AsyncLLM
+    from pagedllm.engine.async_engine import AsyncLLM, multiprocessing_enabled
     from pagedllm.engine.llm import default_chat_template
     from pagedllm.entrypoints.openai.server import build_app, load_chat_template, run_server
     from pagedllm.entrypoints.serve_args import check_compat_flags, server_options, uvicorn_kwargs
@@ -144,7 +144,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     options = server_options(args)
     listen = uvicorn_kwargs(args)
     chat_template = load_chat_template(args.chat_template) or default_chat_template(model)
-    llm = AsyncLLM.from_engine_args(model, **engine_kwargs(args))
+    # The engine core (scheduler + executor) in its own process, as vLLM V1 serves: HTTP,
+    # tokenization and detokenization here never hold the model up.
+    # PAGEDLLM_ENABLE_MULTIPROCESSING=0 keeps it in this process.
+    llm = AsyncLLM.from_engine_args(model, multiprocess=multiprocessing_enabled(default=True),
+                                    **engine_kwargs(args))
     app = build_app(llm, args.served_model_name, chat_template, options=options)
     run_server(app, args.host, args.port, args.uvicorn_log_level or args.log_level,
                args.shutdown_timeout, **listen)
