@@ -79,6 +79,7 @@ def load_paged_attention_op() -> Callable[..., torch.Tensor] | None:
 
 
 def _first_error_line(exc: Exception) -> str:
-    """A compiler's log is long; its first ``error`` line says what went wrong."""
+    """A compiler's log is long; its first diagnostic (``...: error: ...``) says what went
+    wrong, else the last line does."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [repr(exc)]
-    return next((line for line in lines if "error" in line.lower()), lines[-1])[:300]
+    return next((line for line in lines if "error:" in line.lower()), lines[-1])[:300]
