@@ -128,8 +128,9 @@ def build_app(engine: AsyncLLM | LLMEngine, served_model_names: list[str] | None
 
     @app.get("/health")
     async def health() -> Response:
-        if llm.errored:
-            return error_response(503, f"the engine is dead: {llm.dead_error}")
+        problem = llm.health_error()  # dead, or stuck (the watchdog)
+        if problem is not None:
+            return error_response(503, problem)
         return Response(status_code=200)
 
     @app.get("/ping")
