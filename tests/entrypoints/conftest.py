@@ -21,8 +21,7 @@ from types import SimpleNamespace
 
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-from server_utils import CHAT_TEMPLATE, CLI_API_KEY, HTTP, ServerThread, make_fake_engine
+from server_utils import CHAT_TEMPLATE, CLI_API_KEY, HTTP, ServerThread, make_fake_engine, scrape
 
 from pagedllm.config import default_model
 
@@ -118,22 +117,6 @@ def fake_server(demo_tokenizer) -> Iterator[Callable[..., ServerThread]]:
     yield start
     for srv in started:
         srv.stop()
-
-
-def scrape(url: str) -> dict[str, float]:
-    """GET /metrics as {sample name: value}, summed over labels; a sample with an 'le' or a
-    'finished_reason' label is also keyed ``name{label=value}``."""
-    text = HTTP.get(f"{url}/metrics", timeout=10).text
-    values: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            for label in ("le", "finished_reason"):
-                if label in s.labels:
-                    key = f"{s.name}{{{label}={s.labels[label]}}}"
-                    values[key] = values.get(key, 0.0) + s.value
-            if "le" not in s.labels:
-                values[s.name] = values.get(s.name, 0.0) + s.value
-    return values
 
 
 @pytest.fixture(scope="session")

@@ -8,6 +8,7 @@ import time
 
 import httpx
 from fastapi import FastAPI
+from prometheus_client.parser import text_string_to_metric_families
 
 from pagedllm.config import EngineConfig, default_model
 from pagedllm.entrypoints.openai.server import create_server
@@ -81,3 +82,19 @@ def wait_for_health(url: str, proc: subprocess.Popen | None = None, log=None, ti
             pass
         time.sleep(0.1)
     raise RuntimeError(f"{url} did not become healthy in {timeout} s")
+
+
+def scrape(url: str) -> dict[str, float]:
+    """GET /metrics as {sample name: value}, summed over labels; a sample with an 'le' or a
+    'finished_reason' label is also keyed ``name{label=value}``."""
+    text = HTTP.get(f"{url}/metrics", timeout=10).text
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            for label in ("le", "finished_reason"):
+                if label in s.labels:
+                    key = f"{s.name}{{{label}={s.labels[label]}}}"
+                    values[key] = values.get(key, 0.0) + s.value
+            if "le" not in s.labels:
+                values[s.name] = values.get(s.name, 0.0) + s.value
+    return values

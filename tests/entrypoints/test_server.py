@@ -161,8 +161,7 @@ def test_every_dashboard_series_is_served(server, client, metrics):
 def test_speculative_decoding_metrics(demo_tokenizer):
     """n-gram drafts on a repetitive prompt: drafts, draft tokens, accepted tokens and the
     accepted count per draft position, as vLLM's counters."""
-    from conftest import scrape
-    from server_utils import ServerThread
+    from server_utils import ServerThread, scrape
 
     from pagedllm.config import default_model
     from pagedllm.engine.async_engine import AsyncLLM
