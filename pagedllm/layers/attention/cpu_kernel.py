@@ -20,20 +20,25 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+CSRC = Path(__file__).parent / "csrc"
+SOURCE = CSRC / "paged_attention.cpp"  # includes paged_attention_math.h
 # -march=native: the dot products vectorise to the widest units this CPU has. The binary is then
 # only valid here, so the extension's name carries a hash of the CPU's flags (a cache directory
-# shared between different machines gets one build per kind of CPU).
+# shared between different machines gets one build per kind of CPU) and of the sources (torch
+# would not notice a change to the header alone).
 _CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=fast"]
 
 
-def _cpu_tag() -> str:
+def _build_tag() -> str:
     try:
         flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines()
                       if line.startswith("flags")), "")
     except OSError:
         flags = ""
-    return hashlib.sha1(flags.encode()).hexdigest()[:8]
+    digest = hashlib.sha1(flags.encode())
+    for path in sorted(CSRC.iterdir()):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:10]
 
 
 def _ensure_ninja_on_path() -> None:
@@ -54,7 +59,7 @@ def _build() -> Callable[..., torch.Tensor]:
     if shutil.which(compiler) is None:
         raise RuntimeError(f"no C++ compiler ({compiler!r} is not on PATH)")
     _ensure_ninja_on_path()
-    name = f"pagedllm_paged_attention_{_cpu_tag()}"
+    name = f"pagedllm_paged_attention_{_build_tag()}"
     build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
     # An flock, released by the OS even if the process dies: parallel pytest workers build once,
     # one after the other. torch's own lock file is a plain file a killed build leaves behind
