@@ -11,6 +11,10 @@ a bounded queue per viewer; a viewer that falls behind loses records, never the 
 Every record carries ``totals``, counts since the server started, so the dashboard's numbers
 stay exact (and match /metrics) even though most steps are not sent.
 
+When the engine core runs in its own process (``pagedllm serve``'s default) there is no
+scheduler here to observe: the feed then tails the core's ``--trace-file`` instead
+(trace_file_feed.py), and without one the stream answers 503 saying so.
+
 ``/v1/trace/stream`` sits under /v1, so with ``--api-key`` the app's key middleware (auth.py)
 guards it like every other /v1 route; the page sends the key it is given (``?key=`` or the
 key field) as a Bearer header.
@@ -18,7 +22,6 @@ key field) as a Bearer header.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -29,32 +32,29 @@ from fastapi.responses import FileResponse, StreamingResponse
 
 from pagedllm.engine.async_engine import AsyncLLM
 from pagedllm.engine.step_trace import SCHEMA_VERSION, StepRecorder, block_map
+from pagedllm.entrypoints.openai.trace_file_feed import TraceFileFeed, new_totals
+from pagedllm.entrypoints.openai.trace_viewers import TraceViewers, sse_event
 
 STATIC_DIR = Path(__file__).parent / "static"
 _STATIC_FILES = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
-KEEPALIVE_S = 15.0
-_QUEUE_SIZE = 256
 
 
 class TraceFeed:
-    """The step observer behind /v1/trace/stream (see the module docstring)."""
+    """The in-process step observer behind /v1/trace/stream (see the module docstring)."""
 
     def __init__(self, llm: AsyncLLM, max_records_per_s: float = 20.0,
                  block_map_interval_s: float = 1.0) -> None:
         self.llm = llm
         engine = llm.engine
-        scheduler = engine.scheduler
+        scheduler = engine.scheduler  # AttributeError when the core runs in another process
         kv = self.kv = scheduler.kv_cache_manager
         self.header = {"v": SCHEMA_VERSION, "header": True,
                        "max_num_batched_tokens": scheduler.max_num_batched_tokens,
                        "num_blocks": kv.num_blocks, "block_size": kv.block_size}
         self.recorder = StepRecorder(scheduler.max_num_batched_tokens, kv, block_map_interval_s)
         self.min_interval_s = 1.0 / max_records_per_s
-        self.totals: dict[str, float] = {"steps": 0, "finished": 0, "preempted": 0, "prompt_tokens": 0,
-                       "generation_tokens": 0, "prefix_queries": 0, "prefix_hits": 0,
-                       "running": 0, "waiting": 0, "kv_usage": 0.0}
-        self._viewers: set[asyncio.Queue[str]] = set()
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self.totals = new_totals()
+        self.viewers = TraceViewers()
         self._last_sent = float("-inf")
         self._flush_pending = False
         engine.step_observers.append(self)
@@ -71,11 +71,11 @@ class TraceFeed:
         t["prefix_queries"] += s.prefix_cache_queries
         t["prefix_hits"] += s.prefix_cache_hits
         t["running"], t["waiting"], t["kv_usage"] = s.num_running_reqs, s.num_waiting_reqs, s.kv_cache_usage
-        now = time.monotonic()
-        loop = self._loop
-        if not self._viewers or loop is None:
+        loop = self.viewers.loop
+        if not len(self.viewers) or loop is None:
             self.recorder.skip(so, outs)
             return
+        now = time.monotonic()
         if now - self._last_sent < self.min_interval_s:
             self.recorder.skip(so, outs)
             if not self._flush_pending:  # the last steps of a burst still reach the totals
@@ -85,7 +85,7 @@ class TraceFeed:
         self._last_sent = now
         record = self.recorder.observe(so, outs, timings)
         record["totals"] = dict(t)
-        loop.call_soon_threadsafe(self._publish, record)
+        loop.call_soon_threadsafe(self.viewers.send, sse_event("step", record))
 
     # -- the event loop ----------------------------------------------------------------------
     def _flush(self) -> None:
@@ -95,56 +95,35 @@ class TraceFeed:
         """The totals and the cache after the last steps the sampling dropped (a burst's end)."""
         self._flush_pending = False
         snapshot = await self.llm.run(block_map, self.kv)
-        self._send(_event("totals", {"v": SCHEMA_VERSION, "totals": dict(self.totals),
-                                     "block_map": snapshot}))
+        self.viewers.send(sse_event("totals", {"v": SCHEMA_VERSION, "totals": dict(self.totals),
+                                               "block_map": snapshot}))
 
-    def _publish(self, record: dict[str, Any]) -> None:
-        self._send(_event("step", record))
-
-    def _send(self, message: str) -> None:
-        for queue in self._viewers:
-            if queue.full():  # a slow viewer loses its oldest record, nobody waits
-                queue.get_nowait()
-            queue.put_nowait(message)
-
-    async def stream(self) -> AsyncIterator[str]:
-        self._loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[str] = asyncio.Queue(_QUEUE_SIZE)
-        self._viewers.add(queue)
+    def stream(self) -> AsyncIterator[str]:
         self.recorder.request_block_map()  # the first record a new viewer gets has one
-        try:
-            # The cache as it is now, read on the engine's thread (the only one that changes it).
-            snapshot = await self.llm.run(block_map, self.kv)
-            yield _event("hello", {**self.header, "totals": dict(self.totals), "block_map": snapshot})
-            idle = 0.0
-            while not self.llm.errored:  # a stopped engine ends the stream (server shutdown)
-                try:
-                    yield await asyncio.wait_for(queue.get(), 1.0)
-                    idle = 0.0
-                except asyncio.TimeoutError:
-                    idle += 1.0
-                    if idle >= KEEPALIVE_S:  # proxies close silent connections
-                        idle = 0.0
-                        yield ": keepalive\n\n"
-        finally:
-            self._viewers.discard(queue)
+        return self.viewers.stream(self._hello, lambda: not self.llm.errored)
 
-    @property
-    def num_viewers(self) -> int:
-        return len(self._viewers)
+    async def _hello(self) -> dict[str, Any]:
+        # The cache as it is now, read on the engine's thread (the only one that changes it).
+        snapshot = await self.llm.run(block_map, self.kv)
+        return {**self.header, "totals": dict(self.totals), "block_map": snapshot}
 
 
-def _event(name: str, data: dict[str, Any]) -> str:
-    return f"event: {name}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
+def make_feed(llm: AsyncLLM) -> tuple[TraceFeed | TraceFileFeed | None, str]:
+    """The in-process observer when the scheduler is here, else the core's trace file."""
+    try:
+        return TraceFeed(llm), ""
+    except AttributeError as e:  # the engine core runs in another process
+        trace_file = llm.engine.config.observability_config.trace_file
+        if trace_file:
+            return TraceFileFeed(llm, trace_file), ""
+        return None, (f"{e}; start the server with --trace-file PATH (the dashboard then reads "
+                      "the core's step trace)")
 
 
 def dashboard_router(llm: AsyncLLM) -> APIRouter:
     """The routes; ``build_app`` includes this router once."""
     router = APIRouter()
-    try:
-        feed: TraceFeed | None = TraceFeed(llm)
-    except AttributeError as e:  # the engine core runs in another process: no scheduler here
-        feed, unavailable = None, str(e)
+    feed, unavailable = make_feed(llm)
 
     @router.get("/dashboard", include_in_schema=False)
     async def dashboard() -> FileResponse:
