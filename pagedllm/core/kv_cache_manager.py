@@ -101,24 +101,30 @@ class KVCacheManager:
                 and blocks[-1].ref_cnt == 1 and not new_computed_blocks):
             return NO_NEW_BLOCKS
 
-        hits = new_computed_blocks or []
-        table = (blocks or []) + hits
+        table = blocks if blocks is not None else []
+        hits = new_computed_blocks or NO_NEW_BLOCKS  # only at admission, into an empty table
         num_required = cdiv(end, bs)
-        num_new_blocks = max(num_required - len(table), 0)
-        # Blocks already in the table that this step writes into: copy them first if shared.
+        num_new_blocks = max(num_required - len(table) - len(hits), 0)
+        # Blocks already in the table that this step writes into: copy them first if shared
+        # (prefix hits are full and computed: nothing is written into them).
         cow = [i for i in range(start // bs, min(len(table), num_required))
-               if table[i].ref_cnt > 1] if num_new_tokens else []
+               if table[i].ref_cnt > 1] if num_new_tokens and table else NO_NEW_BLOCKS
         # Hit blocks that sit in the free queue (cached, unused) are taken from it too.
-        num_hits_free = sum(1 for b in hits if b.ref_cnt == 0)
+        num_hits_free = sum(1 for b in hits if b.ref_cnt == 0) if hits else 0
         if num_new_blocks + len(cow) + num_hits_free > self.block_pool.get_num_free_blocks():
             return None
 
-        self.block_pool.touch(hits)
+        if hits:
+            assert not table, "prefix hits go into an empty table (a request being admitted)"
+            self.block_pool.touch(hits)
+            table.extend(hits)
         if cow:
             self._copy_on_write(rid, table, cow)
-        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
-        table.extend(new_blocks)
-        self.req_to_blocks[rid] = table
+        new_blocks = self.block_pool.get_new_blocks(num_new_blocks) if num_new_blocks else NO_NEW_BLOCKS
+        if new_blocks:
+            table.extend(new_blocks)
+        if blocks is None:
+            self.req_to_blocks[rid] = table
         if self.enable_caching:
             # Publish blocks as soon as they are allocated, so that identical prompts scheduled
             # in the same step share them (the runner writes a layer's new K/V before that layer

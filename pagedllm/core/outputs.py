@@ -76,6 +76,10 @@ class SchedulerOutput:
     # that needed its blocks; waiting requests that did not fit and were skipped (skip-ahead).
     preempted_by: dict[str, str] = field(default_factory=dict)
     skipped_req_ids: list[str] = field(default_factory=list)
+    # Structured outputs: req_id -> the allowed-token bitmask of each row it samples this step
+    # (1 + its drafts), packed little-endian int32 words per row, rows concatenated; the runner
+    # sets every other logit of those rows to -inf. None when no request is constrained.
+    grammar_bitmask: dict[str, bytes] | None = None
 
     @property
     def is_empty(self) -> bool:

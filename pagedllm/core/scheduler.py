@@ -111,12 +111,14 @@ class Scheduler:
         preempted: dict[str, str] = {}  # victim -> the running request that needed its blocks
 
         # 1. Running requests first, in order. One that cannot get a block preempts a victim,
-        # which gives back what it was given this step; if the victim is the request itself, the
-        # loop goes on with the one after it.
-        running = self.running
-        i = 0
-        while i < len(running) and budget > 0:
-            req = running[i]
+        # which gives back what it was given this step (the loop walks a copy of the running
+        # list, skipping victims it has not reached yet).
+        running_status = RequestStatus.RUNNING
+        for req in list(self.running):
+            if budget <= 0:
+                break
+            if req.status is not running_status:
+                continue  # preempted by a request before it
             # What it lacks: its tokens (those in flight too) and drafts to verify, never past the
             # last position whose logits matter.
             end = len(req.all_token_ids) + req.num_output_placeholders + len(req.spec_token_ids)
@@ -124,15 +126,12 @@ class Scheduler:
                 end = req.max_num_tokens - 1
             n = self._num_new_tokens(end - req.num_computed_tokens, budget)
             if n <= 0:
-                i += 1
                 continue
             while (new_blocks := kv.allocate_slots(req, n)) is None:
                 victim = self._pick_victim()
                 if victim.request_id in num_scheduled:
                     budget += num_scheduled.pop(victim.request_id)
                     del new_block_ids[victim.request_id]
-                if running.index(victim) < i:
-                    i -= 1
                 self._preempt(victim)
                 preempted[victim.request_id] = req.request_id
                 if victim is req:
@@ -142,7 +141,6 @@ class Scheduler:
                 new_block_ids[req.request_id] = (
                     _NO_IDS if new_blocks is NO_NEW_BLOCKS else [b.block_id for b in new_blocks])
                 budget -= n
-                i += 1
 
         # 2. Then waiting requests, unless this step had to preempt (memory is tight).
         skipped = [] if preempted else self._schedule_waiting(budget, num_scheduled)
