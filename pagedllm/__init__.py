@@ -11,12 +11,13 @@ from pagedllm.config import EngineConfig
 from pagedllm.beam_search_params import BeamSearchParams
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_outputs_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
     from pagedllm.engine.llm import LLM
 
-__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "EngineConfig", "RequestOutput",
-           "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "BeamSearchParams", "EngineConfig",
+           "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"
 
 

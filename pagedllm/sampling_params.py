@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 
 from pagedllm.errors import ValidationError, check_text
+from pagedllm.structured_outputs_params import StructuredOutputsParams
 
 _SAMPLING_EPS = 1e-5
 # Seeds seed a torch generator, whose seed is a 64-bit integer: vLLM's range (torch.long).
@@ -49,6 +50,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY
     detokenize: bool = True
+    # Constrain the output to a JSON schema, regex, choice or grammar (pagedllm/structured_output/).
+    structured_outputs: StructuredOutputsParams | None = None
 
     # Filled in by __post_init__.
     _all_stop_token_ids: frozenset[int] = field(default=frozenset(), repr=False)
@@ -117,6 +120,9 @@ class SamplingParams:
             raise bad("stop_token_ids", "must be non-negative integers")
         if self.logit_bias is not None and any(not -100.0 <= v <= 100.0 for v in self.logit_bias.values()):
             raise bad("logit_bias", "values must be finite and in [-100, 100]")  # NaN fails too
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs,
+                                                                  StructuredOutputsParams):
+            raise bad("structured_outputs", "must be a StructuredOutputsParams")
 
     @property
     def sampling_type_greedy(self) -> bool:

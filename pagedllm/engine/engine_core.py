@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from pagedllm.config import EngineConfig
+from pagedllm.core.admission import validate_request
 from pagedllm.core.ngram_proposer import NgramProposer
 from pagedllm.core.outputs import EngineCoreOutputs, EngineCoreRequest, SchedulerOutput
 from pagedllm.core.request import Request, RequestStatus
@@ -27,6 +28,7 @@ from pagedllm.engine.parallel_sampling import ParallelSampling, sample_request_i
 from pagedllm.engine.step_trace import StepTraceWriter
 from pagedllm.errors import ValidationError
 from pagedllm.executor import create_executor
+from pagedllm.structured_output.manager import StructuredOutputManager
 from pagedllm.runner.base import Runner
 
 logger = logging.getLogger("pagedllm")
@@ -48,6 +50,9 @@ class EngineCore:
         self.parallel_sampling = ParallelSampling(self.scheduler)
         self.beam_search = BeamSearch(self.scheduler)
         self.proposer = make_proposer(config.speculative_config)
+        # Structured outputs: grammars compile off the step loop; requests wait there meanwhile.
+        mc = config.model_config
+        self.structured_output = StructuredOutputManager(mc.tokenizer or mc.model)
         self.stats = EngineStats()
         # Called after every step's update with (SchedulerOutput, EngineCoreOutputs, StepTimings).
         self.step_observers: list[StepObserver] = []
@@ -85,18 +90,33 @@ class EngineCore:
             samples.append(Request(sid, request.prompt_token_ids, sample_params, request.eos_token_ids,
                                    arrival_time=request.arrival_time, priority=request.priority,
                                    cache_salt=request.cache_salt))
-        self.parallel_sampling.add(samples[0], samples[1:])
+        if params.structured_outputs is None:
+            self.parallel_sampling.add(samples[0], samples[1:])
+            return
+        if self._max_in_flight:
+            raise ValidationError("structured_outputs do not work with async_scheduling yet: a "
+                                  "request's next bitmask needs its last token; turn one off",
+                                  "structured_outputs")
+        # Admission's own check now, while the caller can still get its ValidationError.
+        validate_request(samples[0], self.scheduler.max_model_len, self.num_blocks,
+                         self.config.cache_config.block_size)
+        self.structured_output.add(request.request_id, params.structured_outputs,
+                                   [s.request_id for s in samples], request.eos_token_ids,
+                                   lambda: self.parallel_sampling.add(samples[0], samples[1:]))
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Abort requests (their samples or beam searches) now; idempotent, unknown ids ignored."""
         request_ids = list(request_ids)
         self.parallel_sampling.abort(request_ids)
         self.beam_search.abort(request_ids)
+        self.structured_output.abort(request_ids)
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def finish_requests(self, request_ids: Iterable[str], stop_reason: str) -> None:
         """Finish sequences the front end stopped (a stop string showed up in the text)."""
+        request_ids = list(request_ids)
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED, stop_reason)
+        self.structured_output.abort(request_ids)
 
     # -- the loop ----------------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs | None:
@@ -106,8 +126,11 @@ class EngineCore:
         tokens are known (the runner feeds them in itself), so scheduling, the update and the
         front end's output processing run while the model computes."""
         t0 = time.perf_counter()
+        failed = self.structured_output.release_ready() if self.structured_output.has_held() else []
         if self.scheduler.has_unfinished_requests() or not self._in_flight:
             scheduler_output = self.scheduler.schedule()
+            scheduler_output.grammar_bitmask = self.structured_output.grammar_bitmask(
+                scheduler_output, self.scheduler.requests)
             self._in_flight.append((scheduler_output, self._launch(scheduler_output)))
         t1 = time.perf_counter()
         if len(self._in_flight) <= self._max_in_flight and self.scheduler.has_unfinished_requests():
@@ -119,6 +142,9 @@ class EngineCore:
         timings = StepTimings(t1 - t0, t2 - t1, time.perf_counter() - t2)
         for observe in self.step_observers:  # the step trace, the dashboard's feed
             observe(scheduler_output, outputs, timings)
+        for sid in failed:  # never queued: the front end learns here that they ended
+            outputs.finished[sid] = ("abort", None)
+            outputs.add(sid, [])
         self._share(outputs, stalled=scheduler_output.is_empty and self.scheduler.has_unfinished_requests())
         self.stats.add(outputs.scheduler_stats)
         return outputs
@@ -133,6 +159,7 @@ class EngineCore:
     def _share(self, outputs: EngineCoreOutputs, stalled: bool) -> None:
         """After the scheduler's update: samples fork, beams advance, drafts are proposed."""
         self.parallel_sampling.step(outputs)
+        self.structured_output.accept(outputs, self.scheduler.requests)
         for group in self.beam_search.step(outputs, stalled):
             outputs.finished_beams[group.request_id] = group.results()
         if self.proposer is not None:
@@ -140,11 +167,13 @@ class EngineCore:
             for rid, new_ids in zip(outputs.req_ids, outputs.new_token_ids):
                 req = requests.get(rid)
                 if new_ids and rid not in outputs.finished and req is not None:
-                    self.scheduler.set_draft_tokens(rid, self.proposer.propose(req.all_token_ids))
+                    drafts = self.proposer.propose(req.all_token_ids)
+                    self.scheduler.set_draft_tokens(rid, self.structured_output.truncate_drafts(rid, drafts))
 
     # -- state -------------------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
         return (self.scheduler.has_unfinished_requests() or bool(self.parallel_sampling.pending)
+                or self.structured_output.has_held()
                 or self.beam_search.has_unfinished() or bool(self._in_flight))
 
     def reset_prefix_cache(self) -> bool:
@@ -165,6 +194,7 @@ class EngineCore:
         if self._execute_thread is not None:
             self._execute_thread.shutdown(wait=True)
         self.executor.shutdown()
+        self.structured_output.shutdown()
         for observer in self.step_observers:  # the step trace's file, among others
             getattr(observer, "close", lambda: None)()
 

@@ -27,6 +27,7 @@ import msgpack
 
 from pagedllm.core import outputs
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+from pagedllm.structured_outputs_params import StructuredOutputsParams
 
 _EXT_TAG = 1
 _CONTAINERS: dict[type, Callable[[list], Any]] = {set: set, frozenset: frozenset, tuple: tuple}
@@ -34,12 +35,12 @@ _CONTAINERS: dict[type, Callable[[list], Any]] = {set: set, frozenset: frozenset
 
 def contract_types() -> list[type]:
     """Every pagedllm dataclass in ``pagedllm.core.outputs``' namespace, defined there or
-    imported for a field (found, not listed, so new contracts join by themselves), plus the
-    enum SamplingParams carries."""
+    imported for a field (found, not listed, so new contracts join by themselves), plus what
+    SamplingParams carries (its enum, its structured-outputs constraint)."""
     found = [obj for obj in vars(outputs).values()
              if isinstance(obj, type) and dataclasses.is_dataclass(obj)
              and obj.__module__.startswith("pagedllm.")]
-    return list(dict.fromkeys([*found, SamplingParams, RequestOutputKind]))
+    return list(dict.fromkeys([*found, SamplingParams, StructuredOutputsParams, RequestOutputKind]))
 
 
 class _Tag:

@@ -37,6 +37,18 @@ def fake_generate(prompt_token_ids: list[int], max_tokens: int, vocab_size: int,
     return out
 
 
+def grammar_choice(mask: bytes, row: int, num_rows: int, token: int) -> int:
+    """Structured outputs: ``token`` if row ``row`` of the packed bitmask allows it, else an
+    allowed token picked from it deterministically (so a grammar is followed, not stalled on
+    the same filler token), else ``token`` (an empty mask: nothing can be right)."""
+    size = len(mask) // num_rows
+    bits = mask[row * size:(row + 1) * size]
+    if token < 8 * size and bits[token >> 3] >> (token & 7) & 1:
+        return token
+    allowed = [8 * i + b for i, byte in enumerate(bits) if byte for b in range(8) if byte >> b & 1]
+    return allowed[token % len(allowed)] if allowed else token
+
+
 class KVMismatchError(AssertionError):
     pass
 
@@ -87,8 +99,11 @@ class FakeRunner:
             # Greedy verification of drafts against the deterministic "model".
             context = list(state.token_ids)
             out: list[int] = []
-            for d in [*s.drafts, None]:
+            mask = so.grammar_bitmask.get(state.req_id) if so.grammar_bitmask else None
+            for j, d in enumerate([*s.drafts, None]):
                 tok = fake_next_token(context, self.vocab_size)
+                if mask is not None:
+                    tok = grammar_choice(mask, j, len(s.drafts) + 1, tok)
                 out.append(tok)
                 if d is None or d != tok:
                     break

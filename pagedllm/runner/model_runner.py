@@ -19,6 +19,7 @@ from pagedllm.layers.forward_context import set_forward_context
 from pagedllm.layers.kv_cache import bind_kv_caches, copy_blocks, kv_cache_shape
 from pagedllm.layers.linear import prepack_linear_weights
 from pagedllm.models.loader import load_model
+from pagedllm.runner.grammar_bitmask import apply_grammar_bitmask
 from pagedllm.runner.input_batch import CachedRequestState, InputBatch, ScheduledRequest
 from pagedllm.runner.sampler import Sampler, SamplingMetadata, compute_topk_logprobs
 from pagedllm.runner.spec_decode import verify_drafts
@@ -143,12 +144,13 @@ class ModelRunner:
         if prompt_lp_jobs:
             out.prompt_logprobs = self._prompt_logprobs(hidden, prompt_lp_jobs)
         if samplers:
-            self._sample(hidden, samplers, out)
+            self._sample(hidden, samplers, out, so.grammar_bitmask)
         return out
 
     def _sample(self, hidden: torch.Tensor, samplers: list[tuple[ScheduledRequest, int]],
-                out: RunnerOutput) -> None:
-        """Sample one token per request, or verify its drafts, filling ``out`` in place."""
+                out: RunnerOutput, grammar_bitmask: dict[str, bytes] | None = None) -> None:
+        """Sample one token per request, or verify its drafts, filling ``out`` in place;
+        structured requests' rows are masked to what their grammar allows first."""
         # One row per logits position: (state, draft prefix before it, hidden row).
         rows: list[tuple[CachedRequestState, list[int], int]] = []
         groups: list[tuple[int, list[int]]] = []  # per request: (its first row, its drafts)
@@ -158,6 +160,13 @@ class ModelRunner:
                 rows.append((s.state, s.drafts[:j], row + j))
         logits = self.model.compute_logits(hidden[torch.tensor([r[2] for r in rows], device=self.device)])
         md, generators = self._sampling_metadata(rows)
+        if grammar_bitmask:
+            row_masks: list[bytes | None] = []
+            for s, _ in samplers:  # 1 + len(drafts) rows each, packed back to back
+                mask, k = grammar_bitmask.get(s.state.req_id), len(s.drafts) + 1
+                size = len(mask) // k if mask else 0
+                row_masks.extend([mask[j * size:(j + 1) * size] if mask else None for j in range(k)])
+            apply_grammar_bitmask(logits, row_masks)
 
         if not any(drafts for _, drafts in groups):
             result = self.sampler(logits, md)

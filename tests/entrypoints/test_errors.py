@@ -45,7 +45,9 @@ def _assert_error(r: httpx.Response, status: int, param: str | None) -> dict:
     ("/v1/completions", {**OK, "stop": ["\ud800"]}, "stop"),
     ("/v1/completions", {**OK, "use_beam_search": True, "max_tokens": 0}, "max_tokens"),
     ("/v1/completions", {**OK, "use_beam_search": True, "n": 0}, "n"),  # not beam_width
-    ("/v1/completions", {**OK, "response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/completions", {**OK, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "frobnicate"}}}}, "response_format"),  # an invalid schema
+    ("/v1/completions", {**OK, "structured_outputs": {"regex": "a(b"}}, "structured_outputs"),
     ("/v1/completions", {**OK, "guided_json": {"type": "object"}}, "guided_json"),
     ("/v1/chat/completions", {**CHAT_OK, "tools": [{"type": "function", "function": {"name": "f"}}]},
      "tools"),

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler
 from pagedllm.errors import ValidationError
 from pagedllm import BeamSearchParams
 from pagedllm.entrypoints.openai.request_base import OpenAIRequest
+from pagedllm.entrypoints.openai.structured_request import structured_outputs_params
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 # Fields whose default comes from the model's generation_config.json when the request omits them.
@@ -91,6 +92,9 @@ class SamplingRequest(OpenAIRequest):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     return_token_ids: bool = False
+    # Output constraints (OpenAI's, vLLM's): see structured_request.py.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     def _beam_search_params(self, max_tokens: int) -> BeamSearchParams:
         """vLLM's form: n beams, returned whole, best first; errors name the request's fields."""
@@ -126,6 +130,7 @@ class SamplingRequest(OpenAIRequest):
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             logit_bias=self.logit_bias,
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
+            structured_outputs=structured_outputs_params(self.response_format, self.structured_outputs),
             **values)
 
 

@@ -5,8 +5,8 @@ reaches the engine.
 * An unknown field (``metadata``, ``store``, ``parallel_tool_calls``, ...) is kept in
   ``model_extra``, ignored, and logged once per field name, so clients that send the whole OpenAI
   surface keep working and the log does not fill up.
-* A known field whose meaning pagedllm does not implement (``response_format`` asking for JSON,
-  ``tools``, guided decoding) is a 400 naming it: ignoring it would return the wrong kind of answer.
+* A known field whose meaning pagedllm does not implement (``tools``, the old ``guided_*``
+  fields: vLLM's ``structured_outputs`` replaced them) is a 400 naming it: ignoring it would return the wrong kind of answer.
 * NaN and infinities are refused (JSON from Python clients can carry them; NaN fails every range
   check), and so is a lone UTF-16 surrogate in any string, with the field named.
 """
@@ -37,12 +37,10 @@ def _means_tools(value: Any) -> bool:
 
 # field -> "does this value ask for something pagedllm does not do?"
 _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "response_format": lambda v: not _unset(v) and not (isinstance(v, dict) and v.get("type") == "text"),
     "tools": _means_tools,
     "functions": _means_tools,
     "tool_choice": lambda v: v not in (None, "none", "auto"),
     "function_call": lambda v: v not in (None, "none", "auto"),
-    "structured_outputs": lambda v: not _unset(v),
     "guided_json": lambda v: not _unset(v),
     "guided_regex": lambda v: not _unset(v),
     "guided_choice": lambda v: not _unset(v),
