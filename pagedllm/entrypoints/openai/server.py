@@ -31,7 +31,7 @@ from pagedllm.entrypoints.openai.auth import APIKeyMiddleware
 from pagedllm.entrypoints.openai.http_limits import BodyLimitMiddleware, header_timeout_protocol
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.protocol import (CompletionRequest, DetokenizeRequest,
-                                                  DetokenizeResponse, ModelCard, ModelList,
+                                                  DetokenizeResponse, ErrorResponse, ModelCard, ModelList,
                                                   TokenizeRequest, TokenizeResponse)
 from pagedllm.entrypoints.openai.protocol_chat import ChatCompletionRequest
 from pagedllm.entrypoints.openai.server_options import ServerOptions
@@ -68,6 +68,20 @@ def default_served_model_names(model_path: str) -> list[str]:
 
 _GENERIC_FOLDER_NAMES = {"hf", "model", "weights", "checkpoint", "snapshot"}
 
+# The API description (/openapi.json) names what the routes really answer: OpenAI's error object
+# for every error status (FastAPI would only list its own 422, which this server never sends),
+# server-sent events for a generation with stream: true, Prometheus text on /metrics.
+_ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse, "description": text} for code, text in (
+        (400, "Bad request (error.param names the field)"), (401, "Missing or wrong API key"),
+        (404, "Unknown model or route"), (408, "Request body too slow"),
+        (413, "Request body too large"), (503, "The engine is dead or stuck"))}
+_STREAMED: dict[int | str, dict[str, Any]] = {
+    200: {"description": "The whole answer (JSON), or with stream: true a text/event-stream of chunks",
+          "content": {"text/event-stream": {"schema": {  # one event: a JSON chunk, or [DONE]
+              "type": "object", "properties": {"data": {"type": "string"}}, "required": ["data"]}}}}}
+_EMPTY_OK: dict[int | str, dict[str, Any]] = {200: {"description": "Healthy (an empty body)"}}
+
 
 def build_app(engine: AsyncLLM | LLMEngine, served_model_names: list[str] | None = None,
               chat_template: str | None = None, api_key: str | None = None,
@@ -87,7 +101,8 @@ def build_app(engine: AsyncLLM | LLMEngine, served_model_names: list[str] | None
         await llm.shutdown()
 
     docs = {} if not options.disable_fastapi_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
-    app = FastAPI(title="pagedllm", version=__version__, lifespan=lifespan, **docs)
+    app = FastAPI(title="pagedllm", version=__version__, lifespan=lifespan,
+                  responses=_ERROR_RESPONSES, **docs)
     app.state.llm = llm
     app.state.options = options
     install_exception_handlers(app)
@@ -113,11 +128,11 @@ def build_app(engine: AsyncLLM | LLMEngine, served_model_names: list[str] | None
         return ModelList(data=[ModelCard(id=name, root=llm.model_path, max_model_len=llm.max_model_len)
                                for name in names])
 
-    @v1.post("/completions")
+    @v1.post("/completions", responses=_STREAMED)
     async def create_completion(request: CompletionRequest, raw_request: Request) -> Any:
         return await completions.create_completion(request, raw_request)
 
-    @v1.post("/chat/completions")
+    @v1.post("/chat/completions", responses=_STREAMED)
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Any:
         return await chat.create_chat_completion(request, raw_request)
 
@@ -126,18 +141,18 @@ def build_app(engine: AsyncLLM | LLMEngine, served_model_names: list[str] | None
 
     app.include_router(dashboard_router(llm))
 
-    @app.get("/health")
+    @app.get("/health", response_class=Response, responses=_EMPTY_OK)
     async def health() -> Response:
         problem = llm.health_error()  # dead, or stuck (the watchdog)
         if problem is not None:
             return error_response(503, problem)
         return Response(status_code=200)
 
-    @app.get("/ping")
+    @app.get("/ping", response_class=Response, responses=_EMPTY_OK)
     async def ping() -> Response:  # vLLM's (SageMaker's) liveness route: /health's answer
         return await health()
 
-    @app.post("/ping")
+    @app.post("/ping", response_class=Response, responses=_EMPTY_OK)
     async def ping_post() -> Response:
         return await health()
 
@@ -145,7 +160,8 @@ def build_app(engine: AsyncLLM | LLMEngine, served_model_names: list[str] | None
     async def version() -> dict[str, str]:
         return {"version": __version__}
 
-    @app.get("/metrics")
+    @app.get("/metrics", responses={200: {"description": "Prometheus text format",
+                                          "content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def prometheus_metrics() -> Response:
         return Response(await metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
