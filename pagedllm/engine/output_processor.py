@@ -102,7 +102,9 @@ class OutputProcessor:
                                                        outputs.new_prompt_logprobs)
         for rid, new_ids in zip(outputs.req_ids, outputs.new_token_ids):
             state = states.get(rid)
-            if state is None:
+            # A child the front stopped (a stop string) may still have rows in flight: a core
+            # in its own process steps on until it reads the finish. They are not its output.
+            if state is None or state.finish_reason is not None:
                 continue
             parent = state.parent
             if new_ids:
