@@ -126,7 +126,9 @@ class EngineCore:
         tokens are known (the runner feeds them in itself), so scheduling, the update and the
         front end's output processing run while the model computes."""
         t0 = time.perf_counter()
-        failed = self.structured_output.release_ready() if self.structured_output.has_held() else []
+        failed = (self.structured_output.release_ready(
+            wait_s=0.0 if self.scheduler.has_unfinished_requests() else 0.01)
+            if self.structured_output.has_held() else [])
         if self.scheduler.has_unfinished_requests() or not self._in_flight:
             scheduler_output = self.scheduler.schedule()
             scheduler_output.grammar_bitmask = self.structured_output.grammar_bitmask(

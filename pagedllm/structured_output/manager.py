@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,9 +81,14 @@ class StructuredOutputManager:
             if self._grammars[key].done():
                 del self._grammars[key]
 
-    def release_ready(self) -> list[str]:
+    def release_ready(self, wait_s: float = 0.0) -> list[str]:
         """Let in every held request whose grammar is ready, in arrival order; returns the
-        sequence ids of requests whose grammar failed to compile (the caller aborts them)."""
+        sequence ids of requests whose grammar failed to compile (the caller aborts them).
+        ``wait_s``: with nothing else to run, wait that long for the oldest grammar rather than
+        spin through empty steps."""
+        if wait_s and self._held:
+            oldest = self._grammars[next(iter(self._held.values())).key]
+            futures_wait([oldest], timeout=wait_s)
         failed: list[str] = []
         for rid in [r for r, h in self._held.items() if self._grammars[h.key].done()]:
             held = self._held.pop(rid)
