@@ -25,7 +25,6 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from pagedllm import __version__
 from pagedllm.engine.async_engine import AsyncLLM
-from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.openai.api_errors import error_response, install_exception_handlers
 from pagedllm.entrypoints.openai.auth import APIKeyMiddleware
 from pagedllm.entrypoints.openai.http_limits import BodyLimitMiddleware, header_timeout_protocol
@@ -83,10 +82,11 @@ _STREAMED: dict[int | str, dict[str, Any]] = {
 _EMPTY_OK: dict[int | str, dict[str, Any]] = {200: {"description": "Healthy (an empty body)"}}
 
 
-def build_app(engine: AsyncLLM | LLMEngine, served_model_names: list[str] | None = None,
+def build_app(engine: AsyncLLM | Any, served_model_names: list[str] | None = None,
               chat_template: str | None = None, api_key: str | None = None,
               options: ServerOptions | None = None) -> FastAPI:
-    """The app over an engine (an AsyncLLM, or an LLMEngine to wrap). The app owns the engine
+    """The app over an engine (an AsyncLLM, or the LLMEngine one wraps: the entry points use
+    the public API only, so they take it as it comes). The app owns the engine
     from then on: its shutdown stops the engine loop. ``api_key`` adds one key to
     ``options.api_keys``."""
     llm = engine if isinstance(engine, AsyncLLM) else AsyncLLM(engine)
