@@ -78,3 +78,10 @@ def test_bad_constraints_are_400s_naming_the_field(client, route, body, field):
     r = client.post(route, json={**base, **body})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == field
+
+
+def test_beam_search_with_a_constraint_is_refused(client):
+    r = client.post("/v1/completions", json={"model": "demo", "prompt": "x", "max_tokens": 5, "n": 2,
+                                             "use_beam_search": True,
+                                             "structured_outputs": {"regex": "[a-z]+"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "use_beam_search"

@@ -100,6 +100,9 @@ class SamplingRequest(OpenAIRequest):
         """vLLM's form: n beams, returned whole, best first; errors name the request's fields."""
         if self.stream:
             raise ValidationError("use_beam_search cannot be streamed; set stream=false", "stream")
+        if structured_outputs_params(self.response_format, self.structured_outputs) is not None:
+            raise ValidationError("use_beam_search cannot be constrained by structured outputs",
+                                  "use_beam_search")
         try:
             return BeamSearchParams(beam_width=self.n, max_tokens=max_tokens, ignore_eos=self.ignore_eos,
                                     length_penalty=self.length_penalty)
