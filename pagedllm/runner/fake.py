@@ -9,7 +9,7 @@ only, so batching, chunking and preemption can never change a result.
 """
 from __future__ import annotations
 
-from pagedllm.core.outputs import RunnerOutput, SchedulerOutput
+from pagedllm.core.outputs import RunnerOutput, SchedulerOutput, TokenLogprobs
 from pagedllm.runner.input_batch import CachedRequestState, InputBatch
 
 
@@ -89,6 +89,7 @@ class FakeRunner:
                 self.cache[s.state.block_ids[pos // bs]][pos % bs] = tok
 
         sampled: list[list[int]] = []
+        logprobs: list[list[TokenLogprobs] | None] | None = None
         for s in scheduled:
             state = s.state
             if self.verify_kv:
@@ -110,8 +111,19 @@ class FakeRunner:
                 context.append(tok)
             sampled.append(out)
             self.input_batch.append_sampled(state, out)
+            if state.params.logprobs is not None:  # a fake distribution, led by the chosen token
+                if logprobs is None:
+                    logprobs = [None] * len(scheduled)
+                logprobs[len(sampled) - 1] = [self._fake_logprobs(t, state.params.logprobs) for t in out]
         req_ids = list(so.num_scheduled_tokens)
-        return RunnerOutput(req_ids, {rid: i for i, rid in enumerate(req_ids)}, sampled)
+        return RunnerOutput(req_ids, {rid: i for i, rid in enumerate(req_ids)}, sampled, logprobs)
+
+    def _fake_logprobs(self, token: int, k: int) -> TokenLogprobs:
+        """The chosen token most likely, then the next ids in the vocabulary, each one less likely
+        (deterministic, so beam search on the FakeRunner reproduces itself)."""
+        top = [(token + i) % self.vocab_size for i in range(max(k, 1))]
+        return TokenLogprobs([token, *top[:k]], [-0.5, *(-0.5 - i for i in range(k))],
+                             [1, *range(1, k + 1)])
 
     def _verify(self, state: CachedRequestState, end: int) -> None:
         bs = self.block_size

@@ -461,3 +461,23 @@ def test_engine_streamed_text_adds_up_to_final_text(tokenizer, stop):
     assert deltas[-1].finish_reason == final.finish_reason
     full = reference_text(tokenizer, prompt, script)
     assert final.text == (full[:full.index(stop[0])] if stop else full)
+
+
+def test_beam_search_on_the_fake_runner_finishes(tokenizer):
+    """The FakeRunner reports a (fake) distribution when asked for logprobs, so beam search
+    advances and ends on it instead of waiting forever for reports."""
+    from pagedllm import BeamSearchParams
+
+    engine = make_engine(vocab_size=tokenizer.vocab_size, eos=frozenset({2}), tokenizer=tokenizer)
+    for width in (1, 2, 3):
+        engine.add_beam_search_request(f"b{width}", [1, 403, 407], BeamSearchParams(beam_width=width, max_tokens=5))
+    results = {}
+    for _ in range(50):
+        for out in engine.step():
+            if out.finished:
+                results[out.request_id] = [c.token_ids for c in out.outputs]
+        if not engine.has_unfinished_requests():
+            break
+    assert sorted(results) == ["b1", "b2", "b3"]
+    assert all(len(beams) == int(rid[1:]) and all(len(t) == 5 for t in beams) for rid, beams in results.items())
+    assert_idle(engine)
