@@ -52,6 +52,12 @@ def add_serve_args(p: argparse.ArgumentParser, engine_fields: set[str]) -> None:
     p.add_argument("--max-seqs-per-request", type=int, default=None,
                    help="most sequences one request may run (n x prompts, or the beam width); "
                         "default: max_num_seqs // 2, at most 64")
+    p.add_argument("--max-num-stop-strings", type=int, default=64,
+                   help="most stop strings one request may give (each is matched on every new "
+                        "token; default: 64)")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="let requests bring their own chat_template (a Jinja program the server "
+                        "runs); refused by default, as in vLLM")
     p.add_argument("--max-request-body-bytes", type=int, default=None,
                    help="larger request bodies get 413 (default: 8 MiB)")
     p.add_argument("--request-header-timeout", type=float, default=30.0,
@@ -136,6 +142,8 @@ def server_options(args: argparse.Namespace) -> Any:
         api_keys=tuple(args.api_key or ([env_key] if env_key else [])),
         cache_salt_per_key=args.cache_salt_per_key,
         max_logprobs=args.max_logprobs, max_seqs_per_request=args.max_seqs_per_request,
+        max_num_stop_strings=args.max_num_stop_strings,
+        trust_request_chat_template=args.trust_request_chat_template,
         max_request_body_bytes=args.max_request_body_bytes or DEFAULT_MAX_REQUEST_BODY_BYTES,
         request_body_timeout=args.request_body_timeout, request_header_timeout=args.request_header_timeout,
         allowed_origins=tuple(args.allowed_origins or ()), allow_credentials=args.allow_credentials,

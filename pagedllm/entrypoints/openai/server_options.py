@@ -41,11 +41,16 @@ class ServerOptions:
     disable_fastapi_docs: bool = False  # no /docs, /redoc, /openapi.json
     generation_config: str = "auto"  # auto (the model's), vllm (none), or a folder
     enable_auto_tool_choice: bool = False
+    # A request's own chat_template is code the server runs: refused unless the operator says so.
+    trust_request_chat_template: bool = False
+    max_num_stop_strings: int = 64  # stop strings are matched per token: their number is bounded
     tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_logprobs < 0:
             raise ValidationError("--max-logprobs must be >= 0", "max_logprobs")
+        if self.max_num_stop_strings < 0:
+            raise ValidationError("--max-num-stop-strings must be >= 0", "max_num_stop_strings")
         if self.max_seqs_per_request is not None and self.max_seqs_per_request < 1:
             raise ValidationError("--max-seqs-per-request must be >= 1", "max_seqs_per_request")
         if self.max_request_body_bytes < 1:

@@ -11,6 +11,7 @@ from fastapi.responses import StreamingResponse
 
 from pagedllm.engine.async_engine import AsyncLLM
 from pagedllm.engine.tokenizer import apply_chat_template
+from pagedllm.entrypoints.openai.template_kwargs import template_variables_only
 from pagedllm.entrypoints.openai.protocol import make_usage, random_id
 from pagedllm.entrypoints.openai.protocol_chat import (ChatCompletionChoice, ChatCompletionChunk,
                                                        ChatCompletionRequest, ChatCompletionResponse,
@@ -40,10 +41,15 @@ class OpenAIServingChat(OpenAIServing):
         tokenizer = self.llm.tokenizer
         if tokenizer is None:
             raise ValidationError("this server has no tokenizer, so it cannot apply a chat template", "messages")
+        if chat_template is not None and not self.options.trust_request_chat_template:
+            raise ValidationError("a request's own chat_template is a program the server would run; "
+                                  "it is refused unless the server is started with "
+                                  "--trust-request-chat-template", "chat_template")
         template = chat_template or self.chat_template
+        kwargs = template_variables_only(template_kwargs, template or getattr(tokenizer, "chat_template", None))
         try:
             return await self.tokenizer_call(apply_chat_template, tokenizer, messages, template,
-                                             add_generation_prompt, **(template_kwargs or {}))
+                                             add_generation_prompt, **kwargs)
         except ValidationError:
             raise
         except Exception as e:  # a broken template or messages it cannot render
@@ -53,7 +59,8 @@ class OpenAIServingChat(OpenAIServing):
         self.check_model(request.model)
         request.check_extra_fields()
         params = request.to_sampling_params(self.generation_defaults)  # validate before rendering
-        self.check_limits(request.n, "n", {"top_logprobs": request.top_logprobs if request.logprobs else None})
+        self.check_limits(request.n, "n", {"top_logprobs": request.top_logprobs if request.logprobs else None},
+                          params)
         check_truncate(request.truncate_prompt_tokens, self.llm.max_model_len)
         params = await self.apply_token_bans(request, params)
         prompt_ids = await self.render_prompt(request.conversation(), request.chat_template,

@@ -28,7 +28,7 @@ class OpenAIServingCompletion(OpenAIServing):
         params = request.to_sampling_params(self.generation_defaults)
         prompts = request.prompts()
         self.check_limits(request.n * len(prompts), "n",
-                          {"logprobs": request.logprobs, "prompt_logprobs": request.prompt_logprobs})
+                          {"logprobs": request.logprobs, "prompt_logprobs": request.prompt_logprobs}, params)
         check_truncate(request.truncate_prompt_tokens, self.llm.max_model_len)
         params = await self.apply_token_bans(request, params)
         prompts = await self._engine_prompts(request, prompts)

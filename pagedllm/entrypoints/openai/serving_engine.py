@@ -52,8 +52,14 @@ class OpenAIServing:
         self.generation_defaults = self.options.generation_defaults(llm.model_info.generation_defaults)
         self.max_seqs_per_request = self.options.seqs_per_request_cap(engine_max_num_seqs(llm))
 
-    def check_limits(self, num_seqs: int, seqs_param: str, logprobs: dict[str, int | None]) -> None:
-        """The server's caps (--max-seqs-per-request, --max-logprobs), as 400s naming the field."""
+    def check_limits(self, num_seqs: int, seqs_param: str, logprobs: dict[str, int | None],
+                     params: SamplingParams | BeamSearchParams | None = None) -> None:
+        """The server's caps (--max-seqs-per-request, --max-logprobs, --max-num-stop-strings),
+        as 400s naming the field."""
+        stop = getattr(params, "stop", None) or ()
+        if len(stop) > self.options.max_num_stop_strings:
+            raise ValidationError(f"{len(stop)} stop strings given; the server allows at most "
+                                  f"{self.options.max_num_stop_strings} (--max-num-stop-strings)", "stop")
         if num_seqs > self.max_seqs_per_request:
             raise ValidationError(
                 f"this request asks for {num_seqs} sequences; the server allows at most "
