@@ -17,6 +17,8 @@ from typing import Any
 
 from pagedllm.structured_output.grammar import llguidance
 
+_PARALLEL_FILL_BYTES = 32 << 10  # 32 rows of a ~8k-token vocabulary
+
 
 class GrammarBackend:
     def __init__(self, tokenizer_path: str, eos_token_ids: frozenset[int] = frozenset()) -> None:
@@ -51,17 +53,21 @@ class GrammarBackend:
         return matcher
 
     def fill_bitmasks(self, matchers: list[Any]) -> bytes:
-        """One row per matcher, filled in parallel by the library's own threads (it drops the
-        GIL), into one buffer."""
+        """One row per matcher, into one buffer: in parallel by the library's own threads (it
+        drops the GIL) when the masks are large; for small ones (32 rows of a 512-token
+        vocabulary: 0.4 ms serial, 0.5 ms parallel) the threads cost more than they save."""
+        rows = len(matchers)
+        if rows * self.row_bytes < _PARALLEL_FILL_BYTES:
+            return b"".join(self.fill_bitmask(m) for m in matchers)
         if self._executor is None:
             self._executor = llguidance().LLExecutor(num_threads=2)
-        rows = len(matchers)
         buf = bytearray(rows * self.row_bytes)
         ptr = ctypes.addressof((ctypes.c_char * len(buf)).from_buffer(buf))
         self._executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], ptr,
                                                self.row_bytes, rows)
         return bytes(buf)
 
-    @staticmethod
-    def fill_bitmask(matcher: Any) -> bytes:
-        return matcher.compute_bitmask()
+    def fill_bitmask(self, matcher: Any) -> bytes:
+        """One row, ``row_bytes`` long (the library's own may carry a spare word)."""
+        row = matcher.compute_bitmask()
+        return row[:self.row_bytes].ljust(self.row_bytes, b"\0")

@@ -169,10 +169,10 @@ class StructuredOutputManager:
             for i, (rid, _) in enumerate(batch):
                 masks[rid] = packed[i * size:(i + 1) * size]
         for rid, matcher, drafts in with_drafts:
-            rows = [matcher.compute_bitmask()]
+            rows = [self.backend.fill_bitmask(matcher)]
             for tok in drafts:  # the state after each draft prefix, then back
                 matcher.consume_token(tok)
-                rows.append(matcher.compute_bitmask())
+                rows.append(self.backend.fill_bitmask(matcher))
             matcher.rollback(len(drafts))
             masks[rid] = b"".join(rows)
         return masks

@@ -39,3 +39,10 @@ def test_fake_runner_keeps_allowed_tokens_and_replaces_others():
     assert grammar_choice(mask, 0, 2, 9) == 9
     assert grammar_choice(mask, 0, 2, 4) in (3, 9)
     assert grammar_choice(mask, 1, 2, 4) == 5
+
+
+def test_every_row_constrained_masks_in_place():
+    logits = torch.zeros(2, 40)
+    apply_grammar_bitmask(logits, [packed({1, 39}, 2), packed({0}, 2)])
+    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [1, 39]
+    assert torch.isfinite(logits[1]).nonzero().flatten().tolist() == [0]
