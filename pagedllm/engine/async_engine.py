@@ -14,6 +14,7 @@ and every open stream raises :class:`EngineDeadError` instead of hanging.
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import threading
 import time
@@ -58,6 +59,11 @@ class AsyncLLM:
         self._stuck_reported = False
         self._lock = threading.Lock()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-engine")
+        # Request-side tokenizer work (prompts, chat templates, /tokenize) runs on a thread of its
+        # own with a tokenizer of its own (HF tokenizers must not be used by two threads at
+        # once): a huge prompt never stalls the engine loop and the streams it feeds.
+        self._input_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-input")
+        self._input_tokenizer = copy.deepcopy(engine.tokenizer) if engine.tokenizer is not None else None
         self._streams: dict[str, asyncio.Queue] = {}
         self._pending_aborts: list[str] = []
         self._wake: asyncio.Event | None = None
@@ -91,7 +97,13 @@ class AsyncLLM:
     # -- what the server reads -----------------------------------------------------------------
     @property
     def tokenizer(self) -> Any:
-        return self.engine.tokenizer
+        """The request side's tokenizer: use it through ``run_input``."""
+        return self._input_tokenizer
+
+    async def run_input(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run request-side tokenizer work on the input thread, off the engine loop."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._input_executor, lambda: fn(*args, **kwargs))
 
     @property
     def max_model_len(self) -> int:
@@ -242,6 +254,7 @@ class AsyncLLM:
             self._owns_engine = False
             await asyncio.to_thread(self.engine.shutdown)
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self._input_executor.shutdown(wait=False, cancel_futures=True)
 
     # -- requests ------------------------------------------------------------------------------
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | BeamSearchParams,
@@ -260,6 +273,7 @@ class AsyncLLM:
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
         try:
+            prompt = await self._tokenized(prompt)
             if isinstance(params, BeamSearchParams):
                 await self.run(self.engine.add_beam_search_request, request_id, prompt, params, priority)
             else:
@@ -274,6 +288,15 @@ class AsyncLLM:
         self._wake.set()
         kind = params.output_kind if isinstance(params, SamplingParams) else RequestOutputKind.FINAL_ONLY
         return RequestStream(self, request_id, queue, _LatencyTracker(arrival_time, kind))
+
+    async def _tokenized(self, prompt: PromptType) -> PromptType:
+        """Text prompts tokenized on the input thread (the engine then only checks the ids)."""
+        text = prompt if isinstance(prompt, str) else (
+            prompt.get("prompt") if isinstance(prompt, dict) and "prompt_token_ids" not in prompt else None)
+        if not isinstance(text, str) or self._input_tokenizer is None:
+            return prompt  # token ids already, or something the engine will reject clearly
+        ids = await self.run_input(lambda: list(self._input_tokenizer(text).input_ids))
+        return {"prompt": text, "prompt_token_ids": ids}
 
     async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str, *,
                        priority: int = 0, cache_salt: str | None = None,

@@ -117,9 +117,10 @@ class OpenAIServing:
         return streams
 
     async def tokenizer_call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """Tokenizer work runs on the engine thread: HF tokenizers are not safe to share
-        between threads that use them at once."""
-        return await self.llm.run(fn, *args, **kwargs)
+        """Tokenizer work runs on AsyncLLM's input thread with the request side's tokenizer
+        (``llm.tokenizer``), off the engine loop: HF tokenizers are not safe to share between
+        threads that use them at once, and a huge prompt must not stall the streams."""
+        return await self.llm.run_input(fn, *args, **kwargs)
 
 
 class ObservedStream:
