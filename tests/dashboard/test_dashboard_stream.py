@@ -52,6 +52,10 @@ def test_stream_sends_records_and_exact_totals():
 def test_stream_needs_the_api_key():
     with LiveServer(api_key="k-123", num_gpu_blocks_override=64, block_size=4) as srv:
         assert httpx.get(f"{srv.url}/v1/trace/stream").status_code == 401
+        # The page and its files are open (they hold no data); the page sends the key itself.
+        assert httpx.get(f"{srv.url}/dashboard").status_code == 200
+        assert httpx.get(f"{srv.url}/dashboard/static/dashboard.js").status_code == 200
+        assert httpx.get(f"{srv.url}/v1/models").status_code == 401
         with httpx.stream("GET", f"{srv.url}/v1/trace/stream",
                           headers={"Authorization": "Bearer k-123"}) as resp:
             assert resp.status_code == 200

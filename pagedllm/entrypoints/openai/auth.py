@@ -26,7 +26,11 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from pagedllm.entrypoints.openai.api_errors import error_response
 
 OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/metrics",
-                        "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
+                        "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc",
+                        # The dashboard's page and files hold no data: its stream needs the key,
+                        # which the page sends from its key field.
+                        "/dashboard"})
+OPEN_PREFIXES = ("/dashboard/static/",)
 KEY_SALT_STATE = "pagedllm_key_salt"  # request.state field that carries the key's salt
 
 
@@ -64,7 +68,8 @@ class APIKeyMiddleware:
         if len(values) > 1:
             await error_response(400, "more than one Authorization header")(scope, receive, send)
             return
-        if scope["method"] == "OPTIONS" or route_path(scope) in OPEN_PATHS:
+        path = route_path(scope)
+        if scope["method"] == "OPTIONS" or path in OPEN_PATHS or path.startswith(OPEN_PREFIXES):
             await self.app(scope, receive, send)
             return
         got = values[0] if values else b""
