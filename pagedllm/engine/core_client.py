@@ -46,6 +46,7 @@ from pagedllm.engine.engine_core import EngineCore
 from pagedllm.errors import EngineDeadError
 from pagedllm.executor.multiproc import RemoteTraceback, remote_error
 from pagedllm.executor.wire import Codec
+from pagedllm.executor.zmq_context import new_context, term_context
 from pagedllm.runner.base import Runner
 
 ENV_ENABLE_MULTIPROCESSING = "PAGEDLLM_ENABLE_MULTIPROCESSING"
@@ -85,7 +86,7 @@ class MPEngineCoreClient:
         self._death_lock = threading.Lock()
         self.on_dead: list[Callable[[EngineDeadError], None]] = []
         self._ipc_dir = tempfile.mkdtemp(prefix="pagedllm-core-")
-        self._ctx = zmq.Context()
+        self._ctx = new_context()
         self._inputs, self._results = self._ctx.socket(zmq.PUSH), self._ctx.socket(zmq.PULL)
         input_addr, output_addr = f"ipc://{self._ipc_dir}/inputs", f"ipc://{self._ipc_dir}/outputs"
         self._inputs.bind(input_addr)
@@ -173,7 +174,7 @@ class MPEngineCoreClient:
         if have_lock:
             self._inputs.close(linger=0)
             self._results.close(linger=0)
-            self._ctx.term()
+            term_context(self._ctx)
             self._lock.release()
         shutil.rmtree(self._ipc_dir, ignore_errors=True)
 

@@ -32,6 +32,7 @@ from pagedllm.errors import EngineDeadError, ValidationError
 from pagedllm.executor.abstract import Executor, RunnerFactory
 from pagedllm.executor.wire import Codec
 from pagedllm.executor.worker import worker_main
+from pagedllm.executor.zmq_context import new_context, term_context
 
 _SHUTDOWN = msgpack.packb(["shutdown", []])
 
@@ -73,7 +74,7 @@ class MultiprocExecutor(Executor):
         self._requests: list[zmq.Socket] = []
         self._responses: list[zmq.Socket] = []
         self._ipc_dir = tempfile.mkdtemp(prefix="pagedllm-executor-")
-        self._zmq = zmq.Context()
+        self._zmq = new_context()
         # Runs once: from shutdown(), when the executor is garbage collected, or at exit.
         self._finalizer = weakref.finalize(self, _release, self._procs, self._requests,
                                            self._responses, self._zmq, self._ipc_dir)
@@ -244,5 +245,5 @@ def _release(procs: list, requests: list[zmq.Socket], responses: list[zmq.Socket
         proc.close()  # releases its sentinel
     for sock in requests + responses:
         sock.close(linger=0)
-    ctx.term()
+    term_context(ctx)
     shutil.rmtree(ipc_dir, ignore_errors=True)
