@@ -42,6 +42,8 @@ class ModelConfig:
     attention_backend: str = _doc(
         "auto (cpu_paged on CPU, torch elsewhere), torch (gather + SDPA, the reference) or "
         "cpu_paged (a C++ kernel reading the paged cache in place; CPU only).", default="auto")
+    enforce_eager: bool = _doc(
+        "Run the model eagerly, never through torch.compile.", default=False)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16", "half", "float", "fp32", "bf16", "fp16"):
@@ -117,8 +119,22 @@ class ParallelConfig:
     distributed_executor_backend: str | None = _doc(
         "Where the model runs: uni (in the engine's process; the default, also for None) or mp "
         "(a worker process per rank, over ZeroMQ).", default="uni")
+    tensor_parallel_size: int = _doc(
+        "Ranks that split every layer's heads and hidden units (torch.distributed).", default=1)
+    data_parallel_size: int = _doc(
+        "Engine cores (replicas) behind one API server, requests routed between them.", default=1)
 
     def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "data_parallel_size"):
+            size = getattr(self, name)
+            if not isinstance(size, int) or size < 1:
+                raise ValidationError(f"{name} must be an integer >= 1, got {size!r}", name)
+        if self.tensor_parallel_size > 1:
+            raise ValidationError("tensor_parallel_size > 1: tensor parallelism is not built yet; use 1",
+                                  "tensor_parallel_size")
+        if self.data_parallel_size > 1:
+            raise ValidationError("data_parallel_size > 1: data parallelism is not built yet; use 1",
+                                  "data_parallel_size")
         if self.distributed_executor_backend is None:  # vLLM's spelling of the default
             object.__setattr__(self, "distributed_executor_backend", "uni")
         backend = self.distributed_executor_backend
