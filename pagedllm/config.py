@@ -132,9 +132,6 @@ class ParallelConfig:
         if self.tensor_parallel_size > 1:
             raise ValidationError("tensor_parallel_size > 1: tensor parallelism is not built yet; use 1",
                                   "tensor_parallel_size")
-        if self.data_parallel_size > 1:
-            raise ValidationError("data_parallel_size > 1: data parallelism is not built yet; use 1",
-                                  "data_parallel_size")
         if self.distributed_executor_backend is None:  # vLLM's spelling of the default
             object.__setattr__(self, "distributed_executor_backend", "uni")
         backend = self.distributed_executor_backend

@@ -64,7 +64,13 @@ def multiprocessing_enabled(default: bool = False) -> bool:
 
 def make_engine_core(config: EngineConfig, max_model_len: int, runner: Runner | None = None,
                      multiprocess: bool | None = None) -> "EngineCore | MPEngineCoreClient":
-    """The engine core in this process, or in its own (``multiprocess``; None: the env var)."""
+    """The engine core in this process, or in its own (``multiprocess``; None: the env var);
+    with data_parallel_size > 1, that many core processes (always processes: a replica needs
+    its own interpreter to run beside the others)."""
+    if config.parallel_config.data_parallel_size > 1:
+        from pagedllm.engine.dp_client import DPEngineCoreClient  # it imports this module
+
+        return DPEngineCoreClient(config, max_model_len, runner)  # type: ignore[return-value]
     if multiprocess is None:
         multiprocess = multiprocessing_enabled()
     if multiprocess:
@@ -74,7 +80,11 @@ def make_engine_core(config: EngineConfig, max_model_len: int, runner: Runner | 
 
 class MPEngineCoreClient:
     def __init__(self, config: EngineConfig, max_model_len: int, runner: Runner | None = None,
-                 startup_timeout_s: float = 300.0) -> None:
+                 startup_timeout_s: float = 300.0, engine_index: int | None = None,
+                 process_env: dict[str, str] | None = None) -> None:
+        """``engine_index``: this core's data-parallel replica (named in its process and its
+        errors); ``process_env``: environment variables set in the core process before it
+        builds anything (a replica's share of the CPU threads)."""
         self._codec = Codec()
         self._outputs: deque[EngineCoreOutputs] = deque()
         self._sent_seq = 0  # inputs sent ...
@@ -94,9 +104,11 @@ class MPEngineCoreClient:
         # Not a daemon: the core may start worker processes of its own (the mp executor), which
         # a daemon may not. So this process must stop it before multiprocessing's exit hook joins
         # it: registered after that hook, this one runs first.
+        self.engine_index = engine_index
+        name = "pagedllm-engine-core" + ("" if engine_index is None else f"-{engine_index}")
         self._proc = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core, name="pagedllm-engine-core", daemon=False,
-            args=(config, max_model_len, runner, input_addr, output_addr,
+            target=_run_engine_core_in_env, name=name, daemon=False,
+            args=(process_env or {}, config, max_model_len, runner, input_addr, output_addr,
                   logging.getLogger().getEffectiveLevel()))
         self._proc.start()
         atexit.register(self.shutdown)
@@ -150,6 +162,20 @@ class MPEngineCoreClient:
                     return None
                 self._recv()
             return self._outputs.popleft()
+
+    # -- for a client over several cores (data parallel: dp_client.DPEngineCoreClient) ------
+    @property
+    def poll_handles(self) -> tuple[zmq.Socket, int]:
+        """What to poll to know this core has news: its output socket and its process."""
+        return self._results, self._proc.sentinel
+
+    def try_step(self) -> EngineCoreOutputs | None:
+        """A step's outputs if the core already pushed them, else None at once (never waits)."""
+        with self._lock:
+            self._check_alive()
+            while not self._outputs and self._results.poll(0, zmq.POLLIN):
+                self._recv()
+            return self._outputs.popleft() if self._outputs else None
 
     def shutdown(self) -> None:
         """Ask the core to stop, then terminate, then kill; reap it. Idempotent, any thread."""
@@ -236,7 +262,8 @@ class MPEngineCoreClient:
         code = self._proc.exitcode
         how = (f"was killed by signal {signal.Signals(-code).name}" if code is not None and code < 0
                else f"exited with code {code}")
-        return (f"the engine core process (pid {self._proc.pid}) {how}; every open request failed "
+        which = "" if self.engine_index is None else f" of data-parallel replica {self.engine_index}"
+        return (f"the engine core process{which} (pid {self._proc.pid}) {how}; every open request failed "
                 f"and the engine cannot continue (restart it)")
 
     def _died(self, error: EngineDeadError) -> EngineDeadError:
@@ -259,6 +286,12 @@ class MPEngineCoreClient:
         if not self._closing:
             self._proc.join(1.0)  # its exit code, for the message
             self._died(EngineDeadError(self._how_it_ended()))
+
+
+def _run_engine_core_in_env(env: dict[str, str], *args: Any) -> None:
+    """The core process's entry: its environment first (read by torch when it is imported)."""
+    os.environ.update(env)
+    run_engine_core(*args)
 
 
 def _failure(info: dict[str, Any]) -> EngineDeadError:
