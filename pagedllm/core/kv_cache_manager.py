@@ -94,12 +94,13 @@ class KVCacheManager:
         rid = request.request_id
         blocks = self.req_to_blocks.get(rid)
         start = request.num_computed_tokens + num_new_computed_tokens
+        # The usual decode step, decided from the last block in O(1) (this runs for every running
+        # request every step): the new tokens land inside the request's own last block without
+        # filling it, so there is nothing to allocate, copy or publish.
+        if blocks and not new_computed_blocks and blocks[-1].ref_cnt == 1:
+            if 0 <= start - (len(blocks) - 1) * bs < bs - num_new_tokens:
+                return NO_NEW_BLOCKS
         end = start + num_new_tokens
-        # The usual decode step, decided from the last block in O(1): the new tokens land inside
-        # the request's own last block without filling it: nothing to allocate, copy or publish.
-        if (blocks and end % bs and start // bs == end // bs == len(blocks) - 1
-                and blocks[-1].ref_cnt == 1 and not new_computed_blocks):
-            return NO_NEW_BLOCKS
 
         table = blocks if blocks is not None else []
         hits = new_computed_blocks or NO_NEW_BLOCKS  # only at admission, into an empty table

@@ -72,6 +72,8 @@ class SchedulerOutput:
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     finished_req_ids: set[str] = field(default_factory=set)  # runner drops their state
     preempted_req_ids: set[str] = field(default_factory=set)
+    # Of total_num_scheduled_tokens, those that are prompt (prefill chunks, recomputation).
+    num_scheduled_prompt_tokens: int = 0
     # Why, for the step trace (the runner ignores these): each victim and the running request
     # that needed its blocks; waiting requests that did not fit and were skipped (skip-ahead).
     preempted_by: dict[str, str] = field(default_factory=dict)

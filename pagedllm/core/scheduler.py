@@ -20,7 +20,7 @@ from pagedllm.core.outputs import (CachedRequestData, EngineCoreOutputs, NewRequ
                                    RunnerOutput, SchedulerOutput)
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.request_queue import create_request_queue
-from pagedllm.core.scheduler_stats import SchedulerStats, count_prompt_tokens
+from pagedllm.core.scheduler_stats import SchedulerStats
 from pagedllm.errors import ValidationError
 
 _NO_IDS: list[int] = []  # shared "no new blocks" entry; the runner only reads it
@@ -124,9 +124,11 @@ class Scheduler:
             end = len(req.all_token_ids) + req.num_output_placeholders + len(req.spec_token_ids)
             if end >= req.max_num_tokens:
                 end = req.max_num_tokens - 1
-            n = self._num_new_tokens(end - req.num_computed_tokens, budget)
+            n = end - req.num_computed_tokens
             if n <= 0:
                 continue
+            if n > 1:  # one token always fits: the budget left is positive, a threshold >= 1
+                n = self._num_new_tokens(n, budget)
             while (new_blocks := kv.allocate_slots(req, n)) is None:
                 victim = self._pick_victim()
                 if victim.request_id in num_scheduled:
@@ -234,9 +236,12 @@ class Scheduler:
         add_computed, add_tokens = cached.num_computed_tokens.append, cached.new_token_ids.append
         spec_tokens: dict[str, list[int]] = {}
         placeholders = self.async_scheduling
+        num_prompt = 0
         for rid, n in num_scheduled.items():
             req = requests[rid]
             all_ids, start = req.all_token_ids, req.num_computed_tokens
+            if start < req.num_prompt_tokens:  # a prefill chunk (or recomputation)
+                num_prompt += min(req.num_prompt_tokens, start + n) - start
             if req.num_sent_tokens == 0:
                 new_reqs.append(NewRequestData(rid, req.prompt_token_ids, req.output_token_ids,
                                                req.sampling_params, kv.get_block_ids(rid), start,
@@ -266,6 +271,7 @@ class Scheduler:
             scheduled_spec_decode_tokens=spec_tokens,
             finished_req_ids=finished,
             preempted_req_ids=set(preempted),
+            num_scheduled_prompt_tokens=num_prompt,
             preempted_by=preempted,
             skipped_req_ids=skipped,
         )
@@ -333,7 +339,7 @@ class Scheduler:
 
     def _fill_stats(self, stats: SchedulerStats, so: SchedulerOutput) -> None:
         """The rest of the step's SchedulerStats (the update counted tokens and drafts)."""
-        stats.num_prompt_tokens = count_prompt_tokens(so, self.requests)
+        stats.num_prompt_tokens = so.num_scheduled_prompt_tokens
         stats.num_scheduled_tokens = so.total_num_scheduled_tokens
         stats.num_preempted_reqs = len(so.preempted_req_ids)
         stats.num_running_reqs, stats.num_waiting_reqs = len(self.running), len(self.waiting)

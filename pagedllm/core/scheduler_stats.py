@@ -5,13 +5,7 @@ counters threaded through the scheduling code; the engine adds the records up.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from pagedllm.core.outputs import SchedulerOutput
-    from pagedllm.core.request import Request
 
 
 @dataclass(slots=True)
@@ -35,16 +29,3 @@ class SchedulerStats:
     num_blocks_evicted: int = 0
     num_blocks_copied: int = 0  # copy-on-write copies
 
-
-def count_prompt_tokens(so: "SchedulerOutput", requests: Mapping[str, "Request"]) -> int:
-    """Prompt tokens the step computes (prefill chunks, recomputation after preemption too)."""
-    num = 0
-    for new in so.scheduled_new_reqs:
-        start = new.num_computed_tokens
-        num += max(min(len(new.prompt_token_ids), start + so.num_scheduled_tokens[new.req_id]) - start, 0)
-    cached = so.scheduled_cached_reqs
-    for rid, start in zip(cached.req_ids, cached.num_computed_tokens):
-        req = requests.get(rid)
-        if req is not None and start < req.num_prompt_tokens:  # a prefill chunk
-            num += min(req.num_prompt_tokens, start + so.num_scheduled_tokens[rid]) - start
-    return num
