@@ -18,6 +18,7 @@ import copy
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 DEFAULT_WATCHDOG_TIMEOUT_S = 120.0
+_MAX_SERVED_BY = 8192  # data parallel: the replica of this many recent requests, for /metrics
 
 
 @dataclass
@@ -44,6 +46,7 @@ class RequestStats:
     queue: float | None
     ttft: float | None
     inter_token: list[float] = field(default_factory=list)
+    engine: str = "0"  # the data-parallel replica that served it (the metrics' engine label)
 
 
 StatLogger = Callable[[RequestStats], None]
@@ -71,6 +74,10 @@ class AsyncLLM:
         self._dead: EngineDeadError | None = None
         self.stat_loggers: list[StatLogger] = []
         self.num_aborted_requests = 0
+        self.num_aborted_by_engine: dict[str, int] = {}
+        # Data parallel: request id -> the replica it was routed to, kept past its finish (the
+        # server records a request's metrics after its last output), bounded.
+        self._served_by: OrderedDict[str, str] = OrderedDict()
         self._owns_engine = False  # built by from_engine_args: shutdown() stops the engine too
         # A core process that dies while nothing waits on it: fail every stream now, /health 503.
         getattr(engine.engine_core, "on_dead", []).append(self._engine_core_died)
@@ -165,6 +172,38 @@ class AsyncLLM:
         metrics["pagedllm:request_aborted"] = self.num_aborted_requests
         metrics["pagedllm:engine_stuck"] = float(stuck)
         return metrics
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.engine.config.parallel_config.data_parallel_size
+
+    def engine_label(self, request_id: str) -> str:
+        """The ``engine`` label of the replica that served ``request_id`` ("0" without data
+        parallelism, or once the request is too old to be remembered)."""
+        return self._served_by.get(request_id, "0")
+
+    async def get_metrics_by_engine(self) -> dict[str, dict[str, float]]:
+        """``get_metrics()`` per data-parallel replica, keyed by its ``engine`` label."""
+        per_engine = getattr(self.engine.engine_core, "get_metrics_per_engine", None)
+        if per_engine is None:
+            return {"0": await self.get_metrics()}
+        stuck = self.stuck_reason() is not None
+        snapshots = await self.run(per_engine)
+        out = {}
+        for i, metrics in enumerate(snapshots):
+            metrics["pagedllm:request_aborted"] = self.num_aborted_by_engine.get(str(i), 0)
+            metrics["pagedllm:engine_stuck"] = float(stuck)
+            out[str(i)] = metrics
+        return out
+
+    def _add_on_engine(self, add: Callable[..., None], request_id: str, *args: Any) -> None:
+        """Queue a request (on the engine thread) and note which replica took it."""
+        add(request_id, *args)
+        locate = getattr(self.engine.engine_core, "engine_index_of", None)
+        if locate is not None:
+            self._served_by[request_id] = str(locate(request_id))
+            if len(self._served_by) > _MAX_SERVED_BY:
+                self._served_by.popitem(last=False)
 
     async def reset_prefix_cache(self) -> bool:
         return await self.run(self.engine.reset_prefix_cache)
@@ -275,10 +314,11 @@ class AsyncLLM:
         try:
             prompt = await self._tokenized(prompt)
             if isinstance(params, BeamSearchParams):
-                await self.run(self.engine.add_beam_search_request, request_id, prompt, params, priority)
+                await self.run(self._add_on_engine, self.engine.add_beam_search_request, request_id,
+                               prompt, params, priority)
             else:
-                await self.run(self.engine.add_request, request_id, prompt, params,
-                               arrival_time, priority, cache_salt)
+                await self.run(self._add_on_engine, self.engine.add_request, request_id, prompt,
+                               params, arrival_time, priority, cache_salt)
         except BaseException as e:
             self._streams.pop(request_id, None)
             if isinstance(e, asyncio.CancelledError):
@@ -313,6 +353,8 @@ class AsyncLLM:
     def _abort_soon(self, request_id: str) -> None:
         """Abort before the next step (callable from a generator's finally, which cannot wait)."""
         self.num_aborted_requests += 1
+        label = self.engine_label(request_id)
+        self.num_aborted_by_engine[label] = self.num_aborted_by_engine.get(label, 0) + 1
         self._pending_aborts.append(request_id)
         if self._wake is not None:
             self._wake.set()
@@ -358,7 +400,9 @@ class RequestStream:
         if item.finished:
             self._done = True
             self.llm._streams.pop(self.request_id, None)
-            self.llm._log_stats(self._tracker.finish(item))
+            stats = self._tracker.finish(item)
+            stats.engine = self.llm.engine_label(self.request_id)
+            self.llm._log_stats(stats)
         return item
 
     def close(self) -> None:

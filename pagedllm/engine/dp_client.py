@@ -103,7 +103,7 @@ class DPEngineCoreClient:
         params = request.sampling_params
         seq_ids = ([request.request_id] if params is None  # a beam search: one id at the core
                    else sample_request_ids(request.request_id, params.n))
-        self.router.assign(replica, seq_ids, prefix_hash)
+        self.router.assign(replica, seq_ids, prefix_hash, len(request.prompt_token_ids))
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         self._check_alive()
@@ -142,8 +142,14 @@ class DPEngineCoreClient:
             metrics = client.get_metrics()
             metrics["pagedllm:dp_requests_routed"] = self.router.num_routed[i]
             metrics["pagedllm:dp_requests_routed_by_prefix"] = self.router.num_prefix_routed[i]
+            metrics["pagedllm:prompt_tokens"] = self.router.num_prompt_tokens[i]
             out.append(metrics)
         return out
+
+    def engine_index_of(self, request_id: str) -> int | None:
+        """The replica of an open request (its own id, or its first sample's when n > 1)."""
+        replica = self.router.owner_of(request_id)
+        return replica if replica is not None else self.router.owner_of(f"0_{request_id}")
 
     def has_unfinished_requests(self) -> bool:
         return any(client.has_unfinished_requests() for client in self.clients)

@@ -43,6 +43,7 @@ class DPRouter:
         self.prefix_holder: OrderedDict[int, int] = OrderedDict()  # first-block hash -> replica
         self.num_routed = [0] * num_replicas
         self.num_prefix_routed = [0] * num_replicas  # of which sent to a prefix's holder
+        self.num_prompt_tokens = [0] * num_replicas  # of the requests routed (vllm:prompt_tokens)
 
     # -- load --------------------------------------------------------------------------------
     def load(self, replica: int) -> int:
@@ -69,7 +70,8 @@ class DPRouter:
             return holder
         return least
 
-    def assign(self, replica: int, seq_ids: Iterable[str], prefix_hash: int | None) -> None:
+    def assign(self, replica: int, seq_ids: Iterable[str], prefix_hash: int | None,
+               num_prompt_tokens: int = 0) -> None:
         """The request was queued on ``replica``: its sequences are open there."""
         if prefix_hash is not None:
             if self.prefix_holder.get(prefix_hash) == replica:
@@ -79,6 +81,7 @@ class DPRouter:
             if len(self.prefix_holder) > MAX_PREFIXES:
                 self.prefix_holder.popitem(last=False)
         self.num_routed[replica] += 1
+        self.num_prompt_tokens[replica] += num_prompt_tokens
         for sid in seq_ids:
             if sid not in self.owner:
                 self.owner[sid] = replica

@@ -1,7 +1,10 @@
 """GET /metrics: Prometheus text under vLLM's names, so vLLM's dashboards and alerts work as they are.
 
-Every series carries vLLM's labels ``model_name`` (the first served name) and ``engine`` ("0": one
-engine core); counters get Prometheus' ``_total`` suffix, as vLLM's do; buckets are vLLM's.
+Every series carries vLLM's labels ``model_name`` (the first served name) and ``engine``: "0" for
+one engine core, "0" .. "N-1" for ``--data-parallel-size N``, where each replica's engine series
+are its own and each request's series (latencies, finish reasons, tokens) go to the replica that
+served it, as vLLM's per-engine loggers do; sum over ``engine`` for the whole server. Counters get
+Prometheus' ``_total`` suffix, as vLLM's do; buckets are vLLM's.
 Three sources feed it:
 
 * the engine's counters and gauges (``LLMEngine.get_metrics()``, a dict keyed ``pagedllm:*``),
@@ -62,6 +65,11 @@ _ENGINE_SERIES: dict[str, list[tuple[str, str, str]]] = {
                                                   "Number of accepted tokens.")],
     "pagedllm:prompt_tokens_computed": [("pagedllm:prompt_tokens_computed", "counter",
                                          "Prompt tokens run through the model (recompute included).")],
+    "pagedllm:dp_requests_routed": [("pagedllm:dp_requests_routed", "counter",
+                                     "Requests the data-parallel router sent to this engine.")],
+    "pagedllm:dp_requests_routed_by_prefix": [
+        ("pagedllm:dp_requests_routed_by_prefix", "counter",
+         "Of those, requests sent here because this engine held their first prompt block.")],
 }
 # Read for other series (finish reasons, cache_config_info), not exported under their own name.
 _CONSUMED = {"pagedllm:request_success", "pagedllm:request_aborted", "pagedllm:num_gpu_blocks"}
@@ -110,43 +118,51 @@ def build_1_2_5_buckets(max_value: int) -> tuple[int, ...]:
 
 
 class _EngineCollector:
-    """Yields the latest engine snapshot as metric families at every scrape."""
+    """Yields the latest engine snapshots (one per ``engine`` label) as metric families at every
+    scrape: one family per series, a sample per engine."""
 
-    def __init__(self, model_name: str, cache_info: dict[str, str]) -> None:
-        self.labels = [model_name, "0"]
+    def __init__(self, model_name: str, cache_info: dict[str, str], engines: list[str]) -> None:
+        self.model_name = model_name
         self.cache_info = cache_info
-        self.snapshot: dict[str, float] = {}
-        self.success: dict[str, float] = dict.fromkeys(FINISH_REASONS, 0.0)
-        self.accepted_per_pos: dict[int, int] = {}  # draft position -> times accepted
+        self.snapshots: dict[str, dict[str, float]] = {}  # engine label -> its metrics
+        self.success = {e: dict.fromkeys(FINISH_REASONS, 0.0) for e in engines}
+        self.accepted_per_pos: dict[int, int] = {}  # draft position -> times accepted (engine "0")
 
     def collect(self) -> Iterator[Metric]:
-        snap = self.snapshot
-        for key, value in snap.items():
-            if key in _CONSUMED:
-                continue
-            for name, kind, doc in _ENGINE_SERIES.get(key, [(key, "gauge", f"Engine metric {key}.")]):
-                family_cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
-                family = family_cls(name, doc, labels=LABELS)
-                family.add_metric(self.labels, value)
-                yield family
+        families: dict[str, Metric] = {}
+        for engine, snap in self.snapshots.items():
+            for key, value in snap.items():
+                if key in _CONSUMED:
+                    continue
+                for name, kind, doc in _ENGINE_SERIES.get(key, [(key, "gauge", f"Engine metric {key}.")]):
+                    family = families.get(name)
+                    if family is None:
+                        family_cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+                        family = families[name] = family_cls(name, doc, labels=LABELS)
+                    family.add_metric([self.model_name, engine], value)
+        yield from families.values()
         success = CounterMetricFamily("vllm:request_success", "Count of successfully processed requests.",
                                       labels=(*LABELS, "finished_reason"))
-        counts = {**self.success, "abort": float(snap.get("pagedllm:request_aborted", 0.0))}
-        for reason in FINISH_REASONS:
-            success.add_metric([*self.labels, reason], counts[reason])
+        for engine, finished in self.success.items():
+            aborted = self.snapshots.get(engine, {}).get("pagedllm:request_aborted", 0.0)
+            counts = {**finished, "abort": float(aborted)}
+            for reason in FINISH_REASONS:
+                success.add_metric([self.model_name, engine, reason], counts[reason])
         yield success
         if self.accepted_per_pos:
             family = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
                                          "Accepted tokens per draft position.", labels=(*LABELS, "position"))
             for pos, count in sorted(self.accepted_per_pos.items()):
-                family.add_metric([*self.labels, str(pos)], count)
+                family.add_metric([self.model_name, "0", str(pos)], count)
             yield family
-        info = dict(self.cache_info, engine="0")
-        if "pagedllm:num_gpu_blocks" in snap:
-            info["num_gpu_blocks"] = str(int(snap["pagedllm:num_gpu_blocks"]))
+        labels = sorted({*self.cache_info, "engine", "num_gpu_blocks"})
         family = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
-                                   labels=sorted(info))
-        family.add_metric([info[k] for k in sorted(info)], 1.0)
+                                   labels=labels)
+        for engine in self.success:
+            info = dict(self.cache_info, engine=engine)
+            blocks = self.snapshots.get(engine, {}).get("pagedllm:num_gpu_blocks")
+            info["num_gpu_blocks"] = str(int(blocks)) if blocks is not None else info.get("num_gpu_blocks", "None")
+            family.add_metric([info[k] for k in labels], 1.0)
         yield family
 
 
@@ -154,18 +170,22 @@ class ServerMetrics:
     def __init__(self, llm: AsyncLLM, model_name: str, cache_info: dict[str, str] | None = None) -> None:
         self.llm = llm
         self.registry = CollectorRegistry(auto_describe=False)
-        self._engine = _EngineCollector(model_name, cache_info or {})
+        self.model_name = model_name
+        self.engines = [str(i) for i in range(getattr(llm, "data_parallel_size", 1))]
+        self._engine = _EngineCollector(model_name, cache_info or {}, self.engines)
         self.registry.register(self._engine)
-        labels = [model_name, "0"]
         token_buckets = build_1_2_5_buckets(max(1, llm.max_model_len))
 
         buckets = {"ttft": _TTFT_BUCKETS, "tpot": _TPOT_BUCKETS, "latency": _REQUEST_LATENCY_BUCKETS,
                    "n": _N_BUCKETS, "tokens": token_buckets, "iteration": _ITERATION_BUCKETS}
-        for attr, (name, doc, kind) in _HISTOGRAMS.items():  # self.ttft, self.itl, ... one per entry
-            setattr(self, attr, Histogram(name, doc, LABELS, registry=self.registry,
-                                          buckets=buckets[kind]).labels(*labels))
-        self.prompt_tokens_cached = Counter("vllm:prompt_tokens_cached", "Number of cached prompt tokens.",
-                                            LABELS, registry=self.registry).labels(*labels)
+        # self.ttft, self.itl, ...: one per entry, {engine label: its child series}, every
+        # engine's created now so each shows up (at zero) from the first scrape, as vLLM's.
+        for attr, (name, doc, kind) in _HISTOGRAMS.items():
+            family = Histogram(name, doc, LABELS, registry=self.registry, buckets=buckets[kind])
+            setattr(self, attr, {e: family.labels(model_name, e) for e in self.engines})
+        cached = Counter("vllm:prompt_tokens_cached", "Number of cached prompt tokens.", LABELS,
+                         registry=self.registry)
+        self.prompt_tokens_cached = {e: cached.labels(model_name, e) for e in self.engines}
         llm.stat_loggers.append(self.observe_latency)
         observers = getattr(llm.engine, "step_observers", None)  # every step, on the engine thread
         if observers is not None:
@@ -177,7 +197,7 @@ class ServerMetrics:
         tokens back accepted positions 0..m-1)."""
         stats = getattr(core_outputs, "scheduler_stats", None)
         if stats is not None and (stats.num_prompt_tokens or stats.num_generation_tokens):
-            self.iteration_tokens.observe(stats.num_prompt_tokens + stats.num_generation_tokens)
+            self.iteration_tokens["0"].observe(stats.num_prompt_tokens + stats.num_generation_tokens)
         drafts = getattr(scheduler_output, "scheduled_spec_decode_tokens", None)
         if not drafts:
             return
@@ -189,43 +209,50 @@ class ServerMetrics:
 
     def observe_latency(self, stats: RequestStats) -> None:
         """AsyncLLM's per-request latencies (called as each request finishes)."""
-        self.e2e.observe(stats.e2e)
+        engine = stats.engine if stats.engine in self._engine.success else "0"
+        self.e2e[engine].observe(stats.e2e)
         if stats.ttft is not None:
-            self.ttft.observe(stats.ttft)
+            self.ttft[engine].observe(stats.ttft)
         if stats.queue is not None:
-            self.queue.observe(stats.queue)
+            self.queue[engine].observe(stats.queue)
+        itl, tpot_old = self.itl[engine], self.tpot_old[engine]
         for t in stats.inter_token:
-            self.itl.observe(t)
-            self.tpot_old.observe(t)
+            itl.observe(t)
+            tpot_old.observe(t)
 
     def observe(self, out: RequestOutput, num_generated: list[int], n: int, max_tokens: int | None) -> None:
         """One finished request as the server saw it; ``num_generated``: tokens per choice."""
+        label = getattr(self.llm, "engine_label", None)
+        engine = label(out.request_id) if label is not None else "0"
+        success = self._engine.success.get(engine) or self._engine.success["0"]
         for c in out.outputs:
-            if c.finish_reason in self._engine.success:
-                self._engine.success[c.finish_reason] += 1
-        self.params_n.observe(n)
+            if c.finish_reason in success:
+                success[c.finish_reason] += 1
+        self.params_n[engine].observe(n)
         if max_tokens is not None:
-            self.params_max_tokens.observe(max_tokens)
-        self.prompt_tokens.observe(len(out.prompt_token_ids))
-        self.prompt_tokens_cached.inc(out.num_cached_tokens)
+            self.params_max_tokens[engine].observe(max_tokens)
+        self.prompt_tokens[engine].observe(len(out.prompt_token_ids))
+        self.prompt_tokens_cached[engine].inc(out.num_cached_tokens)
         for count in num_generated:
-            self.generation_tokens.observe(count)
-        self.max_num_generation_tokens.observe(max(num_generated, default=0))
+            self.generation_tokens[engine].observe(count)
+        self.max_num_generation_tokens[engine].observe(max(num_generated, default=0))
         m = out.metrics
         if m is None or m.first_scheduled_time is None or m.first_token_time is None:
             return
         last = m.last_token_time or m.first_token_time
         decode = max(0.0, last - m.first_token_time)
-        self.prefill.observe(max(0.0, m.first_token_time - m.first_scheduled_time))
-        self.decode.observe(decode)
-        self.inference.observe(max(0.0, last - m.first_scheduled_time))
+        self.prefill[engine].observe(max(0.0, m.first_token_time - m.first_scheduled_time))
+        self.decode[engine].observe(decode)
+        self.inference[engine].observe(max(0.0, last - m.first_scheduled_time))
         most = max(num_generated, default=0)
         if most > 1:
-            self.request_tpot.observe(decode / (most - 1))
+            self.request_tpot[engine].observe(decode / (most - 1))
 
     async def render(self) -> bytes:
+        by_engine = getattr(self.llm, "get_metrics_by_engine", None)
         try:
-            self._engine.snapshot = await self.llm.get_metrics()
+            self._engine.snapshots = (await by_engine() if by_engine is not None
+                                      else {"0": await self.llm.get_metrics()})
         except Exception:  # noqa: BLE001 - a dead engine still serves its histograms
-            self._engine.snapshot = {}
+            self._engine.snapshots = {}
         return generate_latest(self.registry)
