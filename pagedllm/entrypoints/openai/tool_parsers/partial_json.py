@@ -1,0 +1,152 @@
+"""Reading ``{"name": ..., "arguments": {...}}`` objects out of JSON text that may still be
+growing (a stream), without parsing the arguments.
+
+A call's arguments are kept as the raw text of their JSON value, cut where the value ends (or
+where the text ends, while it is unfinished). That text only ever grows by appending, so a
+stream can send each new piece as an argument delta, and the pieces join to exactly the value
+the finished text holds.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+_WS = " \t\r\n"
+
+
+class NotACall(ValueError):
+    """The text is not (the start of) a tool-call object."""
+
+
+@dataclass
+class PartialCall:
+    name: str | None = None  # set once the name's string is complete
+    raw_arguments: str = ""  # the arguments' JSON text seen so far ("" before it starts)
+    complete: bool = False  # the call's object has closed
+
+    def arguments_so_far(self) -> str:
+        """The argument text a stream may send by now. Arguments written as a JSON string
+        (some models quote the object) are sent once decoded, when the string is whole; a
+        closed call without arguments has {} (so the joined deltas always parse)."""
+        if self.complete and not self.raw_arguments:
+            return "{}"
+        if not self.raw_arguments.startswith('"'):
+            return self.raw_arguments
+        end = scan_string(self.raw_arguments, 0)
+        try:
+            return json.loads(self.raw_arguments[:end]) if end is not None else ""
+        except ValueError:  # a bad escape: nothing a client could use
+            return ""
+
+
+    def finished_arguments(self) -> str | None:
+        """The arguments as compact JSON text, or None if they are missing or not JSON."""
+        text = self.arguments_so_far() or "{}"
+        try:
+            value = json.loads(text)
+        except ValueError:
+            return None
+        return json.dumps(value, ensure_ascii=False)
+
+
+def skip_ws(text: str, i: int) -> int:
+    while i < len(text) and text[i] in _WS:
+        i += 1
+    return i
+
+
+def scan_string(text: str, i: int) -> int | None:
+    """``text[i]`` opens a JSON string: the index after its closing quote, or None if unfinished."""
+    j = i + 1
+    while j < len(text):
+        c = text[j]
+        if c == "\\":
+            j += 2
+        elif c == '"':
+            return j + 1
+        else:
+            j += 1
+    return None
+
+
+def scan_value(text: str, i: int) -> int | None:
+    """The index where the JSON value starting at ``text[i]`` ends, or None if it is unfinished
+    (brackets are matched, strings skipped; the value itself is not checked)."""
+    c = text[i]
+    if c == '"':
+        return scan_string(text, i)
+    if c in "{[":
+        depth, j = 0, i
+        while j < len(text):
+            c = text[j]
+            if c == '"':
+                end = scan_string(text, j)
+                if end is None:
+                    return None
+                j = end
+                continue
+            if c in "{[":
+                depth += 1
+            elif c in "}]":
+                depth -= 1
+                if depth == 0:
+                    return j + 1
+            j += 1
+        return None
+    j = i  # a number, true, false or null: it ends at a delimiter, and may grow until one
+    while j < len(text) and text[j] not in _WS and text[j] not in ",}]":
+        j += 1
+    return j if j < len(text) else None
+
+
+def scan_call(text: str, i: int, argument_keys: tuple[str, ...]) -> tuple[PartialCall | None, int | None]:
+    """The call object starting at ``text[i]`` (after whitespace): (the call so far, the index
+    after its ``}`` or None while it is open). (None, None) if only whitespace is left.
+    NotACall if the text cannot be such an object."""
+    i = skip_ws(text, i)
+    if i >= len(text):
+        return None, None
+    if text[i] != "{":
+        raise NotACall(f"expected '{{' at {i}")
+    call = PartialCall()
+    i += 1
+    while True:
+        i = skip_ws(text, i)
+        if i >= len(text):
+            return call, None
+        if text[i] == "}":
+            call.complete = True
+            return call, i + 1
+        if text[i] == ",":
+            i += 1
+            continue
+        if text[i] != '"':
+            raise NotACall(f"expected a key at {i}")
+        end = scan_string(text, i)
+        if end is None:
+            return call, None
+        try:
+            key = json.loads(text[i:end])
+        except ValueError as e:
+            raise NotACall(str(e)) from e
+        i = skip_ws(text, end)
+        if i >= len(text):
+            return call, None
+        if text[i] != ":":
+            raise NotACall(f"expected ':' at {i}")
+        i = skip_ws(text, i + 1)
+        if i >= len(text):
+            return call, None
+        end = scan_value(text, i)
+        if key == "name" and end is not None:
+            if text[i] != '"':
+                raise NotACall("the name is not a string")
+            try:
+                call.name = json.loads(text[i:end])
+            except ValueError as e:
+                raise NotACall(str(e)) from e
+        elif key in argument_keys:
+            call.raw_arguments = text[i:] if end is None else text[i:end]
+        if end is None:
+            return call, None
+        i = end
