@@ -15,7 +15,9 @@ The rule, in one place:
    ``max_num_seqs // 2`` load units, at least 1). Past that, queueing behind the holder costs
    more than recomputing the prefix, so the request goes to the least-loaded replica, which then
    becomes the prefix's holder: a hot prefix spreads over replicas as its load grows.
-3. Otherwise the least-loaded replica; ties go to the lowest index.
+3. Otherwise the least-loaded replica; ties go to the replica routed fewest requests so far
+   (then the lowest index), so that an idle server still spreads distinct prompts, and their
+   cached blocks, over every replica.
 
 A prompt shorter than one block has no prefix to follow. The prefix map is bounded (LRU), so a
 long-running server with many distinct prefixes does not grow without limit.
@@ -51,7 +53,7 @@ class DPRouter:
         return WAITING_WEIGHT * (self.num_open[replica] - running) + running
 
     def least_loaded(self) -> int:
-        return min(range(self.num_replicas), key=lambda i: (self.load(i), i))
+        return min(range(self.num_replicas), key=lambda i: (self.load(i), self.num_routed[i], i))
 
     def update_stats(self, replica: int, num_running_reqs: int) -> None:
         self.num_running[replica] = num_running_reqs

@@ -32,7 +32,8 @@ from pagedllm.errors import PagedLLMError
 ENGINE_CONFIGS = tuple(c for c in (ModelConfig, CacheConfig, SchedulerConfig,
                                    getattr(_config, "ParallelConfig", None), ObservabilityConfig)
                        if c is not None)
-_SHORT_FLAGS = {"tensor_parallel_size": "-tp"}  # vLLM's short spellings of engine flags
+# vLLM's short spellings of engine flags
+_SHORT_FLAGS = {"tensor_parallel_size": "-tp", "data_parallel_size": "-dp"}
 
 
 def engine_field_names() -> set[str]:
