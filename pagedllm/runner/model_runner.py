@@ -19,6 +19,7 @@ from pagedllm.layers.forward_context import set_forward_context
 from pagedllm.layers.kv_cache import bind_kv_caches, copy_blocks, kv_cache_shape
 from pagedllm.layers.linear import prepack_linear_weights
 from pagedllm.models.loader import load_model
+from pagedllm.runner.compile import compile_disabled_reason, maybe_compile
 from pagedllm.runner.grammar_bitmask import apply_grammar_bitmask
 from pagedllm.runner.input_batch import CachedRequestState, InputBatch, ScheduledRequest
 from pagedllm.runner.sampler import Sampler, SamplingMetadata, compute_topk_logprobs
@@ -52,9 +53,14 @@ class ModelRunner:
         self.model, self.hf_config = load_model(mc.model, self.dtype, self.device)
         if self.device.type == "cpu":
             _keep_freed_memory()
-        if self.device.type == "cpu" and _param_bytes(self.model) * 4 < _total_ram_bytes():
-            # A second, matmul-friendly copy of the linear weights (see layers/linear.py).
+        compiling = compile_disabled_reason(mc.enforce_eager, self.device) is None
+        if (self.device.type == "cpu" and not compiling
+                and _param_bytes(self.model) * 4 < _total_ram_bytes()):
+            # A second, matmul-friendly copy of the linear weights (see layers/linear.py); not
+            # under torch.compile, whose inductor cannot lower the opaque prepacked tensors.
             prepack_linear_weights(self.model)
+        # The compiled forward, or None: eager (see runner/compile.py).
+        self.compiled = maybe_compile(self.model, mc.enforce_eager, self.device, warmup_tokens=16)
         self.vocab_size = self.model.vocab_size
         self.sampler = Sampler()
         self.input_batch = InputBatch()
@@ -136,7 +142,7 @@ class ModelRunner:
         attn_md = build_attention_metadata(query_lens, num_computed, block_tables, self.block_size,
                                            device, backend=self.attn_backend)
         with set_forward_context(attn_md):
-            hidden = self.model(ids_t, pos_t)
+            hidden = (self.compiled or self.model)(ids_t, pos_t)
 
         req_ids = [s.state.req_id for s in scheduled]
         out = RunnerOutput(req_ids=req_ids, req_id_to_index={rid: i for i, rid in enumerate(req_ids)},

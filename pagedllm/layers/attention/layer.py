@@ -4,8 +4,18 @@ step's backend attend.
 KV cache of one layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (index 0 = keys,
 1 = values). Writing first matters: requests scheduled in the same step may share blocks
 (identical prompts), and the reader must see the writer's K/V.
+
+Under torch.compile the whole layer (cache write, forward-context lookup, backend, C++ kernel)
+is one opaque custom op, ``pagedllm::attention``: dynamo traces the model around it without a
+graph break and never sees the step's metadata (Python lists, a backend object) or the cache,
+which the op reaches through the layer it names. Its fake implementation only says the output
+shape. Eagerly the layer calls the same function directly: the dispatcher would add a few
+microseconds per layer and buy nothing.
 """
 from __future__ import annotations
+
+import itertools
+import weakref
 
 import torch
 from torch import nn
@@ -42,12 +52,24 @@ class Attention(nn.Module):
         # A plain attribute (not a buffer): the runner owns the cache memory, and model.to() or
         # state_dict() must not copy or save it. Empty until bound.
         self.kv_cache: torch.Tensor = torch.empty(0, device="cpu")
+        # How the compiled graph names this layer: an int constant the op looks up (weakly, so
+        # a dropped model's layers go away). Unique per instance, not per layer index, since a
+        # process may hold several models.
+        self._op_id = next(_op_ids)
+        _layers_by_op_id[self._op_id] = self
 
     def extra_repr(self) -> str:
         return (f"layer_idx={self.layer_idx}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
                 f"head_dim={self.head_dim}")
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return torch.ops.pagedllm.attention(q, k, v, self._op_id)
+        return self.attend(q, k, v)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The layer's work, always eager: ``[T, H, D]`` x 3 -> ``[T, H * D]`` contiguous (what
+        the op's fake implementation promises the compiled graph)."""
         num_tokens = q.shape[0]
         md = get_attn_metadata()
         if md is None:  # no step: one causal sequence, no cache (warm-up, profiling)
@@ -57,3 +79,21 @@ class Attention(nn.Module):
                                "call bind_kv_caches(model, kv_caches) first")
         write_kv(self.kv_cache, k, v, md.slot_mapping)
         return md.backend.forward(self, q, k, v, md).reshape(num_tokens, -1)  # [T, H * D]
+
+
+_op_ids = itertools.count()
+_layers_by_op_id: weakref.WeakValueDictionary[int, Attention] = weakref.WeakValueDictionary()
+
+
+@torch.library.custom_op("pagedllm::attention", mutates_args=())
+def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
+    """Attention layer ``layer_id`` on the current forward context. It writes the step's K/V into
+    that layer's cache, a tensor outside the graph: nothing in the graph reads the cache, and
+    each layer's op depends on the previous layer's output, so the order is kept without
+    declaring the mutation (declared, functionalization would copy the cache)."""
+    return _layers_by_op_id[layer_id].attend(q, k, v).contiguous()  # a no-op unless it is not
+
+
+@attention_op.register_fake
+def _attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
+    return q.new_empty((q.shape[0], q.shape[1] * q.shape[2]))

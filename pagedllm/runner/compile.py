@@ -1,0 +1,106 @@
+"""torch.compile of the model's forward: one graph for every token count, compiled at startup.
+
+What gets compiled: ``model.forward(input_ids [T], positions [T]) -> hidden [T, hidden]``, the
+decoder stack. Inductor fuses the elementwise work between the matmuls (RMSNorm, rotary, the
+gated activation, residual adds) into a few C++ loops; attention is one opaque custom op per
+layer (``pagedllm::attention``, layers/attention/layer.py) that reads the step's metadata from
+the forward context, so no per-step Python object enters the graph and nothing graph-breaks.
+``compute_logits`` (a matmul over the few rows that sample) and the sampler stay eager.
+
+Dynamic token counts: the token dimension of both inputs is marked *unbacked* (vLLM marks it
+dynamic). A merely dynamic ("backed") size still gets specialised at 0 and 1, so a step with a
+single decoding request would compile a second graph mid-run; an unbacked size has no such
+special case: one graph serves T = 1 .. max_num_batched_tokens, traced once at warm-up.
+
+When it is on (``enforce_eager``): True never compiles; False compiles wherever a compiler
+exists; None ("auto", the default) compiles on CUDA only. On CPU it is off by default because
+here it does not pay (measured with benchmarks/compile_ab.py, interleaved A/B on 2 cores): the
+eager CPU path already multiplies through oneDNN-prepacked weights (layers/linear.py), which
+inductor cannot lower (the prepacked tensors are opaque to it), so the compiled graph uses plain
+sgemm; what the fusions save is no more than what the prepacking buys at decode sizes, and the
+compile costs ~15-30 s at every startup. Inductor on CPU needs a C++ compiler, on CUDA Triton:
+without one, the engine logs a line and runs eagerly.
+"""
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# Whether "auto" compiles on each device type (see the module docstring for CPU's measurement).
+AUTO_COMPILE = {"cpu": False, "cuda": True}
+
+
+def compile_disabled_reason(enforce_eager: bool | None, device: torch.device) -> str | None:
+    """Why the model should run eagerly, or None when it should be compiled."""
+    if enforce_eager:
+        return "enforce_eager is set"
+    if enforce_eager is None and not AUTO_COMPILE.get(device.type, False):
+        return f"auto: eager on {device.type} (enforce_eager=False compiles)"
+    if device.type == "cpu":
+        compiler = os.environ.get("CXX", "c++")
+        if shutil.which(compiler) is None:
+            return f"inductor needs a C++ compiler on CPU and {compiler!r} is not on PATH"
+    elif device.type == "cuda":
+        if importlib.util.find_spec("triton") is None:
+            return "inductor needs Triton on CUDA and it is not installed"
+    else:
+        return f"no compiled mode on {device.type}"
+    return None
+
+
+def _mark_tokens_unbacked(*tensors: torch.Tensor) -> None:
+    for t in tensors:
+        torch._dynamo.decorators.mark_unbacked(t, 0)
+
+
+class CompiledForward:
+    """``model.forward`` through torch.compile; call it like the model.
+
+    ``warmup`` traces and compiles once (before the KV cache exists: outside a forward context
+    attention runs without the cache, and the op hides the difference from the graph)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.compile_seconds = 0.0
+        # fullgraph: a graph break would be a silent slowdown (and a second graph); fail loudly.
+        # dynamic=False: only the token dimension is symbolic, marked per call below.
+        self._forward: Callable[..., torch.Tensor] = torch.compile(
+            model.forward, fullgraph=True, dynamic=False)
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # Every step's tensors are new objects: the mark must be on each (a flag on the tensor).
+        _mark_tokens_unbacked(input_ids, positions)
+        return self._forward(input_ids, positions)
+
+    @torch.inference_mode()
+    def warmup(self, num_tokens: int, device: torch.device) -> float:
+        """Compile with a ``num_tokens`` batch and run it once more at one token (the decode
+        shape, which must hit the same graph); returns the seconds spent."""
+        start = time.perf_counter()
+        for n in (max(num_tokens, 2), 1):
+            ids = torch.zeros(n, dtype=torch.long, device=device)
+            self(ids, torch.arange(n, device=device))
+        self.compile_seconds = time.perf_counter() - start
+        return self.compile_seconds
+
+
+def maybe_compile(model: torch.nn.Module, enforce_eager: bool | None, device: torch.device,
+                  warmup_tokens: int) -> CompiledForward | None:
+    """The compiled forward, warmed up, or None (eager) after one log line saying why."""
+    reason = compile_disabled_reason(enforce_eager, device)
+    if reason is not None:
+        logger.info("torch.compile off: %s; the model runs eagerly", reason)
+        return None
+    compiled = CompiledForward(model)
+    seconds = compiled.warmup(warmup_tokens, device)
+    logger.info("torch.compile: compiled the model forward in %.1f s (token count dynamic)",
+                seconds)
+    return compiled

@@ -1,0 +1,143 @@
+"""torch.compile of the model (runner/compile.py): the compiled engine gives the eager engine's
+greedy ids and logprobs, compiles once, and never compiles with enforce_eager=True.
+
+The parity tests compile two models (~15-60 s each on 2 cores): marked slow. The rest of the
+suite runs eagerly: on CPU, the default (enforce_eager unset) does not compile.
+"""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch._dynamo.utils
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.runner import compile as compile_mod
+from pagedllm.runner.compile import compile_disabled_reason
+
+SHARED_MODELS = Path(__file__).resolve().parents[2].parent / "shared" / "models"
+DEMO_MODEL = SHARED_MODELS / "stories260K" / "hf"
+TOKENIZER = SHARED_MODELS / "synthetic-tokenizer-32k"
+TOL = 1e-4
+CPU = torch.device("cpu")
+
+
+def _tiny_llama(folder: Path) -> Path:
+    """A random 2-layer Llama with GQA (4 query heads on 2 kv heads), randomised norm weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=32000, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
+                         tie_word_embeddings=False, initializer_range=0.1)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+    model.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(TOKENIZER / name, folder / name)
+    return folder
+
+
+# -- when it compiles ---------------------------------------------------------------------------
+def test_compile_decision(monkeypatch):
+    assert compile_disabled_reason(True, CPU) == "enforce_eager is set"
+    assert "auto" in compile_disabled_reason(None, CPU)  # measured not to pay on CPU
+    monkeypatch.setenv("CXX", "no-such-compiler-anywhere")
+    assert "C++ compiler" in compile_disabled_reason(False, CPU)
+    monkeypatch.setitem(compile_mod.AUTO_COMPILE, "cpu", True)
+    assert "C++ compiler" in compile_disabled_reason(None, CPU)  # auto falls back too
+    monkeypatch.delenv("CXX")
+    if shutil.which("c++"):
+        assert compile_disabled_reason(False, CPU) is None
+        assert compile_disabled_reason(None, CPU) is None
+
+
+@pytest.mark.parametrize("enforce_eager", [True, None])
+def test_eager_never_calls_torch_compile(monkeypatch, enforce_eager):
+    def refuse(*args, **kwargs):
+        raise AssertionError("torch.compile was called")
+
+    monkeypatch.setattr(torch, "compile", refuse)
+    llm = LLM(str(DEMO_MODEL), device="cpu", enforce_eager=enforce_eager)
+    assert llm.llm_engine.executor.runner.compiled is None
+    out = llm.generate(["Once upon a time"], SamplingParams(temperature=0.0, max_tokens=4),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+# -- compiled == eager ---------------------------------------------------------------------------
+def _workload(vocab_size: int) -> tuple[list[dict], list[SamplingParams]]:
+    """Prompts of 3..60 tokens (one repeated: a prefix-cache hit) and outputs of 1..24 tokens:
+    with a 16-token step budget, long prompts are chunked and every step mixes a prefill chunk
+    with decodes, at a batch size that grows and shrinks."""
+    import random
+
+    rng = random.Random(0)
+    prompts = [[1] + [rng.randrange(3, vocab_size) for _ in range(n - 1)]
+               for n in (3, 17, 60, 8, 33, 5, 41, 12)]
+    prompts.append(list(prompts[2]))
+    lens = [24, 1, 10, 20, 6, 16, 3, 12, 8]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=3)
+              for n in lens]
+    return [{"prompt_token_ids": p} for p in prompts], params
+
+
+def _engines(model: str) -> tuple[LLM, LLM]:
+    kwargs = dict(device="cpu", block_size=4, max_num_batched_tokens=16, max_num_seqs=6)
+    return LLM(model, enforce_eager=False, **kwargs), LLM(model, enforce_eager=True, **kwargs)
+
+
+def _recording(runner, sizes: set[int]) -> None:
+    """Record the token count of every compiled call (still through the compiled function)."""
+    inner = runner.compiled._forward
+
+    def forward(input_ids, positions):
+        sizes.add(int(input_ids.shape[0]))
+        return inner(input_ids, positions)
+
+    runner.compiled._forward = forward
+
+
+def _compare(model: str, vocab_size: int) -> None:
+    compiled, eager = _engines(model)
+    runner = compiled.llm_engine.executor.runner
+    assert runner.compiled is not None and runner.compiled.compile_seconds > 0
+    assert eager.llm_engine.executor.runner.compiled is None
+    sizes: set[int] = set()
+    _recording(runner, sizes)
+    counters = torch._dynamo.utils.counters
+    frames, graphs = counters["frames"]["total"], counters["stats"]["unique_graphs"]
+
+    prompts, params = _workload(vocab_size)
+    for _ in range(2):  # the second pass hits the prefix cache (attention over cached blocks)
+        got = compiled.generate(prompts, params, use_tqdm=False)
+        want = eager.generate(prompts, params, use_tqdm=False)
+        for g, w in zip(got, want):
+            g, w = g.outputs[0], w.outputs[0]
+            assert list(g.token_ids) == list(w.token_ids)
+            for pos, (tok, g_lp, w_lp) in enumerate(zip(g.token_ids, g.logprobs, w.logprobs)):
+                assert abs(g_lp[tok].logprob - w_lp[tok].logprob) < TOL, pos
+                for t, lp in w_lp.items():
+                    if t in g_lp:
+                        assert abs(g_lp[t].logprob - lp.logprob) < TOL, (pos, t)
+
+    # Steady state: many steps of many sizes (1 included) and no frame converted, no new graph.
+    assert len(sizes) >= 6 and 1 in sizes and max(sizes) == 16, sorted(sizes)
+    assert counters["frames"]["total"] == frames
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+@pytest.mark.slow
+def test_compiled_matches_eager_tiny_llama(tmp_path):
+    _compare(str(_tiny_llama(tmp_path / "tiny-llama")), 32000)
+
+
+@pytest.mark.slow
+def test_compiled_matches_eager_demo_model():
+    _compare(str(DEMO_MODEL), 512)
