@@ -42,8 +42,10 @@ class ModelConfig:
     attention_backend: str = _doc(
         "auto (cpu_paged on CPU, torch elsewhere), torch (gather + SDPA, the reference) or "
         "cpu_paged (a C++ kernel reading the paged cache in place; CPU only).", default="auto")
-    enforce_eager: bool = _doc(
-        "Run the model eagerly, never through torch.compile.", default=False)
+    enforce_eager: bool | None = _doc(
+        "True: run the model eagerly, never through torch.compile; False: compile it wherever "
+        "a compiler exists; unset (auto): compile on CUDA, eager on CPU, where compiling "
+        "measured no faster (see pagedllm/runner/compile.py).", default=None)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16", "half", "float", "fp32", "bf16", "fp16"):
