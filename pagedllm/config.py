@@ -113,16 +113,18 @@ class SchedulerConfig:
 
 
 # The values of ParallelConfig.distributed_executor_backend (the executors: pagedllm/executor/).
-EXECUTOR_BACKENDS = ("uni", "mp")
+EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
     distributed_executor_backend: str | None = _doc(
-        "Where the model runs: uni (in the engine's process; the default, also for None) or mp "
-        "(a worker process per rank, over ZeroMQ).", default="uni")
+        "Where the model runs: uni (in the engine's process, one rank), mp (a worker process per "
+        "rank on this machine, over ZeroMQ) or ray (a Ray actor per rank, on a local Ray or the "
+        "cluster RAY_ADDRESS names). Unset: uni for one rank, mp for more.", default=None)
     tensor_parallel_size: int = _doc(
-        "Ranks that split every layer's heads and hidden units (torch.distributed).", default=1)
+        "Ranks that split every layer's heads and hidden units (torch.distributed: gloo on CPU, "
+        "NCCL on CUDA).", default=1)
     data_parallel_size: int = _doc(
         "Engine cores (replicas) behind one API server, requests routed between them.", default=1)
 
@@ -131,18 +133,18 @@ class ParallelConfig:
             size = getattr(self, name)
             if not isinstance(size, int) or size < 1:
                 raise ValidationError(f"{name} must be an integer >= 1, got {size!r}", name)
-        if self.tensor_parallel_size > 1:
-            raise ValidationError("tensor_parallel_size > 1: tensor parallelism is not built yet; use 1",
-                                  "tensor_parallel_size")
-        if self.distributed_executor_backend is None:  # vLLM's spelling of the default
-            object.__setattr__(self, "distributed_executor_backend", "uni")
+        tp = self.tensor_parallel_size
+        if self.distributed_executor_backend is None:  # as vLLM: worker processes for > 1 rank
+            object.__setattr__(self, "distributed_executor_backend", "uni" if tp == 1 else "mp")
         backend = self.distributed_executor_backend
-        if backend == "ray":
-            raise ValidationError("distributed_executor_backend='ray' is not built yet; use "
-                                  "'uni' or 'mp'", "distributed_executor_backend")
         if backend not in EXECUTOR_BACKENDS:
             raise ValidationError(f"distributed_executor_backend must be one of "
                                   f"{', '.join(EXECUTOR_BACKENDS)}; got {backend!r}",
+                                  "distributed_executor_backend")
+        if backend == "uni" and tp > 1:
+            raise ValidationError(f"distributed_executor_backend='uni' runs one rank in the "
+                                  f"engine's process; tensor_parallel_size={tp} needs 'mp' (worker "
+                                  f"processes on this machine) or 'ray' (leave it unset for mp)",
                                   "distributed_executor_backend")
 
 

@@ -1,14 +1,18 @@
-"""Executors: where the runner runs (this process, worker processes, later Ray actors).
+"""Executors: where the runner runs (this process, worker processes, Ray actors).
 
 ``create_executor`` picks one from ``ParallelConfig.distributed_executor_backend`` (vLLM's
-engine argument): "uni" (the default) or "mp". Nothing here imports torch: the real runner is
-built by ``build_model_runner``, lazily, in whichever process runs it.
+engine argument): "uni" (one rank, the default), "mp" (the default for more) or "ray", with
+``tensor_parallel_size`` ranks. Nothing here imports torch: the real runner is built by
+``build_model_runner``, lazily, in whichever process runs it.
 """
 from __future__ import annotations
 
 import functools
+import json
+from pathlib import Path
 
 from pagedllm.config import EngineConfig
+from pagedllm.distributed.tp_sizes import check_tensor_parallel_size
 from pagedllm.errors import ValidationError
 from pagedllm.executor.abstract import Executor, RunnerFactory, build_model_runner, return_runner
 from pagedllm.runner.base import Runner
@@ -29,7 +33,11 @@ def create_executor(config: EngineConfig, runner: Runner | None = None,
             raise TypeError("create_executor needs a runner, a runner_factory or max_model_len")
         runner_factory = functools.partial(build_model_runner, config, max_model_len)
 
-    backend = config.parallel_config.distributed_executor_backend
+    pc = config.parallel_config
+    backend, world_size = pc.distributed_executor_backend, pc.tensor_parallel_size
+    if world_size > 1:
+        _check_model_splits(config.model_config.model, world_size)  # before any worker starts
+    device = config.model_config.device
     if backend == "uni":
         from pagedllm.executor.uniproc import UniProcExecutor
 
@@ -37,7 +45,22 @@ def create_executor(config: EngineConfig, runner: Runner | None = None,
     if backend == "mp":
         from pagedllm.executor.multiproc import MultiprocExecutor  # pyzmq, msgpack
 
-        return MultiprocExecutor(runner_factory)
+        return MultiprocExecutor(runner_factory, world_size, device=device)
+    if backend == "ray":
+        from pagedllm.executor.ray_executor import RayExecutor  # ray, imported on demand
+
+        return RayExecutor(runner_factory, world_size, device=device)
     # ParallelConfig validates the name; this is for a backend it knows but nobody built.
     raise ValidationError(f"distributed_executor_backend={backend!r} is not built yet",
                           "distributed_executor_backend")
+
+
+def _check_model_splits(model: str, world_size: int) -> None:
+    """The heads must divide by the ranks: say so (naming the sizes that do) before spawning.
+    A folder without a readable config.json is left to the loader, which says what is wrong."""
+    try:
+        check_tensor_parallel_size(json.loads((Path(model) / "config.json").read_text()), world_size)
+    except ValidationError:
+        raise
+    except (OSError, KeyError, TypeError, ValueError):
+        return

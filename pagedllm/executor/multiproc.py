@@ -21,6 +21,7 @@ import signal
 import tempfile
 import time
 import weakref
+from multiprocessing.connection import wait as wait_for_sentinels
 from typing import Any
 
 import msgpack
@@ -28,6 +29,7 @@ import zmq
 
 from pagedllm import errors
 from pagedllm.core.outputs import RunnerOutput, SchedulerOutput
+from pagedllm.distributed.launch import DistributedInit, get_open_port
 from pagedllm.errors import EngineDeadError, ValidationError
 from pagedllm.executor.abstract import Executor, RunnerFactory
 from pagedllm.executor.wire import Codec
@@ -62,10 +64,17 @@ def remote_error(info: dict[str, Any], context: str) -> Exception:
 
 
 class MultiprocExecutor(Executor):
+    """``world_size`` ranks on this machine; above 1 they form a tensor-parallel group (gloo or
+    NCCL, per ``device``) at ``master_addr``:``master_port`` (a free port unless given) before
+    building their runners, and give up with a message after ``init_timeout_s``."""
+
     def __init__(self, runner_factory: RunnerFactory, world_size: int = 1,
-                 startup_timeout_s: float = 300.0) -> None:
+                 startup_timeout_s: float = 300.0, *, device: str = "auto",
+                 master_addr: str = "127.0.0.1", master_port: int | None = None,
+                 init_timeout_s: float = 120.0) -> None:
         assert world_size >= 1, world_size
         self.world_size = world_size
+        self._launch = (device, master_addr, master_port, init_timeout_s)
         self._codec = Codec()
         self._failure: str | None = None  # once a rank failed, every call raises this
         self._is_shut_down = False
@@ -87,7 +96,14 @@ class MultiprocExecutor(Executor):
     # -- startup ----------------------------------------------------------------------------
     def _start_workers(self, runner_factory: RunnerFactory, timeout_s: float) -> None:
         spawn = multiprocessing.get_context("spawn")
+        device, master_addr, master_port, init_timeout_s = self._launch
+        if self.world_size > 1 and master_port is None:
+            master_port = get_open_port(master_addr)
         for rank in range(self.world_size):
+            distributed = (None if self.world_size == 1 else
+                           DistributedInit(rank, self.world_size, master_addr, master_port, device,
+                                           local_rank=rank, local_world_size=self.world_size,
+                                           timeout_s=init_timeout_s))
             request_addr = f"ipc://{self._ipc_dir}/requests-{rank}"
             response_addr = f"ipc://{self._ipc_dir}/responses-{rank}"
             self._requests.append(self._zmq.socket(zmq.PUSH))
@@ -95,7 +111,8 @@ class MultiprocExecutor(Executor):
             self._requests[rank].bind(request_addr)
             self._responses[rank].bind(response_addr)
             proc = spawn.Process(target=worker_main, name=f"pagedllm-worker-{rank}", daemon=True,
-                                 args=(rank, runner_factory, request_addr, response_addr))
+                                 args=(rank, runner_factory, request_addr, response_addr,
+                                       distributed))
             proc.start()
             self._procs.append(proc)
         # One poller per rank: its replies, and every worker's end.
@@ -156,6 +173,11 @@ class MultiprocExecutor(Executor):
         replies = [self._recv(rank) for rank in range(self.world_size)]
         for rank, (kind, payload) in enumerate(replies):
             if kind == "error":
+                if self.world_size > 1:
+                    # A rank whose peer died mid-collective fails too ("connection closed by
+                    # peer"): name the dead rank, the cause, rather than the survivor.
+                    wait_for_sentinels([p.sentinel for p in self._procs], timeout=1.0)
+                    self._check_alive()
                 exc = remote_error(payload, f"worker rank {rank} failed in {method}")
                 # The rank's state after a failed step is unknown: the executor stays failed.
                 self._failure = f"worker rank {rank} failed in {method}: {exc}"

@@ -7,7 +7,9 @@ Messages (msgpack through ``wire.Codec``), one reply per request:
                          ["ok", result]           result is None on ranks > 0 for execute_model
                          ["error", error_info]    the exception, as data (see ``error_info``)
 
-Everything here runs in the child; the executor side is ``multiproc.py``.
+Everything here runs in the child; the executor side is ``multiproc.py``. ``Worker`` is the rank
+itself (join the tensor-parallel group, build the runner, run calls); the Ray executor's actors
+wrap the same class (``ray_executor.py``).
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from typing import Any, Callable
 
 import zmq
 
+from pagedllm.distributed.launch import DistributedInit
 from pagedllm.executor.wire import Codec
 
 # What the executor may call on the runner (the Runner protocol of pagedllm/runner/base.py).
@@ -32,8 +35,45 @@ def error_info(exc: BaseException) -> dict[str, Any]:
             "traceback": "".join(traceback.format_exception(exc))}
 
 
+class Worker:
+    """One rank, whatever carries its calls (the ZeroMQ loop below, or a Ray actor): joins the
+    tensor-parallel group, builds the runner, runs the calls in the order they come."""
+
+    def __init__(self, rank: int, runner_factory: Callable[[], Any],
+                 distributed: DistributedInit | None = None) -> None:
+        self.rank = rank
+        self._in_group = distributed is not None and distributed.world_size > 1
+        if self._in_group:
+            # torch only here: a FakeRunner worker at world size 1 never imports it.
+            from pagedllm.distributed.parallel_state import init_distributed
+
+            init_distributed(distributed)  # before the model is built: layers size their shards
+        self.runner = runner_factory()
+
+    def call(self, method: str, args: list) -> Any:
+        if method not in CALLS:
+            raise ValueError(f"worker: unknown call {method!r}")
+        result = getattr(self.runner, method)(*args)
+        if method == "execute_model" and self.rank > 0:
+            result = None  # every rank computes the step (and samples the same); rank 0 reports it
+        return result
+
+    def reply(self, codec: Codec, method: str, args: list) -> bytes:
+        """The encoded reply to one call: ["ok", result] or ["error", error_info]."""
+        try:
+            return codec.encode(["ok", self.call(method, args)])
+        except Exception as exc:  # the runner's error (or an unencodable result) goes back
+            return codec.encode(["error", error_info(exc)])
+
+    def close(self) -> None:
+        if self._in_group:
+            from pagedllm.distributed.parallel_state import destroy_distributed
+
+            destroy_distributed()
+
+
 def worker_main(rank: int, runner_factory: Callable[[], Any], request_addr: str,
-                response_addr: str) -> None:
+                response_addr: str, distributed: DistributedInit | None = None) -> None:
     """Entry point of a spawned worker (``multiprocessing`` target; everything is picklable)."""
     # Ctrl-C reaches the whole process group; the engine decides when workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -44,7 +84,7 @@ def worker_main(rank: int, runner_factory: Callable[[], Any], request_addr: str,
     requests.connect(request_addr)
     responses.connect(response_addr)
     try:
-        exit_code = _serve(rank, runner_factory, codec, requests, responses)
+        exit_code = _serve(rank, runner_factory, distributed, codec, requests, responses)
     finally:
         requests.close(linger=0)
         # A moment to flush a last reply (an error report) if the engine still listens.
@@ -53,13 +93,13 @@ def worker_main(rank: int, runner_factory: Callable[[], Any], request_addr: str,
     sys.exit(exit_code)
 
 
-def _serve(rank: int, runner_factory: Callable[[], Any], codec: Codec, requests: zmq.Socket,
-           responses: zmq.Socket) -> int:
-    """Serve calls until told to stop (exit code 0); 1 if the runner could not be built."""
+def _serve(rank: int, runner_factory: Callable[[], Any], distributed: DistributedInit | None,
+           codec: Codec, requests: zmq.Socket, responses: zmq.Socket) -> int:
+    """Serve calls until told to stop (exit code 0); 1 if the rank could not start."""
     # Never outlive the engine: watch the parent process while waiting and while sending.
     parent = multiprocessing.parent_process()
     try:
-        runner = runner_factory()
+        worker = Worker(rank, runner_factory, distributed)
     except BaseException as exc:  # the executor re-raises it with this text
         _send(responses, codec.encode(["error", error_info(exc)]), parent)
         return 1
@@ -75,17 +115,9 @@ def _serve(rank: int, runner_factory: Callable[[], Any], codec: Codec, requests:
             return 0  # the parent died
         method, args = codec.decode(requests.recv())
         if method == "shutdown":
+            worker.close()
             return 0
-        try:
-            if method not in CALLS:
-                raise ValueError(f"worker: unknown call {method!r}")
-            result = getattr(runner, method)(*args)
-            if method == "execute_model" and rank > 0:
-                result = None  # every rank computes the step; rank 0 reports it
-            reply = codec.encode(["ok", result])
-        except Exception as exc:  # the runner's error (or an unencodable result) goes back
-            reply = codec.encode(["error", error_info(exc)])
-        if not _send(responses, reply, parent):
+        if not _send(responses, worker.reply(codec, method, args), parent):
             return 0  # the parent died while we were computing
 
 

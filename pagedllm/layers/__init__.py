@@ -6,16 +6,20 @@ from pagedllm.layers.attention import (ATTENTION_BACKENDS, Attention, AttentionB
                                        get_attn_backend, write_kv)
 from pagedllm.layers.attention_metadata import (AttentionMetadata, DecodeBatch, PrefillChunk,
                                                 build_attention_metadata)
-from pagedllm.layers.embed_head import LMHead, VocabEmbedding
+from pagedllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.layers.forward_context import get_attn_metadata, set_forward_context
 from pagedllm.layers.kv_cache import attention_layers, bind_kv_caches, copy_blocks, kv_cache_shape
 from pagedllm.layers.layernorm import RMSNorm
-from pagedllm.layers.linear import Linear, MergedLinear, prepack_linear_weights
+from pagedllm.layers.linear import (ColumnParallelLinear, Linear, MergedColumnParallelLinear,
+                                    QKVParallelLinear, RowParallelLinear, WeightSlice,
+                                    prepack_linear_weights)
 from pagedllm.layers.rotary import RopeConfig, RotaryEmbedding, apply_rotary
 
 __all__ = [
-    "ATTENTION_BACKENDS", "Attention", "AttentionBackend", "AttentionMetadata", "DecodeBatch", "GatedActivation", "LMHead", "Linear",
-    "MergedLinear", "PrefillChunk", "RMSNorm", "RopeConfig", "RotaryEmbedding", "VocabEmbedding",
+    "ATTENTION_BACKENDS", "Attention", "AttentionBackend", "AttentionMetadata", "ColumnParallelLinear",
+    "DecodeBatch", "GatedActivation", "Linear", "MergedColumnParallelLinear", "ParallelLMHead",
+    "PrefillChunk", "QKVParallelLinear", "RMSNorm", "RopeConfig", "RotaryEmbedding",
+    "RowParallelLinear", "VocabParallelEmbedding", "WeightSlice",
     "apply_rotary", "attention_layers", "bind_kv_caches", "build_attention_metadata",
     "copy_blocks", "get_attn_backend", "get_attn_metadata", "kv_cache_shape", "prepack_linear_weights", "set_forward_context", "write_kv",
 ]

@@ -1,8 +1,16 @@
-"""Linear layers. No tensor parallelism: plain ``nn.Linear`` plus a fused variant.
+"""Linear layers, plain and tensor-parallel (vLLM's split, as in Megatron and gpt-fast).
 
-``MergedLinear`` stacks several projections of the same input (q/k/v, gate/up) along the output
-dimension so one matmul replaces two or three. It remembers the checkpoint name of each part, so
-the loader can copy ``q_proj.weight`` into the right rows of ``qkv_proj.weight``.
+A column-parallel layer splits the output dimension: each rank computes its own rows of
+``x W^T`` and no communication is needed (the next layer consumes the shard). A row-parallel
+layer splits the input dimension: each rank multiplies its slice of ``x`` (the column-parallel
+layer's output) and the partial sums are all-reduced. Attention is column-parallel QKV, heads
+per rank, row-parallel o_proj; the MLP is column-parallel gate/up, row-parallel down: two
+all-reduces per decoder layer. At world size 1 every class is an ordinary linear layer.
+
+``ColumnParallelLinear`` stacks several projections of the same input (q/k/v, gate/up) along the
+output dimension so one matmul replaces two or three; each part remembers its checkpoint name
+and where this rank's rows start in it, so the loader reads just those rows from safetensors
+(``checkpoint_slices``).
 
 On CPU the runner may call ``prepack_linear_weights(model)`` once after loading: every linear
 layer then also holds its weight in oneDNN's blocked layout. A plain ``F.linear`` (MKL sgemm)
@@ -13,9 +21,13 @@ isolation but 5-10% slower inside the engine, on the benchmark model.)
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from pagedllm.distributed.parallel_state import get_tp_group
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -26,8 +38,28 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return F.linear(x, weight, bias)
 
 
+@dataclass(frozen=True)
+class WeightSlice:
+    """Where (part of) one checkpoint tensor goes: ``dest``, a view of this rank's parameter,
+    takes rows ``start:start + dest.shape[dim]`` of the checkpoint tensor along ``dim`` (the whole
+    tensor when ``dim`` is None), whose size along ``dim`` is ``full_size``."""
+
+    dest: torch.Tensor
+    shard_name: str | None = None  # the checkpoint module replacing this one's (q_proj in qkv_proj)
+    dim: int | None = None
+    start: int = 0
+    full_size: int = 0
+
+    def checkpoint_shape(self) -> tuple[int, ...]:
+        shape = list(self.dest.shape)
+        if self.dim is not None:
+            shape[self.dim] = self.full_size
+        return tuple(shape)
+
+
 class Linear(nn.Linear):
-    """``y = x W^T + b``; a separate name so every projection in the models reads the same."""
+    """``y = x W^T + b``, replicated on every rank; a separate name so every projection in the
+    models reads the same."""
 
     # A plain attribute, not a buffer: a derived copy that state_dict() and .to() must ignore.
     packed_weight: torch.Tensor | None = None
@@ -36,21 +68,87 @@ class Linear(nn.Linear):
         return linear(x, self.weight, self.bias, self.packed_weight)
 
 
-class MergedLinear(Linear):
-    """Projections ``shard_names[i]`` (output size ``output_sizes[i]``) stacked in one weight."""
+class ColumnParallelLinear(Linear):
+    """Projections ``shard_names[i]`` stacked in one weight, each split by output rows: this
+    rank holds rows ``shard_starts[i]:shard_starts[i] + output_sizes[i]`` of part ``i`` (of
+    ``full_sizes[i]``). ``output_sizes`` are this rank's."""
 
-    def __init__(self, in_features: int, output_sizes: list[int], shard_names: list[str],
-                 bias: bool) -> None:
-        if len(output_sizes) != len(shard_names):
-            raise ValueError("MergedLinear needs one name per output size")
+    def __init__(self, in_features: int, full_sizes: list[int], shard_names: list[str],
+                 bias: bool, output_sizes: list[int] | None = None,
+                 shard_starts: list[int] | None = None) -> None:
+        if len(full_sizes) != len(shard_names):
+            raise ValueError("ColumnParallelLinear needs one name per output size")
+        tp = get_tp_group()
+        if output_sizes is None:  # an even split of every part
+            if any(size % tp.world_size for size in full_sizes):
+                raise ValueError(f"output sizes {full_sizes} do not split over {tp.world_size} ranks")
+            output_sizes = [size // tp.world_size for size in full_sizes]
+            shard_starts = [tp.rank * size for size in output_sizes]
+        assert shard_starts is not None and len(shard_starts) == len(output_sizes)
         super().__init__(in_features, sum(output_sizes), bias=bias)
+        self.full_sizes = list(full_sizes)
         self.output_sizes = list(output_sizes)
         self.shard_names = list(shard_names)
+        self.shard_starts = list(shard_starts)
 
     def shard(self, param: torch.Tensor, shard_id: int) -> torch.Tensor:
         """The rows of ``param`` (weight or bias) that belong to projection ``shard_id`` (a view)."""
         start = sum(self.output_sizes[:shard_id])
         return param.narrow(0, start, self.output_sizes[shard_id])
+
+    def checkpoint_slices(self, attr: str, param: torch.Tensor) -> list[WeightSlice]:
+        return [WeightSlice(self.shard(param, i), name, 0, self.shard_starts[i], self.full_sizes[i])
+                for i, name in enumerate(self.shard_names)]
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """gate/up: parts of equal size, each split evenly (the default of the base class)."""
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v: this rank's query heads and the KV heads they attend with. With fewer KV
+    heads than ranks, each KV head is replicated on the ``tp / num_kv_heads`` ranks whose query
+    heads use it (grouped-query attention keeps query head ``h`` on KV head ``h // group``)."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 bias: bool) -> None:
+        tp = get_tp_group()
+        if num_heads % tp.world_size or (num_kv_heads % tp.world_size if num_kv_heads >= tp.world_size
+                                         else tp.world_size % num_kv_heads):
+            raise ValueError(f"{num_heads} heads / {num_kv_heads} KV heads do not split over "
+                             f"{tp.world_size} ranks")
+        heads, kv_heads = num_heads // tp.world_size, max(1, num_kv_heads // tp.world_size)
+        kv_start = tp.rank * num_kv_heads // tp.world_size  # the first KV head this rank holds
+        q_size, kv_size = heads * head_dim, kv_heads * head_dim
+        super().__init__(hidden_size, [num_heads * head_dim, num_kv_heads * head_dim,
+                                       num_kv_heads * head_dim], ["q_proj", "k_proj", "v_proj"],
+                         bias, output_sizes=[q_size, kv_size, kv_size],
+                         shard_starts=[tp.rank * q_size, kv_start * head_dim, kv_start * head_dim])
+        self.num_heads, self.num_kv_heads = heads, kv_heads  # this rank's
+
+
+class RowParallelLinear(Linear):
+    """Input columns split across ranks: ``x`` is this rank's shard (a column-parallel output),
+    the partial products are summed over the ranks; the bias is added once, after the sum."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        tp = get_tp_group()
+        if in_features % tp.world_size:
+            raise ValueError(f"input size {in_features} does not split over {tp.world_size} ranks")
+        super().__init__(in_features // tp.world_size, out_features, bias=bias)
+        self.tp = tp
+        self.full_in_features = in_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.world_size == 1:
+            return linear(x, self.weight, self.bias, self.packed_weight)
+        y = self.tp.all_reduce(linear(x, self.weight, None, self.packed_weight))
+        return y if self.bias is None else y + self.bias
+
+    def checkpoint_slices(self, attr: str, param: torch.Tensor) -> list[WeightSlice]:
+        if attr == "bias":
+            return [WeightSlice(param)]
+        return [WeightSlice(param, None, 1, self.tp.rank * self.in_features, self.full_in_features)]
 
 
 def _prepack(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
@@ -75,7 +173,7 @@ def _prepack(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | 
 
 @torch.inference_mode()
 def prepack_linear_weights(model: nn.Module) -> int:
-    """Give every module with a ``packed_weight`` slot (Linear, MergedLinear, LMHead) its
+    """Give every module with a ``packed_weight`` slot (the linear layers, ParallelLMHead) its
     prepacked weight; returns how many were packed. Weights must not change afterwards.
 
     The packed copy doubles the memory of the linear weights, so the runner only calls this on

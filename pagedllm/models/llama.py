@@ -2,7 +2,12 @@
 Qwen2 and Qwen3 reuse: they differ only in the flags of ``DecoderArgs``.
 
 Module names follow HF checkpoints (``model.layers.N.self_attn...``) so the loader maps tensor
-names one to one; q/k/v and gate/up are fused (``MergedLinear``) and loaded part by part.
+names one to one; q/k/v and gate/up are fused (``QKVParallelLinear``, ``MergedColumnParallelLinear``)
+and loaded part by part.
+
+Tensor parallelism is in the layers (see layers/linear.py): built inside a tensor-parallel group,
+each rank holds ``num_heads / tp`` query heads, its KV heads, ``intermediate_size / tp`` MLP units
+and ``vocab / tp`` vocabulary rows; the model code is the same at every size.
 """
 from __future__ import annotations
 
@@ -11,9 +16,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from pagedllm.distributed.parallel_state import get_tp_group
+from pagedllm.distributed.tp_sizes import check_tensor_parallel_size
 from pagedllm.errors import ModelLoadError
-from pagedllm.layers import (Attention, GatedActivation, Linear, LMHead, MergedLinear, RMSNorm,
-                             RopeConfig, RotaryEmbedding, VocabEmbedding, apply_rotary)
+from pagedllm.layers import (Attention, GatedActivation, MergedColumnParallelLinear,
+                             ParallelLMHead, QKVParallelLinear, RMSNorm, RopeConfig,
+                             RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding,
+                             apply_rotary)
 
 
 @dataclass(frozen=True)
@@ -79,16 +88,18 @@ def _usable_context(config: dict) -> int:
 class LlamaAttention(nn.Module):
     def __init__(self, args: DecoderArgs, layer_idx: int) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
-        q_size, kv_size = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
-        self.qkv_proj = MergedLinear(args.hidden_size, [q_size, kv_size, kv_size],
-                                     ["q_proj", "k_proj", "v_proj"], bias=args.qkv_bias)
-        self.o_proj = Linear(q_size, args.hidden_size, bias=args.o_bias)
+        self.qkv_proj = QKVParallelLinear(args.hidden_size, args.head_dim, args.num_heads,
+                                          args.num_kv_heads, bias=args.qkv_bias)
+        # This rank's heads (all of them at world size 1).
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.head_dim = args.head_dim
+        self.o_proj = RowParallelLinear(args.num_heads * args.head_dim, args.hidden_size,
+                                        bias=args.o_bias)
         if args.qk_norm:
             self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
             self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
         self.qk_norm = args.qk_norm
-        self.attn = Attention(args.num_heads, args.num_kv_heads, args.head_dim,
+        self.attn = Attention(self.num_heads, self.num_kv_heads, args.head_dim,
                               scale=args.head_dim ** -0.5, layer_idx=layer_idx)
 
     def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -118,10 +129,11 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, args: DecoderArgs) -> None:
         super().__init__()
-        self.gate_up_proj = MergedLinear(args.hidden_size, [args.intermediate_size] * 2,
-                                         ["gate_proj", "up_proj"], bias=args.mlp_bias)
+        self.gate_up_proj = MergedColumnParallelLinear(args.hidden_size, [args.intermediate_size] * 2,
+                                                       ["gate_proj", "up_proj"], bias=args.mlp_bias)
         self.act = GatedActivation(args.hidden_act)
-        self.down_proj = Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
+        self.down_proj = RowParallelLinear(args.intermediate_size, args.hidden_size,
+                                           bias=args.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
@@ -143,7 +155,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, args: DecoderArgs) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(args.vocab_size, args.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(args, i) for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(args.head_dim, args.rope)
@@ -161,7 +173,8 @@ class LlamaForCausalLM(nn.Module):
     attention metadata comes from the forward context); ``compute_logits`` -> float32 logits.
 
     Attributes the runner reads: num_layers, num_kv_heads, head_dim, vocab_size,
-    max_position_embeddings (and hidden_size, num_heads).
+    max_position_embeddings (and hidden_size, num_heads). Head counts are this rank's (its KV
+    cache holds only its KV heads); vocab_size is the whole vocabulary (the logits are gathered).
     """
 
     @classmethod
@@ -171,13 +184,15 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: dict) -> None:
         super().__init__()
         args = self.args_from_hf(config)
+        check_tensor_parallel_size(config, get_tp_group().world_size)
         self.args = args
-        self.num_layers, self.num_heads = args.num_layers, args.num_heads
-        self.num_kv_heads, self.head_dim = args.num_kv_heads, args.head_dim
+        self.model = LlamaModel(args)
+        attn = self.model.layers[0].self_attn
+        self.num_layers, self.num_heads = args.num_layers, attn.num_heads
+        self.num_kv_heads, self.head_dim = attn.num_kv_heads, args.head_dim
         self.hidden_size, self.vocab_size = args.hidden_size, args.vocab_size
         self.max_position_embeddings = args.max_position_embeddings
-        self.model = LlamaModel(args)
-        self.lm_head = LMHead(args.hidden_size, args.vocab_size)
+        self.lm_head = ParallelLMHead(args.hidden_size, args.vocab_size)
         self.tie_weights()
 
     def tie_weights(self) -> None:

@@ -2,13 +2,14 @@
 
 The model is built on the meta device (no memory, no random init), materialised uninitialised
 on the target device, then every parameter is filled from the checkpoint. A parameter that no
-checkpoint tensor fills is an error, so a half-loaded model can never run.
+checkpoint tensor fills is an error, so a half-loaded model can never run. Under tensor
+parallelism the model's layers hold this rank's shards, and each rank reads only its rows or
+columns of each tensor from the files (``safe_open(...).get_slice``), never the whole model.
 """
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -16,7 +17,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from pagedllm.errors import ModelLoadError
-from pagedllm.layers import MergedLinear
+from pagedllm.layers import WeightSlice
 from pagedllm.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -35,7 +36,7 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device) -> tup
     model = model.to(dtype=dtype).to_empty(device=device)
     if hasattr(model, "tie_weights"):
         model.tie_weights()  # moving a module breaks parameter sharing; restore it
-    load_weights(model, iter_safetensors(folder))
+    load_weights(model, weight_files(folder))
     model.requires_grad_(False)  # inference only: no autograd bookkeeping in forward
     return model.eval(), config
 
@@ -74,57 +75,51 @@ def weight_files(folder: Path) -> list[Path]:
                          "(only safetensors weights are supported)")
 
 
-def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, tensor)`` for every tensor of every weight file, read one at a time on the CPU."""
-    for path in weight_files(folder):
-        try:
-            with safe_open(str(path), framework="pt", device="cpu") as f:
-                for name in f.keys():
-                    yield name, f.get_tensor(name)
-        except (OSError, SafetensorError) as e:  # truncated file, corrupt header, ...
-            raise ModelLoadError(f"cannot read weights from {path}: {e}") from e
+def expected_tensors(model: nn.Module) -> dict[str, tuple[WeightSlice, str]]:
+    """Checkpoint tensor name -> (where it goes on this rank, parameter name for messages).
 
-
-def expected_tensors(model: nn.Module) -> dict[str, tuple[torch.Tensor, str]]:
-    """Checkpoint tensor name -> (the tensor to copy it into, parameter name for messages).
-
-    A fused ``MergedLinear`` (``qkv_proj``) expects one tensor per part (``q_proj.weight``, ...),
-    each copied into its rows. A tied lm_head shares the embedding's Parameter, which
-    named_parameters() lists once, so no ``lm_head.weight`` is expected.
+    Layers that shard or fuse (``checkpoint_slices``: the tensor-parallel linears, the vocabulary
+    embedding and head) say which checkpoint tensors fill which rows of their parameters; a fused
+    ``qkv_proj`` expects ``q_proj.weight``, ``k_proj.weight``... each into its rows. Any other
+    parameter takes its checkpoint tensor whole. A tied lm_head shares the embedding's Parameter,
+    which named_parameters() lists once, so no ``lm_head.weight`` is expected.
     """
     modules = dict(model.named_modules())
-    expected: dict[str, tuple[torch.Tensor, str]] = {}
+    expected: dict[str, tuple[WeightSlice, str]] = {}
     for param_name, param in model.named_parameters():
         module_name, _, attr = param_name.rpartition(".")
         module = modules[module_name]
-        if isinstance(module, MergedLinear):
-            parent, _, _ = module_name.rpartition(".")
-            prefix = f"{parent}." if parent else ""
-            for shard_id, shard_name in enumerate(module.shard_names):
-                expected[f"{prefix}{shard_name}.{attr}"] = (module.shard(param.data, shard_id), param_name)
-        else:
-            expected[param_name] = (param.data, param_name)
+        slices = (module.checkpoint_slices(attr, param.data) if hasattr(module, "checkpoint_slices")
+                  else [WeightSlice(param.data)])
+        parent, _, _ = module_name.rpartition(".")
+        prefix = f"{parent}." if parent else ""
+        for piece in slices:
+            name = f"{prefix}{piece.shard_name}.{attr}" if piece.shard_name else param_name
+            expected[name] = (piece, param_name)
     return expected
 
 
 @torch.no_grad()
-def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
-    """Copy every checkpoint tensor into its place; raise ModelLoadError on missing tensors or
-    shape mismatches. Unknown tensors are logged and skipped."""
+def load_weights(model: nn.Module, files: list[Path]) -> None:
+    """Copy this rank's part of every checkpoint tensor into its place, reading only that part
+    from the file (safetensors slices); raise ModelLoadError on missing tensors or shape
+    mismatches. Unknown tensors are logged and skipped."""
     expected = expected_tensors(model)
+    _zero_padding(model, expected)
     tied = getattr(getattr(model, "args", None), "tie_word_embeddings", False)
     unexpected: list[str] = []
-    for name, tensor in weights:
-        target = expected.pop(name, None)
-        if target is None:
-            if not (name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight")):
-                unexpected.append(name)
-            continue
-        dest, param_name = target
-        if tuple(dest.shape) != tuple(tensor.shape):
-            raise ModelLoadError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, "
-                                 f"the model expects {tuple(dest.shape)} (for {param_name})")
-        dest.copy_(tensor)  # casts to the model dtype and moves to its device
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    target = expected.pop(name, None)
+                    if target is None:
+                        if not (name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight")):
+                            unexpected.append(name)
+                        continue
+                    _copy_slice(f, name, *target)
+        except (OSError, SafetensorError) as e:  # truncated file, corrupt header, ...
+            raise ModelLoadError(f"cannot read weights from {path}: {e}") from e
     if expected:
         names = sorted(expected)
         more = f" and {len(names) - 10} more" if len(names) > 10 else ""
@@ -133,3 +128,28 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
     if unexpected:
         logger.warning("ignoring %d checkpoint tensors the model does not use: %s",
                        len(unexpected), ", ".join(unexpected[:10]))
+
+
+def _copy_slice(f, name: str, piece: WeightSlice, param_name: str) -> None:
+    sliced = f.get_slice(name)
+    shape = tuple(sliced.get_shape())
+    if shape != piece.checkpoint_shape():
+        raise ModelLoadError(f"checkpoint tensor {name} has shape {shape}, the model expects "
+                             f"{piece.checkpoint_shape()} (for {param_name})")
+    if piece.dim is None:
+        piece.dest.copy_(f.get_tensor(name))  # casts to the model dtype and moves to its device
+        return
+    index = [slice(None)] * len(shape)
+    index[piece.dim] = slice(piece.start, piece.start + piece.dest.shape[piece.dim])
+    piece.dest.copy_(sliced[tuple(index)])  # reads only these rows (or columns) from the file
+
+
+def _zero_padding(model: nn.Module, expected: dict[str, tuple[WeightSlice, str]]) -> None:
+    """Zero the parameters the checkpoint does not cover whole: the vocabulary rows past the end
+    on the last rank (``to_empty`` left them as whatever the memory held, NaN included)."""
+    covered: dict[str, int] = {}
+    for piece, param_name in expected.values():
+        covered[param_name] = covered.get(param_name, 0) + piece.dest.numel()
+    for param_name, param in model.named_parameters():
+        if covered.get(param_name, 0) < param.numel():
+            param.data.zero_()

@@ -166,10 +166,15 @@ ALLOWED = {
     "base": {"base"},
     "core": {"base", "core"},
     "runner_light": {"base", "core.outputs", "core.scheduler_stats", "runner_light"},
-    "layers": {"base", "layers"},
-    "models": {"base", "layers", "models"},
-    "runner": {"base", "core.outputs", "core.scheduler_stats", "runner_light", "runner", "layers", "models"},
-    "executor": {"base", "core", "runner_light", "runner", "executor"},
+    # The tensor-parallel group and its collectives (torch), and the torch-free launch data.
+    "distributed": {"base", "distributed"},
+    "layers": {"base", "distributed", "layers"},
+    "models": {"base", "distributed", "layers", "models"},
+    "runner": {"base", "core.outputs", "core.scheduler_stats", "runner_light", "runner", "layers",
+               "models", "distributed"},
+    # Executors join workers into the group: the torch-free launch data and size checks only
+    # (parallel_state is imported in the worker, lazily).
+    "executor": {"base", "core", "runner_light", "runner", "executor", "distributed"},
     "engine": {"base", "core", "runner_light", "executor", "engine", "structured_output"},
     # Grammars and matchers for structured outputs (the runner applies the masks on its own).
     "structured_output": {"base", "core", "structured_output"},

@@ -74,9 +74,12 @@ def test_create_executor_chooses_by_backend():
     for backend in (None, "uni"):
         executor = create_executor(_config(backend), runner)
         assert isinstance(executor, UniProcExecutor) and executor.runner is runner
-    with pytest.raises(ValidationError, match="'ray' is not built yet"):
-        ParallelConfig("ray")
-    with pytest.raises(ValidationError, match="must be one of uni, mp"):
+    # More than one rank: worker processes unless told otherwise; never the engine's process.
+    assert ParallelConfig(tensor_parallel_size=2).distributed_executor_backend == "mp"
+    assert ParallelConfig("ray", 2).distributed_executor_backend == "ray"
+    with pytest.raises(ValidationError, match="tensor_parallel_size=2 needs 'mp'"):
+        ParallelConfig("uni", 2)
+    with pytest.raises(ValidationError, match="must be one of uni, mp, ray"):
         EngineConfig.from_kwargs("unused", distributed_executor_backend="threads")
     assert EngineConfig.from_kwargs("x", distributed_executor_backend="mp").parallel_config == ParallelConfig("mp")
     with pytest.raises(TypeError, match="needs a runner"):
