@@ -155,7 +155,7 @@ def test_serve_api_key_and_clean_sigint_shutdown(cli_server):
 @pytest.mark.parametrize("flags,message", [
     (["--quantization", "fp8"], "pagedllm has no quantization"),
     (["--kv-cache-dtype", "fp8"], "only 'auto'"),
-    (["-tp", "2"], "tensor parallelism is not built yet"),
+    (["-tp", "3"], "valid sizes: 1, 2, 4"),  # the demo model: 8 heads, 4 KV heads, 172 MLP units
     (["--max-logprobs", "50"], "0 to 20 logprobs"),
 ])
 def test_vllm_flags_pagedllm_lacks_fail_in_one_line(capsys, flags, message):
