@@ -13,7 +13,11 @@ The server: by default a subprocess ``python -m pagedllm.entrypoints.cli serve M
 client does not share an interpreter with it; ``--server inprocess`` runs it in a thread of this
 process (faster start, used by the smoke test); ``--base-url`` uses a server already running.
 
+``--data-parallel-size 1,2`` serves the same load once per size (a fresh server each, replicas
+behind one API server) and prints the ratio of each to the first.
+
     python -m benchmarks.latency [--request-rate 4] [--workload cpu] [--base-url URL]
+                                 [--data-parallel-size 1,2]
 """
 from __future__ import annotations
 
@@ -202,6 +206,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--server", default="subprocess", choices=["subprocess", "inprocess"])
     parser.add_argument("--base-url", help="use this running server (http://127.0.0.1:PORT)")
     parser.add_argument("--server-timeout", type=float, default=300.0, help="seconds to wait for it")
+    parser.add_argument("--data-parallel-size", type=_sizes, default=None, metavar="N[,N...]",
+                        help="replicas behind the server; several sizes: one run each, compared")
     args = parser.parse_args(argv)
 
     model = resolve_model(args)
@@ -214,24 +220,46 @@ def main(argv: list[str] | None = None) -> None:
                                     args.request_rate, args.max_concurrency))
 
     if args.base_url:
-        r = load(args.base_url.rstrip("/"))
+        if args.data_parallel_size:
+            raise SystemExit("--data-parallel-size starts its own servers; drop --base-url")
+        runs = [(None, load(args.base_url.rstrip("/")))]
     else:
         server = subprocess_server if args.server == "subprocess" else inprocess_server
-        with server(model, engine_args(args), args.server_timeout) as url:
-            r = load(url)
-    if r["failed"]:
-        log(f"{r['failed']} requests failed, e.g. {r['errors'][0]}")
-    result = {"benchmark": "latency", "model": model, "workload": workload.name,
-              "num_requests": workload.num_requests, "request_rate": args.request_rate,
-              "max_concurrency": args.max_concurrency, **r}
-    offered = "all at once" if math.isinf(args.request_rate) else f"{args.request_rate:g} req/s offered"
-    ratio = "" if math.isinf(args.request_rate) else f" ({r['request_throughput'] / args.request_rate:.2f}x)"
-    print(f"latency {workload.name} ({r['completed']}/{workload.num_requests} ok, {offered}): "
-          f"{r['request_throughput']:.2f} req/s{ratio}, {r['output_throughput']:.1f} out tok/s | "
-          f"TTFT p50 {r['ttft']['p50_ms']:.0f} ms p99 {r['ttft']['p99_ms']:.0f} ms | "
-          f"ITL p50 {r['itl']['p50_ms']:.1f} ms p99 {r['itl']['p99_ms']:.1f} ms | "
-          f"TPOT p50 {r['tpot']['p50_ms']:.1f} ms", flush=True)
-    write_json(args.json, result)
+        runs = []
+        for size in args.data_parallel_size or [None]:
+            extra = {} if size is None else {"data_parallel_size": size}
+            with server(model, engine_args(args, **extra), args.server_timeout) as url:
+                runs.append((size, load(url)))
+    results = []
+    for size, r in runs:
+        if r["failed"]:
+            log(f"{r['failed']} requests failed, e.g. {r['errors'][0]}")
+        results.append({"benchmark": "latency", "model": model, "workload": workload.name,
+                         "num_requests": workload.num_requests, "request_rate": args.request_rate,
+                         "max_concurrency": args.max_concurrency, "data_parallel_size": size or 1, **r})
+        offered = "all at once" if math.isinf(args.request_rate) else f"{args.request_rate:g} req/s offered"
+        ratio = "" if math.isinf(args.request_rate) else f" ({r['request_throughput'] / args.request_rate:.2f}x)"
+        dp = "" if size is None else f" dp={size}"
+        print(f"latency {workload.name}{dp} ({r['completed']}/{workload.num_requests} ok, {offered}): "
+              f"{r['request_throughput']:.2f} req/s{ratio}, {r['output_throughput']:.1f} out tok/s | "
+              f"TTFT p50 {r['ttft']['p50_ms']:.0f} ms p99 {r['ttft']['p99_ms']:.0f} ms | "
+              f"ITL p50 {r['itl']['p50_ms']:.1f} ms p99 {r['itl']['p99_ms']:.1f} ms | "
+              f"TPOT p50 {r['tpot']['p50_ms']:.1f} ms", flush=True)
+    if len(runs) > 1:
+        base = runs[0][1]
+        for size, r in runs[1:]:
+            print(f"latency dp={size} vs dp={runs[0][0]}: output tok/s "
+                  f"{r['output_throughput'] / base['output_throughput']:.2f}x, TTFT p50 "
+                  f"{r['ttft']['p50_ms'] / base['ttft']['p50_ms']:.2f}x, TPOT p50 "
+                  f"{r['tpot']['p50_ms'] / base['tpot']['p50_ms']:.2f}x", flush=True)
+    write_json(args.json, results[0] if len(results) == 1 else {"benchmark": "latency", "runs": results})
+
+
+def _sizes(text: str) -> list[int]:
+    sizes = [int(part) for part in text.split(",") if part.strip()]
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"want sizes >= 1 such as 1,2; got {text!r}")
+    return sizes
 
 
 if __name__ == "__main__":

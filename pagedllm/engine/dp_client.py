@@ -13,8 +13,9 @@ one detokenizer and one HTTP server in front, as vLLM's DP load-balancing client
   sockets and processes at once while any has work; a replica's stats update the router.
 * Seeds: every replica gets the same config (the engine seed included), as vLLM's DP ranks do;
   a seeded request samples from its own generator, so its output does not depend on where it
-  ran. On CPU each replica gets ``os.cpu_count() // N`` threads (``OMP_NUM_THREADS``, unless
-  the caller set it) so that N replicas do not oversubscribe the cores.
+  ran. Each replica gets ``os.cpu_count() // N`` threads (``OMP_NUM_THREADS``, unless the
+  caller set it) so that N replicas do not oversubscribe the cores. Replicas share the devices
+  they see: on one GPU, size each KV cache (``gpu_memory_utilization``) for N.
 * Health: any replica that dies kills the engine (its error names the replica; ``on_dead``
   callbacks fire once: AsyncLLM fails every stream, /health 503). ``shutdown`` stops and reaps
   every replica, each of which reaps its own workers.
@@ -69,7 +70,7 @@ class DPEngineCoreClient:
         if any fails, the others are stopped and the first error raised."""
         n = config.parallel_config.data_parallel_size
         env: dict[str, str] = {}
-        if config.model_config.device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        if "OMP_NUM_THREADS" not in os.environ:  # on a GPU too: the host side needs few
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // n))
         clients: list[MPEngineCoreClient | None] = [None] * n
         errors: list[BaseException] = []

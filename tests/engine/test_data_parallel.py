@@ -201,3 +201,19 @@ def test_shutdown_with_requests_in_flight_reaps_every_replica():
     psutil.wait_procs(procs, timeout=5)
     assert not any(p.is_running() for p in procs)
     assert child_pids() <= before
+
+
+@pytest.mark.slow
+def test_offline_llm_with_two_replicas_matches_one_on_the_demo_model():
+    from pagedllm import LLM
+    from pagedllm.config import default_model
+
+    prompts = ["Once upon a time", "The little dog", "Once upon a time there was a girl", "Tom and"]
+    params = SamplingParams(max_tokens=24, temperature=0)
+    want = [o.outputs[0].token_ids for o in LLM(default_model()).generate(prompts, params)]
+    llm = LLM(default_model(), data_parallel_size=2)
+    try:
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
+        assert llm.llm_engine.engine_core.router.num_routed == [2, 2]
+    finally:
+        llm.llm_engine.shutdown()
