@@ -95,9 +95,12 @@ def add_serve_args(p: argparse.ArgumentParser, engine_fields: set[str]) -> None:
     http.add_argument("--ssl-ca-certs", default=None)
     http.add_argument("--ssl-cert-reqs", type=int, default=0,
                       help="whether client certificates are required (see Python's ssl module)")
-    tools = p.add_argument_group("tool calling")
-    tools.add_argument("--enable-auto-tool-choice", action="store_true")
-    tools.add_argument("--tool-call-parser", default=None)
+    tools = p.add_argument_group("tool calling (tool_choice required / a named function need no flag)")
+    tools.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='allow tool_choice "auto": the model decides, and --tool-call-parser '
+                            "reads its calls out of the text")
+    tools.add_argument("--tool-call-parser", default=None,
+                       help="the model family's tool-call format: hermes, llama3_json, llama4_json")
     compat = p.add_argument_group("vLLM engine flags pagedllm has no counterpart for")
     compat.add_argument("--kv-cache-dtype", default="auto", help="auto only (the model's dtype)")
     compat.add_argument("--quantization", "-q", default=None, help="not available in pagedllm")
@@ -129,9 +132,21 @@ def check_compat_flags(args: argparse.Namespace, engine_fields: set[str]) -> Non
         logger.info("--trust-remote-code: accepted; pagedllm never runs a model's own code")
     if args.disable_log_stats:
         logger.info("--disable-log-stats: accepted; pagedllm logs no periodic stats")
-    if args.enable_auto_tool_choice or args.tool_call_parser:
-        logger.warning("--enable-auto-tool-choice / --tool-call-parser: accepted, but this build has "
-                       "no tool calling: requests with tools get a 400")
+    _check_tool_flags(args)
+
+
+def _check_tool_flags(args: argparse.Namespace) -> None:
+    """vLLM's rules: auto needs a parser, and the parser must be one this build has."""
+    from pagedllm.entrypoints.openai.tool_parsers import ToolParserManager  # pure Python, no torch
+
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise PagedLLMError("--enable-auto-tool-choice requires --tool-call-parser")
+    if args.tool_call_parser and args.tool_call_parser not in ToolParserManager.tool_parsers:
+        raise PagedLLMError(f"invalid tool call parser: {args.tool_call_parser} (choose from "
+                            f"{{ {','.join(sorted(ToolParserManager.tool_parsers))} }})")
+    if args.tool_call_parser and not args.enable_auto_tool_choice:
+        logger.warning("--tool-call-parser %s has no effect without --enable-auto-tool-choice",
+                       args.tool_call_parser)
 
 
 def server_options(args: argparse.Namespace) -> Any:

@@ -214,6 +214,11 @@ def test_a_vllm_launch_line_parses_and_serves_and_sigterm_exits_0(tmp_path):
                 "model": "demo", "messages": [{"role": "user", "content": "Once upon a time"}],
                 "max_tokens": 4})
             assert chat.status_code == 200, chat.text  # the demo's template, found by itself
+            tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+            chat = tls.post(f"{url}/v1/chat/completions", json={  # auto, on the hermes parser
+                "model": "demo", "messages": [{"role": "user", "content": "Once"}], "max_tokens": 4,
+                "tools": tools})
+            assert chat.status_code == 200 and chat.json()["choices"][0]["message"]["tool_calls"] == []
             assert tls.get(f"{url}/version").json()["version"]
             assert tls.get(f"{url}/openapi.json").status_code == 404  # --disable-fastapi-docs
         proc.send_signal(signal.SIGTERM)

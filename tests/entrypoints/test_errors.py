@@ -49,8 +49,9 @@ def _assert_error(r: httpx.Response, status: int, param: str | None) -> dict:
         "name": "x", "schema": {"type": "frobnicate"}}}}, "response_format"),  # an invalid schema
     ("/v1/completions", {**OK, "structured_outputs": {"regex": "a(b"}}, "structured_outputs"),
     ("/v1/completions", {**OK, "guided_json": {"type": "object"}}, "guided_json"),
+    # tools without tool_choice mean auto, which needs --enable-auto-tool-choice (vLLM's 400)
     ("/v1/chat/completions", {**CHAT_OK, "tools": [{"type": "function", "function": {"name": "f"}}]},
-     "tools"),
+     "tool_choice"),
     ("/v1/chat/completions", {**CHAT_OK, "messages": [{"role": "user", "content": "\ud800"}]}, "messages"),
     ("/v1/chat/completions", {**CHAT_OK, "use_beam_search": True, "stream": True}, "stream"),
     ("/v1/chat/completions", {**CHAT_OK, "use_beam_search": True, "max_tokens": 0}, "max_tokens"),

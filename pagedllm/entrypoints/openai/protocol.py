@@ -17,6 +17,7 @@ from pagedllm import BeamSearchParams
 from pagedllm.entrypoints.openai.request_base import OpenAIRequest
 from pagedllm.entrypoints.openai.structured_request import structured_outputs_params
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+from pagedllm.structured_outputs_params import StructuredOutputsParams
 
 # Fields whose default comes from the model's generation_config.json when the request omits them.
 _MODEL_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -96,13 +97,17 @@ class SamplingRequest(OpenAIRequest):
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
 
+    def output_constraint(self) -> StructuredOutputsParams | None:
+        """What the output must match (chat adds forced tool calls)."""
+        return structured_outputs_params(self.response_format, self.structured_outputs)
+
     def _beam_search_params(self, max_tokens: int) -> BeamSearchParams:
         """vLLM's form: n beams, returned whole, best first; errors name the request's fields."""
         if self.stream:
             raise ValidationError("use_beam_search cannot be streamed; set stream=false", "stream")
-        if structured_outputs_params(self.response_format, self.structured_outputs) is not None:
-            raise ValidationError("use_beam_search cannot be constrained by structured outputs",
-                                  "use_beam_search")
+        if self.output_constraint() is not None:
+            raise ValidationError("use_beam_search cannot be constrained by structured outputs "
+                                  "(nor by a forced tool call)", "use_beam_search")
         try:
             return BeamSearchParams(beam_width=self.n, max_tokens=max_tokens, ignore_eos=self.ignore_eos,
                                     length_penalty=self.length_penalty)
@@ -133,7 +138,7 @@ class SamplingRequest(OpenAIRequest):
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             logit_bias=self.logit_bias,
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
-            structured_outputs=structured_outputs_params(self.response_format, self.structured_outputs),
+            structured_outputs=self.output_constraint(),
             **values)
 
 

@@ -1,6 +1,7 @@
 """Chat completion bodies (OpenAI's chat API plus vLLM's extras); shared fields in protocol.py."""
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Literal
 
@@ -9,6 +10,9 @@ from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler
 from pagedllm import BeamSearchParams
 from pagedllm.entrypoints.openai.protocol import (OmitsUnrequested, OpenAIBaseModel, SamplingRequest,
                                                   UsageInfo)
+from pagedllm.entrypoints.openai.protocol_tools import (ChatCompletionNamedToolChoiceParam,
+                                                        ChatCompletionToolsParam, DeltaToolCall, ToolCall)
+from pagedllm.entrypoints.openai.tool_request import tool_structured_outputs
 from pagedllm.errors import ValidationError
 from pagedllm.sampling_params import SamplingParams
 
@@ -31,7 +35,28 @@ class ChatMessage(BaseModel):
                         "only {'type': 'text', 'text': ...}", "messages")
                 texts.append(part["text"])
             d["content"] = "\n".join(texts)
+        if self.role == "assistant" and isinstance(d.get("tool_calls"), list):
+            d["tool_calls"] = [_template_tool_call(c) for c in d["tool_calls"]]
         return d
+
+
+def _template_tool_call(call: Any) -> Any:
+    """A history tool call as chat templates read it: OpenAI sends the arguments as JSON text,
+    templates (and transformers' docs) expect them as an object, so they are parsed here as
+    vLLM does; missing arguments are {}."""
+    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+        raise ValidationError("an assistant message's tool_calls must be "
+                              '{"type": "function", "function": {"name", "arguments"}} objects', "messages")
+    function = dict(call["function"])
+    arguments = function.get("arguments")
+    if not arguments:
+        function["arguments"] = {}
+    elif isinstance(arguments, str):
+        try:
+            function["arguments"] = json.loads(arguments)
+        except ValueError as e:
+            raise ValidationError(f"tool call arguments are not valid JSON: {e}", "messages") from e
+    return {**call, "function": function}
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -46,6 +71,33 @@ class ChatCompletionRequest(SamplingRequest):
     add_special_tokens: bool = False  # the template writes them (vLLM's default for chat)
     echo: bool = False  # prepend the last message to the reply when it is the assistant's
     continue_final_message: bool = False  # the reply continues the last (assistant) message
+    # Tool calling: see tool_request.py. tool_choice defaults to "auto" when tools are given.
+    tools: list[ChatCompletionToolsParam] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ChatCompletionNamedToolChoiceParam | None = None
+    parallel_tool_calls: bool | None = True
+
+    def output_constraint(self) -> Any:
+        """A tool call the request forces (required, a named function) is generated under its
+        JSON schema; the request may not constrain the output another way at the same time."""
+        forced = tool_structured_outputs(self)
+        if forced is None:
+            return super().output_constraint()
+        if self.response_format not in (None, {"type": "text"}) or self.structured_outputs:
+            raise ValidationError("tool_choice required or a named function constrains the output "
+                                  "already: drop response_format / structured_outputs", "tool_choice")
+        return forced
+
+    def effective_tool_choice(self) -> str:
+        """"none", "auto", "required" or "named" (OpenAI's default: auto when tools are given)."""
+        if isinstance(self.tool_choice, ChatCompletionNamedToolChoiceParam):
+            return "named"
+        if self.tool_choice is None:
+            return "auto" if self.tools else "none"
+        return self.tool_choice
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template reads them (rendered even with tool_choice none, as vLLM)."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -110,6 +162,7 @@ class ChatLogProbs(OpenAIBaseModel):
 class ChatResponseMessage(OpenAIBaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)  # vLLM's shape: [] when none
 
 
 class ChatCompletionChoice(OmitsUnrequested):
@@ -135,6 +188,7 @@ class DeltaMessage(OpenAIBaseModel):
     """A stream delta names only what it carries (the role once, then content)."""
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _without_nulls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:

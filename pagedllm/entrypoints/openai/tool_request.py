@@ -20,6 +20,10 @@ _AUTO_NEEDS_FLAGS = ('"auto" tool choice requires --enable-auto-tool-choice and 
                      "to be set")
 # An omitted or null schema: OpenAI's "no parameters", generated as {}.
 _NO_PARAMETERS = {"type": "object", "properties": {}}
+# At most one space between JSON tokens of a forced call: models write tool calls on one line
+# (json.dumps' style or compact), and JSON's own whitespace rule would let a weak model spend
+# max_tokens on newlines and tabs inside the call, which then never parses.
+TOOL_CALL_WHITESPACE = "[ ]?"
 
 
 def check_tool_usage(request: Any, auto_tool_choice: bool) -> str:
@@ -56,7 +60,7 @@ def tool_structured_outputs(request: Any) -> StructuredOutputsParams | None:
     else:
         schema = required_schema(request.tools, request.parallel_tool_calls is not False)
     try:
-        params = StructuredOutputsParams(json=schema)
+        params = StructuredOutputsParams(json=schema, whitespace_pattern=TOOL_CALL_WHITESPACE)
         grammar_source(params)
     except ValidationError as e:
         raise ValidationError(e.message.replace("structured_outputs.json", "a tool's parameters"),
