@@ -7,11 +7,12 @@ from __future__ import annotations
 import argparse
 import json
 
+import jsonschema
 import openai
 import pytest
 from server_utils import HTTP, ServerThread
-from tool_helpers import (MESSAGES, TOOL_TEMPLATE, TOOLS, auto_options, check_call, scripted_server,
-                          streamed_calls)
+from tool_helpers import (MESSAGES, SCHEMAS, TOOL_TEMPLATE, TOOLS, auto_options, check_call,
+                          scripted_server, streamed_calls)
 
 from pagedllm.config import default_model
 from pagedllm.errors import PagedLLMError
@@ -165,6 +166,29 @@ def test_bad_tool_requests_are_400s_naming_the_field(tool_server, body, param, m
                   json={"model": "demo", "messages": MESSAGES, "tools": TOOLS, "max_tokens": 5, **body})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param and message in r.json()["error"]["message"]
+
+
+def test_required_with_defs_and_refs(fake_server):
+    """A tool schema with $defs / $ref: they are lifted to the root of the required schema, so
+    the references still resolve (vLLM's way); a FakeRunner picks the tokens."""
+    schema = {"type": "object", "properties": {"unit": {"$ref": "#/$defs/Unit"}}, "required": ["unit"],
+              "additionalProperties": False, "$defs": {"Unit": {"enum": ["celsius", "fahrenheit"]}}}
+    srv = fake_server(chat_template=TOOL_TEMPLATE)
+    tools = [*TOOLS, {"type": "function", "function": {"name": "set_unit", "parameters": schema}}]
+    for tool_choice in ("required", {"type": "function", "function": {"name": "set_unit"}}):
+        r = HTTP.post(f"{srv.url}/v1/chat/completions", json={
+            "model": "demo", "messages": MESSAGES, "tools": tools, "tool_choice": tool_choice,
+            "parallel_tool_calls": False, "max_tokens": 150})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "tool_calls", choice
+        call = choice["message"]["tool_calls"][0]["function"]
+        jsonschema.validate(json.loads(call["arguments"]),
+                            schema if call["name"] == "set_unit" else SCHEMAS[call["name"]])
+    bad = [{"type": "function", "function": {"name": "f", "parameters": {"$defs": 5}}}]
+    r = HTTP.post(f"{srv.url}/v1/chat/completions", json={
+        "model": "demo", "messages": MESSAGES, "tools": bad, "tool_choice": "required", "max_tokens": 5})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
 
 
 def test_auto_needs_the_flags(fake_server):

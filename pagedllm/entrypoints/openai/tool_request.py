@@ -74,7 +74,10 @@ def required_schema(tools: list[Any], parallel: bool) -> dict[str, Any]:
     for tool in tools:
         parameters = copy.deepcopy(tool.function.parameters) or dict(_NO_PARAMETERS)
         # "#/$defs/..." references resolve at the root: lift each tool's $defs there.
-        for name, definition in parameters.pop("$defs", {}).items():
+        tool_defs = parameters.pop("$defs", {})
+        if not isinstance(tool_defs, dict):
+            raise ValidationError(f"tool {tool.function.name!r}: $defs must be an object", "tools")
+        for name, definition in tool_defs.items():
             if name in defs and defs[name] != definition:
                 raise ValidationError(f"tools define $defs {name!r} differently; one schema holds "
                                       "them all, so the names must be distinct", "tools")
