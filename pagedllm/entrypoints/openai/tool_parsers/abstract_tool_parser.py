@@ -16,7 +16,7 @@ from typing import Any
 from pagedllm.entrypoints.openai.protocol_chat import DeltaMessage
 from pagedllm.entrypoints.openai.protocol_tools import (DeltaFunctionCall, DeltaToolCall, FunctionCall,
                                                         ToolCall, make_tool_call_id)
-from pagedllm.entrypoints.openai.tool_parsers.partial_json import PartialCall
+from pagedllm.entrypoints.openai.tool_parsers.partial_json import PartialCall, ScanMemo
 
 
 @dataclass
@@ -51,6 +51,9 @@ class ToolParser:
         self.tokenizer = tokenizer
         self._sent_content = 0
         self._sent_calls: list[list[Any]] = []  # [id, number of argument characters sent]
+        # What parse() hands the scans: a stream's memo (its text only grows), none for a
+        # whole reply.
+        self.memo: ScanMemo | None = None
 
     def adjust_request(self, request: Any) -> Any:
         """Change the request before it runs (e.g. keep special tokens a format is made of)."""
@@ -71,7 +74,11 @@ class ToolParser:
         return parsed
 
     def extract_tool_calls(self, model_output: str, request: Any = None) -> ExtractedToolCallInformation:
-        parsed = self._read(model_output, final=True)
+        memo, self.memo = self.memo, None
+        try:
+            parsed = self._read(model_output, final=True)
+        finally:
+            self.memo = memo
         calls = [_finished(c) for c in parsed.calls]
         if not parsed.valid or not calls or any(c is None for c in calls):
             return ExtractedToolCallInformation(False, [], model_output)
@@ -81,6 +88,8 @@ class ToolParser:
                                      request: Any = None, finished: bool = False) -> DeltaMessage | None:
         """The delta to send after ``delta_text`` arrived (None: nothing to send yet).
         ``finished``: the last delta, so nothing is held back any more."""
+        if self.memo is None:
+            self.memo = ScanMemo()
         parsed = self._read(current_text, final=finished)
         if finished and not parsed.valid and not self._sent_calls:
             # Not calls after all: the whole text is content, as extract_tool_calls says

@@ -31,7 +31,7 @@ class RequiredToolCallsParser(ToolParser):
             if i < len(text) and text[i] == "," and out.calls:
                 i += 1
             try:
-                call, end = scan_call(text, i, ("parameters",))
+                call, end = scan_call(text, i, ("parameters",), self.memo)
             except NotACall:
                 out.valid = False
                 return out

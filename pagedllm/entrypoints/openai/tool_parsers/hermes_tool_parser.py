@@ -29,22 +29,26 @@ class Hermes2ProToolParser(ToolParser):
         out = ParsedOutput(text[:first])
         start = first
         while start >= 0:
-            body = start + len(TOOL_CALL_START)
-            end = text.find(TOOL_CALL_END, body)
-            try:
-                call, call_end = scan_call(text[:end] if end >= 0 else text, body, ("arguments", "parameters"))
+            try:  # the object's own end, not the first end tag: a string may hold "</tool_call>"
+                call, call_end = scan_call(text, start + len(TOOL_CALL_START), ("arguments", "parameters"),
+                                           self.memo)
             except NotACall:
                 out.valid = False
                 return out
-            if call is not None:
-                out.calls.append(call)
+            if call is None:  # nothing after the tag yet
+                out.valid = out.valid and not final
+                return out
+            out.calls.append(call)
+            if call_end is None:  # the object is still open
+                return out
+            end = text.find(TOOL_CALL_END, call_end)
             if end < 0:
-                # An unclosed block at the end still counts once its object is closed (vLLM
-                # accepts a reply cut right after the call).
-                if final and call_end is None:
+                # A block left unclosed at the end still counts (vLLM accepts a reply cut
+                # right after the call), unless something else follows the object.
+                if final and text[call_end:].strip():
                     out.valid = False
                 return out
-            if call is None or call_end is None or text[call_end:end].strip():
-                out.valid = False  # an empty block, or junk beside the object
+            if text[call_end:end].strip():
+                out.valid = False  # junk beside the object
             start = text.find(TOOL_CALL_START, end + len(TOOL_CALL_END))
         return out

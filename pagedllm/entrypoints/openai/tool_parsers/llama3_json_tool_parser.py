@@ -36,7 +36,7 @@ class Llama3JsonToolParser(ToolParser):
         i = start
         while True:
             try:
-                call, end = scan_call(text, i, ("parameters", "arguments"))
+                call, end = scan_call(text, i, ("parameters", "arguments"), self.memo)
             except NotACall:
                 out.valid = False
                 return out

@@ -9,6 +9,7 @@ the finished text holds.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 
 _WS = " \t\r\n"
@@ -55,51 +56,68 @@ def skip_ws(text: str, i: int) -> int:
     return i
 
 
-def scan_string(text: str, i: int) -> int | None:
+# A string's body up to (not including) its closing quote, escapes skipped; the characters that
+# open, close or quote JSON values. Scanning jumps between them in C.
+_STRING_BODY = re.compile(r'(?:[^"\\]|\\.)*', re.DOTALL)
+_STRUCTURE = re.compile(r'["{}\[\]]')
+_SCALAR = re.compile(r'[^\s,}\]]*')
+
+
+class ScanMemo:
+    """Where the scans of unfinished values stopped, by the value's start index. A stream
+    re-reads the text at every delta, and the text only grows, so each reading resumes where
+    the last one stopped: the work over a whole reply stays linear in its length."""
+
+    def __init__(self) -> None:
+        self.strings: dict[int, int] = {}  # start -> where the body's scan resumes
+        self.containers: dict[int, tuple[int, int]] = {}  # start -> (depth, where to resume)
+
+
+def scan_string(text: str, i: int, memo: ScanMemo | None = None) -> int | None:
     """``text[i]`` opens a JSON string: the index after its closing quote, or None if unfinished."""
-    j = i + 1
-    while j < len(text):
-        c = text[j]
-        if c == "\\":
-            j += 2
-        elif c == '"':
-            return j + 1
-        else:
-            j += 1
+    start = memo.strings.get(i, i + 1) if memo is not None else i + 1
+    end = _STRING_BODY.match(text, start).end()  # stops at the quote, a lone final "\", or the end
+    if end < len(text) and text[end] == '"':
+        return end + 1
+    if memo is not None:
+        memo.strings[i] = end
     return None
 
 
-def scan_value(text: str, i: int) -> int | None:
+def scan_value(text: str, i: int, memo: ScanMemo | None = None) -> int | None:
     """The index where the JSON value starting at ``text[i]`` ends, or None if it is unfinished
     (brackets are matched, strings skipped; the value itself is not checked)."""
     c = text[i]
     if c == '"':
-        return scan_string(text, i)
+        return scan_string(text, i, memo)
     if c in "{[":
-        depth, j = 0, i
-        while j < len(text):
-            c = text[j]
+        depth, j = memo.containers.get(i, (0, i)) if memo is not None else (0, i)
+        while (m := _STRUCTURE.search(text, j)) is not None:
+            c, j = m.group(), m.end()
             if c == '"':
-                end = scan_string(text, j)
+                end = scan_string(text, j - 1, memo)
                 if end is None:
-                    return None
+                    j -= 1  # resume at the open string (its own scan resumes inside it)
+                    break
                 j = end
-                continue
-            if c in "{[":
+            elif c in "{[":
                 depth += 1
-            elif c in "}]":
+            else:
                 depth -= 1
                 if depth == 0:
-                    return j + 1
-            j += 1
+                    return j
+        else:
+            j = len(text)
+        if memo is not None:
+            memo.containers[i] = (depth, j)
         return None
-    j = i  # a number, true, false or null: it ends at a delimiter, and may grow until one
-    while j < len(text) and text[j] not in _WS and text[j] not in ",}]":
-        j += 1
-    return j if j < len(text) else None
+    # A number, true, false or null: it ends at a delimiter, and may grow until one comes.
+    end = _SCALAR.match(text, i).end()
+    return end if end < len(text) else None
 
 
-def scan_call(text: str, i: int, argument_keys: tuple[str, ...]) -> tuple[PartialCall | None, int | None]:
+def scan_call(text: str, i: int, argument_keys: tuple[str, ...],
+              memo: ScanMemo | None = None) -> tuple[PartialCall | None, int | None]:
     """The call object starting at ``text[i]`` (after whitespace): (the call so far, the index
     after its ``}`` or None while it is open). (None, None) if only whitespace is left.
     NotACall if the text cannot be such an object."""
@@ -122,7 +140,7 @@ def scan_call(text: str, i: int, argument_keys: tuple[str, ...]) -> tuple[Partia
             continue
         if text[i] != '"':
             raise NotACall(f"expected a key at {i}")
-        end = scan_string(text, i)
+        end = scan_string(text, i, memo)
         if end is None:
             return call, None
         try:
@@ -137,7 +155,7 @@ def scan_call(text: str, i: int, argument_keys: tuple[str, ...]) -> tuple[Partia
         i = skip_ws(text, i + 1)
         if i >= len(text):
             return call, None
-        end = scan_value(text, i)
+        end = scan_value(text, i, memo)
         if key == "name" and end is not None:
             if text[i] != '"':
                 raise NotACall("the name is not a string")
