@@ -5,8 +5,9 @@ reaches the engine.
 * An unknown field (``metadata``, ``store``, ``parallel_tool_calls``, ...) is kept in
   ``model_extra``, ignored, and logged once per field name, so clients that send the whole OpenAI
   surface keep working and the log does not fill up.
-* A known field whose meaning pagedllm does not implement (``tools``, the old ``guided_*``
-  fields: vLLM's ``structured_outputs`` replaced them) is a 400 naming it: ignoring it would return the wrong kind of answer.
+* A known field whose meaning pagedllm does not implement (``tools`` on /v1/completions, chat
+  declares its own; the old ``guided_*`` fields: vLLM's ``structured_outputs`` replaced them) is
+  a 400 naming it: ignoring it would return the wrong kind of answer.
 * NaN and infinities are refused (JSON from Python clients can carry them; NaN fails every range
   check), and so is a lone UTF-16 surrogate in any string, with the field named.
 """
