@@ -201,6 +201,9 @@ def test_auto_needs_the_flags(fake_server):
                                                 "and --tool-call-parser to be set")
     r = HTTP.post(f"{srv.url}/v1/chat/completions", json={**body, "tool_choice": "required"})
     assert r.status_code == 200, r.text  # required and named need no flag
+    r = HTTP.post(f"{srv.url}/v1/chat/completions", json={**body, "tools": [], "tool_choice": "required"})
+    assert r.status_code == 200, r.text  # no tools offered: OpenAI answers as with tool_choice none
+    assert r.json()["choices"][0]["message"]["tool_calls"] == []
 
 
 def test_cli_tool_flags():
