@@ -27,6 +27,7 @@ matmul FLOP/s torch reaches on this machine (measured after every round; the med
     python -m benchmarks.throughput [--workload cpu] [--repeat 3] [--no-hf] [--vllm]
                                              [--json F.json] [--plot F.png]
     python -m benchmarks.throughput --vllm --vllm-mode both   # vLLM compiled and eager
+    python -m benchmarks.throughput --tensor-parallel-size 2  # pagedllm on 2 ranks beside 1
 """
 from __future__ import annotations
 
@@ -94,6 +95,7 @@ class PagedllmEngine:
                 "token_ids": token_ids, **delta}
 
     def close(self) -> None:
+        self.llm.llm_engine.shutdown()  # worker processes, when there are several ranks
         del self.llm
         gc.collect()
 
@@ -336,6 +338,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--vllm-python", default=str(DEFAULT_VLLM_PYTHON))
     parser.add_argument("--plot", metavar="FILE.png", help="draw the comparison (matplotlib; medians)")
     parser.add_argument("--matmul-size", type=int, default=1024, help="n of the FLOP/s probe")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                        help="also run pagedllm over this many ranks (engine 'pagedllm-tpN', mp "
+                             "worker processes) beside one rank, in the same rounds")
     args = parser.parse_args(argv)
     if args.repeat < 1:
         parser.error("--repeat must be at least 1")
@@ -357,6 +362,10 @@ def main(argv: list[str] | None = None) -> None:
     peaks: list[float] = []
     try:
         engines[OURS] = PagedllmEngine(model, workload, stats.vocab_size, engine_args(args))
+        if args.tensor_parallel_size > 1:
+            tp = args.tensor_parallel_size
+            engines[f"{OURS}-tp{tp}"] = PagedllmEngine(
+                model, workload, stats.vocab_size, engine_args(args, tensor_parallel_size=tp))
         if not args.no_hf:
             engines["hf"] = HfEngine(model, workload, args.device, args.dtype)
         if run_vllm_too:
