@@ -108,8 +108,13 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, chat_template: str | None = None,
-             add_generation_prompt: bool = True, **template_kwargs: Any) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them, through the chat template."""
+             add_generation_prompt: bool = True, tools: list[dict] | None = None,
+             **template_kwargs: Any) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, through the chat template
+        (``tools``, OpenAI function tools, are rendered by it as vLLM's ``LLM.chat`` does; the
+        reply is text, and reading tool calls from it is the server's parsers' job)."""
+        if tools is not None:
+            template_kwargs["tools"] = tools
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         check_text(conversations, "messages")
         tokenizer = self.llm_engine.tokenizer

@@ -209,6 +209,19 @@ def test_chat_without_and_with_template(llm, hf_demo_model, e2e, reference, demo
     _assert_still_serving(llm, reference, e2e)
 
 
+def test_chat_renders_tools_through_the_template(llm):
+    """LLM.chat(tools=...) as vLLM's: the template sees the tools (here it lists their names)."""
+    template = ("{% for t in tools or [] %}[{{ t['function']['name'] }}]{% endfor %}"
+                "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    messages = [{"role": "user", "content": "Once"}]
+    text = llm.get_tokenizer().decode
+    with_tools = llm.chat(messages, _greedy(), use_tqdm=False, chat_template=template, tools=tools)
+    without = llm.chat(messages, _greedy(), use_tqdm=False, chat_template=template)
+    assert text(with_tools[0].prompt_token_ids).replace(" ", "").startswith("[get_weather]")
+    assert "get_weather" not in text(without[0].prompt_token_ids)
+
+
 # ----------------------------------------------------------------------------------------------
 # Bad engine arguments and bad model folders
 # ----------------------------------------------------------------------------------------------
