@@ -104,9 +104,6 @@ def add_serve_args(p: argparse.ArgumentParser, engine_fields: set[str]) -> None:
     compat = p.add_argument_group("vLLM engine flags pagedllm has no counterpart for")
     compat.add_argument("--kv-cache-dtype", default="auto", help="auto only (the model's dtype)")
     compat.add_argument("--quantization", "-q", default=None, help="not available in pagedllm")
-    if "tensor_parallel_size" not in engine_fields:
-        compat.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                            help="1 only: tensor parallelism is not built yet")
     if "enforce_eager" not in engine_fields:
         compat.add_argument("--enforce-eager", action="store_true",
                             help="accepted: the engine always runs eagerly")
@@ -120,9 +117,6 @@ def check_compat_flags(args: argparse.Namespace, engine_fields: set[str]) -> Non
     if args.kv_cache_dtype != "auto":
         raise PagedLLMError(f"--kv-cache-dtype {args.kv_cache_dtype}: only 'auto' (the model's dtype) "
                             "is available in pagedllm")
-    if "tensor_parallel_size" not in engine_fields and args.tensor_parallel_size != 1:
-        raise PagedLLMError(f"--tensor-parallel-size {args.tensor_parallel_size}: tensor "
-                            "parallelism is not built yet; use 1")
     if not 0 <= args.max_logprobs <= 20:
         raise PagedLLMError(f"--max-logprobs {args.max_logprobs}: pagedllm returns 0 to 20 "
                             "logprobs per token")
