@@ -154,6 +154,8 @@ class EngineCoreOutputs:
     scheduler_stats: SchedulerStats = field(default_factory=SchedulerStats)
     # Beam searches that ended this step: request id -> its beams, best first.
     finished_beams: dict[str, list[FinishedBeam]] = field(default_factory=dict)
+    # The data-parallel replica whose step this is (its client stamps it; 0 with one replica).
+    engine_index: int = 0
 
     def add(self, req_id: str, new_token_ids: list[int], logprobs: list[TokenLogprobs] | None = None,
             prompt_logprobs: PromptLogprobsChunk | None = None) -> None:

@@ -306,6 +306,11 @@ class Scheduler:
                 stats.num_drafts += 1
                 stats.num_draft_tokens += num_drafts
                 stats.num_accepted_tokens += len(new_ids) - 1
+                per_pos = stats.num_accepted_tokens_per_pos  # accepted: positions 0..m-1
+                for pos in range(min(len(new_ids) - 1, num_drafts)):
+                    if pos == len(per_pos):
+                        per_pos.append(0)
+                    per_pos[pos] += 1
             if req.is_beam:  # caught up: report the distribution; the beam search picks the token
                 if new_ids:
                     outputs.add(rid, [], new_logprobs)

@@ -5,7 +5,7 @@ counters threaded through the scheduling code; the engine adds the records up.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
@@ -24,6 +24,8 @@ class SchedulerStats:
     num_drafts: int = 0  # speculative decoding: draft runs verified, draft tokens, accepted
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # Per draft position: how many verifications this step accepted it (index 0 = first draft).
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
     num_blocks_allocated: int = 0  # KV blocks: handed out, given back, evicted from the prefix cache
     num_blocks_freed: int = 0
     num_blocks_evicted: int = 0

@@ -172,6 +172,7 @@ class DPEngineCoreClient:
                     raise
                 if outputs is not None:
                     self._next = replica + 1
+                    outputs.engine_index = replica
                     self._observe(replica, outputs)
                     return outputs
                 busy = busy or client.has_unfinished_requests()

@@ -11,6 +11,7 @@ plain Python; the executor builds the real runner (torch) lazily.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from pagedllm.beam_search_params import BeamSearchParams
@@ -58,6 +59,9 @@ class LLMEngine:
         self.num_prompt_tokens = 0  # prompt tokens of the requests received
         self.num_requests_finished = 0
         self.num_scheduled_tokens = 0  # tokens the steps computed: the watchdog's sign of progress
+        # See every step's EngineCoreOutputs (its SchedulerStats, its replica) on the engine
+        # thread, wherever the core runs; step_observers also see the SchedulerOutput, in-process only.
+        self.output_observers: list[Callable[[EngineCoreOutputs], None]] = []
 
     # The in-process engine core's parts, for tests and tools (a core process has none here).
     @property
@@ -153,6 +157,8 @@ class LLMEngine:
             return []  # async scheduling's first step: nothing has finished yet
         self._record_first_scheduled(core_outputs)
         self.num_scheduled_tokens += core_outputs.scheduler_stats.num_scheduled_tokens
+        for observe in self.output_observers:
+            observe(core_outputs)
         outputs, stopped = self.output_processor.process_outputs(core_outputs)
         for child_id, stop_str in stopped:  # a stop string showed up in the text
             self.engine_core.finish_requests([child_id], stop_str)

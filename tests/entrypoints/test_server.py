@@ -6,6 +6,8 @@ import json
 import re
 import time
 
+import pytest
+
 from server_utils import CHAT_TEMPLATE, HTTP
 
 from pagedllm.runner.fake import FakeRunner
@@ -158,9 +160,12 @@ def test_every_dashboard_series_is_served(server, client, metrics):
     assert not missing, missing
 
 
-def test_speculative_decoding_metrics(demo_tokenizer):
+@pytest.mark.parametrize("multiprocess", [False, True], ids=["in-process", "core-process"])
+def test_speculative_decoding_metrics(demo_tokenizer, multiprocess):
     """n-gram drafts on a repetitive prompt: drafts, draft tokens, accepted tokens and the
-    accepted count per draft position, as vLLM's counters."""
+    accepted count per draft position, as vLLM's counters; the per-step series (accepted per
+    position, tokens per iteration) come from the step's stats, so the engine core's own
+    process reports them too."""
     from server_utils import ServerThread, scrape
 
     from pagedllm.config import default_model
@@ -168,7 +173,8 @@ def test_speculative_decoding_metrics(demo_tokenizer):
     from pagedllm.entrypoints.openai.server import build_app
 
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
-    llm = AsyncLLM.from_engine_args(default_model(), speculative_config=spec, num_gpu_blocks_override=64)
+    llm = AsyncLLM.from_engine_args(default_model(), speculative_config=spec, num_gpu_blocks_override=64,
+                                    multiprocess=multiprocess)
     srv = ServerThread(build_app(llm, ["demo"])).start()
     try:
         r = HTTP.post(f"{srv.url}/v1/completions", json={
@@ -181,3 +187,4 @@ def test_speculative_decoding_metrics(demo_tokenizer):
     assert m["vllm:spec_decode_num_draft_tokens_total"] >= m["vllm:spec_decode_num_drafts_total"]
     accepted = m["vllm:spec_decode_num_accepted_tokens_total"]
     assert accepted > 0 and m["vllm:spec_decode_num_accepted_tokens_per_pos_total"] == accepted
+    assert m["vllm:iteration_tokens_total_count"] >= 2

@@ -126,7 +126,8 @@ class _EngineCollector:
         self.cache_info = cache_info
         self.snapshots: dict[str, dict[str, float]] = {}  # engine label -> its metrics
         self.success = {e: dict.fromkeys(FINISH_REASONS, 0.0) for e in engines}
-        self.accepted_per_pos: dict[int, int] = {}  # draft position -> times accepted (engine "0")
+        # engine label -> draft position -> times accepted
+        self.accepted_per_pos: dict[str, dict[int, int]] = {e: {} for e in engines}
 
     def collect(self) -> Iterator[Metric]:
         families: dict[str, Metric] = {}
@@ -149,11 +150,12 @@ class _EngineCollector:
             for reason in FINISH_REASONS:
                 success.add_metric([self.model_name, engine, reason], counts[reason])
         yield success
-        if self.accepted_per_pos:
+        if any(self.accepted_per_pos.values()):
             family = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
                                          "Accepted tokens per draft position.", labels=(*LABELS, "position"))
-            for pos, count in sorted(self.accepted_per_pos.items()):
-                family.add_metric([self.model_name, "0", str(pos)], count)
+            for engine, per_pos in self.accepted_per_pos.items():
+                for pos, count in sorted(per_pos.items()):
+                    family.add_metric([self.model_name, engine, str(pos)], count)
             yield family
         labels = sorted({*self.cache_info, "engine", "num_gpu_blocks"})
         family = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
@@ -187,25 +189,21 @@ class ServerMetrics:
                          registry=self.registry)
         self.prompt_tokens_cached = {e: cached.labels(model_name, e) for e in self.engines}
         llm.stat_loggers.append(self.observe_latency)
-        observers = getattr(llm.engine, "step_observers", None)  # every step, on the engine thread
-        if observers is not None:
-            observers.append(self.observe_step)
+        # Every step, on the engine thread, wherever the core runs (its own process, replicas).
+        llm.engine.output_observers.append(self.observe_step)
 
-    def observe_step(self, scheduler_output: Any, core_outputs: Any, timings: Any) -> None:
-        """One engine step: the tokens it computed (prompt chunks and generated tokens), and
-        which draft positions were accepted (a request verifying k drafts that gets m + 1
-        tokens back accepted positions 0..m-1)."""
-        stats = getattr(core_outputs, "scheduler_stats", None)
-        if stats is not None and (stats.num_prompt_tokens or stats.num_generation_tokens):
-            self.iteration_tokens["0"].observe(stats.num_prompt_tokens + stats.num_generation_tokens)
-        drafts = getattr(scheduler_output, "scheduled_spec_decode_tokens", None)
-        if not drafts:
-            return
-        per_pos = self._engine.accepted_per_pos
-        for rid, new_ids in zip(core_outputs.req_ids, core_outputs.new_token_ids):
-            if drafts.get(rid):
-                for pos in range(min(len(new_ids) - 1, len(drafts[rid]))):
-                    per_pos[pos] = per_pos.get(pos, 0) + 1
+    def observe_step(self, core_outputs: Any) -> None:
+        """One engine step of one replica: the tokens it computed (prompt chunks and generated
+        tokens), and which draft positions its verifications accepted."""
+        stats = core_outputs.scheduler_stats
+        engine = str(core_outputs.engine_index)
+        if engine not in self.iteration_tokens:
+            return  # a replica this registry was not built for
+        if stats.num_prompt_tokens or stats.num_generation_tokens:
+            self.iteration_tokens[engine].observe(stats.num_prompt_tokens + stats.num_generation_tokens)
+        per_pos = self._engine.accepted_per_pos[engine]
+        for pos, count in enumerate(stats.num_accepted_tokens_per_pos):
+            per_pos[pos] = per_pos.get(pos, 0) + count
 
     def observe_latency(self, stats: RequestStats) -> None:
         """AsyncLLM's per-request latencies (called as each request finishes)."""
