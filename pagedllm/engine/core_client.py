@@ -233,7 +233,9 @@ class MPEngineCoreClient:
         """The core's next message (outputs are also queued for step()); None past deadline;
         EngineDeadError as soon as the core process ends or reports a failure."""
         while True:
-            self._check_alive()
+            if self._dead is not None or self._closing:
+                self._check_alive()
+            # Messages first: a core that failed says why ("failed") before its process ends.
             ready = dict(self._poller.poll(_POLL_MS))
             if self._results in ready:
                 message = self._codec.decode(self._results.recv())
@@ -281,11 +283,21 @@ class MPEngineCoreClient:
         return error
 
     def _monitor(self) -> None:
-        """Wait for the process to end; if nobody shut it down, it died."""
+        """Wait for the process to end; if nobody shut it down, it died: with the reason it
+        sent last, if any (an idle core whose worker died says so), else how it ended."""
         wait_for_sentinels([self._proc.sentinel])
-        if not self._closing:
-            self._proc.join(1.0)  # its exit code, for the message
-            self._died(EngineDeadError(self._how_it_ended()))
+        if self._closing:
+            return
+        self._proc.join(1.0)  # its exit code, for the message
+        if self._lock.acquire(timeout=1.0):  # else the caller's thread is reading: it finds it
+            try:
+                while self._dead is None and self._results.poll(0, zmq.POLLIN):
+                    kind, _, _, payload = self._codec.decode(self._results.recv())
+                    if kind == "failed":
+                        self._died(_failure(payload))
+            finally:
+                self._lock.release()
+        self._died(EngineDeadError(self._how_it_ended()))
 
 
 def _run_engine_core_in_env(env: dict[str, str], *args: Any) -> None:

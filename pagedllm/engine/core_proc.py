@@ -35,6 +35,9 @@ from pagedllm.executor.worker import error_info, send_unless_orphaned
 # Calls answered with a "reply"/"error" message; the rest are fire-and-forget.
 CALLS_WITH_REPLY = frozenset({"add_request", "reset_prefix_cache", "get_metrics"})
 CALLS = CALLS_WITH_REPLY | {"abort_requests", "finish_requests"}
+# An idle core wakes this often to check its workers: a rank that died between requests is
+# reported (and /health turns 503) without waiting for the next request to find it.
+IDLE_HEALTH_CHECK_MS = 1000
 
 
 class EngineCoreProc:
@@ -57,9 +60,11 @@ class EngineCoreProc:
         while True:
             # Idle: sleep until an input arrives (or the API process ends); busy: just look.
             busy = self.core.has_unfinished_requests()
-            ready = dict(self.poller.poll(0 if busy else None))
+            ready = dict(self.poller.poll(0 if busy else IDLE_HEALTH_CHECK_MS))
             if self.parent is not None and self.parent.sentinel in ready:
                 return  # the API process is gone: nobody to serve
+            if not busy and not ready:
+                self.core.executor.check_health()  # EngineDeadError: reported as the core's failure
             if not self._take_inputs():
                 return
             if self.core.has_unfinished_requests():

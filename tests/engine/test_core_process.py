@@ -176,6 +176,27 @@ def test_an_idle_core_killed_turns_health_bad_within_a_second():
     asyncio.run(scenario())
 
 
+def test_an_idle_cores_worker_killed_turns_health_bad_within_seconds():
+    """The idle core checks its workers (IDLE_HEALTH_CHECK_MS): no request is needed to notice."""
+    async def scenario() -> None:
+        llm = AsyncLLM(_engine(True, backend="mp"))
+        out = [o async for o in llm.generate([10, 11], SamplingParams(max_tokens=2, detokenize=False), "a")]
+        assert out[-1].finished and llm.health_error() is None
+        core = psutil.Process(llm.engine.engine_core.pid)
+        (worker,) = core.children()
+        worker.kill()
+        t0 = time.monotonic()
+        while llm.health_error() is None:
+            assert time.monotonic() - t0 < 3.0
+            await asyncio.sleep(0.05)
+        assert "killed by signal SIGKILL" in llm.health_error()
+        await llm.shutdown()
+        psutil.wait_procs([core], timeout=5)
+        assert not core.is_running()
+
+    asyncio.run(scenario())
+
+
 def test_async_llm_streams_through_the_process_and_its_shutdown_reaps_it():
     async def scenario() -> None:
         llm = _async_llm(0.001)
