@@ -14,13 +14,16 @@ special case: one graph serves T = 1 .. max_num_batched_tokens, traced once at w
 
 When it is on (``enforce_eager``): True never compiles; False compiles wherever a compiler
 exists; None ("auto", the default) compiles on CUDA only. On CPU it is off by default because on
-the benchmark model it does not pay: ``python -m benchmarks.compile_ab --num-requests 16
---max-tokens 96`` (engines alternating single steps in one process, 2 shared cores, 2026-12-01)
-measured decode steps 0.59x as fast compiled on the 58M Qwen3 (prefill 1.13x), while the tiny
-demo model, bound by per-op overhead, gained 1.48x at decode. The eager CPU path multiplies
-through oneDNN-prepacked weights (layers/linear.py), which inductor cannot lower (opaque
-tensors), so the compiled graph uses plain sgemm, and a startup compile costs 15-60 s. Inductor
-on CPU needs a C++ compiler, on CUDA Triton: without one, the engine logs a line and runs eagerly.
+the benchmark model it does not pay: ``python -m
+benchmarks.compile_ab --num-requests 16 --max-tokens 96`` (engines alternating single steps in
+one process, 2 shared cores, 2026-12-01)
+measured decode steps 0.45x and 0.59x as fast compiled on the 58M Qwen3 (two runs; prefill
+1.13-1.27x), while the tiny demo model, bound by per-op overhead, gained 1.48x at decode. The
+eager CPU path multiplies through oneDNN-prepacked weights (layers/linear.py), which inductor
+cannot lower (opaque tensors), so the compiled graph uses plain sgemm (our best explanation of
+the decode loss: replayed alone, the compiled forward beats the eager one without prepacking by
+~20%); and a startup compile costs 15-60 s. Inductor on CPU needs a C++ compiler, on CUDA
+Triton: without one, the engine logs a line and runs eagerly.
 """
 from __future__ import annotations
 

@@ -53,12 +53,12 @@ class ModelRunner:
         self.model, self.hf_config = load_model(mc.model, self.dtype, self.device)
         if self.device.type == "cpu":
             _keep_freed_memory()
-        compiling = compile_disabled_reason(mc.enforce_eager, self.device) is None
-        if (self.device.type == "cpu" and not compiling
-                and _param_bytes(self.model) * 4 < _total_ram_bytes()):
-            # A second, matmul-friendly copy of the linear weights (see layers/linear.py); not
-            # under torch.compile, whose inductor cannot lower the opaque prepacked tensors.
-            prepack_linear_weights(self.model)
+        if self.device.type == "cpu" and _param_bytes(self.model) * 4 < _total_ram_bytes():
+            # A second, matmul-friendly copy of the linear weights (see layers/linear.py). Under
+            # torch.compile only for the head, which stays eager (compute_logits): inductor
+            # cannot lower the opaque prepacked tensors inside the compiled forward.
+            compiling = compile_disabled_reason(mc.enforce_eager, self.device) is None
+            prepack_linear_weights(self.model.lm_head if compiling else self.model)
         # The compiled forward, or None: eager (see runner/compile.py).
         self.compiled = maybe_compile(self.model, mc.enforce_eager, self.device, warmup_tokens=16)
         self.vocab_size = self.model.vocab_size

@@ -109,6 +109,8 @@ def _compare(model: str, vocab_size: int) -> None:
     runner = compiled.llm_engine.executor.runner
     assert runner.compiled is not None and runner.compiled.compile_seconds > 0
     assert eager.llm_engine.executor.runner.compiled is None
+    # Inside the compiled forward no linear holds a prepacked (opaque to inductor) weight.
+    assert all(getattr(m, "packed_weight", None) is None for m in runner.model.model.modules())
     sizes: set[int] = set()
     _recording(runner, sizes)
     counters = torch._dynamo.utils.counters
