@@ -70,7 +70,16 @@ def _build() -> Callable[..., torch.Tensor]:
         (build_dir / "lock").unlink(missing_ok=True)
         cpp_extension.load(name, sources=[str(SOURCE)], extra_cflags=_CFLAGS,
                            build_directory=str(build_dir), is_python_module=False, verbose=False)
+    # The output's shape for dynamo and inductor, so the kernel can sit in a compiled graph as an
+    # opaque node (the model's graph reaches it through pagedllm::attention, layer.py).
+    torch.library.register_fake("pagedllm::paged_attention")(_paged_attention_fake)
     return torch.ops.pagedllm.paged_attention
+
+
+def _paged_attention_fake(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                          query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                          scale: float) -> torch.Tensor:
+    return torch.empty_like(query, memory_format=torch.contiguous_format)  # [T, H, D]
 
 
 @functools.cache
