@@ -156,6 +156,9 @@ class EngineCoreOutputs:
     finished_beams: dict[str, list[FinishedBeam]] = field(default_factory=dict)
     # The data-parallel replica whose step this is (its client stamps it; 0 with one replica).
     engine_index: int = 0
+    # The step's trace record (docs/trace_schema.md), on the steps the dashboard's sampler
+    # picked while someone watches (engine/trace_stream.py); None on every other step.
+    trace_record: dict | None = None
 
     def add(self, req_id: str, new_token_ids: list[int], logprobs: list[TokenLogprobs] | None = None,
             prompt_logprobs: PromptLogprobsChunk | None = None) -> None:

@@ -148,6 +148,12 @@ class MPEngineCoreClient:
     def get_metrics(self) -> dict[str, float]:
         return self._call("get_metrics")
 
+    def set_trace_stream(self, enabled: bool) -> None:
+        self._send("set_trace_stream", enabled)
+
+    def trace_snapshot(self) -> dict[str, Any]:
+        return self._call("trace_snapshot")
+
     def has_unfinished_requests(self) -> bool:
         """Outputs still to come: some are here, the core said it is busy, or it has not yet
         reported on every input sent."""

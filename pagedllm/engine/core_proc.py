@@ -33,8 +33,8 @@ from pagedllm.executor.wire import Codec
 from pagedllm.executor.worker import error_info, send_unless_orphaned
 
 # Calls answered with a "reply"/"error" message; the rest are fire-and-forget.
-CALLS_WITH_REPLY = frozenset({"add_request", "reset_prefix_cache", "get_metrics"})
-CALLS = CALLS_WITH_REPLY | {"abort_requests", "finish_requests"}
+CALLS_WITH_REPLY = frozenset({"add_request", "reset_prefix_cache", "get_metrics", "trace_snapshot"})
+CALLS = CALLS_WITH_REPLY | {"abort_requests", "finish_requests", "set_trace_stream"}
 # An idle core wakes this often to check its workers: a rank that died between requests is
 # reported (and /health turns 503) without waiting for the next request to find it.
 IDLE_HEALTH_CHECK_MS = 1000

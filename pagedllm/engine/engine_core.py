@@ -14,6 +14,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Iterable
+from typing import Any
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from pagedllm.config import EngineConfig
@@ -26,6 +27,7 @@ from pagedllm.engine.beam_search import BeamSearch
 from pagedllm.engine.engine_stats import EngineStats, StepObserver, StepTimings
 from pagedllm.engine.parallel_sampling import ParallelSampling, sample_request_ids
 from pagedllm.engine.step_trace import StepTraceWriter
+from pagedllm.engine.trace_stream import TraceSampler, trace_snapshot
 from pagedllm.errors import ValidationError
 from pagedllm.executor import create_executor
 from pagedllm.structured_output.manager import StructuredOutputManager
@@ -56,6 +58,7 @@ class EngineCore:
         self.stats = EngineStats()
         # Called after every step's update with (SchedulerOutput, EngineCoreOutputs, StepTimings).
         self.step_observers: list[StepObserver] = []
+        self._trace_sampler: TraceSampler | None = None  # on while the dashboard is watched
         if config.observability_config.trace_file:  # the step trace (docs/trace_schema.md)
             self.step_observers.append(StepTraceWriter.for_config(config, self.scheduler))
         # Steps scheduled whose results are not in yet: at most one more than the step being
@@ -180,6 +183,21 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
+
+    # -- the live dashboard's source (engine/trace_stream.py) --------------------------------
+    def set_trace_stream(self, enabled: bool) -> None:
+        """Sample step records onto the outputs (True; again: a new viewer) or stop (False)."""
+        if enabled and self._trace_sampler is None:
+            self._trace_sampler = TraceSampler(self.scheduler)
+            self.step_observers.append(self._trace_sampler)
+        elif not enabled and self._trace_sampler is not None:
+            self.step_observers.remove(self._trace_sampler)
+            self._trace_sampler = None
+        if self._trace_sampler is not None:
+            self._trace_sampler.request_block_map()
+
+    def trace_snapshot(self) -> dict[str, Any]:
+        return trace_snapshot(self.scheduler)
 
     def get_metrics(self) -> dict[str, float]:
         """Gauges (read now) and counters (the steps' SchedulerStats added up)."""

@@ -20,11 +20,11 @@ from pagedllm.runner.fake import FakeRunner
 
 
 class LiveServer:
-    def __init__(self, api_key: str | None = None, **engine_args: Any) -> None:
+    def __init__(self, api_key: str | None = None, multiprocess: bool = False, **engine_args: Any) -> None:
         info = ModelInfo.from_folder(default_model())
         engine = LLMEngine(EngineConfig.from_kwargs(default_model(), **engine_args),
                            runner=FakeRunner(info.vocab_size), model_info=info,
-                           tokenizer=load_tokenizer(default_model()))
+                           tokenizer=load_tokenizer(default_model()), multiprocess=multiprocess)
         self.app = build_app(engine, api_key=api_key)
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.bind(("127.0.0.1", 0))

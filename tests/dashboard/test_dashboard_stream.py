@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 
 import httpx
+import pytest
 
 from dash_helpers import LiveServer, send_completions, sse_events
 
@@ -20,8 +21,10 @@ def test_dashboard_page_and_static_files():
         assert httpx.get(f"{srv.url}/dashboard/static/..%2Fdashboard.py").status_code == 404
 
 
-def test_stream_sends_records_and_exact_totals():
-    with LiveServer(num_gpu_blocks_override=64, block_size=4) as srv:
+@pytest.mark.parametrize("multiprocess", [False, True], ids=["in-process", "core-process"])
+def test_stream_sends_records_and_exact_totals(multiprocess):
+    """The same stream whether the engine core runs here or in its own process (serve's default)."""
+    with LiveServer(num_gpu_blocks_override=64, block_size=4, multiprocess=multiprocess) as srv:
         with httpx.Client(timeout=30) as client, client.stream("GET", f"{srv.url}/v1/trace/stream") as resp:
             assert resp.status_code == 200
             assert resp.headers["content-type"].startswith("text/event-stream")

@@ -2,18 +2,17 @@
 ``GET /v1/trace/stream``, a server-sent-events stream of step-trace records
 (docs/trace_schema.md).
 
-The engine runs on AsyncLLM's worker thread; ``TraceFeed`` is one of its step observers. It costs
-almost nothing when nobody watches (a few integer additions and the trace's small request table,
-which must see every step's diffs), and when someone does it is sampled: at most
-``max_records_per_s`` records a second and a block map at most once a second, so a busy server
-is not slowed by its viewers. Records cross to the event loop with ``call_soon_threadsafe`` into
-a bounded queue per viewer; a viewer that falls behind loses records, never the engine time.
-Every record carries ``totals``, counts since the server started, so the dashboard's numbers
-stay exact (and match /metrics) even though most steps are not sent.
-
-When the engine core runs in its own process (``pagedllm serve``'s default) there is no
-scheduler here to observe: the feed then tails the core's ``--trace-file`` instead
-(trace_file_feed.py), and without one the stream answers 503 saying so.
+While someone watches, the engine core samples its steps (engine/trace_stream.py): at most
+``max_records_per_s`` records a second, a block map at most once a second, each record riding on
+its step's outputs, so it works the same with the core in this process or in its own
+(``pagedllm serve``'s default), and a busy server is not slowed by its viewers. ``TraceFeed``
+sees every step's outputs on the engine thread (``LLMEngine.output_observers``): it adds up the
+totals from each step's SchedulerStats (counts since the server started, so the dashboard's
+numbers stay exact and match /metrics although most steps are not sent) and passes the sampled
+records to the event loop with ``call_soon_threadsafe``, into a bounded queue per viewer; a
+viewer that falls behind loses records, never the engine time. When the last viewer leaves the
+core stops sampling. Data-parallel replicas have no single trace: the feed then tails the
+``--trace-file`` (trace_file_feed.py), and without one the stream answers 503 saying so.
 
 ``/v1/trace/stream`` sits under /v1, so with ``--api-key`` the app's key middleware (auth.py)
 guards it like every other /v1 route; the page sends the key it is given (``?key=`` or the
@@ -31,7 +30,7 @@ from fastapi import APIRouter, HTTPException
 from fastapi.responses import FileResponse, StreamingResponse
 
 from pagedllm.engine.async_engine import AsyncLLM
-from pagedllm.engine.step_trace import SCHEMA_VERSION, StepRecorder, block_map
+from pagedllm.engine.step_trace import SCHEMA_VERSION
 from pagedllm.entrypoints.openai.trace_file_feed import TraceFileFeed, new_totals
 from pagedllm.entrypoints.openai.trace_viewers import TraceViewers, sse_event
 
@@ -40,27 +39,24 @@ _STATIC_FILES = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
 
 
 class TraceFeed:
-    """The in-process step observer behind /v1/trace/stream (see the module docstring)."""
+    """The feed behind /v1/trace/stream, wherever the engine core runs (module docstring)."""
 
-    def __init__(self, llm: AsyncLLM, max_records_per_s: float = 20.0,
-                 block_map_interval_s: float = 1.0) -> None:
+    def __init__(self, llm: AsyncLLM, max_records_per_s: float = 20.0) -> None:
         self.llm = llm
-        engine = llm.engine
-        scheduler = engine.scheduler  # AttributeError when the core runs in another process
-        kv = self.kv = scheduler.kv_cache_manager
-        self.header = {"v": SCHEMA_VERSION, "header": True,
-                       "max_num_batched_tokens": scheduler.max_num_batched_tokens,
-                       "num_blocks": kv.num_blocks, "block_size": kv.block_size}
-        self.recorder = StepRecorder(scheduler.max_num_batched_tokens, kv, block_map_interval_s)
+        self.core = llm.engine.engine_core
+        if not hasattr(self.core, "set_trace_stream"):  # several replicas: no single trace
+            raise AttributeError("the live trace follows one engine core, and this server runs "
+                                 "data-parallel replicas")
         self.min_interval_s = 1.0 / max_records_per_s
         self.totals = new_totals()
         self.viewers = TraceViewers()
         self._last_sent = float("-inf")
         self._flush_pending = False
-        engine.step_observers.append(self)
+        llm.engine.output_observers.append(self)
 
     # -- the engine thread -------------------------------------------------------------------
-    def __call__(self, so: Any, outs: Any, timings: Any) -> None:
+    def __call__(self, outs: Any) -> None:
+        """Every step's outputs: the totals from its stats; its record, if the core sampled it."""
         s = outs.scheduler_stats
         t = self.totals
         t["steps"] += 1
@@ -73,17 +69,13 @@ class TraceFeed:
         t["running"], t["waiting"], t["kv_usage"] = s.num_running_reqs, s.num_waiting_reqs, s.kv_cache_usage
         loop = self.viewers.loop
         if not len(self.viewers) or loop is None:
-            self.recorder.skip(so, outs)
             return
-        now = time.monotonic()
-        if now - self._last_sent < self.min_interval_s:
-            self.recorder.skip(so, outs)
+        record = outs.trace_record
+        if record is None:
             if not self._flush_pending:  # the last steps of a burst still reach the totals
                 self._flush_pending = True
                 loop.call_soon_threadsafe(loop.call_later, self.min_interval_s, self._flush)
             return
-        self._last_sent = now
-        record = self.recorder.observe(so, outs, timings)
         record["totals"] = dict(t)
         loop.call_soon_threadsafe(self.viewers.send, sse_event("step", record))
 
@@ -94,25 +86,32 @@ class TraceFeed:
     async def _flush_now(self) -> None:
         """The totals and the cache after the last steps the sampling dropped (a burst's end)."""
         self._flush_pending = False
-        snapshot = await self.llm.run(block_map, self.kv)
+        if self.llm.errored:
+            return
+        snapshot = await self.llm.run(self.core.trace_snapshot)
         self.viewers.send(sse_event("totals", {"v": SCHEMA_VERSION, "totals": dict(self.totals),
-                                               "block_map": snapshot}))
-
-    def stream(self) -> AsyncIterator[str]:
-        self.recorder.request_block_map()  # the first record a new viewer gets has one
-        return self.viewers.stream(self._hello, lambda: not self.llm.errored)
+                                               "block_map": snapshot["block_map"]}))
 
     async def _hello(self) -> dict[str, Any]:
-        # The cache as it is now, read on the engine's thread (the only one that changes it).
-        snapshot = await self.llm.run(block_map, self.kv)
-        return {**self.header, "totals": dict(self.totals), "block_map": snapshot}
+        # On (again): the core's next sampled record carries a block map for this viewer.
+        await self.llm.run(self.core.set_trace_stream, True)
+        snapshot = await self.llm.run(self.core.trace_snapshot)
+        return {"v": SCHEMA_VERSION, "header": True, **snapshot, "totals": dict(self.totals)}
+
+    async def stream(self) -> AsyncIterator[str]:
+        try:
+            async for event in self.viewers.stream(self._hello, lambda: not self.llm.errored):
+                yield event
+        finally:
+            if not len(self.viewers) and not self.llm.errored:  # the last viewer left
+                await self.llm.run(self.core.set_trace_stream, False)
 
 
 def make_feed(llm: AsyncLLM) -> tuple[TraceFeed | TraceFileFeed | None, str]:
-    """The in-process observer when the scheduler is here, else the core's trace file."""
+    """The core's sampled records; with data-parallel replicas, the core's trace file."""
     try:
         return TraceFeed(llm), ""
-    except AttributeError as e:  # the engine core runs in another process
+    except AttributeError as e:  # data-parallel replicas
         trace_file = llm.engine.config.observability_config.trace_file
         if trace_file:
             return TraceFileFeed(llm, trace_file), ""
