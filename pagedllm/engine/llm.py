@@ -52,10 +52,9 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
-        # Accepted for vLLM compatibility while the engine has no such setting.
-        for name in ("trust_remote_code", "enforce_eager"):
-            if name not in _engine_field_names():
-                engine_args.pop(name, None)
+        # Accepted for vLLM compatibility: pagedllm never runs a model's own code.
+        if "trust_remote_code" not in _engine_field_names():
+            engine_args.pop("trust_remote_code", None)
         config = EngineConfig.from_kwargs(model, **engine_args)
         self.llm_engine = LLMEngine(config)
         self._counter = itertools.count()

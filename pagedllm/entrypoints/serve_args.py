@@ -3,9 +3,9 @@ and the vLLM flags that pagedllm accepts for launch-line compatibility.
 
 A vLLM flag does what vLLM's does, or, where pagedllm has no such thing, either is accepted and
 ignored with a log line (it changes nothing a client can see: ``--trust-remote-code``,
-``--disable-log-stats``, ``--enforce-eager`` while the engine has no compiled mode) or fails with
-one line that says so (it would change results: ``--quantization``, ``--kv-cache-dtype`` other
-than auto, ``-tp`` > 1).
+``--disable-log-stats``) or fails with one line that says so (it would change results:
+``--quantization``, ``--kv-cache-dtype`` other than auto). Engine flags (``-tp``,
+``--enforce-eager``, ...) come from the engine's config fields (cli.py).
 """
 from __future__ import annotations
 
@@ -104,9 +104,6 @@ def add_serve_args(p: argparse.ArgumentParser, engine_fields: set[str]) -> None:
     compat = p.add_argument_group("vLLM engine flags pagedllm has no counterpart for")
     compat.add_argument("--kv-cache-dtype", default="auto", help="auto only (the model's dtype)")
     compat.add_argument("--quantization", "-q", default=None, help="not available in pagedllm")
-    if "enforce_eager" not in engine_fields:
-        compat.add_argument("--enforce-eager", action="store_true",
-                            help="accepted: the engine always runs eagerly")
 
 
 def check_compat_flags(args: argparse.Namespace, engine_fields: set[str]) -> None:
@@ -120,8 +117,6 @@ def check_compat_flags(args: argparse.Namespace, engine_fields: set[str]) -> Non
     if not 0 <= args.max_logprobs <= 20:
         raise PagedLLMError(f"--max-logprobs {args.max_logprobs}: pagedllm returns 0 to 20 "
                             "logprobs per token")
-    if "enforce_eager" not in engine_fields and args.enforce_eager:
-        logger.info("--enforce-eager: accepted; the engine has no compiled mode, it always runs eagerly")
     if args.trust_remote_code:
         logger.info("--trust-remote-code: accepted; pagedllm never runs a model's own code")
     if args.disable_log_stats:
