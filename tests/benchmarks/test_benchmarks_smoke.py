@@ -112,3 +112,18 @@ def test_vllm_peer_explains_a_missing_vllm(tmp_path):
 
     with pytest.raises(SystemExit, match="setup_vllm_cpu.sh"):
         vllm_peer.main(["--model", "x", "--workload-file", "w", "--out", str(tmp_path / "o")])
+
+
+@pytest.mark.slow
+def test_dashboard_overhead(tiny_model, tmp_path, capsys):
+    """One round each on a real `pagedllm serve` (engine core process): the open rounds' viewer
+    gets step records, so the feed ran while the load was measured."""
+    from benchmarks import dashboard_overhead
+
+    out = tmp_path / "d.json"
+    dashboard_overhead.main(["--model", tiny_model, "--workload", "small", "--rounds", "1",
+                             "--json", str(out), *SMALL_KV])
+    _one_line(capsys, "dashboard_overhead small")
+    r = json.loads(out.read_text())
+    assert len(r["closed_tok_s"]) == len(r["open_tok_s"]) == 1
+    assert r["step_records_per_round"][0] > 0 and r["ratio_median"] > 0
