@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedllm.beam_search_params import BeamSearchParams
 from pagedllm.core.scheduler_stats import SchedulerStats
@@ -158,7 +159,7 @@ class EngineCoreOutputs:
     engine_index: int = 0
     # The step's trace record (docs/trace_schema.md), on the steps the dashboard's sampler
     # picked while someone watches (engine/trace_stream.py); None on every other step.
-    trace_record: dict | None = None
+    trace_record: dict[str, Any] | None = None
 
     def add(self, req_id: str, new_token_ids: list[int], logprobs: list[TokenLogprobs] | None = None,
             prompt_logprobs: PromptLogprobsChunk | None = None) -> None:
