@@ -13,46 +13,58 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import threading
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
 
 from benchmarks.common import (WORKLOADS, add_model_args, engine_args, log, make_workload,
                                model_stats, resolve_model, write_json)
 from benchmarks.latency import run_load, subprocess_server
 
 
+# The viewer runs in its own process, as a browser would: a reader in the benchmark's process
+# would take the load client's GIL and slow the client, not the server.
+_READER = """
+import os, sys, httpx
+url, out = sys.argv[1], sys.argv[2]
+steps = 0
+with httpx.Client(timeout=None, trust_env=False) as client, client.stream("GET", url) as resp:
+    resp.raise_for_status()
+    for line in resp.iter_lines():
+        if line.startswith("event: "):
+            steps += line == "event: step"
+            with open(out + ".new", "w") as f:
+                f.write(str(steps))
+            os.replace(out + ".new", out)  # the benchmark never reads half a count
+"""
+
+
 class Viewer:
-    """A dashboard's stream reader on a thread: connects, counts step records until stopped."""
+    """A dashboard's stream reader in a subprocess: connects, counts step records until stopped."""
 
     def __init__(self, base_url: str) -> None:
-        self.base_url = base_url
+        self.url = f"{base_url}/v1/trace/stream"
         self.num_steps = 0
-        self._stop = threading.Event()
-        self._connected = threading.Event()
-        self._thread = threading.Thread(target=self._read, name="dashboard-viewer", daemon=True)
+        self._out = tempfile.NamedTemporaryFile("r", suffix=".count")
+        self._proc: subprocess.Popen | None = None
 
     def __enter__(self) -> "Viewer":
-        self._thread.start()
-        if not self._connected.wait(30):
-            raise RuntimeError("the trace stream did not answer")
+        self._proc = subprocess.Popen([sys.executable, "-c", _READER, self.url, self._out.name])
+        deadline = time.monotonic() + 30
+        while not Path(self._out.name).read_text():  # the hello event arrived
+            if self._proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the trace stream did not answer")
+            time.sleep(0.05)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(30)
-
-    def _read(self) -> None:
-        import httpx
-
-        with httpx.Client(timeout=None, trust_env=False) as client, \
-                client.stream("GET", f"{self.base_url}/v1/trace/stream") as resp:
-            resp.raise_for_status()
-            for line in resp.iter_lines():
-                if line.startswith("event: hello"):
-                    self._connected.set()
-                elif line.startswith("event: step"):
-                    self.num_steps += 1
-                if self._stop.is_set():  # keepalives and steps arrive at least every 15 s
-                    return
+        assert self._proc is not None
+        self._proc.terminate()
+        self._proc.wait(30)
+        self.num_steps = int(Path(self._out.name).read_text() or 0)
+        self._out.close()
 
 
 def main(argv: list[str] | None = None) -> None:
