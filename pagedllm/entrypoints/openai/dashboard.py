@@ -84,13 +84,16 @@ class TraceFeed:
         asyncio.ensure_future(self._flush_now())
 
     async def _flush_now(self) -> None:
-        """The totals and the cache after the last steps the sampling dropped (a burst's end)."""
+        """The totals after the steps the sampling dropped; once the engine is idle (a burst's
+        end) the cache too. Not while it is busy: the snapshot is a call into the core, on
+        the engine thread, and sampled records carry block maps then anyway."""
         self._flush_pending = False
         if self.llm.errored:
             return
-        snapshot = await self.llm.run(self.core.trace_snapshot)
-        self.viewers.send(sse_event("totals", {"v": SCHEMA_VERSION, "totals": dict(self.totals),
-                                               "block_map": snapshot["block_map"]}))
+        event: dict[str, Any] = {"v": SCHEMA_VERSION, "totals": dict(self.totals)}
+        if not self.llm.engine.has_unfinished_requests():
+            event["block_map"] = (await self.llm.run(self.core.trace_snapshot))["block_map"]
+        self.viewers.send(sse_event("totals", event))
 
     async def _hello(self) -> dict[str, Any]:
         # On (again): the core's next sampled record carries a block map for this viewer.
