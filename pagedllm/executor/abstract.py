@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.outputs import RunnerOutput, SchedulerOutput
+from pagedllm.errors import EngineDeadError
 from pagedllm.runner.base import Runner
 
 # Builds one rank's runner. For the mp executor it must pickle (spawn sends it to the worker):
@@ -48,6 +49,39 @@ class Executor(ABC):
 
     def __exit__(self, *exc: Any) -> None:
         self.shutdown()
+
+
+class RankGroupExecutor(Executor):
+    """An executor whose every call goes to every rank in lockstep (mp workers, Ray actors):
+    the interface written once in terms of ``_call`` (each rank's result, rank order) and
+    ``_check_ranks`` (raise EngineDeadError naming a rank that is gone)."""
+
+    _is_shut_down: bool = False
+    _failure: str | None = None  # once a rank failed, every call raises this
+
+    @abstractmethod
+    def _call(self, method: str, *args: Any) -> list[Any]:
+        """Send one call to every rank and return every rank's result."""
+
+    @abstractmethod
+    def _check_ranks(self) -> None:
+        """Return if every rank is there; else raise EngineDeadError saying which."""
+
+    def determine_num_blocks(self, block_size: int) -> int:
+        return min(self._call("determine_num_blocks", block_size))
+
+    def initialize(self, num_blocks: int, block_size: int) -> None:
+        self._call("initialize_kv_cache", num_blocks, block_size)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        return self._call("execute_model", scheduler_output)[0]
+
+    def check_health(self) -> None:
+        if self._is_shut_down:
+            raise EngineDeadError("the executor was shut down")
+        if self._failure is not None:
+            raise EngineDeadError(self._failure)
+        self._check_ranks()
 
 
 def build_model_runner(config: EngineConfig, max_model_len: int) -> Runner:

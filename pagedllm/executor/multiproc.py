@@ -28,10 +28,9 @@ import msgpack
 import zmq
 
 from pagedllm import errors
-from pagedllm.core.outputs import RunnerOutput, SchedulerOutput
 from pagedllm.distributed.launch import DistributedInit, get_open_port
 from pagedllm.errors import EngineDeadError, ValidationError
-from pagedllm.executor.abstract import Executor, RunnerFactory
+from pagedllm.executor.abstract import RankGroupExecutor, RunnerFactory
 from pagedllm.executor.wire import Codec
 from pagedllm.executor.worker import worker_main
 from pagedllm.executor.zmq_context import new_context, term_context
@@ -63,7 +62,7 @@ def remote_error(info: dict[str, Any], context: str) -> Exception:
     return exc
 
 
-class MultiprocExecutor(Executor):
+class MultiprocExecutor(RankGroupExecutor):
     """``world_size`` ranks on this machine; above 1 they form a tensor-parallel group (gloo or
     NCCL, per ``device``) at ``master_addr``:``master_port`` (a free port unless given) before
     building their runners, and give up with a message after ``init_timeout_s``."""
@@ -138,20 +137,7 @@ class MultiprocExecutor(Executor):
         shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
     # -- the Executor interface -------------------------------------------------------------
-    def determine_num_blocks(self, block_size: int) -> int:
-        return min(self._call("determine_num_blocks", block_size))
-
-    def initialize(self, num_blocks: int, block_size: int) -> None:
-        self._call("initialize_kv_cache", num_blocks, block_size)
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
-        return self._call("execute_model", scheduler_output)[0]
-
-    def check_health(self) -> None:
-        if self._is_shut_down:
-            raise EngineDeadError("the executor was shut down")
-        if self._failure is not None:
-            raise EngineDeadError(self._failure)
+    def _check_ranks(self) -> None:
         self._check_alive()
 
     def shutdown(self) -> None:

@@ -21,10 +21,9 @@ import logging
 import os
 from typing import Any
 
-from pagedllm.core.outputs import RunnerOutput, SchedulerOutput
 from pagedllm.distributed.launch import DistributedInit, get_open_port
 from pagedllm.errors import EngineDeadError, ValidationError
-from pagedllm.executor.abstract import Executor, RunnerFactory
+from pagedllm.executor.abstract import RankGroupExecutor, RunnerFactory
 from pagedllm.executor.multiproc import remote_error
 from pagedllm.executor.wire import Codec
 from pagedllm.executor.worker import Worker, error_info
@@ -72,7 +71,7 @@ class RayWorkerWrapper:
         return True
 
 
-class RayExecutor(Executor):
+class RayExecutor(RankGroupExecutor):
     def __init__(self, runner_factory: RunnerFactory, world_size: int = 1, *,
                  device: str = "auto", startup_timeout_s: float = 300.0,
                  init_timeout_s: float = 120.0) -> None:
@@ -154,20 +153,7 @@ class RayExecutor(Executor):
                 raise remote_error(payload, f"worker rank {rank} failed to start")
 
     # -- the Executor interface -------------------------------------------------------------
-    def determine_num_blocks(self, block_size: int) -> int:
-        return min(self._call("determine_num_blocks", block_size))
-
-    def initialize(self, num_blocks: int, block_size: int) -> None:
-        self._call("initialize_kv_cache", num_blocks, block_size)
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
-        return self._call("execute_model", scheduler_output)[0]
-
-    def check_health(self) -> None:
-        if self._is_shut_down:
-            raise EngineDeadError("the executor was shut down")
-        if self._failure is not None:
-            raise EngineDeadError(self._failure)
+    def _check_ranks(self) -> None:
         self._gather([a.ping.remote() for a in self._actors], "a health check", 30.0)
 
     def shutdown(self) -> None:
