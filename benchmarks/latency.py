@@ -13,11 +13,19 @@ The server: by default a subprocess ``python -m pagedllm.entrypoints.cli serve M
 client does not share an interpreter with it; ``--server inprocess`` runs it in a thread of this
 process (faster start, used by the smoke test); ``--base-url`` uses a server already running.
 
+``--compare single,core-async`` starts one server per serving mode and sends them the same load
+in --rounds interleaved rounds (the order alternating round by round, one server loaded at a time),
+then prints each mode's medians and its ratios to the first mode:
+  single      the engine core in the API server's process (PAGEDLLM_ENABLE_MULTIPROCESSING=0)
+  core        the engine core in its own process (what ``pagedllm serve`` does by default)
+  core-async  the engine core in its own process with --async-scheduling
+
 ``--data-parallel-size 1,2`` serves the same load once per size (a fresh server each, replicas
 behind one API server) and prints the ratio of each to the first.
 
     python -m benchmarks.latency [--request-rate 4] [--workload cpu] [--base-url URL]
                                  [--data-parallel-size 1,2]
+    python -m benchmarks.latency --compare single,core-async --rounds 3
 """
 from __future__ import annotations
 
@@ -25,14 +33,16 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import random
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Iterator
 
 from benchmarks.common import (WORKLOADS, add_model_args, engine_args, log, make_workload,
@@ -72,14 +82,24 @@ def _cli_flags(kwargs: dict) -> list[str]:
     return flags
 
 
+# --compare: each serving mode's engine-argument overrides and whether the core has its own process.
+SERVING_MODES = {
+    "single": ({}, False),
+    "core": ({}, True),
+    "core-async": ({"async_scheduling": True}, True),
+}
+
+
 @contextmanager
-def subprocess_server(model: str, llm_kwargs: dict, timeout: float) -> Iterator[str]:
+def subprocess_server(model: str, llm_kwargs: dict, timeout: float,
+                      multiprocess: bool = True) -> Iterator[str]:
     port = _free_port()
     cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", model, "--host", "127.0.0.1",
            "--port", str(port), "--log-level", "warning"] + _cli_flags(llm_kwargs)
     log("starting the server: " + " ".join(cmd))
     with tempfile.TemporaryFile("w+") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        env = dict(os.environ, PAGEDLLM_ENABLE_MULTIPROCESSING="1" if multiprocess else "0")
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
         try:
             _wait_ready(f"http://127.0.0.1:{port}", timeout, alive=lambda: proc.poll() is None)
             yield f"http://127.0.0.1:{port}"
@@ -97,14 +117,15 @@ def subprocess_server(model: str, llm_kwargs: dict, timeout: float) -> Iterator[
 
 
 @contextmanager
-def inprocess_server(model: str, llm_kwargs: dict, timeout: float) -> Iterator[str]:
+def inprocess_server(model: str, llm_kwargs: dict, timeout: float,
+                     multiprocess: bool = False) -> Iterator[str]:
     import uvicorn
 
     from pagedllm.engine.async_engine import AsyncLLM
     from pagedllm.entrypoints.openai.server import build_app
 
     port = _free_port()
-    app = build_app(AsyncLLM.from_engine_args(model, **llm_kwargs), [model])
+    app = build_app(AsyncLLM.from_engine_args(model, multiprocess=multiprocess, **llm_kwargs), [model])
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, name="pagedllm-server", daemon=True)
     thread.start()
@@ -208,7 +229,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--server-timeout", type=float, default=300.0, help="seconds to wait for it")
     parser.add_argument("--data-parallel-size", type=_sizes, default=None, metavar="N[,N...]",
                         help="replicas behind the server; several sizes: one run each, compared")
+    parser.add_argument("--compare", type=_modes, default=None, metavar="MODE[,MODE...]",
+                        help="serving modes, one server each, loaded in interleaved rounds: "
+                             + ", ".join(SERVING_MODES))
+    parser.add_argument("--rounds", type=int, default=1, help="with --compare: rounds per mode")
     args = parser.parse_args(argv)
+    if args.compare and (args.base_url or args.data_parallel_size):
+        raise SystemExit("--compare starts its own servers, one per mode: drop --base-url and "
+                         "--data-parallel-size")
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
 
     model = resolve_model(args)
     workload = make_workload(args.workload, model_stats(model).vocab_size, seed=0,
@@ -219,40 +249,84 @@ def main(argv: list[str] | None = None) -> None:
         return asyncio.run(run_load(base_url, workload.prompts, workload.output_lens,
                                     args.request_rate, args.max_concurrency))
 
+    server = subprocess_server if args.server == "subprocess" else inprocess_server
+    runs: list[tuple[str | None, dict]] = []  # (label, result) in the order they ran
     if args.base_url:
-        if args.data_parallel_size:
-            raise SystemExit("--data-parallel-size starts its own servers; drop --base-url")
         runs = [(None, load(args.base_url.rstrip("/")))]
+    elif args.compare:
+        with ExitStack() as stack:
+            urls = {}
+            for mode in args.compare:
+                overrides, multiprocess = SERVING_MODES[mode]
+                urls[mode] = stack.enter_context(server(model, engine_args(args, **overrides),
+                                                        args.server_timeout, multiprocess))
+            for i in range(args.rounds):
+                for mode in args.compare if i % 2 == 0 else args.compare[::-1]:
+                    runs.append((mode, load(urls[mode])))
+                    _print_run(workload, args, mode, runs[-1][1])
     else:
-        server = subprocess_server if args.server == "subprocess" else inprocess_server
-        runs = []
         for size in args.data_parallel_size or [None]:
             extra = {} if size is None else {"data_parallel_size": size}
             with server(model, engine_args(args, **extra), args.server_timeout) as url:
-                runs.append((size, load(url)))
-    results = []
-    for size, r in runs:
-        if r["failed"]:
-            log(f"{r['failed']} requests failed, e.g. {r['errors'][0]}")
-        results.append({"benchmark": "latency", "model": model, "workload": workload.name,
-                         "num_requests": workload.num_requests, "request_rate": args.request_rate,
-                         "max_concurrency": args.max_concurrency, "data_parallel_size": size or 1, **r})
-        offered = "all at once" if math.isinf(args.request_rate) else f"{args.request_rate:g} req/s offered"
-        ratio = "" if math.isinf(args.request_rate) else f" ({r['request_throughput'] / args.request_rate:.2f}x)"
-        dp = "" if size is None else f" dp={size}"
-        print(f"latency {workload.name}{dp} ({r['completed']}/{workload.num_requests} ok, {offered}): "
-              f"{r['request_throughput']:.2f} req/s{ratio}, {r['output_throughput']:.1f} out tok/s | "
-              f"TTFT p50 {r['ttft']['p50_ms']:.0f} ms p99 {r['ttft']['p99_ms']:.0f} ms | "
-              f"ITL p50 {r['itl']['p50_ms']:.1f} ms p99 {r['itl']['p99_ms']:.1f} ms | "
-              f"TPOT p50 {r['tpot']['p50_ms']:.1f} ms", flush=True)
-    if len(runs) > 1:
-        base = runs[0][1]
-        for size, r in runs[1:]:
-            print(f"latency dp={size} vs dp={runs[0][0]}: output tok/s "
-                  f"{r['output_throughput'] / base['output_throughput']:.2f}x, TTFT p50 "
-                  f"{r['ttft']['p50_ms'] / base['ttft']['p50_ms']:.2f}x, TPOT p50 "
-                  f"{r['tpot']['p50_ms'] / base['tpot']['p50_ms']:.2f}x", flush=True)
-    write_json(args.json, results[0] if len(results) == 1 else {"benchmark": "latency", "runs": results})
+                runs.append((None if size is None else f"dp={size}", load(url)))
+            _print_run(workload, args, runs[-1][0], runs[-1][1])
+    if args.base_url:
+        _print_run(workload, args, None, runs[0][1])
+    results = [{"benchmark": "latency", "model": model, "workload": workload.name,
+                "num_requests": workload.num_requests, "request_rate": args.request_rate,
+                "max_concurrency": args.max_concurrency, "config": label,
+                "data_parallel_size": int(label[3:]) if label and label.startswith("dp=") else 1, **r}
+               for label, r in runs]
+    summary = _compare(runs) if len({label for label, _ in runs}) > 1 else None
+    out = results[0] if len(results) == 1 else {"benchmark": "latency", "runs": results}
+    if summary:
+        out["summary"] = summary
+    write_json(args.json, out)
+
+
+# The figures --compare summarises (medians over a mode's rounds), and how each prints.
+_KEYS = {"output tok/s": lambda r: r["output_throughput"], "TTFT p50": lambda r: r["ttft"]["p50_ms"],
+         "ITL p50": lambda r: r["itl"]["p50_ms"], "ITL p99": lambda r: r["itl"]["p99_ms"],
+         "TPOT p50": lambda r: r["tpot"]["p50_ms"]}
+
+
+def _print_run(workload, args: argparse.Namespace, label: str | None, r: dict) -> None:
+    if r["failed"]:
+        log(f"{r['failed']} requests failed, e.g. {r['errors'][0]}")
+    offered = "all at once" if math.isinf(args.request_rate) else f"{args.request_rate:g} req/s offered"
+    ratio = "" if math.isinf(args.request_rate) else f" ({r['request_throughput'] / args.request_rate:.2f}x)"
+    tag = "" if label is None else f" {label}"
+    print(f"latency {workload.name}{tag} ({r['completed']}/{workload.num_requests} ok, {offered}): "
+          f"{r['request_throughput']:.2f} req/s{ratio}, {r['output_throughput']:.1f} out tok/s | "
+          f"TTFT p50 {r['ttft']['p50_ms']:.0f} ms p99 {r['ttft']['p99_ms']:.0f} ms | "
+          f"ITL p50 {r['itl']['p50_ms']:.1f} ms p99 {r['itl']['p99_ms']:.1f} ms | "
+          f"TPOT p50 {r['tpot']['p50_ms']:.1f} ms", flush=True)
+
+
+def _compare(runs: list[tuple[str, dict]]) -> dict:
+    """Each configuration's medians over its rounds, and its ratios to the first configuration
+    (for tok/s higher is better; for the latencies lower is)."""
+    labels = list(dict.fromkeys(label for label, _ in runs))
+    medians = {label: {key: statistics.median(get(r) for lab, r in runs if lab == label)
+                       for key, get in _KEYS.items()} for label in labels}
+    base = medians[labels[0]]
+    for label in labels:
+        m = medians[label]
+        figures = ", ".join(f"{key} {m[key]:.1f}" for key in _KEYS)
+        ratios = "" if label == labels[0] else " | vs " + labels[0] + ": " + ", ".join(
+            f"{key} {m[key] / base[key]:.2f}x" for key in _KEYS)
+        print(f"latency {label} (medians of {sum(lab == label for lab, _ in runs)} rounds): "
+              f"{figures}{ratios}", flush=True)
+    return {"baseline": labels[0], "medians": medians}
+
+
+def _modes(text: str) -> list[str]:
+    modes = [part.strip() for part in text.split(",") if part.strip()]
+    unknown = [m for m in modes if m not in SERVING_MODES]
+    if not modes or unknown or len(set(modes)) != len(modes):
+        raise argparse.ArgumentTypeError(f"want distinct modes among {', '.join(SERVING_MODES)}, "
+                                         f"got {text!r}")
+    return modes
 
 
 def _sizes(text: str) -> list[int]:

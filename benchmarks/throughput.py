@@ -28,6 +28,7 @@ matmul FLOP/s torch reaches on this machine (measured after every round; the med
                                              [--json F.json] [--plot F.png]
     python -m benchmarks.throughput --vllm --vllm-mode both   # vLLM compiled and eager
     python -m benchmarks.throughput --tensor-parallel-size 2  # pagedllm on 2 ranks beside 1
+    python -m benchmarks.throughput --async-scheduling both   # async scheduling beside sync
 """
 from __future__ import annotations
 
@@ -341,6 +342,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                         help="also run pagedllm over this many ranks (engine 'pagedllm-tpN', mp "
                              "worker processes) beside one rank, in the same rounds")
+    parser.add_argument("--async-scheduling", choices=["off", "on", "both"], default="off",
+                        help="pagedllm's async scheduling (step N+1 scheduled while step N runs): "
+                             "on, off (default), or both: pagedllm synchronous and "
+                             "'pagedllm-async' in the same rounds (the ratio printed for "
+                             "pagedllm-async is synchronous over async)")
     args = parser.parse_args(argv)
     if args.repeat < 1:
         parser.error("--repeat must be at least 1")
@@ -361,7 +367,11 @@ def main(argv: list[str] | None = None) -> None:
     engines: dict = {}
     peaks: list[float] = []
     try:
-        engines[OURS] = PagedllmEngine(model, workload, stats.vocab_size, engine_args(args))
+        engines[OURS] = PagedllmEngine(model, workload, stats.vocab_size, engine_args(
+            args, **({"async_scheduling": True} if args.async_scheduling == "on" else {})))
+        if args.async_scheduling == "both":
+            engines[f"{OURS}-async"] = PagedllmEngine(
+                model, workload, stats.vocab_size, engine_args(args, async_scheduling=True))
         if args.tensor_parallel_size > 1:
             tp = args.tensor_parallel_size
             engines[f"{OURS}-tp{tp}"] = PagedllmEngine(

@@ -58,6 +58,18 @@ def test_throughput(tiny_model, tmp_path, capsys):
     assert png.stat().st_size > 0
 
 
+def test_throughput_runs_async_scheduling_beside_sync(tiny_model, tmp_path, capsys):
+    from benchmarks import throughput
+
+    out = tmp_path / "a.json"
+    throughput.main(["--model", tiny_model, "--workload", "small", "--no-hf", "--repeat", "2",
+                     "--async-scheduling", "both", "--json", str(out), "--matmul-size", "64", *SMALL_KV])
+    line = _one_line(capsys, "throughput small")
+    e = json.loads(out.read_text())["engines"]
+    assert list(e) == ["pagedllm", "pagedllm-async"], line
+    assert e["pagedllm-async"]["greedy_agree"] == 4 and e["pagedllm-async"]["repeats_same_ids"] == 2
+
+
 def test_prefix(tiny_model, tmp_path, capsys):
     from benchmarks import prefix
 
@@ -103,6 +115,27 @@ def test_latency(tiny_model, tmp_path, capsys):
     assert r["completed"] == 4 and r["failed"] == 0
     assert r["total_output_tokens"] == sum(common.make_workload("small", 32000).output_lens)
     assert 0 < r["ttft"]["p50_ms"] <= r["ttft"]["p99_ms"]
+
+
+def test_latency_compares_serving_modes_in_interleaved_rounds(tiny_model, tmp_path, capsys):
+    pytest.importorskip("uvicorn")
+    from benchmarks import latency
+
+    out = tmp_path / "c.json"
+    latency.main(["--model", tiny_model, "--workload", "small", "--request-rate", "inf",
+                  "--server", "inprocess", "--compare", "single,core-async", "--rounds", "2",
+                  "--json", str(out), *SMALL_KV])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert [ln.split(" (")[0] for ln in lines] == [
+        "latency small single", "latency small core-async", "latency small core-async",
+        "latency small single", "latency single", "latency core-async"]
+    assert "vs single: output tok/s" in lines[-1]
+    r = json.loads(out.read_text())
+    assert [x["config"] for x in r["runs"]] == ["single", "core-async", "core-async", "single"]
+    assert all(x["completed"] == 4 and x["failed"] == 0 for x in r["runs"])
+    assert r["summary"]["baseline"] == "single" and set(r["summary"]["medians"]) == {"single", "core-async"}
+    with pytest.raises(SystemExit):
+        latency.main(["--model", tiny_model, "--compare", "single,warp"])
 
 
 def test_vllm_peer_explains_a_missing_vllm(tmp_path):
