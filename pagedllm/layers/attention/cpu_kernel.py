@@ -26,7 +26,11 @@ SOURCE = CSRC / "paged_attention.cpp"  # includes paged_attention_math.h
 # only valid here, so the extension's name carries a hash of the CPU's flags (a cache directory
 # shared between different machines gets one build per kind of CPU) and of the sources (torch
 # would not notice a change to the header alone).
-_CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=fast"]
+# -fopenmp: at::parallel_for is a header template; compiled without it, it runs the whole range on
+# the calling thread (the kernel then used one core). The extension's libgomp.so.1 is the one
+# torch already loaded (same soname), so it shares torch's thread pool.
+_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast"]
+_LDFLAGS = ["-fopenmp"]
 
 
 def _build_tag() -> str:
@@ -36,6 +40,7 @@ def _build_tag() -> str:
     except OSError:
         flags = ""
     digest = hashlib.sha1(flags.encode())
+    digest.update(" ".join(_CFLAGS + _LDFLAGS).encode())
     for path in sorted(CSRC.iterdir()):
         digest.update(path.read_bytes())
     return digest.hexdigest()[:10]
@@ -55,6 +60,11 @@ def _ensure_ninja_on_path() -> None:
 def _build() -> Callable[..., torch.Tensor]:
     from torch.utils import cpp_extension
 
+    if hasattr(torch.ops.pagedllm, "paged_attention"):
+        # Built and loaded already in this process: torch aborts the process if a library
+        # registers the pagedllm namespace a second time (a relinked .so is a new library).
+        return torch.ops.pagedllm.paged_attention
+
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None:
         raise RuntimeError(f"no C++ compiler ({compiler!r} is not on PATH)")
@@ -68,7 +78,7 @@ def _build() -> Callable[..., torch.Tensor]:
     with open(build_dir / "pagedllm.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         (build_dir / "lock").unlink(missing_ok=True)
-        cpp_extension.load(name, sources=[str(SOURCE)], extra_cflags=_CFLAGS,
+        cpp_extension.load(name, sources=[str(SOURCE)], extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS,
                            build_directory=str(build_dir), is_python_module=False, verbose=False)
     # The output's shape for dynamo and inductor, so the kernel can sit in a compiled graph as an
     # opaque node (the model's graph reaches it through pagedllm::attention, layer.py).

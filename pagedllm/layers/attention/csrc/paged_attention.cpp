@@ -66,6 +66,14 @@ std::vector<Item> plan_items(const int64_t* qsl, const int64_t* seq_lens, int64_
   return items;
 }
 
+// Requests the cache lines of one slot's kv heads [item.head0, item.head1).
+template <typename T>
+inline void prefetch_item(const T* slot, const Item& item, int64_t head_dim) {
+  const char* first = reinterpret_cast<const char*>(slot + item.head0 * head_dim);
+  const char* end = reinterpret_cast<const char*>(slot + item.head1 * head_dim);
+  for (const char* p = first; p < end; p += 64) __builtin_prefetch(p);
+}
+
 template <typename T>
 void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
          const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
@@ -134,6 +142,11 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
       for (int64_t k0 = 0; k0 < num_keys; k0 += kKeyTile) {
         const int64_t tile = std::min(kKeyTile, num_keys - k0);
         const T* const* slots = &slot_of[k0];
+        // The tile's values (read by P @ V below) and the next tile's keys are requested now, so
+        // that their cache misses overlap this tile's arithmetic: read head by head, a tile's
+        // values are a 1 KiB stride the hardware prefetcher does not follow across pages, and
+        // decode was bound by those misses' latency, not by bandwidth.
+        for (int64_t j = 0; j < tile; ++j) prefetch_item(slots[j] + value_offset, item, head_dim);
         // Keys a row sees in this tile: those up to its query's position (causal mask). The
         // scores are computed up to what the item's last query row sees, then masked per row.
         auto visible = [&](int64_t r) {

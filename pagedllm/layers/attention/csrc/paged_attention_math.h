@@ -75,19 +75,32 @@ inline void score4(const float* __restrict q, const T* const* k, int64_t d, floa
 }
 
 // acc[g] += sum_j p[g][j] * v[j] for GB rows of one kv head's group and tile keys: each value
-// vector is loaded once for the group; the accumulators stay in registers across the keys.
+// vector is loaded once for the group; the accumulators stay in registers across the keys. A
+// register accumulating key after key waits for its previous FMA (4 cycles): with few rows that
+// latency, not memory, bounded decode, so U keys go to U partial sums (GB x U independent
+// chains), added up at the end.
 template <int GB, typename T>
 inline void accumulate(float* __restrict acc, const float* __restrict p, const T* const* v,
                        int64_t tile, int64_t d) {
+  constexpr int U = GB >= 8 ? 1 : 8 / GB;
   int64_t i = 0;
   for (; i + kW <= d; i += kW) {
-    vfloat a[GB];
-    for (int g = 0; g < GB; ++g) a[g] = load(acc + g * d + i);
-    for (int64_t j = 0; j < tile; ++j) {
+    vfloat a[GB][U] = {};
+    for (int g = 0; g < GB; ++g) a[g][0] = load(acc + g * d + i);
+    int64_t j = 0;
+    for (; j + U <= tile; j += U)
+      for (int u = 0; u < U; ++u) {
+        const vfloat vv = load(v[j + u] + i);
+        for (int g = 0; g < GB; ++g) a[g][u] += p[g * kKeyTile + j + u] * vv;
+      }
+    for (; j < tile; ++j) {
       const vfloat vv = load(v[j] + i);
-      for (int g = 0; g < GB; ++g) a[g] += p[g * kKeyTile + j] * vv;
+      for (int g = 0; g < GB; ++g) a[g][0] += p[g * kKeyTile + j] * vv;
     }
-    for (int g = 0; g < GB; ++g) store(acc + g * d + i, a[g]);
+    for (int g = 0; g < GB; ++g) {
+      for (int u = 1; u < U; ++u) a[g][0] += a[g][u];
+      store(acc + g * d + i, a[g][0]);
+    }
   }
   for (; i < d; ++i)
     for (int64_t j = 0; j < tile; ++j)
