@@ -70,6 +70,20 @@ def test_throughput_runs_async_scheduling_beside_sync(tiny_model, tmp_path, caps
     assert e["pagedllm-async"]["greedy_agree"] == 4 and e["pagedllm-async"]["repeats_same_ids"] == 2
 
 
+def test_model_idle_measures_both_modes(tiny_model, tmp_path, capsys):
+    from benchmarks import model_idle
+
+    out = tmp_path / "i.json"
+    model_idle.main(["--model", tiny_model, "--workload", "small", "--rounds", "2", "--json", str(out),
+                     *SMALL_KV])
+    line = _one_line(capsys, "model_idle small")
+    r = json.loads(out.read_text())
+    for mode in ("sync", "async"):
+        assert len(r["runs"][mode]) == 2, line
+        assert all(0 < x["busy_s"] < x["wall_s"] for x in r["runs"][mode])
+        assert 0 < r["medians"][mode]["idle_share"] < 1
+
+
 def test_prefix(tiny_model, tmp_path, capsys):
     from benchmarks import prefix
 

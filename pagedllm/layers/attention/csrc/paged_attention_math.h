@@ -77,12 +77,16 @@ inline void score4(const float* __restrict q, const T* const* k, int64_t d, floa
 // acc[g] += sum_j p[g][j] * v[j] for GB rows of one kv head's group and tile keys: each value
 // vector is loaded once for the group; the accumulators stay in registers across the keys. A
 // register accumulating key after key waits for its previous FMA (4 cycles): with few rows that
-// latency, not memory, bounded decode, so U keys go to U partial sums (GB x U independent
-// chains), added up at the end.
+// latency, not memory, bounded decode, so key j goes to partial sum j % kValueSplit (GB x
+// kValueSplit independent chains), added up at the end. The split is the same for every GB, so
+// a row's sum is the same whether it is computed in a decode or in a prefill chunk (recomputed
+// tokens after a preemption get the same logprobs).
+constexpr int kValueSplit = 4;
+
 template <int GB, typename T>
 inline void accumulate(float* __restrict acc, const float* __restrict p, const T* const* v,
                        int64_t tile, int64_t d) {
-  constexpr int U = GB >= 8 ? 1 : 8 / GB;
+  constexpr int U = kValueSplit;
   int64_t i = 0;
   for (; i + kW <= d; i += kW) {
     vfloat a[GB][U] = {};
@@ -93,10 +97,11 @@ inline void accumulate(float* __restrict acc, const float* __restrict p, const T
         const vfloat vv = load(v[j + u] + i);
         for (int g = 0; g < GB; ++g) a[g][u] += p[g * kKeyTile + j + u] * vv;
       }
-    for (; j < tile; ++j) {
-      const vfloat vv = load(v[j] + i);
-      for (int g = 0; g < GB; ++g) a[g][0] += p[g * kKeyTile + j] * vv;
-    }
+    for (int u = 0; u < U; ++u)  // the last keys, each still to its own partial sum
+      if (j + u < tile) {
+        const vfloat vv = load(v[j + u] + i);
+        for (int g = 0; g < GB; ++g) a[g][u] += p[g * kKeyTile + j + u] * vv;
+      }
     for (int g = 0; g < GB; ++g) {
       for (int u = 1; u < U; ++u) a[g][0] += a[g][u];
       store(acc + g * d + i, a[g][0]);
@@ -167,15 +172,12 @@ void score_group(const float* q, const T* const* k, int64_t rows, int64_t d, flo
 template <typename T>
 void accumulate_group(float* acc, const float* p, const T* const* v, int64_t tile, int64_t rows,
                       int64_t d) {
-  // Passes of 8 rows (one value load feeds 8 FMAs), the rest by 4, 2, 1.
+  // Passes of 4 rows (4 x kValueSplit accumulators fill the vector registers), the rest by 2, 1.
   for (int64_t g = 0; g < rows;) {
     float* a = acc + g * d;
     const float* pg = p + g * kKeyTile;
     const int64_t left = rows - g;
-    if (left >= 8) {
-      accumulate<8>(a, pg, v, tile, d);
-      g += 8;
-    } else if (left >= 4) {
+    if (left >= 4) {
       accumulate<4>(a, pg, v, tile, d);
       g += 4;
     } else if (left >= 2) {
