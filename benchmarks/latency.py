@@ -250,9 +250,18 @@ def main(argv: list[str] | None = None) -> None:
                                     args.request_rate, args.max_concurrency))
 
     server = subprocess_server if args.server == "subprocess" else inprocess_server
-    runs: list[tuple[str | None, dict]] = []  # (label, result) in the order they ran
+    results: list[dict] = []  # one per load, in the order they ran
+
+    def run(url: str, label: str | None = None, data_parallel_size: int = 1) -> None:
+        r = load(url)
+        _print_run(workload, args, label, r)
+        results.append({"benchmark": "latency", "model": model, "workload": workload.name,
+                        "num_requests": workload.num_requests, "request_rate": args.request_rate,
+                        "max_concurrency": args.max_concurrency, "config": label,
+                        "data_parallel_size": data_parallel_size, **r})
+
     if args.base_url:
-        runs = [(None, load(args.base_url.rstrip("/")))]
+        run(args.base_url.rstrip("/"))
     elif args.compare:
         with ExitStack() as stack:
             urls = {}
@@ -262,25 +271,15 @@ def main(argv: list[str] | None = None) -> None:
                                                         args.server_timeout, multiprocess))
             for i in range(args.rounds):
                 for mode in args.compare if i % 2 == 0 else args.compare[::-1]:
-                    runs.append((mode, load(urls[mode])))
-                    _print_run(workload, args, mode, runs[-1][1])
+                    run(urls[mode], mode)
     else:
         for size in args.data_parallel_size or [None]:
             extra = {} if size is None else {"data_parallel_size": size}
             with server(model, engine_args(args, **extra), args.server_timeout) as url:
-                runs.append((None if size is None else f"dp={size}", load(url)))
-            _print_run(workload, args, runs[-1][0], runs[-1][1])
-    if args.base_url:
-        _print_run(workload, args, None, runs[0][1])
-    results = [{"benchmark": "latency", "model": model, "workload": workload.name,
-                "num_requests": workload.num_requests, "request_rate": args.request_rate,
-                "max_concurrency": args.max_concurrency, "config": label,
-                "data_parallel_size": int(label[3:]) if label and label.startswith("dp=") else 1, **r}
-               for label, r in runs]
-    summary = _compare(runs) if len({label for label, _ in runs}) > 1 else None
+                run(url, None if size is None else f"dp={size}", size or 1)
     out = results[0] if len(results) == 1 else {"benchmark": "latency", "runs": results}
-    if summary:
-        out["summary"] = summary
+    if len({r["config"] for r in results}) > 1:
+        out["summary"] = _compare(results)
     write_json(args.json, out)
 
 
@@ -303,11 +302,11 @@ def _print_run(workload, args: argparse.Namespace, label: str | None, r: dict) -
           f"TPOT p50 {r['tpot']['p50_ms']:.1f} ms", flush=True)
 
 
-def _compare(runs: list[tuple[str, dict]]) -> dict:
+def _compare(runs: list[dict]) -> dict:
     """Each configuration's medians over its rounds, and its ratios to the first configuration
     (for tok/s higher is better; for the latencies lower is)."""
-    labels = list(dict.fromkeys(label for label, _ in runs))
-    medians = {label: {key: statistics.median(get(r) for lab, r in runs if lab == label)
+    labels = list(dict.fromkeys(r["config"] for r in runs))
+    medians = {label: {key: statistics.median(get(r) for r in runs if r["config"] == label)
                        for key, get in _KEYS.items()} for label in labels}
     base = medians[labels[0]]
     for label in labels:
@@ -315,7 +314,7 @@ def _compare(runs: list[tuple[str, dict]]) -> dict:
         figures = ", ".join(f"{key} {m[key]:.1f}" for key in _KEYS)
         ratios = "" if label == labels[0] else " | vs " + labels[0] + ": " + ", ".join(
             f"{key} {m[key] / base[key]:.2f}x" for key in _KEYS)
-        print(f"latency {label} (medians of {sum(lab == label for lab, _ in runs)} rounds): "
+        print(f"latency {label} (medians of {sum(r['config'] == label for r in runs)} rounds): "
               f"{figures}{ratios}", flush=True)
     return {"baseline": labels[0], "medians": medians}
 

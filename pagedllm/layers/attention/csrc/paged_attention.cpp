@@ -155,7 +155,7 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
         const int64_t tile_visible = std::clamp<int64_t>(num_keys - k0, 0, tile);
         // Scores, 4 keys at a time for every kv head, so each slot is read front to back once:
         // within a block that is one sequential stream, which the hardware prefetcher follows
-        // (software prefetching measured slower).
+        // (prefetching the keys too measured slower).
         if (transposed) {
           for (int64_t h = 0; h < item_heads; ++h) {
             const int64_t off = (item.head0 + h) * head_dim;
