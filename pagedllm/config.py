@@ -43,9 +43,9 @@ class ModelConfig:
         "auto (cpu_paged on CPU, torch elsewhere), torch (gather + SDPA, the reference) or "
         "cpu_paged (a C++ kernel reading the paged cache in place; CPU only).", default="auto")
     enforce_eager: bool | None = _doc(
-        "True: run the model eagerly, never through torch.compile; False: compile it wherever "
-        "a compiler exists; unset (auto): compile on CUDA, eager on CPU, where compiling "
-        "measured no faster (see pagedllm/runner/compile.py).", default=None)
+        "True: run the model eagerly, never through torch.compile; False or unset (auto): "
+        "compile it wherever a compiler exists (unset and PAGEDLLM_ENFORCE_EAGER=1 in the "
+        "environment: eager; see pagedllm/runner/compile.py).", default=None)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16", "half", "float", "fp32", "bf16", "fp16"):

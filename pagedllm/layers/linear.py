@@ -17,10 +17,16 @@ layer then also holds its weight in oneDNN's blocked layout. A plain ``F.linear`
 re-packs the whole weight on every call, which dominates at decode batch sizes (one to a few
 dozen rows): prepacked, the model's matmuls take 15-40% less time there and the same at prefill
 sizes, with the same float32 results up to summation order. (MKL's own packed sgemm was faster in
-isolation but 5-10% slower inside the engine, on the benchmark model.)
+isolation but 5-10% slower inside the engine, on the benchmark model.) Under torch.compile a
+prepacked layer is one opaque custom op (``pagedllm::packed_linear``, found by the layer's id, as
+the attention op finds its layer): inductor cannot trace oneDNN's opaque tensors, and would
+otherwise lower the matmul to a plain sgemm that re-packs every call; the elementwise work around
+the op is still fused (vLLM's CPU path calls its oneDNN matmul the same way).
 """
 from __future__ import annotations
 
+import itertools
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -61,11 +67,19 @@ class Linear(nn.Linear):
     """``y = x W^T + b``, replicated on every rank; a separate name so every projection in the
     models reads the same."""
 
-    # A plain attribute, not a buffer: a derived copy that state_dict() and .to() must ignore.
+    # Plain attributes, not buffers: a derived copy that state_dict() and .to() must ignore, and
+    # the id the compiled graph names this layer by (set together, by prepack_linear_weights).
     packed_weight: torch.Tensor | None = None
+    packed_id: int | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed_weight)
+        return self.matmul(x, self.bias)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x W^T (+ bias)``; while torch.compile traces, a prepacked layer is the opaque op."""
+        if self.packed_id is not None and torch.compiler.is_compiling():
+            return torch.ops.pagedllm.packed_linear(x, self.packed_id, bias is not None)
+        return linear(x, self.weight, bias, self.packed_weight)
 
 
 class ColumnParallelLinear(Linear):
@@ -141,8 +155,8 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:
-            return linear(x, self.weight, self.bias, self.packed_weight)
-        y = self.tp.all_reduce(linear(x, self.weight, None, self.packed_weight))
+            return self.matmul(x, self.bias)
+        y = self.tp.all_reduce(self.matmul(x, None))
         return y if self.bias is None else y + self.bias
 
     def checkpoint_slices(self, attr: str, param: torch.Tensor) -> list[WeightSlice]:
@@ -182,5 +196,25 @@ def prepack_linear_weights(model: nn.Module) -> int:
     for module in model.modules():
         if hasattr(type(module), "packed_weight"):
             module.packed_weight = _prepack(module.weight, getattr(module, "bias", None))
-            count += module.packed_weight is not None
+            if module.packed_weight is not None:
+                count += 1
+                if isinstance(module, Linear):
+                    module.packed_id = next(_packed_ids)
+                    _packed_by_id[module.packed_id] = module
     return count
+
+
+_packed_ids = itertools.count()
+_packed_by_id: weakref.WeakValueDictionary[int, Linear] = weakref.WeakValueDictionary()
+
+
+@torch.library.custom_op("pagedllm::packed_linear", mutates_args=())
+def packed_linear_op(x: torch.Tensor, packed_id: int, with_bias: bool) -> torch.Tensor:
+    """Prepacked layer ``packed_id``'s ``x W^T``, plus its bias when ``with_bias``."""
+    layer = _packed_by_id[packed_id]
+    return linear(x, layer.weight, layer.bias if with_bias else None, layer.packed_weight)
+
+
+@packed_linear_op.register_fake
+def _packed_linear_fake(x: torch.Tensor, packed_id: int, with_bias: bool) -> torch.Tensor:
+    return x.new_empty((x.shape[0], _packed_by_id[packed_id].out_features))

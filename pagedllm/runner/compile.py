@@ -12,18 +12,21 @@ dynamic). A merely dynamic ("backed") size still gets specialised at 0 and 1, so
 single decoding request would compile a second graph mid-run; an unbacked size has no such
 special case: one graph serves T = 1 .. max_num_batched_tokens, traced once at warm-up.
 
-When it is on (``enforce_eager``): True never compiles; False compiles wherever a compiler
-exists; None ("auto", the default) compiles on CUDA only. On CPU it is off by default because on
-the benchmark model it does not pay: ``python -m
-benchmarks.compile_ab --num-requests 16 --max-tokens 96`` (engines alternating single steps in
-one process, 2 shared cores, 2026-12-01)
-measured decode steps 0.45x and 0.59x as fast compiled on the 58M Qwen3 (two runs; prefill
-1.13-1.27x), while the tiny demo model, bound by per-op overhead, gained 1.48x at decode. The
-eager CPU path multiplies through oneDNN-prepacked weights (layers/linear.py), which inductor
-cannot lower (opaque tensors), so the compiled graph uses plain sgemm (our best explanation of
-the decode loss: replayed alone, the compiled forward beats the eager one without prepacking by
-~20%); and a startup compile costs 15-60 s. Inductor on CPU needs a C++ compiler, on CUDA
-Triton: without one, the engine logs a line and runs eagerly.
+When it is on (``enforce_eager``): True never compiles; False, or unset (auto, the default, as
+in vLLM), compiles wherever a compiler exists: inductor on CPU needs a C++ compiler, on CUDA
+Triton; without one, the engine logs a line and runs eagerly. The environment variable
+``PAGEDLLM_ENFORCE_EAGER=1`` makes unset mean eager: the test suite sets it (tests/conftest.py),
+as vLLM's CPU CI runs eagerly, because each engine would otherwise spend 7-40 s compiling.
+
+On CPU the linears multiply through oneDNN-prepacked weights, each an opaque op in the graph
+(layers/linear.py), as in eager mode; inductor fuses what lies between them. Measured with
+``python -m benchmarks.compile_ab --num-requests 16 --max-tokens 96`` (engines alternating single
+steps in one process, 2 shared cores, 2026-12-01): decode steps 1.11x as fast compiled on the
+58M Qwen3, prefill 1.09x; the tiny demo model, bound by per-op overhead, gained 1.48x at decode.
+(Before the linears were opaque ops, inductor lowered them to plain sgemm, which re-packs the
+weight every call: decode was 0.45-0.59x as fast compiled, and CPU defaulted to eager.) The
+startup compile takes 15-40 s with a cold inductor cache and 7-8 s with a warm one (it lives in
+the user's temp directory, as torch's default).
 """
 from __future__ import annotations
 
@@ -38,16 +41,16 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-# Whether "auto" compiles on each device type (see the module docstring for CPU's measurement).
-AUTO_COMPILE = {"cpu": False, "cuda": True}
+ENV_ENFORCE_EAGER = "PAGEDLLM_ENFORCE_EAGER"  # 1/true/yes/on: unset enforce_eager means True
 
 
 def compile_disabled_reason(enforce_eager: bool | None, device: torch.device) -> str | None:
     """Why the model should run eagerly, or None when it should be compiled."""
     if enforce_eager:
         return "enforce_eager is set"
-    if enforce_eager is None and not AUTO_COMPILE.get(device.type, False):
-        return f"auto: eager on {device.type} (enforce_eager=False compiles)"
+    if enforce_eager is None and os.environ.get(ENV_ENFORCE_EAGER, "").strip().lower() in (
+            "1", "true", "yes", "on"):
+        return f"{ENV_ENFORCE_EAGER} is set and enforce_eager is not (enforce_eager=False compiles)"
     if device.type == "cpu":
         compiler = os.environ.get("CXX", "c++")
         if shutil.which(compiler) is None:

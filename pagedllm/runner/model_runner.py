@@ -19,7 +19,7 @@ from pagedllm.layers.forward_context import set_forward_context
 from pagedllm.layers.kv_cache import bind_kv_caches, copy_blocks, kv_cache_shape
 from pagedllm.layers.linear import prepack_linear_weights
 from pagedllm.models.loader import load_model
-from pagedllm.runner.compile import compile_disabled_reason, maybe_compile
+from pagedllm.runner.compile import maybe_compile
 from pagedllm.runner.grammar_bitmask import apply_grammar_bitmask
 from pagedllm.runner.input_batch import CachedRequestState, InputBatch, ScheduledRequest
 from pagedllm.runner.sampler import Sampler, SamplingMetadata, compute_topk_logprobs
@@ -54,11 +54,8 @@ class ModelRunner:
         if self.device.type == "cpu":
             _keep_freed_memory()
         if self.device.type == "cpu" and _param_bytes(self.model) * 4 < _total_ram_bytes():
-            # A second, matmul-friendly copy of the linear weights (see layers/linear.py). Under
-            # torch.compile only for the head, which stays eager (compute_logits): inductor
-            # cannot lower the opaque prepacked tensors inside the compiled forward.
-            compiling = compile_disabled_reason(mc.enforce_eager, self.device) is None
-            prepack_linear_weights(self.model.lm_head if compiling else self.model)
+            # A second, matmul-friendly copy of the linear weights (see layers/linear.py).
+            prepack_linear_weights(self.model)
         # The compiled forward, or None: eager (see runner/compile.py).
         self.compiled = maybe_compile(self.model, mc.enforce_eager, self.device, warmup_tokens=16)
         self.vocab_size = self.model.vocab_size

@@ -7,6 +7,7 @@ import gc
 import warnings
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from paged_helpers import STORIES_DIR
 
 from pagedllm import LLM, SamplingParams
@@ -14,13 +15,15 @@ from pagedllm import LLM, SamplingParams
 
 def _live_tensor_bytes(exclude: set[int]) -> int:
     """Bytes of every live tensor storage in the process except those in ``exclude`` (and
-    opaque ones: the prepacked oneDNN copies of the weights)."""
+    opaque ones: the prepacked oneDNN copies of the weights; and fake ones, which hold no
+    memory: a compiling test earlier in the process may leave some behind)."""
     seen, total = set(exclude), 0
     with warnings.catch_warnings():  # isinstance() pokes deprecated torch module attributes
         warnings.simplefilter("ignore")
         tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
     for obj in tensors:
-        if obj.device.type == "cpu" and not obj.is_meta and not obj.is_mkldnn:
+        if (obj.device.type == "cpu" and not obj.is_meta and not obj.is_mkldnn
+                and not isinstance(obj, FakeTensor)):
             storage = obj.untyped_storage()
             if storage.data_ptr() not in seen and storage.nbytes():
                 seen.add(storage.data_ptr())

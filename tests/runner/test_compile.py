@@ -2,7 +2,8 @@
 greedy ids and logprobs, compiles once, and never compiles with enforce_eager=True.
 
 The parity tests compile two models (~15-60 s each on 2 cores): marked slow. The rest of the
-suite runs eagerly: on CPU, the default (enforce_eager unset) does not compile.
+suite runs eagerly: tests/conftest.py sets PAGEDLLM_ENFORCE_EAGER=1, so an unset enforce_eager
+does not compile.
 """
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import torch
 import torch._dynamo.utils
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.layers import linear as linear_mod
+from pagedllm.layers.linear import Linear
 from pagedllm.runner import compile as compile_mod
 from pagedllm.runner.compile import compile_disabled_reason
 
@@ -47,15 +50,16 @@ def _tiny_llama(folder: Path) -> Path:
 # -- when it compiles ---------------------------------------------------------------------------
 def test_compile_decision(monkeypatch):
     assert compile_disabled_reason(True, CPU) == "enforce_eager is set"
-    assert "auto" in compile_disabled_reason(None, CPU)  # measured not to pay on CPU
+    monkeypatch.setenv(compile_mod.ENV_ENFORCE_EAGER, "1")  # as this suite runs (conftest.py)
+    assert compile_mod.ENV_ENFORCE_EAGER in compile_disabled_reason(None, CPU)
+    monkeypatch.delenv(compile_mod.ENV_ENFORCE_EAGER)
     monkeypatch.setenv("CXX", "no-such-compiler-anywhere")
     assert "C++ compiler" in compile_disabled_reason(False, CPU)
-    monkeypatch.setitem(compile_mod.AUTO_COMPILE, "cpu", True)
     assert "C++ compiler" in compile_disabled_reason(None, CPU)  # auto falls back too
     monkeypatch.delenv("CXX")
     if shutil.which("c++"):
         assert compile_disabled_reason(False, CPU) is None
-        assert compile_disabled_reason(None, CPU) is None
+        assert compile_disabled_reason(None, CPU) is None  # auto compiles on CPU too
 
 
 @pytest.mark.parametrize("enforce_eager", [True, None])
@@ -64,6 +68,7 @@ def test_eager_never_calls_torch_compile(monkeypatch, enforce_eager):
         raise AssertionError("torch.compile was called")
 
     monkeypatch.setattr(torch, "compile", refuse)
+    monkeypatch.setenv(compile_mod.ENV_ENFORCE_EAGER, "1")  # unset then means eager
     llm = LLM(str(DEMO_MODEL), device="cpu", enforce_eager=enforce_eager)
     assert llm.llm_engine.executor.runner.compiled is None
     out = llm.generate(["Once upon a time"], SamplingParams(temperature=0.0, max_tokens=4),
@@ -104,13 +109,29 @@ def _recording(runner, sizes: set[int]) -> None:
     runner.compiled._forward = forward
 
 
-def _compare(model: str, vocab_size: int) -> None:
+class _CountingLookups(dict):
+    """The prepacked layers by id, recording which ids were looked up."""
+
+    def __init__(self, layers) -> None:
+        super().__init__(layers.items())
+        self.ids: set[int] = set()
+
+    def __getitem__(self, key: int):
+        self.ids.add(key)
+        return super().__getitem__(key)
+
+
+def _compare(model: str, vocab_size: int, monkeypatch) -> None:
     compiled, eager = _engines(model)
     runner = compiled.llm_engine.executor.runner
     assert runner.compiled is not None and runner.compiled.compile_seconds > 0
     assert eager.llm_engine.executor.runner.compiled is None
-    # Inside the compiled forward no linear holds a prepacked (opaque to inductor) weight.
-    assert all(getattr(m, "packed_weight", None) is None for m in runner.model.model.modules())
+    # The compiled forward multiplies through the prepacked weights, as eager does: every linear
+    # of the decoder is prepacked, and the graph calls each as the opaque op (counted below).
+    linears = [m for m in runner.model.model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.packed_id is not None for m in linears)
+    looked_up = _CountingLookups(linear_mod._packed_by_id)  # only the op reads it, when it runs
+    monkeypatch.setattr(linear_mod, "_packed_by_id", looked_up)
     sizes: set[int] = set()
     _recording(runner, sizes)
     counters = torch._dynamo.utils.counters
@@ -129,6 +150,7 @@ def _compare(model: str, vocab_size: int) -> None:
                     if t in g_lp:
                         assert abs(g_lp[t].logprob - lp.logprob) < TOL, (pos, t)
 
+    assert looked_up.ids >= {m.packed_id for m in linears}
     # Steady state: many steps of many sizes (1 included) and no frame converted, no new graph.
     assert len(sizes) >= 6 and 1 in sizes and max(sizes) == 16, sorted(sizes)
     assert counters["frames"]["total"] == frames
@@ -136,13 +158,13 @@ def _compare(model: str, vocab_size: int) -> None:
 
 
 @pytest.mark.slow
-def test_compiled_matches_eager_tiny_llama(tmp_path):
-    _compare(str(_tiny_llama(tmp_path / "tiny-llama")), 32000)
+def test_compiled_matches_eager_tiny_llama(tmp_path, monkeypatch):
+    _compare(str(_tiny_llama(tmp_path / "tiny-llama")), 32000, monkeypatch)
 
 
 @pytest.mark.slow
-def test_compiled_matches_eager_demo_model():
-    _compare(str(DEMO_MODEL), 512)
+def test_compiled_matches_eager_demo_model(monkeypatch):
+    _compare(str(DEMO_MODEL), 512, monkeypatch)
 
 
 def test_paged_attention_kernel_is_opaque_to_dynamo():
