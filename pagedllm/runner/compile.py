@@ -22,7 +22,7 @@ On CPU the linears multiply through oneDNN-prepacked weights, each an opaque op 
 (layers/linear.py), as in eager mode; inductor fuses what lies between them. Measured with
 ``python -m benchmarks.compile_ab --num-requests 16 --max-tokens 96`` (engines alternating single
 steps in one process, 2 shared cores, 2026-12-01): decode steps 1.11x as fast compiled on the
-58M Qwen3, prefill 1.09x; the tiny demo model, bound by per-op overhead, gained 1.48x at decode.
+58M Qwen3, prefill 1.09x; the tiny demo model 1.09x at decode, 1.10x at prefill.
 (Before the linears were opaque ops, inductor lowered them to plain sgemm, which re-packs the
 weight every call: decode was 0.45-0.59x as fast compiled, and CPU defaulted to eager.) The
 startup compile takes 15-40 s with a cold inductor cache and 7-8 s with a warm one (it lives in
