@@ -213,6 +213,13 @@ class Workload:
     def as_prompts(self) -> list[dict]:
         return [{"prompt_token_ids": p} for p in self.prompts]
 
+    def greedy_params(self) -> list:
+        """pagedllm SamplingParams per request: greedy, ignore_eos, so each request generates
+        exactly its output length."""
+        from pagedllm import SamplingParams
+
+        return [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for o in self.output_lens]
+
 
 def make_workload(name: str, vocab_size: int, seed: int = 0, num_requests: int | None = None) -> Workload:
     n, (p_lo, p_hi), (o_lo, o_hi) = WORKLOADS[name]

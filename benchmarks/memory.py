@@ -107,6 +107,7 @@ def _kv_bytes_allocated(llm) -> dict:
     """The runner's KV cache bytes, and the bytes of every other live tensor that is not a
     weight (None with an out-of-process executor)."""
     import torch
+    from torch._subclasses.fake_tensor import FakeTensor
 
     runner = getattr(llm.llm_engine.executor, "runner", None)
     if runner is None or not hasattr(runner, "kv_caches"):
@@ -120,7 +121,9 @@ def _kv_bytes_allocated(llm) -> dict:
         tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
     other = 0
     for t in tensors:
-        if t.is_mkldnn or t.is_meta:  # opaque oneDNN copies of the weights
+        # Opaque oneDNN copies of the weights; fake tensors (left by an earlier torch.compile in
+        # the process) hold no memory.
+        if t.is_mkldnn or t.is_meta or isinstance(t, FakeTensor):
             continue
         storage = t.untyped_storage()
         if storage.data_ptr() not in seen:

@@ -58,13 +58,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args(argv)
 
-    from pagedllm import LLM, SamplingParams
+    from pagedllm import LLM
 
     model = resolve_model(args)
     workload = make_workload(args.workload, model_stats(model).vocab_size, seed=0,
                              num_requests=args.num_requests)
     prompts = workload.as_prompts()
-    params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for o in workload.output_lens]
+    params = workload.greedy_params()
     engines = {}
     for mode, on in MODES.items():
         llm = LLM(model, **engine_args(args, async_scheduling=on))

@@ -34,10 +34,10 @@ def repetitive_workload(vocab_size: int, num_requests: int = 16, seed: int = 0) 
 
 
 def run(model: str, workload: Workload, llm_kwargs: dict) -> dict:
-    from pagedllm import LLM, SamplingParams
+    from pagedllm import LLM
 
     llm = LLM(model, **llm_kwargs)
-    params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for o in workload.output_lens]
+    params = workload.greedy_params()
     llm.generate(workload.as_prompts()[:2], params[:2], use_tqdm=False)  # warm-up
     llm.reset_prefix_cache()
     before = llm.get_metrics()

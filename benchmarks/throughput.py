@@ -72,19 +72,13 @@ class PagedllmEngine:
         self.workload = workload
         self.llm = LLM(model, **llm_kwargs)
         warm = _warmup_workload(workload, vocab_size)
-        self.llm.generate(warm.as_prompts(), self._params(warm), use_tqdm=False)
-
-    @staticmethod
-    def _params(w: Workload) -> list:
-        from pagedllm import SamplingParams
-
-        return [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for o in w.output_lens]
+        self.llm.generate(warm.as_prompts(), warm.greedy_params(), use_tqdm=False)
 
     def run(self) -> dict:
         if not self.llm.reset_prefix_cache():  # so this run computes every prompt, as the first did
             raise RuntimeError("pagedllm refused to reset its prefix cache (blocks still in use)")
         before = self.llm.get_metrics()
-        prompts, params = self.workload.as_prompts(), self._params(self.workload)
+        prompts, params = self.workload.as_prompts(), self.workload.greedy_params()
         t0 = time.perf_counter()
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - t0

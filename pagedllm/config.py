@@ -25,6 +25,15 @@ def default_model() -> str:
     return os.environ.get("PAGEDLLM_MODEL", str(DEFAULT_MODEL_DIR))
 
 
+def env_flag(name: str, default: bool = False) -> bool:
+    """An on/off environment variable: 1/true/yes/on is on, any other value off, unset (or
+    empty) ``default``."""
+    value = os.environ.get(name, "").strip().lower()
+    if not value:
+        return default
+    return value in ("1", "true", "yes", "on")
+
+
 def _doc(text: str, **kw):
     return field(metadata={"help": text}, **kw)
 

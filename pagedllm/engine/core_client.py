@@ -39,7 +39,7 @@ from typing import Any
 
 import zmq
 
-from pagedllm.config import EngineConfig
+from pagedllm.config import EngineConfig, env_flag
 from pagedllm.core.outputs import EngineCoreOutputs, EngineCoreRequest
 from pagedllm.engine.core_proc import run_engine_core
 from pagedllm.engine.engine_core import EngineCore
@@ -56,10 +56,7 @@ logger = logging.getLogger("pagedllm")
 
 def multiprocessing_enabled(default: bool = False) -> bool:
     """``PAGEDLLM_ENABLE_MULTIPROCESSING`` (1/true/yes/on or 0/false/no/off), else ``default``."""
-    value = os.environ.get(ENV_ENABLE_MULTIPROCESSING, "").strip().lower()
-    if not value:
-        return default
-    return value in ("1", "true", "yes", "on")
+    return env_flag(ENV_ENABLE_MULTIPROCESSING, default)
 
 
 def make_engine_core(config: EngineConfig, max_model_len: int, runner: Runner | None = None,

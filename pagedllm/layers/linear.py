@@ -25,8 +25,6 @@ the op is still fused (vLLM's CPU path calls its oneDNN matmul the same way).
 """
 from __future__ import annotations
 
-import itertools
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.distributed.parallel_state import get_tp_group
+from pagedllm.layers.op_registry import LayerRegistry
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -199,13 +198,11 @@ def prepack_linear_weights(model: nn.Module) -> int:
             if module.packed_weight is not None:
                 count += 1
                 if isinstance(module, Linear):
-                    module.packed_id = next(_packed_ids)
-                    _packed_by_id[module.packed_id] = module
+                    module.packed_id = _packed_by_id.register(module)
     return count
 
 
-_packed_ids = itertools.count()
-_packed_by_id: weakref.WeakValueDictionary[int, Linear] = weakref.WeakValueDictionary()
+_packed_by_id: LayerRegistry[Linear] = LayerRegistry()  # layers/op_registry.py
 
 
 @torch.library.custom_op("pagedllm::packed_linear", mutates_args=())

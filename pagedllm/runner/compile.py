@@ -39,6 +39,8 @@ from collections.abc import Callable
 
 import torch
 
+from pagedllm.config import env_flag
+
 logger = logging.getLogger(__name__)
 
 ENV_ENFORCE_EAGER = "PAGEDLLM_ENFORCE_EAGER"  # 1/true/yes/on: unset enforce_eager means True
@@ -48,8 +50,7 @@ def compile_disabled_reason(enforce_eager: bool | None, device: torch.device) ->
     """Why the model should run eagerly, or None when it should be compiled."""
     if enforce_eager:
         return "enforce_eager is set"
-    if enforce_eager is None and os.environ.get(ENV_ENFORCE_EAGER, "").strip().lower() in (
-            "1", "true", "yes", "on"):
+    if enforce_eager is None and env_flag(ENV_ENFORCE_EAGER):
         return f"{ENV_ENFORCE_EAGER} is set and enforce_eager is not (enforce_eager=False compiles)"
     if device.type == "cpu":
         compiler = os.environ.get("CXX", "c++")

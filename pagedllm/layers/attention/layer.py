@@ -14,14 +14,12 @@ microseconds per layer and buy nothing.
 """
 from __future__ import annotations
 
-import itertools
-import weakref
-
 import torch
 from torch import nn
 
 from pagedllm.layers.attention.torch_backend import attend_causal
 from pagedllm.layers.forward_context import get_attn_metadata
+from pagedllm.layers.op_registry import LayerRegistry
 
 
 def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -52,11 +50,8 @@ class Attention(nn.Module):
         # A plain attribute (not a buffer): the runner owns the cache memory, and model.to() or
         # state_dict() must not copy or save it. Empty until bound.
         self.kv_cache: torch.Tensor = torch.empty(0, device="cpu")
-        # How the compiled graph names this layer: an int constant the op looks up (weakly, so
-        # a dropped model's layers go away). Unique per instance, not per layer index, since a
-        # process may hold several models.
-        self._op_id = next(_op_ids)
-        _layers_by_op_id[self._op_id] = self
+        # How the compiled graph names this layer (layers/op_registry.py).
+        self._op_id = _layers_by_op_id.register(self)
 
     def extra_repr(self) -> str:
         return (f"layer_idx={self.layer_idx}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
@@ -81,8 +76,7 @@ class Attention(nn.Module):
         return md.backend.forward(self, q, k, v, md).reshape(num_tokens, -1)  # [T, H * D]
 
 
-_op_ids = itertools.count()
-_layers_by_op_id: weakref.WeakValueDictionary[int, Attention] = weakref.WeakValueDictionary()
+_layers_by_op_id: LayerRegistry[Attention] = LayerRegistry()
 
 
 @torch.library.custom_op("pagedllm::attention", mutates_args=())
