@@ -105,7 +105,7 @@ def _rss_bytes(field: str = "VmHWM") -> int:
 
 def _kv_bytes_allocated(llm) -> dict:
     """The runner's KV cache bytes, and the bytes of every other live tensor that is not a
-    weight (None with an out-of-process executor)."""
+    weight or a prepacked copy of one (None with an out-of-process executor)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensor
 
@@ -113,16 +113,18 @@ def _kv_bytes_allocated(llm) -> dict:
     if runner is None or not hasattr(runner, "kv_caches"):
         return {"kv_cache_bytes": None, "other_tensor_bytes": None}
     kv = {c.untyped_storage().data_ptr(): c.untyped_storage().nbytes() for c in runner.kv_caches}
-    seen = set(kv) | {t.untyped_storage().data_ptr() for t in runner.model.state_dict().values()
-                      if not t.is_mkldnn}
+    weights = list(runner.model.state_dict().values())
+    weights += [m.packed_weight for m in runner.model.modules() if getattr(m, "packed_weight", None) is not None]
+    seen = set(kv) | {t.untyped_storage().data_ptr() for t in weights if not t.is_mkldnn}
     gc.collect()
     with warnings.catch_warnings():  # isinstance() pokes deprecated torch module attributes
         warnings.simplefilter("ignore")
-        tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+        # type(), not isinstance(): a dead weakref.proxy among the objects raises on __class__.
+        tensors = [o for o in gc.get_objects() if issubclass(type(o), torch.Tensor)]
     other = 0
     for t in tensors:
-        # Opaque oneDNN copies of the weights; fake tensors (left by an earlier torch.compile in
-        # the process) hold no memory.
+        # Opaque (mkldnn) tensors have no storage to read; fake tensors (left by an earlier
+        # torch.compile in the process) hold no memory.
         if t.is_mkldnn or t.is_meta or isinstance(t, FakeTensor):
             continue
         storage = t.untyped_storage()

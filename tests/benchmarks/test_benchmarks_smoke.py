@@ -174,3 +174,18 @@ def test_dashboard_overhead(tiny_model, tmp_path, capsys):
     r = json.loads(out.read_text())
     assert len(r["closed_tok_s"]) == len(r["open_tok_s"]) == 1
     assert r["step_records_per_round"][0] > 0 and r["ratio_median"] > 0
+
+
+def test_linear_kernels_compares_the_skinny_kernel_with_its_peers(capsys):
+    from benchmarks import linear_kernels
+    from pagedllm.layers.cpu_extension import load_cpu_ops
+
+    if load_cpu_ops() is None:
+        pytest.skip("no C++ compiler: no CPU kernels")
+    linear_kernels.main(["--model-config", "tiny", "--rows", "1", "3", "--rounds", "1"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].split()[:2] == ["layer", "rows"] and len(lines) == 1 + 5 * 2
+    for line in lines[1:]:
+        fields = line.split()
+        assert fields[0] in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
+        assert fields[1] in ("1", "3") and float(fields[-1].rstrip("x")) > 0

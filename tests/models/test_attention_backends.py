@@ -14,7 +14,7 @@ from pagedllm.errors import ValidationError
 from pagedllm.layers import (Attention, bind_kv_caches, build_attention_metadata, get_attn_backend,
                              kv_cache_shape, set_forward_context)
 from pagedllm.layers.attention import backend as backend_module
-from pagedllm.layers.attention import cpu_kernel
+from pagedllm.layers import cpu_extension
 
 
 @pytest.fixture(scope="module")
@@ -122,8 +122,8 @@ def test_a_failed_build_falls_back_to_torch_with_one_warning(monkeypatch, caplog
     def broken_build():
         raise RuntimeError("c++: error: no such compiler")
 
-    monkeypatch.setattr(cpu_kernel, "_build", broken_build)
-    cpu_kernel.load_paged_attention_op.cache_clear()
+    monkeypatch.setattr(cpu_extension, "_build", broken_build)
+    cpu_extension.load_cpu_ops.cache_clear()
     backend_module.get_attn_backend.cache_clear()
     try:
         with caplog.at_level(logging.WARNING):
@@ -132,5 +132,5 @@ def test_a_failed_build_falls_back_to_torch_with_one_warning(monkeypatch, caplog
         warnings = [r for r in caplog.records if "cpu_paged" in r.getMessage()]
         assert len(warnings) == 1 and "no such compiler" in warnings[0].getMessage()
     finally:  # the real kernel for the tests after this one
-        cpu_kernel.load_paged_attention_op.cache_clear()
+        cpu_extension.load_cpu_ops.cache_clear()
         backend_module.get_attn_backend.cache_clear()

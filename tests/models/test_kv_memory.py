@@ -15,12 +15,13 @@ from pagedllm import LLM, SamplingParams
 
 def _live_tensor_bytes(exclude: set[int]) -> int:
     """Bytes of every live tensor storage in the process except those in ``exclude`` (and
-    opaque ones: the prepacked oneDNN copies of the weights; and fake ones, which hold no
-    memory: a compiling test earlier in the process may leave some behind)."""
+    opaque (mkldnn) ones, which have no storage to read; and fake ones, which hold no memory: a
+    compiling test earlier in the process may leave some behind)."""
     seen, total = set(exclude), 0
     with warnings.catch_warnings():  # isinstance() pokes deprecated torch module attributes
         warnings.simplefilter("ignore")
-        tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+        # type(), not isinstance(): a dead weakref.proxy among the objects raises on __class__.
+        tensors = [o for o in gc.get_objects() if issubclass(type(o), torch.Tensor)]
     for obj in tensors:
         if (obj.device.type == "cpu" and not obj.is_meta and not obj.is_mkldnn
                 and not isinstance(obj, FakeTensor)):

@@ -170,7 +170,7 @@ def test_compiled_matches_eager_demo_model(monkeypatch):
 def test_paged_attention_kernel_is_opaque_to_dynamo():
     """The C++ kernel has a fake implementation: a compiled graph holds it as one node (no graph
     break, fullgraph) and gives the kernel's own output."""
-    from pagedllm.layers.attention.cpu_kernel import load_paged_attention_op
+    from pagedllm.layers.cpu_extension import load_paged_attention_op
 
     op = load_paged_attention_op()
     if op is None:

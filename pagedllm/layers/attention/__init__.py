@@ -1,7 +1,7 @@
 """Paged attention: the layer models use, and the backends that compute it (one file each):
 
 - ``torch_backend.py``: gather + SDPA in plain torch, CPU and CUDA; the numerical reference.
-- ``cpu_paged.py``: the CPU default, a C++ kernel (``csrc/``, built by ``cpu_kernel.py``) that
+- ``cpu_paged.py``: the CPU default, a C++ kernel (``layers/csrc/``, built by ``layers/cpu_extension.py``) that
   reads the paged cache in place.
 
 ``backend.py`` holds the interface and ``get_attn_backend`` (the choice per device).

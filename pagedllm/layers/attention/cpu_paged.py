@@ -1,4 +1,4 @@
-"""The CPU default: a C++ kernel (csrc/paged_attention.cpp) that reads K/V in place from the
+"""The CPU default: a C++ kernel (layers/csrc/paged_attention.cpp) that reads K/V in place from the
 paged cache through the block tables, for the whole flat batch in one call per layer: decodes and
 prefill chunks over a cached prefix. No gather, no second copy of the cache, no per-step masks:
 causality comes from each request's query and sequence lengths.
@@ -16,7 +16,7 @@ import torch
 
 from pagedllm.layers.attention.backend import AttentionBackend
 from pagedllm.layers.attention.torch_backend import attend_causal
-from pagedllm.layers.attention.cpu_kernel import load_paged_attention_op
+from pagedllm.layers.cpu_extension import load_paged_attention_op
 
 if TYPE_CHECKING:
     from pagedllm.layers.attention.layer import Attention

@@ -1,9 +1,14 @@
-"""Builds and loads the C++ paged-attention kernel (csrc/paged_attention.cpp), once per machine.
+"""Builds and loads pagedllm's C++ CPU kernels (csrc/), once per machine, as one extension:
 
-torch.utils.cpp_extension compiles it into torch's extension cache (``TORCH_EXTENSIONS_DIR``,
-default ``~/.cache/torch_extensions``) on first use, which takes ~30 s, and reloads the shared
-library in later processes. ``load_paged_attention_op()`` returns the op, or None after logging
-one warning when the build is impossible or fails: the caller then uses the torch backend.
+- ``pagedllm::paged_attention`` (csrc/paged_attention.cpp): the cpu_paged attention backend;
+- ``pagedllm::skinny_gemm`` (csrc/skinny_gemm.cpp): the few-row linears of decode steps
+  (layers/linear.py).
+
+torch.utils.cpp_extension compiles them into torch's extension cache (``TORCH_EXTENSIONS_DIR``,
+default ``~/.cache/torch_extensions``) on first use, which takes ~40 s, and reloads the shared
+library in later processes. ``load_cpu_ops()`` returns torch's ``pagedllm`` op namespace with
+them, or None after logging one warning when the build is impossible or fails: the callers then
+use torch's own ops (the torch attention backend, ``F.linear``).
 """
 from __future__ import annotations
 
@@ -15,14 +20,16 @@ import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCE = CSRC / "paged_attention.cpp"  # includes paged_attention_math.h
-# -march=native: the dot products vectorise to the widest units this CPU has. The binary is then
+SOURCES = [CSRC / "paged_attention.cpp", CSRC / "skinny_gemm.cpp"]  # + paged_attention_math.h
+OPS = ("paged_attention", "skinny_gemm")
+# -march=native: the dot products and GEMM tiles vectorise to the widest units this CPU has. The binary is then
 # only valid here, so the extension's name carries a hash of the CPU's flags (a cache directory
 # shared between different machines gets one build per kind of CPU) and of the sources (torch
 # would not notice a change to the header alone).
@@ -57,19 +64,19 @@ def _ensure_ninja_on_path() -> None:
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
-def _build() -> Callable[..., torch.Tensor]:
+def _build() -> Any:
     from torch.utils import cpp_extension
 
-    if hasattr(torch.ops.pagedllm, "paged_attention"):
+    if all(hasattr(torch.ops.pagedllm, op) for op in OPS):
         # Built and loaded already in this process: torch aborts the process if a library
-        # registers the pagedllm namespace a second time (a relinked .so is a new library).
-        return torch.ops.pagedllm.paged_attention
+        # defines the same ops a second time (a relinked .so is a new library).
+        return torch.ops.pagedllm
 
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None:
         raise RuntimeError(f"no C++ compiler ({compiler!r} is not on PATH)")
     _ensure_ninja_on_path()
-    name = f"pagedllm_paged_attention_{_build_tag()}"
+    name = f"pagedllm_cpu_{_build_tag()}"
     build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
     # An flock, released by the OS even if the process dies: parallel pytest workers build once,
     # one after the other. torch's own lock file is a plain file a killed build leaves behind
@@ -78,12 +85,13 @@ def _build() -> Callable[..., torch.Tensor]:
     with open(build_dir / "pagedllm.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         (build_dir / "lock").unlink(missing_ok=True)
-        cpp_extension.load(name, sources=[str(SOURCE)], extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS,
+        cpp_extension.load(name, sources=[str(p) for p in SOURCES], extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS,
                            build_directory=str(build_dir), is_python_module=False, verbose=False)
     # The output's shape for dynamo and inductor, so the kernel can sit in a compiled graph as an
-    # opaque node (the model's graph reaches it through pagedllm::attention, layer.py).
+    # opaque node (the model's graph reaches it through pagedllm::attention, attention/layer.py;
+    # skinny_gemm is called inside pagedllm::packed_linear, which has its own).
     torch.library.register_fake("pagedllm::paged_attention")(_paged_attention_fake)
-    return torch.ops.pagedllm.paged_attention
+    return torch.ops.pagedllm
 
 
 def _paged_attention_fake(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -93,13 +101,20 @@ def _paged_attention_fake(query: torch.Tensor, kv_cache: torch.Tensor, block_tab
 
 
 @functools.cache
-def load_paged_attention_op() -> Callable[..., torch.Tensor] | None:
+def load_cpu_ops() -> Any | None:
+    """torch.ops.pagedllm with the kernels above, or None (logged once) when they cannot be built."""
     try:
         return _build()
-    except Exception as exc:  # any build failure means "use the torch backend", never a crash
-        logger.warning("pagedllm: cannot build the cpu_paged attention kernel (%s); using the "
-                       "torch attention backend instead", _first_error_line(exc))
+    except Exception as exc:  # any build failure means "use torch's own ops", never a crash
+        logger.warning("pagedllm: cannot build the C++ CPU kernels of the cpu_paged attention backend "
+                       "and the decode linears (%s); using the torch attention backend and F.linear "
+                       "instead", _first_error_line(exc))
         return None
+
+
+def load_paged_attention_op() -> Callable[..., torch.Tensor] | None:
+    ops = load_cpu_ops()
+    return None if ops is None else ops.paged_attention
 
 
 def _first_error_line(exc: Exception) -> str:

@@ -253,7 +253,7 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
 
 }  // namespace
 
-TORCH_LIBRARY(pagedllm, m) {
+TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.def("paged_attention(Tensor query, Tensor kv_cache, Tensor block_tables, "
         "Tensor query_start_loc, Tensor seq_lens, float scale) -> Tensor");
 }

@@ -1,0 +1,93 @@
+"""The linears' kernels (layers/linear.py): the skinny C++ kernel for decode-sized inputs against
+float64, at every row count a tile can take, ragged output and input sizes, with bias; the row
+count at which ``linear`` hands over to ``F.linear``; and batch invariance (a row's result does
+not depend on the rows beside it)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedllm.layers import linear as linear_module
+from pagedllm.layers.cpu_extension import load_cpu_ops
+from pagedllm.layers.linear import SKINNY_MAX_ROWS, Linear, _prepack, linear, prepack_linear_weights
+
+pytestmark = pytest.mark.skipif(load_cpu_ops() is None, reason="no C++ compiler: no CPU kernels")
+
+
+def _reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x.double(), w.double(), None if b is None else b.double())
+
+
+@pytest.mark.parametrize("out_features,in_features", [(96, 64), (100, 37), (5, 3), (33, 200), (64, 1536)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_skinny_kernel_matches_float64_at_every_tile_size(out_features, in_features, with_bias):
+    gen = torch.Generator().manual_seed(out_features * 1000 + in_features)
+    w = torch.randn(out_features, in_features, generator=gen)
+    b = torch.randn(out_features, generator=gen) if with_bias else None
+    packed = _prepack(w, b)
+    assert packed is not None and packed.shape == (-(-out_features // 32), in_features, 32)
+    for rows in [1, 2, 11, 12, 13, 24, 25, 37, SKINNY_MAX_ROWS]:
+        x = torch.randn(rows, in_features, generator=gen)
+        y = linear(x, w, b, packed)
+        assert y.shape == (rows, out_features) and y.dtype == torch.float32
+        ref = _reference(x, w, b)
+        scale = (x.double().abs() @ w.double().abs().T).amax()
+        assert (y.double() - ref).abs().max() <= 2e-6 * scale, rows
+
+
+def test_non_contiguous_and_empty_inputs():
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(70, 48, generator=gen)
+    packed = _prepack(w, None)
+    wide = torch.randn(9, 96, generator=gen)
+    x = wide[:, ::2]  # a strided view
+    torch.testing.assert_close(linear(x, w, None, packed), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    assert linear(torch.empty(0, 48), w, None, packed).shape == (0, 70)
+
+
+def test_linear_uses_the_skinny_kernel_up_to_its_row_limit_and_f_linear_above(monkeypatch):
+    calls = []
+    real = torch.ops.pagedllm.skinny_gemm
+
+    class Ops:  # counts the kernel's calls, computes with the real one
+        @staticmethod
+        def skinny_gemm(*args):
+            calls.append(args[0].shape[0])
+            return real(*args)
+
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(64, 32, generator=gen)
+    packed = _prepack(w, None)
+    monkeypatch.setattr(linear_module.torch.ops, "pagedllm", Ops, raising=True)
+    for rows in (1, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS + 1, 300):
+        x = torch.randn(rows, 32, generator=gen)
+        torch.testing.assert_close(linear(x, w, None, packed), F.linear(x, w), rtol=1e-5, atol=1e-4)
+    assert calls == [1, SKINNY_MAX_ROWS]
+    calls.clear()
+    linear(torch.randn(3, 32), w, None, None)  # not prepacked: F.linear whatever the rows
+    assert calls == []
+
+
+def test_a_rows_result_does_not_depend_on_its_batch():
+    """Every output is summed in the same order whatever the number of rows and the row's
+    place in its tile: the same input row gives the same bits alone or in any batch."""
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(200, 512, generator=gen)
+    packed = _prepack(w, None)
+    x = torch.randn(SKINNY_MAX_ROWS, 512, generator=gen)
+    full = linear(x, w, None, packed)
+    for rows in (1, 7, 12, 13, 30):
+        for start in (0, 5, SKINNY_MAX_ROWS - rows):
+            part = linear(x[start:start + rows], w, None, packed)
+            assert torch.equal(part, full[start:start + rows]), (rows, start)
+
+
+def test_prepack_gives_every_float32_linear_its_panels_and_skips_other_dtypes():
+    model = torch.nn.Sequential(Linear(16, 40), Linear(40, 8, bias=False))
+    assert prepack_linear_weights(model) == 2
+    assert all(m.packed_weight is not None and m.packed_id is not None for m in model)
+    x = torch.randn(4, 16)
+    torch.testing.assert_close(model(x), F.linear(F.linear(x, model[0].weight, model[0].bias), model[1].weight),
+                               rtol=1e-5, atol=1e-5)
+    assert _prepack(torch.randn(8, 8, dtype=torch.bfloat16), None) is None
