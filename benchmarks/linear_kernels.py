@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch.nn.functional as F
 
     from pagedllm.layers.cpu_extension import load_cpu_ops
-    from pagedllm.layers.linear import _prepack
+    from pagedllm.layers.linear import Linear, prepack_linear_weights
 
     if load_cpu_ops() is None:
         raise SystemExit("the C++ CPU kernels cannot be built here (no compiler?)")
@@ -45,8 +45,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'layer':13s} {'rows':>4s} {'skinny':>16s} {'oneDNN prepacked':>26s} {'F.linear':>26s}")
     for name, (n, k) in shapes.items():
         gen = torch.Generator().manual_seed(0)
-        w = torch.randn(n, k, generator=gen)
-        panels = _prepack(w, None)
+        layer = Linear(k, n, bias=False)
+        layer.weight.data = w = torch.randn(n, k, generator=gen)
+        prepack_linear_weights(layer)
+        panels = layer.packed_weight
         onednn = torch.ops.mkldnn._reorder_linear_weight(w, None)
         kernels = {
             "skinny": lambda x: torch.ops.pagedllm.skinny_gemm(x, panels, n),
