@@ -15,11 +15,11 @@ and where this rank's rows start in it, so the loader reads just those rows from
 On CPU the runner may call ``prepack_linear_weights(model)`` once after loading: every linear
 layer then also holds its weight as the panels of ``pagedllm::skinny_gemm`` (layers/csrc/
 skinny_gemm.cpp), the kernel for inputs of up to ``SKINNY_MAX_ROWS`` rows: decode steps, where a
-linear is bound by how fast its weights stream from memory. There it is 1.2-1.6x oneDNN's
-prepacked matmul on the decoder's projections (oneDNN reads weights in bursts), 1.0-1.1x on the
-lm_head, and more over a plain ``F.linear`` (MKL sgemm, which re-packs the whole weight on every
-call); the whole throughput workload runs 1.17x as fast as with oneDNN (same-process A/B). From
-~64 rows up (prefill) MKL's blocking wins and ``F.linear`` runs. Both sum in float32; results agree to rounding. Under
+linear is bound by how fast its weights stream from memory. There it is 1.2-2.1x oneDNN's
+prepacked matmul on the decoder's projections at 8-32 rows (oneDNN reads weights in bursts),
+1.06-1.3x on the lm_head, and more over a plain ``F.linear`` (MKL sgemm, which re-packs the whole
+weight on every call): ``python -m benchmarks.linear_kernels``. From ~64 rows up (prefill) MKL's
+blocking wins and ``F.linear`` runs. Both sum in float32; results agree to rounding. Under
 torch.compile a prepacked layer is one opaque custom op (``pagedllm::packed_linear``, found by
 the layer's id, as the attention op finds its layer): inductor would otherwise lower the matmul to
 a plain sgemm; the elementwise work around the op is still fused (vLLM's CPU path calls its
