@@ -114,8 +114,9 @@ def _kv_bytes_allocated(llm) -> dict:
         return {"kv_cache_bytes": None, "other_tensor_bytes": None}
     kv = {c.untyped_storage().data_ptr(): c.untyped_storage().nbytes() for c in runner.kv_caches}
     weights = list(runner.model.state_dict().values())
-    weights += [m.packed_weight for m in runner.model.modules() if getattr(m, "packed_weight", None) is not None]
-    seen = set(kv) | {t.untyped_storage().data_ptr() for t in weights if not t.is_mkldnn}
+    weights += [m.packed_weight for m in runner.model.modules()
+                if getattr(m, "packed_weight", None) is not None]
+    seen = set(kv) | {t.untyped_storage().data_ptr() for t in weights}
     gc.collect()
     with warnings.catch_warnings():  # isinstance() pokes deprecated torch module attributes
         warnings.simplefilter("ignore")

@@ -29,8 +29,8 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / "paged_attention.cpp", CSRC / "skinny_gemm.cpp"]  # + paged_attention_math.h
 OPS = ("paged_attention", "skinny_gemm")
-# -march=native: the dot products and GEMM tiles vectorise to the widest units this CPU has. The binary is then
-# only valid here, so the extension's name carries a hash of the CPU's flags (a cache directory
+# -march=native: the dot products and GEMM tiles vectorise to the widest units this CPU has. The
+# binary is then only valid here, so the extension's name carries a hash of the CPU's flags (a cache directory
 # shared between different machines gets one build per kind of CPU) and of the sources (torch
 # would not notice a change to the header alone).
 # -fopenmp: at::parallel_for is a header template; compiled without it, it runs the whole range on
@@ -85,8 +85,9 @@ def _build() -> Any:
     with open(build_dir / "pagedllm.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         (build_dir / "lock").unlink(missing_ok=True)
-        cpp_extension.load(name, sources=[str(p) for p in SOURCES], extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS,
-                           build_directory=str(build_dir), is_python_module=False, verbose=False)
+        cpp_extension.load(name, sources=[str(p) for p in SOURCES], extra_cflags=_CFLAGS,
+                           extra_ldflags=_LDFLAGS, build_directory=str(build_dir),
+                           is_python_module=False, verbose=False)
     # The output's shape for dynamo and inductor, so the kernel can sit in a compiled graph as an
     # opaque node (the model's graph reaches it through pagedllm::attention, attention/layer.py;
     # skinny_gemm is called inside pagedllm::packed_linear, which has its own).

@@ -50,7 +50,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     and few rows take the skinny kernel, anything else ``F.linear``."""
     if packed is not None and x.shape[0] <= SKINNY_MAX_ROWS:
         y = torch.ops.pagedllm.skinny_gemm(x, packed, weight.shape[0])
-        return y if bias is None else y + bias
+        return y if bias is None else y.add_(bias)  # y is the kernel's own new tensor
     return F.linear(x, weight, bias)
 
 

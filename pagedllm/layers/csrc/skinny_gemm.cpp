@@ -6,11 +6,11 @@
 // of rows pulls a panel from DRAM while the rest of the panel's row tiles compute from cache, so
 // memory idles most of the time (measured: 4-8 GB/s of a 17 GB/s read bandwidth at M = 8..32).
 // Here each panel is walked in k blocks; within a block every row tile uses the same 8 KiB of
-// weights from L1, so the stream is steady, and the first row tile prefetches the block after
-// next. Measured on the 58M benchmark model's shapes with cold caches (benchmarks/
-// linear_kernels.py): 1.2-2.1x oneDNN's prepacked matmul on the decoder's projections at 8-32
-// rows, 1.06-1.3x on the lm_head (bound by the tile's arithmetic at 32 rows); about the same at
-// 64 rows, slower above: the caller hands larger inputs to MKL (layers/linear.py).
+// weights from L1, so the stream is steady, and the first row tile prefetches 4 KiB ahead.
+// Measured on the 58M benchmark model's shapes with cold caches (benchmarks/linear_kernels.py):
+// 1.2-2.1x oneDNN's prepacked matmul on the decoder's projections at 8-32 rows, 1.06-1.3x on the
+// lm_head (bound by the tile's arithmetic at 32 rows); about the same at 64 rows, slower above:
+// the caller hands larger inputs to MKL (layers/linear.py).
 //
 // Layout: panels[p][k][c] = W[p * kPanel + c][k] (zero rows pad the last panel), so a panel is
 // one contiguous stream. Arithmetic: every output is a sum over k blocks, in order, of the
