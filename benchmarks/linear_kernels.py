@@ -1,5 +1,5 @@
-"""The decode linears' kernels side by side: pagedllm's skinny kernel (what ``linear`` runs up to
-SKINNY_MAX_ROWS rows) against oneDNN's prepacked matmul (what vLLM's CPU path and pagedllm before
+"""The decode linears' kernels side by side: pagedllm's skinny kernel (what a prepacked layer
+runs up to ``skinny_max_rows()`` rows) against oneDNN's prepacked matmul (what vLLM's CPU path and pagedllm before
 it used) and a plain ``F.linear`` (MKL sgemm), on the benchmark model's shapes, calls interleaved.
 
 Before every timed call the caches are flushed (a pass over a buffer larger than the last-level

@@ -1,8 +1,8 @@
 """Builds and loads pagedllm's C++ CPU kernels (csrc/), once per machine, as one extension:
 
 - ``pagedllm::paged_attention`` (csrc/paged_attention.cpp): the cpu_paged attention backend;
-- ``pagedllm::skinny_gemm`` (csrc/skinny_gemm.cpp): the few-row linears of decode steps
-  (layers/linear.py).
+- ``pagedllm::packed_linear`` and ``pagedllm::skinny_gemm`` (csrc/skinny_gemm.cpp): the linears
+  of prepacked layers, the few-row ones of decode steps in pagedllm's own kernel (layers/linear.py).
 
 torch.utils.cpp_extension compiles them into torch's extension cache (``TORCH_EXTENSIONS_DIR``,
 default ``~/.cache/torch_extensions``) on first use, which takes ~40 s, and reloads the shared
@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / "paged_attention.cpp", CSRC / "skinny_gemm.cpp"]  # + paged_attention_math.h
-OPS = ("paged_attention", "skinny_gemm")
+OPS = ("paged_attention", "skinny_gemm", "packed_linear", "skinny_max_rows")
 # -march=native: the dot products and GEMM tiles vectorise to the widest units this CPU has. The
 # binary is then only valid here, so the extension's name carries a hash of the CPU's flags (a cache directory
 # shared between different machines gets one build per kind of CPU) and of the sources (torch
@@ -88,10 +88,11 @@ def _build() -> Any:
         cpp_extension.load(name, sources=[str(p) for p in SOURCES], extra_cflags=_CFLAGS,
                            extra_ldflags=_LDFLAGS, build_directory=str(build_dir),
                            is_python_module=False, verbose=False)
-    # The output's shape for dynamo and inductor, so the kernel can sit in a compiled graph as an
-    # opaque node (the model's graph reaches it through pagedllm::attention, attention/layer.py;
-    # skinny_gemm is called inside pagedllm::packed_linear, which has its own).
+    # The outputs' shapes for dynamo and inductor, so the kernels can sit in a compiled graph as
+    # opaque nodes (the model's graph reaches paged_attention through pagedllm::attention,
+    # attention/layer.py).
     torch.library.register_fake("pagedllm::paged_attention")(_paged_attention_fake)
+    torch.library.register_fake("pagedllm::packed_linear")(_packed_linear_fake)
     return torch.ops.pagedllm
 
 
@@ -99,6 +100,11 @@ def _paged_attention_fake(query: torch.Tensor, kv_cache: torch.Tensor, block_tab
                           query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                           scale: float) -> torch.Tensor:
     return torch.empty_like(query, memory_format=torch.contiguous_format)  # [T, H, D]
+
+
+def _packed_linear_fake(x: torch.Tensor, weight: torch.Tensor, panels: torch.Tensor,
+                        bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((x.shape[0], weight.shape[0]))
 
 
 @functools.cache

@@ -14,16 +14,16 @@ and where this rank's rows start in it, so the loader reads just those rows from
 
 On CPU the runner may call ``prepack_linear_weights(model)`` once after loading: every linear
 layer then also holds its weight as the panels of ``pagedllm::skinny_gemm`` (layers/csrc/
-skinny_gemm.cpp), the kernel for inputs of up to ``SKINNY_MAX_ROWS`` rows: decode steps, where a
-linear is bound by how fast its weights stream from memory. There it is 1.2-2.1x oneDNN's
+skinny_gemm.cpp), the kernel for inputs of up to ``skinny_max_rows()`` rows: decode steps, where
+a linear is bound by how fast its weights stream from memory. There it is 1.2-2.1x oneDNN's
 prepacked matmul on the decoder's projections at 8-32 rows (oneDNN reads weights in bursts),
 1.06-1.3x on the lm_head, and more over a plain ``F.linear`` (MKL sgemm, which re-packs the whole
 weight on every call): ``python -m benchmarks.linear_kernels``. From ~64 rows up (prefill) MKL's
-blocking wins and ``F.linear`` runs. Both sum in float32; results agree to rounding. Under
-torch.compile a prepacked layer is one opaque custom op (``pagedllm::packed_linear``, found by
-the layer's id, as the attention op finds its layer): inductor would otherwise lower the matmul to
-a plain sgemm; the elementwise work around the op is still fused (vLLM's CPU path calls its
-oneDNN matmul the same way).
+blocking wins and ``F.linear`` runs. Both sum in float32; results agree to rounding. The choice
+is the C++ op ``pagedllm::packed_linear`` (same file), which a compiled graph calls directly as
+an opaque node with the weights as its inputs: inductor would otherwise lower the matmul to a
+plain sgemm; the elementwise work around the op is still fused (vLLM's CPU path calls its oneDNN
+matmul the same way).
 """
 from __future__ import annotations
 
@@ -35,23 +35,25 @@ from torch import nn
 
 from pagedllm.distributed.parallel_state import get_tp_group
 from pagedllm.layers.cpu_extension import load_cpu_ops
-from pagedllm.layers.op_registry import LayerRegistry
 
 
-# Rows up to which the skinny kernel runs (measured crossover with MKL: 64-96 rows, 58M model).
-SKINNY_MAX_ROWS = 64
 # Output columns per panel of the packed weight (kPanel in csrc/skinny_gemm.cpp).
 _PANEL = 32
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            packed: torch.Tensor | None) -> torch.Tensor:
-    """``x W^T + b`` (``x`` is 2-D): the one place that picks the kernel. A prepacked weight
-    and few rows take the skinny kernel, anything else ``F.linear``."""
-    if packed is not None and x.shape[0] <= SKINNY_MAX_ROWS:
-        y = torch.ops.pagedllm.skinny_gemm(x, packed, weight.shape[0])
-        return y if bias is None else y.add_(bias)  # y is the kernel's own new tensor
-    return F.linear(x, weight, bias)
+    """``x W^T + b`` (``x`` is 2-D). A prepacked weight goes to ``pagedllm::packed_linear``,
+    which picks its kernel by the number of rows; anything else to ``F.linear``."""
+    if packed is None:
+        return F.linear(x, weight, bias)
+    return torch.ops.pagedllm.packed_linear(x, weight, packed, bias)
+
+
+def skinny_max_rows() -> int:
+    """Rows up to which a prepacked layer runs the skinny kernel (kMaxRows in the C++)."""
+    ops = load_cpu_ops()
+    return 0 if ops is None else ops.skinny_max_rows()
 
 
 @dataclass(frozen=True)
@@ -77,18 +79,14 @@ class Linear(nn.Linear):
     """``y = x W^T + b``, replicated on every rank; a separate name so every projection in the
     models reads the same."""
 
-    # Plain attributes, not buffers: a derived copy that state_dict() and .to() must ignore, and
-    # the id the compiled graph names this layer by (set together, by prepack_linear_weights).
+    # A plain attribute, not a buffer: a derived copy that state_dict() and .to() must ignore
+    # (set by prepack_linear_weights).
     packed_weight: torch.Tensor | None = None
-    packed_id: int | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``x W^T (+ bias)``; while torch.compile traces, a prepacked layer is the opaque op."""
-        if self.packed_id is not None and torch.compiler.is_compiling():
-            return torch.ops.pagedllm.packed_linear(x, self.packed_id, bias is not None)
         return linear(x, self.weight, bias, self.packed_weight)
 
 
@@ -210,23 +208,5 @@ def prepack_linear_weights(model: nn.Module) -> int:
     for module in model.modules():
         if hasattr(type(module), "packed_weight"):
             module.packed_weight = _prepack(module.weight, getattr(module, "bias", None))
-            if module.packed_weight is not None:
-                count += 1
-                if isinstance(module, Linear):
-                    module.packed_id = _packed_by_id.register(module)
+            count += module.packed_weight is not None
     return count
-
-
-_packed_by_id: LayerRegistry[Linear] = LayerRegistry()  # layers/op_registry.py
-
-
-@torch.library.custom_op("pagedllm::packed_linear", mutates_args=())
-def packed_linear_op(x: torch.Tensor, packed_id: int, with_bias: bool) -> torch.Tensor:
-    """Prepacked layer ``packed_id``'s ``x W^T``, plus its bias when ``with_bias``."""
-    layer = _packed_by_id[packed_id]
-    return linear(x, layer.weight, layer.bias if with_bias else None, layer.packed_weight)
-
-
-@packed_linear_op.register_fake
-def _packed_linear_fake(x: torch.Tensor, packed_id: int, with_bias: bool) -> torch.Tensor:
-    return x.new_empty((x.shape[0], _packed_by_id[packed_id].out_features))

@@ -1,8 +1,8 @@
 """Layers a compiled graph calls by number.
 
-A custom op that stands for a layer inside a torch.compile graph (attention, a prepacked linear)
-cannot take the layer itself: its state (a KV cache bound later, oneDNN's opaque weight) must
-stay out of the graph. The graph holds an int constant instead, and the op looks the layer up
+A custom op that stands for a layer inside a torch.compile graph (attention) cannot take the
+layer itself: its state (a KV cache bound later, the step's metadata) must stay out of the
+graph. The graph holds an int constant instead, and the op looks the layer up
 here. Weak references, so a dropped model's layers go away; ids are unique per instance, not per
 layer index, since a process may hold several models.
 """

@@ -79,15 +79,29 @@ class CompiledForward:
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
         self.compile_seconds = 0.0
+        self._warm = False
         # fullgraph: a graph break would be a silent slowdown (and a second graph); fail loudly.
         # dynamic=False: only the token dimension is symbolic, marked per call below.
+        # No size/alignment asserts: the generated wrapper checks every output of every opaque op
+        # (attention, the prepacked linears) against its fake implementation on every call, ~1%
+        # of a decode step of the 58M model; tests/runner/test_compile.py holds the compiled
+        # outputs to the eager ones instead.
         self._forward: Callable[..., torch.Tensor] = torch.compile(
-            model.forward, fullgraph=True, dynamic=False)
+            model.forward, fullgraph=True, dynamic=False,
+            options={"size_asserts": False, "alignment_asserts": False})
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # Every step's tensors are new objects: the mark must be on each (a flag on the tensor).
         _mark_tokens_unbacked(input_ids, positions)
-        return self._forward(input_ids, positions)
+        if not self._warm:
+            return self._forward(input_ids, positions)
+        # Once warm, the one graph serves every step: dynamo's guards (shapes, dtypes, the layers'
+        # op ids, ~0.4 ms a step on the 58M model) would only confirm it. Skipping them runs just
+        # those that tell this model's cache entry from other models' (the same forward code of
+        # another instance in this process); tests/runner/test_compile.py checks that the warm
+        # graph is never recompiled, the condition torch states for this setting.
+        with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+            return self._forward(input_ids, positions)
 
     @torch.inference_mode()
     def warmup(self, num_tokens: int, device: torch.device) -> float:
@@ -97,6 +111,7 @@ class CompiledForward:
         for n in (max(num_tokens, 2), 1):
             ids = torch.zeros(n, dtype=torch.long, device=device)
             self(ids, torch.arange(n, device=device))
+        self._warm = True
         self.compile_seconds = time.perf_counter() - start
         return self.compile_seconds
 

