@@ -80,7 +80,8 @@ class RotaryEmbedding(nn.Module):
     Looked up in a table of every position's angles, ``[max_position_embeddings, head_dim]``
     (cosines, then sines, of the ``head_dim // 2`` frequencies; vLLM's cos_sin_cache), computed
     once at load as transformers computes them per step (position times inv_freq in float32,
-    torch's cos and sin); 64 MiB for a 128k-position model of head_dim 128. Computed per step, inductor fuses cos and sin into each
+    torch's cos and sin): the same bits (tests/models/test_loader.py). 64 MiB for a
+    128k-position model of head_dim 128. Computed per step, inductor fuses cos and sin into each
     layer's rotary kernel and evaluates them for every head of every layer (measured: the rotary
     kernels 3.2% of a decode step of the 58M benchmark model, the largest fused kernel); a
     lookup is a load.
