@@ -52,7 +52,13 @@ def _same(want, got) -> None:
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
             assert la.keys() == lb.keys()
-            assert all(abs(la[t].logprob - lb[t].logprob) < 1e-5 for t in la)
+            # The suite's tolerance for logprobs computed along different paths (1e-4, as for
+            # compiled, tensor-parallel and transformers runs): the core process steps while
+            # requests still arrive, so its chunks can split prompts elsewhere than the
+            # in-process run, and a token can then come from torch's SDPA (a fresh chunk) in one
+            # run and from the paged kernel (a chunk over cached blocks) in the other. Measured:
+            # 1.5e-5 at worst (thread counts alone change nothing: 0.0).
+            assert all(abs(la[t].logprob - lb[t].logprob) < 1e-4 for t in la)
 
 
 @pytest.mark.slow

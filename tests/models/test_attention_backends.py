@@ -134,3 +134,21 @@ def test_a_failed_build_falls_back_to_torch_with_one_warning(monkeypatch, caplog
     finally:  # the real kernel for the tests after this one
         cpu_extension.load_cpu_ops.cache_clear()
         backend_module.get_attn_backend.cache_clear()
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 4, 64), (32, 8, 128), (4, 2, 12), (8, 8, 8)])
+def test_a_query_gets_the_same_bits_as_a_decode_and_inside_any_chunk(cpu_paged, heads, kv_heads, head_dim):
+    """The kernel scores a decode's few rows one way (8 keys at a time) and a prefill chunk's
+    many rows another (keys transposed); both sum in the same order, so a token attended in a
+    decode and again in a chunk (recomputed after a preemption, or chunked differently by
+    another schedule) gets the same output, bit for bit."""
+    op = cpu_extension.load_paged_attention_op()
+    gen = torch.Generator().manual_seed(heads * head_dim)
+    block_size, seq_len = 4, 77
+    cache = torch.randn(kv_cache_shape(24, block_size, kv_heads, head_dim), generator=gen)
+    table = torch.randperm(24, generator=gen)[:-(-seq_len // block_size)][None]
+    q = torch.randn(32, heads, head_dim, generator=gen)
+    last = op(q[-1:], cache, table, torch.tensor([0, 1]), torch.tensor([seq_len]), 0.3)  # a decode
+    for rows in (2, 5, 8, 17, 32):  # non-transposed and transposed chunks ending at the same token
+        chunk = op(q[-rows:], cache, table, torch.tensor([0, rows]), torch.tensor([seq_len]), 0.3)
+        assert torch.equal(chunk[-1], last[0]), rows

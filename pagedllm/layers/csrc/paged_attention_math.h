@@ -167,24 +167,44 @@ inline void accumulate(float* __restrict acc, const float* __restrict p, const T
 // key j, element i; zero past the tile): per element, four vectors of keys times one broadcast
 // query element per row. No horizontal sums, so it wins when many rows share the keys
 // (prefill chunks) and the transposition is amortised.
+//
+// The sum goes in score8's order, so that a row's score does not depend on which path scored it
+// (a token scored in a decode and again in a prefill chunk after a preemption, or chunked
+// differently by another schedule, gets the same bits): element i goes to the partial sum of
+// lane i % 8, taken in order, the 8 partials are added by sum8's tree, then the elements past
+// the last full 8 in order.
 template <int RB>
 inline void score_transposed(const float* __restrict q, const float* __restrict kt, int64_t d,
                              float* out) {
   static_assert(kKeyTile == 4 * kW, "one row of scores is four vectors");
-  vfloat a[RB][4] = {};
-  for (int64_t i = 0; i < d; ++i) {
-    const float* kr = kt + i * kKeyTile;
-    const vfloat k0 = load(kr), k1 = load(kr + kW), k2 = load(kr + 2 * kW), k3 = load(kr + 3 * kW);
-    for (int r = 0; r < RB; ++r) {
-      const float qe = q[r * d + i];
-      a[r][0] += qe * k0;
-      a[r][1] += qe * k1;
-      a[r][2] += qe * k2;
-      a[r][3] += qe * k3;
+  const int64_t full = d - d % kW;  // elements summed lane by lane
+  vfloat part[kW][RB][4];           // per lane's partial sums (L1, not registers)
+  for (int64_t lane = 0; lane < kW; ++lane) {
+    vfloat a[RB][4];
+    for (int r = 0; r < RB; ++r)
+      for (int c = 0; c < 4; ++c) a[r][c] = vfloat{};
+    for (int64_t i = lane; i < full; i += kW) {
+      const float* kr = kt + i * kKeyTile;
+      const vfloat k0 = load(kr), k1 = load(kr + kW), k2 = load(kr + 2 * kW), k3 = load(kr + 3 * kW);
+      for (int r = 0; r < RB; ++r) {
+        const float qe = q[r * d + i];
+        a[r][0] += qe * k0;
+        a[r][1] += qe * k1;
+        a[r][2] += qe * k2;
+        a[r][3] += qe * k3;
+      }
     }
+    for (int r = 0; r < RB; ++r)
+      for (int c = 0; c < 4; ++c) part[lane][r][c] = a[r][c];
   }
   for (int r = 0; r < RB; ++r)
-    for (int c = 0; c < 4; ++c) store(out + r * kKeyTile + c * kW, a[r][c]);
+    for (int c = 0; c < 4; ++c) {
+      const vfloat (&p)[kW][RB][4] = part;
+      vfloat sum = ((p[0][r][c] + p[1][r][c]) + (p[2][r][c] + p[3][r][c])) +
+                   ((p[4][r][c] + p[5][r][c]) + (p[6][r][c] + p[7][r][c]));
+      for (int64_t i = full; i < d; ++i) sum += q[r * d + i] * load(kt + i * kKeyTile + c * kW);
+      store(out + r * kKeyTile + c * kW, sum);
+    }
 }
 
 template <typename T>
