@@ -105,8 +105,7 @@ def _rss_bytes(field: str = "VmHWM") -> int:
 
 def _kv_bytes_allocated(llm) -> dict:
     """The runner's KV cache bytes, and the bytes of every other live tensor that is not a
-    weight or model state made once at load (a prepacked copy of a weight, the rotary table);
-    None with an out-of-process executor."""
+    weight or a prepacked copy of one (None with an out-of-process executor)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensor
 
@@ -115,9 +114,8 @@ def _kv_bytes_allocated(llm) -> dict:
         return {"kv_cache_bytes": None, "other_tensor_bytes": None}
     kv = {c.untyped_storage().data_ptr(): c.untyped_storage().nbytes() for c in runner.kv_caches}
     weights = list(runner.model.state_dict().values())
-    weights += [t for m in runner.model.modules()
-                for t in (getattr(m, "packed_weight", None), getattr(m, "cos_sin", None))
-                if t is not None]
+    weights += [m.packed_weight for m in runner.model.modules()
+                if getattr(m, "packed_weight", None) is not None]
     seen = set(kv) | {t.untyped_storage().data_ptr() for t in weights}
     gc.collect()
     with warnings.catch_warnings():  # isinstance() pokes deprecated torch module attributes

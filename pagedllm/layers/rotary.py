@@ -25,7 +25,6 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
-    max_position_embeddings: int = 2048  # positions the cos/sin table covers
 
     @classmethod
     def from_hf(cls, config: dict) -> RopeConfig:
@@ -45,8 +44,7 @@ class RopeConfig:
                    factor=float(params.get("factor", 1.0)),
                    low_freq_factor=float(params.get("low_freq_factor", 1.0)),
                    high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-                   original_max_position_embeddings=int(original_max),
-                   max_position_embeddings=int(config.get("max_position_embeddings", 2048)))
+                   original_max_position_embeddings=int(original_max))
 
 
 def compute_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
@@ -75,34 +73,28 @@ def _llama3_scale(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Positions ``[T]`` -> ``(cos, sin)``, each ``[T, head_dim]``, shared by every layer.
+    """Positions ``[T]`` -> ``(cos, sin)``, each ``[T, head_dim]``, computed once per forward pass
+    and shared by every layer.
 
-    Looked up in a table of every position's angles, ``[max_position_embeddings, head_dim]``
-    (cosines, then sines, of the ``head_dim // 2`` frequencies; vLLM's cos_sin_cache), computed
-    once at load as transformers computes them per step (position times inv_freq in float32,
-    torch's cos and sin): the same bits (tests/models/test_loader.py). 64 MiB for a
-    128k-position model of head_dim 128. Computed per step, inductor fuses cos and sin into each
-    layer's rotary kernel and evaluates them for every head of every layer (measured: the rotary
-    kernels 3.2% of a decode step of the 58M benchmark model, the largest fused kernel); a
-    lookup is a load.
+    Computing from the positions (instead of slicing a precomputed table) has no length limit and
+    gives bit-identical values to transformers, which also multiplies position by inv_freq in
+    float32.
     """
 
     def __init__(self, head_dim: int, rope: RopeConfig) -> None:
         super().__init__()
         self.head_dim = head_dim
         self.rope = rope
+        # A plain attribute, not a buffer: the loader builds the model on the meta device and
+        # casts parameters to the model dtype; inv_freq must stay real float32 through both.
         self.inv_freq = compute_inv_freq(head_dim, rope)
-        positions = torch.arange(rope.max_position_embeddings, dtype=torch.float32, device="cpu")
-        freqs = positions[:, None] * self.inv_freq[None, :]  # [P, head_dim // 2]
-        # A plain attribute, not a buffer: derived (state_dict() must not save it) and float32
-        # whatever the model's dtype (cast per step, as the angles were).
-        self.cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1)  # [P, head_dim]
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.cos_sin.device != positions.device:
-            self.cos_sin = self.cos_sin.to(positions.device)
-        cos, sin = self.cos_sin[positions].to(dtype).chunk(2, dim=-1)  # [T, head_dim // 2] each
-        return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]  # [T, head_dim // 2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, head_dim]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, {self.rope}"

@@ -10,7 +10,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from pagedllm.errors import ModelLoadError, UnsupportedModelError
-from pagedllm.layers.rotary import RopeConfig, RotaryEmbedding, compute_inv_freq
+from pagedllm.layers.rotary import RopeConfig, compute_inv_freq
 from pagedllm.models import load_model, supported_architectures
 
 CPU = torch.device("cpu")
@@ -127,19 +127,6 @@ def test_rope_both_spellings_match_transformers(rope_type):
                             max_position_embeddings=131072, rope_parameters=params)
     hf_inv_freq = LlamaRotaryEmbedding(hf_config).inv_freq
     assert torch.allclose(compute_inv_freq(128, RopeConfig.from_hf(v5)), hf_inv_freq, rtol=1e-6, atol=0)
-
-
-def test_rotary_table_gives_the_angles_transformers_computes():
-    """cos/sin come from a table of every position (layers/rotary.py); they are what
-    transformers computes per step, bit for bit, up to the table's last position."""
-    hf_config = LlamaConfig(hidden_size=512, num_attention_heads=8, head_dim=64,
-                            max_position_embeddings=4096, rope_theta=10000.0)
-    rotary = RotaryEmbedding(64, RopeConfig.from_hf(hf_config.to_dict()))
-    assert rotary.cos_sin.shape == (4096, 64)
-    positions = torch.arange(4096).flip(0)
-    cos, sin = rotary(positions, torch.float32)
-    hf_cos, hf_sin = LlamaRotaryEmbedding(hf_config)(torch.zeros(1), positions[None])
-    assert torch.equal(cos, hf_cos[0]) and torch.equal(sin, hf_sin[0])  # the same bits
 
 
 def test_unsupported_rope_type():
