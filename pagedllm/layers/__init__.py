@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pagedllm.layers.activation import GatedActivation
 from pagedllm.layers.attention import (ATTENTION_BACKENDS, Attention, AttentionBackend,
-                                       get_attn_backend, write_kv)
+                                       get_attn_backend)
 from pagedllm.layers.attention_metadata import (AttentionMetadata, DecodeBatch, PrefillChunk,
                                                 build_attention_metadata)
 from pagedllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
@@ -21,5 +21,5 @@ __all__ = [
     "PrefillChunk", "QKVParallelLinear", "RMSNorm", "RopeConfig", "RotaryEmbedding",
     "RowParallelLinear", "VocabParallelEmbedding", "WeightSlice",
     "apply_rotary", "attention_layers", "bind_kv_caches", "build_attention_metadata",
-    "copy_blocks", "get_attn_backend", "get_attn_metadata", "kv_cache_shape", "prepack_linear_weights", "set_forward_context", "write_kv",
+    "copy_blocks", "get_attn_backend", "get_attn_metadata", "kv_cache_shape", "prepack_linear_weights", "set_forward_context",
 ]

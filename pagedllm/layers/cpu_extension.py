@@ -1,6 +1,7 @@
 """Builds and loads pagedllm's C++ CPU kernels (csrc/), once per machine, as one extension:
 
-- ``pagedllm::paged_attention`` (csrc/paged_attention.cpp): the cpu_paged attention backend;
+- ``pagedllm::paged_attention`` and ``pagedllm::write_kv`` (csrc/paged_attention.cpp,
+  csrc/write_kv.cpp): the cpu_paged attention backend, and its store of each step's K/V;
 - ``pagedllm::packed_linear`` and ``pagedllm::skinny_gemm`` (csrc/skinny_gemm.cpp): the linears
   of prepacked layers, the few-row ones of decode steps in pagedllm's own kernel (layers/linear.py).
 
@@ -27,8 +28,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "paged_attention.cpp", CSRC / "skinny_gemm.cpp"]  # + paged_attention_math.h
-OPS = ("paged_attention", "skinny_gemm", "packed_linear", "skinny_max_rows")
+SOURCES = [CSRC / "paged_attention.cpp", CSRC / "skinny_gemm.cpp", CSRC / "write_kv.cpp"]  # + paged_attention_math.h
+OPS = ("paged_attention", "skinny_gemm", "packed_linear", "skinny_max_rows", "write_kv")
 # -march=native: the dot products and GEMM tiles vectorise to the widest units this CPU has. The
 # binary is then only valid here, so the extension's name carries a hash of the CPU's flags (a cache directory
 # shared between different machines gets one build per kind of CPU) and of the sources (torch

@@ -9,6 +9,6 @@
 from __future__ import annotations
 
 from pagedllm.layers.attention.backend import ATTENTION_BACKENDS, AttentionBackend, get_attn_backend
-from pagedllm.layers.attention.layer import Attention, write_kv
+from pagedllm.layers.attention.layer import Attention
 
-__all__ = ["ATTENTION_BACKENDS", "Attention", "AttentionBackend", "get_attn_backend", "write_kv"]
+__all__ = ["ATTENTION_BACKENDS", "Attention", "AttentionBackend", "get_attn_backend"]

@@ -1,7 +1,7 @@
 """The attention backend interface, and the choice of one per device.
 
-A backend computes attention for one layer and one step from the query and the paged cache
-(the layer has already written the step's K/V). It also says what per-step metadata it needs:
+A backend stores one layer's K/V of a step in the paged cache, then computes that layer's
+attention from the query and the cache. It also says what per-step metadata it needs:
 the torch backend gathers blocks and needs gather tables and masks; the cpu_paged kernel reads
 the block tables in place and needs none of that. Backends are stateless singletons, carried by
 the step's ``AttentionMetadata`` so that every layer of a step uses the same one.
@@ -33,6 +33,15 @@ class AttentionBackend(ABC):
         """Anything per step that every layer would otherwise rebuild; kept as
         ``md.backend_data``."""
         return None
+
+    def write_kv(self, layer: Attention, k: torch.Tensor, v: torch.Tensor,
+                 md: AttentionMetadata) -> None:
+        """Store this step's ``k/v [T, Hkv, D]`` in ``layer.kv_cache`` at the flat slots
+        ``md.slot_mapping``: torch's index_copy_ into a slot-indexed view, on any device."""
+        _, num_blocks, block_size, num_kv_heads, head_dim = layer.kv_cache.shape
+        flat = layer.kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
+        flat[0].index_copy_(0, md.slot_mapping, k)
+        flat[1].index_copy_(0, md.slot_mapping, v)
 
     @abstractmethod
     def forward(self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

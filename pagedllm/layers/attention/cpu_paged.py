@@ -1,7 +1,8 @@
 """The CPU default: a C++ kernel (layers/csrc/paged_attention.cpp) that reads K/V in place from the
 paged cache through the block tables, for the whole flat batch in one call per layer: decodes and
 prefill chunks over a cached prefix. No gather, no second copy of the cache, no per-step masks:
-causality comes from each request's query and sequence lengths.
+causality comes from each request's query and sequence lengths. The step's K/V go into the
+cache through a second small kernel (layers/csrc/write_kv.cpp), two memcpy per token.
 
 Prompts without a cached prefix need nothing from the cache: their own K/V (just written) go to
 torch's SDPA, whose GEMM-based flash kernel is 1.5-3x faster than ours at prefill shapes (many
@@ -16,7 +17,7 @@ import torch
 
 from pagedllm.layers.attention.backend import AttentionBackend
 from pagedllm.layers.attention.torch_backend import attend_causal
-from pagedllm.layers.cpu_extension import load_paged_attention_op
+from pagedllm.layers.cpu_extension import load_cpu_ops, load_paged_attention_op
 
 if TYPE_CHECKING:
     from pagedllm.layers.attention.layer import Attention
@@ -30,10 +31,15 @@ class CpuPagedBackend(AttentionBackend):
     needs_gather_plan = False
 
     def __init__(self) -> None:
-        op = load_paged_attention_op()
-        if op is None:
+        ops = load_cpu_ops()
+        if ops is None:
             raise RuntimeError("the cpu_paged attention kernel is not available")
-        self._op = op
+        self._op, self._write_kv = ops.paged_attention, ops.write_kv
+
+    def write_kv(self, layer: Attention, k: torch.Tensor, v: torch.Tensor,
+                 md: AttentionMetadata) -> None:
+        # Two memcpy per token (csrc/write_kv.cpp): index_copy_ was 3% of a decode step.
+        self._write_kv(layer.kv_cache, k, v, md.slot_mapping)
 
     def prepare(self, md: AttentionMetadata) -> _Plan:
         qsl, computed = md.query_start_loc, md.num_computed_tokens

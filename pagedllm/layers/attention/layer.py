@@ -22,15 +22,6 @@ from pagedllm.layers.forward_context import get_attn_metadata
 from pagedllm.layers.op_registry import LayerRegistry
 
 
-def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Store ``key``/``value`` ``[T, kv_heads, head_dim]`` at the flat cache slots ``[T]``."""
-    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
-    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)  # slot-indexed view
-    flat[0].index_copy_(0, slot_mapping, key)
-    flat[1].index_copy_(0, slot_mapping, value)
-
-
 class Attention(nn.Module):
     """Scaled dot-product attention over the paged KV cache of layer ``layer_idx``.
 
@@ -72,7 +63,7 @@ class Attention(nn.Module):
         if self.kv_cache.dim() != 5:
             raise RuntimeError(f"attention layer {self.layer_idx} has no KV cache bound; "
                                "call bind_kv_caches(model, kv_caches) first")
-        write_kv(self.kv_cache, k, v, md.slot_mapping)
+        md.backend.write_kv(self, k, v, md)
         return md.backend.forward(self, q, k, v, md).reshape(num_tokens, -1)  # [T, H * D]
 
 
