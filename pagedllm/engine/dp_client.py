@@ -52,6 +52,11 @@ class DPEngineCoreClient:
         self._dead: EngineDeadError | None = None
         self._death_lock = threading.Lock()
         self._next = 0  # where step()'s round robin starts
+        # step() waits on every replica's output socket at once, outside the replicas' own locks;
+        # shutdown() closes those sockets only once no such wait runs (libzmq sockets are not
+        # thread-safe: closing one under another thread's poll can abort the process).
+        self._poll_lock = threading.Lock()
+        self._closing = False
         self.clients = self._start(config, max_model_len, runner, startup_timeout_s)
         self._poller = zmq.Poller()
         for i, client in enumerate(self.clients):
@@ -178,7 +183,10 @@ class DPEngineCoreClient:
                 busy = busy or client.has_unfinished_requests()
             if not busy:
                 return None
-            self._poller.poll(_POLL_MS)
+            with self._poll_lock:
+                if self._closing:
+                    raise EngineDeadError("the engine was shut down")
+                self._poller.poll(_POLL_MS)
 
     def _observe(self, replica: int, outputs: EngineCoreOutputs) -> None:
         """A replica's step: its load for the router, and the sequences that ended there."""
@@ -190,12 +198,14 @@ class DPEngineCoreClient:
 
     def shutdown(self) -> None:
         """Stop and reap every replica (side by side: each may take seconds). Idempotent."""
-        threads = [threading.Thread(target=client.shutdown, name=f"pagedllm-dp-stop-{i}")
-                   for i, client in enumerate(self.clients)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        self._closing = True
+        with self._poll_lock:  # a step's wait ends within _POLL_MS, then sees _closing
+            threads = [threading.Thread(target=client.shutdown, name=f"pagedllm-dp-stop-{i}")
+                       for i, client in enumerate(self.clients)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
 
     # -- a dead replica ----------------------------------------------------------------------
     def _check_alive(self) -> None:
