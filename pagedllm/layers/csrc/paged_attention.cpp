@@ -4,8 +4,8 @@
 // to its first seq_lens[b] cached positions; its query row i sits at position
 // seq_lens[b] - n + i (n = its number of query rows) and sees keys at positions <= its own
 // (causal over the cached prefix and the chunk itself). A request with seq_lens[b] == 0 is
-// skipped: its output rows are left for the caller to fill. The layer has already written this
-// step's K/V into the cache, so the kernel only reads.
+// skipped: its output rows are left for the caller to fill. The step's K/V are already in the
+// cache (the backend's write_kv, csrc/write_kv.cpp, runs first), so the kernel only reads.
 //
 // Work items (see plan_items): a decode item is one request with all its kv heads, so each slot
 // is read once, front to back, and every query head of a kv head's group (GQA) is scored
