@@ -3,7 +3,7 @@
 - ``pagedllm::paged_attention`` and ``pagedllm::write_kv`` (csrc/paged_attention.cpp,
   csrc/write_kv.cpp): the cpu_paged attention backend, and its store of each step's K/V;
 - ``pagedllm::packed_linear`` and ``pagedllm::skinny_gemm`` (csrc/skinny_gemm.cpp): the linears
-  of prepacked layers, the few-row ones of decode steps in pagedllm's own kernel (layers/linear.py).
+  of prepacked layers, in pagedllm's own kernel (layers/linear.py).
 
 torch.utils.cpp_extension compiles them into torch's extension cache (``TORCH_EXTENSIONS_DIR``,
 default ``~/.cache/torch_extensions``) on first use, which takes ~40 s, and reloads the shared
@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / "paged_attention.cpp", CSRC / "skinny_gemm.cpp", CSRC / "write_kv.cpp"]  # + paged_attention_math.h
-OPS = ("paged_attention", "skinny_gemm", "packed_linear", "skinny_max_rows", "write_kv")
+OPS = ("paged_attention", "skinny_gemm", "packed_linear", "write_kv")
 # -march=native: the dot products and GEMM tiles vectorise to the widest units this CPU has. The
 # binary is then only valid here, so the extension's name carries a hash of the CPU's flags (a cache directory
 # shared between different machines gets one build per kind of CPU) and of the sources (torch
@@ -115,7 +115,7 @@ def load_cpu_ops() -> Any | None:
         return _build()
     except Exception as exc:  # any build failure means "use torch's own ops", never a crash
         logger.warning("pagedllm: cannot build the C++ CPU kernels of the cpu_paged attention backend "
-                       "and the decode linears (%s); using the torch attention backend and F.linear "
+                       "and the linears (%s); using the torch attention backend and F.linear "
                        "instead", _first_error_line(exc))
         return None
 

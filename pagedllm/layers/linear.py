@@ -14,16 +14,17 @@ and where this rank's rows start in it, so the loader reads just those rows from
 
 On CPU the runner may call ``prepack_linear_weights(model)`` once after loading: every linear
 layer then also holds its weight as the panels of ``pagedllm::skinny_gemm`` (layers/csrc/
-skinny_gemm.cpp), the kernel for inputs of up to ``skinny_max_rows()`` rows: decode steps, where
-a linear is bound by how fast its weights stream from memory. There it is 1.2-2.1x oneDNN's
-prepacked matmul on the decoder's projections at 8-32 rows (oneDNN reads weights in bursts),
-1.06-1.3x on the lm_head, and more over a plain ``F.linear`` (MKL sgemm, which re-packs the whole
-weight on every call): ``python -m benchmarks.linear_kernels``. From ~64 rows up (prefill) MKL's
-blocking wins and ``F.linear`` runs. Both sum in float32; results agree to rounding. The choice
-is the C++ op ``pagedllm::packed_linear`` (same file), which a compiled graph calls directly as
-an opaque node with the weights as its inputs: inductor would otherwise lower the matmul to a
-plain sgemm; the elementwise work around the op is still fused (vLLM's CPU path calls its oneDNN
-matmul the same way).
+skinny_gemm.cpp), which then multiplies every 2-D input of the layer. It was written for decode
+steps, where a linear is bound by how fast its weights stream from memory: there it is 1.2-2.5x
+oneDNN's prepacked matmul on the decoder's projections at 8-32 rows (oneDNN reads weights in
+bursts), 1.0-1.4x on the lm_head. At prefill sizes it runs at ~90% of the FMA peak: ~2x a plain
+``F.linear`` (MKL sgemm, which on AMD CPUs takes an AVX2 path and re-packs the whole weight on
+every call), within ~10% of oneDNN (``python -m benchmarks.linear_kernels``). It sums in
+float32 like the others (results agree to rounding), in the same order for every row count, so
+a row's result does not depend on its batch. The C++ op ``pagedllm::packed_linear`` (same file)
+adds the bias; a compiled graph calls it directly as an opaque node with the weights as its
+inputs: inductor would otherwise lower the matmul to a plain sgemm; the elementwise work around
+the op is still fused (vLLM's CPU path calls its oneDNN matmul the same way).
 """
 from __future__ import annotations
 
@@ -43,17 +44,11 @@ _PANEL = 32
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            packed: torch.Tensor | None) -> torch.Tensor:
-    """``x W^T + b`` (``x`` is 2-D). A prepacked weight goes to ``pagedllm::packed_linear``,
-    which picks its kernel by the number of rows; anything else to ``F.linear``."""
+    """``x W^T + b`` (``x`` is 2-D): through ``pagedllm::packed_linear`` (the skinny kernel) when
+    the weight is prepacked, else ``F.linear``."""
     if packed is None:
         return F.linear(x, weight, bias)
     return torch.ops.pagedllm.packed_linear(x, weight, packed, bias)
-
-
-def skinny_max_rows() -> int:
-    """Rows up to which a prepacked layer runs the skinny kernel (kMaxRows in the C++)."""
-    ops = load_cpu_ops()
-    return 0 if ops is None else ops.skinny_max_rows()
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
-"""The linears' kernels (layers/linear.py): the skinny C++ kernel for decode-sized inputs against
-float64, at every row count a tile can take, ragged output and input sizes, with bias; the row
-count at which ``linear`` hands over to ``F.linear``; and batch invariance (a row's result does
-not depend on the rows beside it)."""
+"""The linears' kernels (layers/linear.py): the skinny C++ kernel against float64, at every row
+count a tile can take and at prefill sizes, ragged output and input sizes, with bias; that a
+prepacked layer runs it at every row count and an unpacked one ``F.linear``; and batch invariance
+(a row's result does not depend on the rows beside it)."""
 from __future__ import annotations
 
 import pytest
@@ -9,10 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.layers.cpu_extension import load_cpu_ops
-from pagedllm.layers.linear import Linear, _prepack, linear, prepack_linear_weights, skinny_max_rows
+from pagedllm.layers.linear import Linear, _prepack, linear, prepack_linear_weights
 
 pytestmark = pytest.mark.skipif(load_cpu_ops() is None, reason="no C++ compiler: no CPU kernels")
-SKINNY_MAX_ROWS = skinny_max_rows() if load_cpu_ops() is not None else 0
 
 
 def _reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -27,7 +26,7 @@ def test_skinny_kernel_matches_float64_at_every_tile_size(out_features, in_featu
     b = torch.randn(out_features, generator=gen) if with_bias else None
     packed = _prepack(w, b)
     assert packed is not None and packed.shape == (-(-out_features // 32), in_features, 32)
-    for rows in [1, 2, 11, 12, 13, 24, 25, 37, SKINNY_MAX_ROWS]:
+    for rows in [1, 2, 11, 12, 13, 24, 25, 32, 33, 37, 64, 300]:
         x = torch.randn(rows, in_features, generator=gen)
         y = linear(x, w, b, packed)
         assert y.shape == (rows, out_features) and y.dtype == torch.float32
@@ -46,19 +45,18 @@ def test_non_contiguous_and_empty_inputs():
     assert linear(torch.empty(0, 48), w, None, packed).shape == (0, 70)
 
 
-def test_linear_uses_the_skinny_kernel_up_to_its_row_limit_and_f_linear_above():
-    """The choice is made in C++ (pagedllm::packed_linear); which kernel ran shows in the bits:
-    each result is exactly what that kernel alone returns."""
-    assert SKINNY_MAX_ROWS == 64
+def test_a_prepacked_layer_runs_the_skinny_kernel_at_every_row_count():
+    """pagedllm::packed_linear picks the kernel in C++; which one ran shows in the bits: each
+    result is exactly what the skinny kernel alone returns (decode and prefill sizes alike)."""
     gen = torch.Generator().manual_seed(2)
     # K = 1000: the skinny kernel sums 64-wide blocks, MKL otherwise, so their bits differ.
     w, b = torch.randn(64, 1000, generator=gen), torch.randn(64, generator=gen)
     packed = _prepack(w, b)
-    for rows in (1, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS + 1, 300):
+    for rows in (1, 64, 65, 300, 2048):
         x = torch.randn(rows, 1000, generator=gen)
         skinny = torch.ops.pagedllm.skinny_gemm(x, packed, 64) + b
         mkl = F.linear(x, w, b)
-        assert torch.equal(linear(x, w, b, packed), skinny if rows <= SKINNY_MAX_ROWS else mkl), rows
+        assert torch.equal(linear(x, w, b, packed), skinny), rows
         assert not torch.equal(skinny, mkl)  # the two kernels round differently: the check can fail
     x = torch.randn(3, 1000, generator=gen)
     assert torch.equal(linear(x, w, b, None), F.linear(x, w, b))  # not prepacked: F.linear
@@ -70,10 +68,10 @@ def test_a_rows_result_does_not_depend_on_its_batch():
     gen = torch.Generator().manual_seed(3)
     w = torch.randn(200, 512, generator=gen)
     packed = _prepack(w, None)
-    x = torch.randn(SKINNY_MAX_ROWS, 512, generator=gen)
+    x = torch.randn(300, 512, generator=gen)  # 300 rows: three chunks of the kernel
     full = linear(x, w, None, packed)
-    for rows in (1, 7, 12, 13, 30):
-        for start in (0, 5, SKINNY_MAX_ROWS - rows):
+    for rows in (1, 7, 12, 13, 30, 64, 130):
+        for start in (0, 5, 300 - rows):
             part = linear(x[start:start + rows], w, None, packed)
             assert torch.equal(part, full[start:start + rows]), (rows, start)
 

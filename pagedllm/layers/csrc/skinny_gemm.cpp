@@ -1,16 +1,19 @@
-// y = x W^T for the few-row inputs of decode steps: x [M, K] float32, M small (a batch of
-// decoding requests), W [N, K] prepacked into panels of kPanel output columns.
+// y = x W^T for a float32 layer whose weight is prepacked: x [M, K], W [N, K] prepacked into
+// panels of kPanel output columns. Written for the few-row inputs of decode steps ("skinny"),
+// and used for every row count.
 //
-// Why not oneDNN or MKL: at M <= 64 a linear is bound by how fast its weights stream in from
-// memory (each weight is used M times), and the general libraries read them in bursts: one tile
-// of rows pulls a panel from DRAM while the rest of the panel's row tiles compute from cache, so
-// memory idles most of the time (measured: 4-8 GB/s of a 17 GB/s read bandwidth at M = 8..32).
-// Here each panel is walked in k blocks; within a block every row tile uses the same 8 KiB of
-// weights from L1, so the stream is steady, and the first row tile prefetches 4 KiB ahead.
-// Measured on the 58M benchmark model's shapes with cold caches (benchmarks/linear_kernels.py):
-// 1.2-2.1x oneDNN's prepacked matmul on the decoder's projections at 8-32 rows, 1.06-1.3x on the
-// lm_head (bound by the tile's arithmetic at 32 rows); about the same at 64 rows, slower above:
-// the caller hands larger inputs to MKL (layers/linear.py).
+// Why not oneDNN or MKL at few rows: at M <= 64 a linear is bound by how fast its weights stream
+// in from memory (each weight is used M times), and the general libraries read them in bursts:
+// one tile of rows pulls a panel from DRAM while the rest of the panel's row tiles compute from
+// cache, so memory idles most of the time. Here each panel is walked in k blocks; within a block
+// every row tile uses the same 8 KiB of weights from L1, so the stream is steady, and the row
+// tiles of the first kPrefetchRows rows prefetch the next block while they compute.
+// Why not MKL at many rows (prefill) either: with a block of weights in L1 and a row tile's 24
+// accumulators in registers, a tile runs at ~90% of the FMA peak, and re-reading x for each
+// panel from L2/L3 costs little. Measured (benchmarks/linear_kernels.py, 2 cores): ~400
+// GFLOP/s at 128-2,048 rows, 2.1x MKL's sgemm on this AMD CPU (MKL takes an AVX2 path there)
+// and within ~10% of oneDNN's; at 8-32 rows with cold caches, 1.2-2.5x oneDNN's prepacked
+// matmul on the decoder's projections and 1.0-1.4x on the lm_head.
 //
 // Layout: panels[p][k][c] = W[p * kPanel + c][k] (zero rows pad the last panel), so a panel is
 // one contiguous stream. Arithmetic: every output is a sum over k blocks, in order, of the
@@ -34,7 +37,20 @@ constexpr int64_t kVecs = 2;                // vectors per panel row
 constexpr int64_t kPanel = kVecs * kW;      // output columns per panel
 constexpr int64_t kBlockK = 64;             // k per block: 64 x 32 floats = 8 KiB of weights
 constexpr int64_t kTileRows = 12;           // rows per register tile: 24 accumulators + 2 weights
-constexpr int64_t kPrefetchFloats = 1024;   // how far ahead the first row tile prefetches (4 KiB)
+// Row tiles starting in the first kPrefetchRows rows (all of a decode batch of <= 32) prefetch
+// the next k block, the line of it they are about to read in this one (one block ahead).
+// Measured inside the engine, decode steps of 32 rows: 1.06x the first tile alone prefetching
+// half a block ahead, 1.03x the first tile alone one block ahead; half a block or 1.5-2 blocks
+// ahead are slower. With more rows each block is reused long enough that the stream is not the
+// limit, and more prefetches only take issue slots (5-17% slower at 256-2,048 rows).
+constexpr int64_t kPrefetchRows = 32;
+constexpr int64_t kPrefetchFloats = kBlockK * kPanel;
+// Rows per chunk. A panel is walked once per chunk, so a chunk's rows of x (120 x K floats) stay
+// in L2 across the thread's panels, and its outputs (15 KiB) in L1 across a panel's k blocks;
+// the weights are read once per chunk, from L3 after the first (a prefill's layer is a few MB).
+// Measured with cold caches at 2,048 rows: 1.1-1.7x one chunk of all rows (x and the outputs
+// then come from L3 for every panel); 240 and 480 rows were as fast or slower.
+constexpr int64_t kChunkRows = 10 * kTileRows;
 
 typedef float vfloat __attribute__((vector_size(kW * sizeof(float))));
 
@@ -122,35 +138,37 @@ at::Tensor skinny_gemm(const at::Tensor& x, const at::Tensor& panels, int64_t ou
   const float* xp = xc.data_ptr<float>();
   const float* wp = panels.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  // Threads take contiguous runs of panels: each streams its own part of the weights.
+  // Threads take contiguous runs of panels: each streams its own part of the weights. Rows go
+  // in chunks of kChunkRows, each over all of the thread's panels (one chunk at decode sizes).
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    std::vector<float> c(M * kPanel);  // the panel's outputs, all rows
-    for (int64_t p = p0; p < p1; ++p) {
-      const float* panel = wp + p * K * kPanel;
-      for (int64_t k0 = 0; k0 < K; k0 += kBlockK) {
-        const int64_t kl = std::min(kBlockK, K - k0);
-        for (int64_t m0 = 0; m0 < M; m0 += kTileRows)
-          tile_rows(std::min(kTileRows, M - m0), k0 == 0, m0 == 0, xp + m0 * K + k0, K,
-                    panel + k0 * kPanel, kl, c.data() + m0 * kPanel);
+    std::vector<float> c(std::min(M, kChunkRows) * kPanel);  // a panel's outputs, the chunk's rows
+    for (int64_t r0 = 0; r0 < M; r0 += kChunkRows) {
+      const int64_t rows = std::min(kChunkRows, M - r0);
+      const float* xr = xp + r0 * K;
+      for (int64_t p = p0; p < p1; ++p) {
+        const float* panel = wp + p * K * kPanel;
+        for (int64_t k0 = 0; k0 < K; k0 += kBlockK) {
+          const int64_t kl = std::min(kBlockK, K - k0);
+          for (int64_t m0 = 0; m0 < rows; m0 += kTileRows)
+            tile_rows(std::min(kTileRows, rows - m0), k0 == 0, m0 < kPrefetchRows, xr + m0 * K + k0,
+                      K, panel + k0 * kPanel, kl, c.data() + m0 * kPanel);
+        }
+        const int64_t cols = std::min(kPanel, N - p * kPanel);
+        for (int64_t m = 0; m < rows; ++m)
+          std::memcpy(yp + (r0 + m) * N + p * kPanel, c.data() + m * kPanel, cols * sizeof(float));
       }
-      const int64_t cols = std::min(kPanel, N - p * kPanel);
-      for (int64_t m = 0; m < M; ++m)
-        std::memcpy(yp + m * N + p * kPanel, c.data() + m * kPanel, cols * sizeof(float));
     }
   });
   return y;
 }
 
-// Rows up to which the skinny kernel runs (measured crossover with MKL: 64-96 rows, 58M model).
-constexpr int64_t kMaxRows = 64;
-
-// x W^T (+ bias) for a layer whose weight is also prepacked: the one place that picks the kernel.
-// Few rows take the skinny kernel, more (prefill) MKL through at::linear, where its blocking wins.
-// In C++ so that a compiled graph calls it straight from inductor's wrapper: a Python custom op
-// around the same choice cost ~30 us per call, ~1 ms per decode step of the 58M model.
+// x W^T (+ bias) for a layer whose weight is also prepacked: the skinny kernel for 2-D inputs
+// of any row count, at::linear for others. In C++ so that a compiled graph calls it straight
+// from inductor's wrapper: a Python custom op around the same call cost ~30 us per call, ~1 ms
+// per decode step of the 58M model.
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& panels,
                          const std::optional<at::Tensor>& bias) {
-  if (x.dim() != 2 || x.size(0) > kMaxRows) return at::linear(x, weight, bias);
+  if (x.dim() != 2) return at::linear(x, weight, bias);
   at::Tensor y = skinny_gemm(x, panels, weight.size(0));
   return bias ? y.add_(*bias) : y;  // y is the kernel's own new tensor
 }
@@ -160,7 +178,6 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, const at
 TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.def("skinny_gemm(Tensor x, Tensor panels, int out_features) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor weight, Tensor panels, Tensor? bias) -> Tensor");
-  m.def("skinny_max_rows() -> int", [] { return kMaxRows; });
 }
 
 TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
