@@ -74,12 +74,12 @@ std::vector<Item> plan_items(const int64_t* qsl, const int64_t* seq_lens, int64_
   return items;
 }
 
-// Requests the cache lines of one slot's kv heads [item.head0, item.head1).
-template <typename T>
-inline void prefetch_item(const T* slot, const Item& item, int64_t head_dim) {
-  const char* first = reinterpret_cast<const char*>(slot + item.head0 * head_dim);
-  const char* end = reinterpret_cast<const char*>(slot + item.head1 * head_dim);
-  for (const char* p = first; p < end; p += 64) __builtin_prefetch(p);
+// Requests the cache lines of one slot's kv heads [head0, head1), into L1 (LOCALITY 3) or L2 (2).
+template <int LOCALITY, typename T>
+inline void prefetch_heads(const T* slot, int64_t head0, int64_t head1, int64_t head_dim) {
+  const char* first = reinterpret_cast<const char*>(slot + head0 * head_dim);
+  const char* end = reinterpret_cast<const char*>(slot + head1 * head_dim);
+  for (const char* p = first; p < end; p += 64) __builtin_prefetch(p, 0, LOCALITY);
 }
 
 template <typename T>
@@ -113,7 +113,11 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
     std::vector<float> scores(max_rows * kKeyTile), row_max(max_rows), row_sum(max_rows);
     std::vector<const T*> slot_of;  // position -> its slot's first element (kv head 0)
     const T* ptrs[kKeyTile];
-    for (int64_t it = next++; it < num_items; it = next++) {
+    // Each thread claims its next item one ahead, so that the next item's first keys and values
+    // can be requested while this item's last tile is computed.
+    int64_t it_next = next++;
+    for (int64_t it = it_next; it < num_items; it = it_next) {
+      it_next = next++;
       const Item item = items[it];
       const int64_t n = qsl[item.req + 1] - qsl[item.req], seq_len = lens[item.req];
       const int64_t first_pos = seq_len - n;  // position of the request's query row 0
@@ -161,14 +165,30 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
         // misses overlap this tile's arithmetic: read head by head, a tile's values are a 1 KiB
         // stride the hardware prefetcher does not follow across pages, and decode was bound by
         // those misses' latency, not by bandwidth. With small slots the previous tile has
-        // requested them already, with this tile's keys.
+        // requested them already (below), and the first tile's were requested into L2 while
+        // the thread's previous item ended.
         if (!prefetch_next || k0 == 0)
-          for (int64_t j = 0; j < tile; ++j) prefetch_item(slots[j] + value_offset, item, head_dim);
-        if (prefetch_next)
-          for (int64_t j = kKeyTile; j < std::min(2 * kKeyTile, num_keys - k0); ++j) {
-            prefetch_item(slots[j], item, head_dim);
-            prefetch_item(slots[j] + value_offset, item, head_dim);
+          for (int64_t j = 0; j < tile; ++j)
+            prefetch_heads<3>(slots[j] + value_offset, item.head0, item.head1, head_dim);
+        // With small slots, the next tile's keys and values are requested a head at a time as
+        // this tile reads the same head (keys into L1, values into L2), so requests go out at
+        // the rate the data is used rather than in one burst of a whole tile; and in the last
+        // tile, the first tile of the thread's next item (into L2). Measured inside the engine
+        // (steps alternating, workload cpu): 0.91x the attention time of one burst per tile.
+        const int64_t next_keys =
+            prefetch_next ? std::clamp<int64_t>(num_keys - k0 - kKeyTile, 0, kKeyTile) : 0;
+        if (prefetch_next && next_keys == 0 && it_next < num_items) {
+          const Item& nx = items[it_next];
+          const int64_t nx_first_pos = lens[nx.req] - (qsl[nx.req + 1] - qsl[nx.req]);
+          const int64_t nx_keys = std::min(kKeyTile, nx_first_pos + nx.row1);
+          const int64_t* nx_table = tables + nx.req * max_blocks;
+          for (int64_t pos = 0; pos < nx_keys; ++pos) {
+            const T* slot =
+                cache + (nx_table[pos / block_size] * block_size + pos % block_size) * slot_stride;
+            prefetch_heads<2>(slot, nx.head0, nx.head1, head_dim);
+            prefetch_heads<2>(slot + value_offset, nx.head0, nx.head1, head_dim);
           }
+        }
         // Keys a row sees in this tile: those up to its query's position (causal mask). The
         // scores are computed up to what the item's last query row sees, then masked per row.
         auto visible = [&](int64_t r) {
@@ -180,6 +200,8 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
         if (transposed) {
           for (int64_t h = 0; h < item_heads; ++h) {
             const int64_t off = (item.head0 + h) * head_dim;
+            for (int64_t j = 0; j < next_keys; ++j)
+              prefetch_heads<3>(slots[kKeyTile + j], item.head0 + h, item.head0 + h + 1, head_dim);
             for (int64_t j = 0; j < tile_visible; ++j) ptrs[j] = slots[j] + off;
             score_group_transposed(&qs[h * group_rows * head_dim], ptrs, tile_visible, group_rows,
                                    head_dim, kt.data(), &scores[h * group_rows * kKeyTile]);
@@ -190,6 +212,8 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
             const int64_t off = (item.head0 + h) * head_dim;
             const T* k8[8];
             for (int j = 0; j < 8; ++j) k8[j] = slots[jb + j] + off;
+            for (int64_t j = jb; j < std::min(jb + 8, next_keys); ++j)
+              prefetch_heads<3>(slots[kKeyTile + j], item.head0 + h, item.head0 + h + 1, head_dim);
             score_group(&qs[h * group_rows * head_dim], k8, group_rows, head_dim,
                         &scores[h * group_rows * kKeyTile + jb]);
           }
@@ -220,6 +244,9 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
         // P @ V, in the same slot order; masked weights are 0.
         for (int64_t h = 0; h < item_heads && tile_visible > 0; ++h) {
           const int64_t off = value_offset + (item.head0 + h) * head_dim;
+          for (int64_t j = 0; j < next_keys; ++j)
+            prefetch_heads<2>(slots[kKeyTile + j] + value_offset, item.head0 + h, item.head0 + h + 1,
+                              head_dim);
           for (int64_t j = 0; j < tile_visible; ++j) ptrs[j] = slots[j] + off;
           accumulate_group(&acc[h * group_rows * head_dim], &scores[h * group_rows * kKeyTile], ptrs,
                            tile_visible, group_rows, head_dim);
