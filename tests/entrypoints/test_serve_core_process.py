@@ -92,8 +92,20 @@ def test_a_killed_core_fails_the_stream_and_health_within_a_second():
     proc, url, log = _serve()
     try:
         (core,) = _tree(proc)
-        lines: list[str] = []
-        reader = _stream_in_background(url, lines)
+        # The core is frozen (SIGSTOP) once the stream has its first chunk, and killed only if the
+        # stream is still open then: on a fast machine the 200 tokens can all be out before a
+        # kill sent right after the first chunk lands, and the stream would end normally.
+        for _ in range(5):
+            lines: list[str] = []
+            reader = _stream_in_background(url, lines)
+            core.suspend()
+            time.sleep(0.1)  # outputs the core sent before it stopped reach the client
+            if "data: [DONE]" not in lines:
+                break
+            core.resume()
+            reader.join(timeout=5)
+        else:
+            pytest.fail("every stream ended before the core could be stopped mid-request")
         core.kill()
         t0 = time.monotonic()
         while HTTP.get(f"{url}/health").status_code != 503:

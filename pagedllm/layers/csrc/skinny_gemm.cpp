@@ -10,10 +10,11 @@
 // tiles of the first kPrefetchRows rows prefetch the next block while they compute.
 // Why not MKL at many rows (prefill) either: with a block of weights in L1 and a row tile's 24
 // accumulators in registers, a tile runs at ~90% of the FMA peak, and re-reading x for each
-// panel from L2/L3 costs little. Measured (benchmarks/linear_kernels.py, 2 cores): ~400
-// GFLOP/s at 128-2,048 rows, 2.1x MKL's sgemm on this AMD CPU (MKL takes an AVX2 path there)
-// and within ~10% of oneDNN's; at 8-32 rows with cold caches, 1.2-2.5x oneDNN's prepacked
-// matmul on the decoder's projections and 1.0-1.4x on the lm_head.
+// panel from L2/L3 costs little. Measured on 2 cores: ~400 GFLOP/s at 128-2,048 rows with warm
+// caches (oneDNN ~440), 2.1x MKL's sgemm on this AMD CPU (MKL takes an AVX2 path there); with
+// cold caches (benchmarks/linear_kernels.py) 1.6-2.0x MKL at 2,048 rows, while oneDNN's
+// prepacked matmul is 1.05-1.45x faster there; at 8-32 rows 1.2-2.5x oneDNN on the decoder's
+// projections and 1.0-1.4x on the lm_head.
 //
 // Layout: panels[p][k][c] = W[p * kPanel + c][k] (zero rows pad the last panel), so a panel is
 // one contiguous stream. Arithmetic: every output is a sum over k blocks, in order, of the
