@@ -20,7 +20,8 @@ oneDNN's prepacked matmul on the decoder's projections at 8-32 rows (oneDNN read
 bursts), 1.0-1.4x on the lm_head. At prefill sizes it runs at ~90% of the FMA peak with warm
 caches: ~2x a plain ``F.linear`` (MKL sgemm, which on AMD CPUs takes an AVX2 path and re-packs
 the whole weight on every call); oneDNN's prepacked matmul is 1.05-1.45x faster there with
-cold caches, but would need a third copy of the weights (``python -m benchmarks.linear_kernels``).
+cold caches, but would need a third copy of the weights
+(``python -m benchmarks.linear_kernels``).
 It sums in float32 like the others (results agree to rounding), in the same order for every row
 count, so a row's result does not depend on its batch. The C++ op ``pagedllm::packed_linear`` (same file)
 adds the bias; a compiled graph calls it directly as an opaque node with the weights as its

@@ -19,10 +19,11 @@ Triton; without one, the engine logs a line and runs eagerly. The environment va
 as vLLM's CPU CI runs eagerly, because each engine would otherwise spend 7-40 s compiling.
 
 On CPU the linears multiply through prepacked weights (the skinny kernel, layers/linear.py),
-each an opaque op in the graph, as in eager mode; inductor fuses what lies between them. Measured with
-``python -m benchmarks.compile_ab --num-requests 16 --max-tokens 96`` (engines alternating single
-steps in one process, 2 shared cores, 2026-12-01): decode steps 1.11x as fast compiled on the
-58M Qwen3, prefill 1.09x; the tiny demo model 1.09x at decode, 1.10x at prefill.
+each an opaque op in the graph, as in eager mode; inductor fuses what lies between them.
+Measured with ``python -m benchmarks.compile_ab --num-requests 16 --max-tokens 96`` (engines
+alternating single steps in one process, 2 shared cores, 2026-12-01): decode steps 1.11x as
+fast compiled on the 58M Qwen3, prefill 1.09x; the tiny demo model 1.09x at decode, 1.10x at
+prefill.
 (Before the linears were opaque ops, inductor lowered them to plain sgemm, which re-packs the
 weight every call: decode was 0.45-0.59x as fast compiled, and CPU defaulted to eager.) The
 startup compile takes 15-40 s with a cold inductor cache and 7-8 s with a warm one (it lives in

@@ -113,6 +113,10 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
     std::vector<float> scores(max_rows * kKeyTile), row_max(max_rows), row_sum(max_rows);
     std::vector<const T*> slot_of;  // position -> its slot's first element (kv head 0)
     const T* ptrs[kKeyTile];
+    // The first element (kv head 0) of the slot holding position pos of a request's table.
+    auto slot_at = [&](const int64_t* tbl, int64_t pos) {
+      return cache + (tbl[pos / block_size] * block_size + pos % block_size) * slot_stride;
+    };
     // Each thread claims its next item one ahead, so that the next item's first keys and values
     // can be requested while this item's last tile is computed.
     int64_t it_next = next++;
@@ -151,11 +155,7 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
       // Padded by 7 copies of the last slot: an 8-key block may run past the end, and must read
       // (and ignore) valid memory there.
       slot_of.resize(num_keys + 7);
-      for (int64_t pos = 0; pos < num_keys; pos += block_size) {
-        const T* block = cache + table[pos / block_size] * block_size * slot_stride;
-        for (int64_t o = 0; o < block_size && pos + o < num_keys; ++o)
-          slot_of[pos + o] = block + o * slot_stride;
-      }
+      for (int64_t pos = 0; pos < num_keys; ++pos) slot_of[pos] = slot_at(table, pos);
       for (int64_t j = num_keys; j < num_keys + 7; ++j) slot_of[j] = slot_of[num_keys - 1];
 
       for (int64_t k0 = 0; k0 < num_keys; k0 += kKeyTile) {
@@ -177,14 +177,17 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
         // (steps alternating, workload cpu): 0.85x the attention time of one burst per tile.
         const int64_t next_keys =
             prefetch_next ? std::clamp<int64_t>(num_keys - k0 - kKeyTile, 0, kKeyTile) : 0;
+        auto prefetch_next_keys = [&](int64_t h, int64_t j0, int64_t j1) {  // kv head h, keys [j0, j1)
+          for (int64_t j = j0; j < std::min(j1, next_keys); ++j)
+            prefetch_heads<3>(slots[kKeyTile + j], item.head0 + h, item.head0 + h + 1, head_dim);
+        };
         if (prefetch_next && next_keys == 0 && it_next < num_items) {
           const Item& nx = items[it_next];
           const int64_t nx_first_pos = lens[nx.req] - (qsl[nx.req + 1] - qsl[nx.req]);
           const int64_t nx_keys = std::min(kKeyTile, nx_first_pos + nx.row1);
           const int64_t* nx_table = tables + nx.req * max_blocks;
           for (int64_t pos = 0; pos < nx_keys; ++pos) {
-            const T* slot =
-                cache + (nx_table[pos / block_size] * block_size + pos % block_size) * slot_stride;
+            const T* slot = slot_at(nx_table, pos);
             prefetch_heads<2>(slot, nx.head0, nx.head1, head_dim);
             prefetch_heads<2>(slot + value_offset, nx.head0, nx.head1, head_dim);
           }
@@ -200,8 +203,7 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
         if (transposed) {
           for (int64_t h = 0; h < item_heads; ++h) {
             const int64_t off = (item.head0 + h) * head_dim;
-            for (int64_t j = 0; j < next_keys; ++j)
-              prefetch_heads<3>(slots[kKeyTile + j], item.head0 + h, item.head0 + h + 1, head_dim);
+            prefetch_next_keys(h, 0, kKeyTile);
             for (int64_t j = 0; j < tile_visible; ++j) ptrs[j] = slots[j] + off;
             score_group_transposed(&qs[h * group_rows * head_dim], ptrs, tile_visible, group_rows,
                                    head_dim, kt.data(), &scores[h * group_rows * kKeyTile]);
@@ -212,8 +214,7 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
             const int64_t off = (item.head0 + h) * head_dim;
             const T* k8[8];
             for (int j = 0; j < 8; ++j) k8[j] = slots[jb + j] + off;
-            for (int64_t j = jb; j < std::min(jb + 8, next_keys); ++j)
-              prefetch_heads<3>(slots[kKeyTile + j], item.head0 + h, item.head0 + h + 1, head_dim);
+            prefetch_next_keys(h, jb, jb + 8);
             score_group(&qs[h * group_rows * head_dim], k8, group_rows, head_dim,
                         &scores[h * group_rows * kKeyTile + jb]);
           }
