@@ -169,18 +169,29 @@ def test_a_failed_build_falls_back_to_torch_with_one_warning(monkeypatch, caplog
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 4, 64), (32, 8, 128), (4, 2, 12), (8, 8, 8)])
-def test_a_query_gets_the_same_bits_as_a_decode_and_inside_any_chunk(cpu_paged, heads, kv_heads, head_dim):
+@pytest.mark.parametrize("block_size,seq_len", [(4, 77), (16, 300)])
+def test_a_query_gets_the_same_bits_as_a_decode_and_inside_any_chunk(cpu_paged, heads, kv_heads, head_dim,
+                                                                      block_size, seq_len):
     """The kernel scores a decode's few rows one way (8 keys at a time) and a prefill chunk's
-    many rows another (keys transposed); both sum in the same order, so a token attended in a
-    decode and again in a chunk (recomputed after a preemption, or chunked differently by
-    another schedule) gets the same output, bit for bit."""
+    many rows another (keys transposed), and reads the keys of 8-block read groups side by side;
+    a row's keys, tiles and sums depend only on its position, so a token attended in a decode
+    and again in a chunk (recomputed after a preemption, or chunked differently by another
+    schedule) gets the same output, bit for bit. The chunks' rows straddle read groups (32 and
+    128 positions here)."""
     op = cpu_extension.load_paged_attention_op()
-    gen = torch.Generator().manual_seed(heads * head_dim)
-    block_size, seq_len = 4, 77
-    cache = torch.randn(kv_cache_shape(24, block_size, kv_heads, head_dim), generator=gen)
-    table = torch.randperm(24, generator=gen)[:-(-seq_len // block_size)][None]
-    q = torch.randn(32, heads, head_dim, generator=gen)
-    last = op(q[-1:], cache, table, torch.tensor([0, 1]), torch.tensor([seq_len]), 0.3)  # a decode
-    for rows in (2, 5, 8, 17, 32):  # non-transposed and transposed chunks ending at the same token
+    gen = torch.Generator().manual_seed(heads * head_dim + block_size)
+    num_blocks = -(-seq_len // block_size) + 5
+    cache = torch.randn(kv_cache_shape(num_blocks, block_size, kv_heads, head_dim), generator=gen)
+    table = torch.randperm(num_blocks, generator=gen)[:-(-seq_len // block_size)][None]
+    q = torch.randn(100, heads, head_dim, generator=gen)
+    decodes = {}  # position -> the output of a decode of the token at that position
+    for rows in (2, 5, 8, 17, 32, 70, 100):  # non-transposed and transposed chunks ending at one token
+        if rows > seq_len:
+            continue
         chunk = op(q[-rows:], cache, table, torch.tensor([0, rows]), torch.tensor([seq_len]), 0.3)
-        assert torch.equal(chunk[-1], last[0]), rows
+        for i in range(rows):
+            pos = seq_len - rows + i
+            if pos not in decodes:
+                decodes[pos] = op(q[100 - rows + i][None], cache, table, torch.tensor([0, 1]),
+                                  torch.tensor([pos + 1]), 0.3)[0]
+            assert torch.equal(chunk[i], decodes[pos]), (rows, pos)

@@ -14,7 +14,8 @@
 // out through an atomic counter (dynamic scheduling: ragged lengths), longest first, on torch's
 // own thread pool.
 // Softmax is online (flash-attention style): per key tile, one max, one rescale of the
-// accumulators, so nothing of size seq_len is materialised.
+// accumulators, so nothing of size seq_len is materialised. Keys are read in an order that has
+// several blocks' cache misses in flight at once (see for_each_read_position).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_like.h>
@@ -38,6 +39,7 @@ constexpr int64_t kMaxRows = 32;   // query heads of a decode item (all of a typ
 constexpr int64_t kPrefetchTileBytes = 32 << 10;  // see "prefetch" in run()
 constexpr int64_t kPrefillRows = 64;  // rows of a multi-token item: each key it loads serves
                                       // them all (32 and 128 measured slower)
+constexpr int64_t kGroupBlocks = 8;   // blocks of a read group (see for_each_read_position)
 
 struct Item {
   int64_t req, head0, head1, row0, row1;  // kv heads [head0, head1), query rows [row0, row1)
@@ -48,22 +50,29 @@ struct Item {
 // contiguous run, so reading whole slots streams through memory, where one head's slice of
 // every slot would be a page-crossing stride. Heads are split further only when there are too
 // few items to keep every thread busy. A multi-token item takes one kv head and as many query
-// rows as fit, so that each key it loads is scored against kMaxRows rows (a small GEMM).
+// rows as fit, so that each key it loads is scored against kPrefillRows rows (a small GEMM),
+// and ends where a read group does (its rows must share their own group: see
+// for_each_read_position).
 std::vector<Item> plan_items(const int64_t* qsl, const int64_t* seq_lens, int64_t num_reqs, int64_t num_kv_heads,
-                             int64_t group, int64_t num_threads) {
+                             int64_t group, int64_t block_size, int64_t num_threads) {
+  const int64_t group_len = kGroupBlocks * block_size;
   int64_t decode_heads = std::clamp<int64_t>(kMaxRows / group, 1, num_kv_heads);
   int64_t num_rows = 0;
   for (int64_t b = 0; b < num_reqs; ++b) num_rows += seq_lens[b] == 0 ? 0 : qsl[b + 1] - qsl[b];
-  while (decode_heads > 1 && num_rows * (-(-num_kv_heads / decode_heads)) < 4 * num_threads)
+  while (decode_heads > 1 && num_rows * ((num_kv_heads + decode_heads - 1) / decode_heads) < 4 * num_threads)
     decode_heads /= 2;
   std::vector<Item> items;
   for (int64_t b = 0; b < num_reqs; ++b) {
     const int64_t n = seq_lens[b] == 0 ? 0 : qsl[b + 1] - qsl[b];  // seq_len 0: skipped
     const int64_t heads = n == 1 ? decode_heads : 1;
     const int64_t rows_per_item = std::max<int64_t>(1, (n == 1 ? kMaxRows : kPrefillRows) / (heads * group));
+    const int64_t first_pos = seq_lens[b] - n;  // position of the request's query row 0
     for (int64_t h = 0; h < num_kv_heads; h += heads)
-      for (int64_t r = 0; r < n; r += rows_per_item)
-        items.push_back({b, h, std::min(num_kv_heads, h + heads), r, std::min(n, r + rows_per_item)});
+      for (int64_t r = 0, end; r < n; r = end) {
+        const int64_t group_end = ((first_pos + r) / group_len + 1) * group_len - first_pos;
+        end = std::min({n, r + rows_per_item, group_end});
+        items.push_back({b, h, std::min(num_kv_heads, h + heads), r, end});
+      }
   }
   // Longest first (by keys x rows): threads take items in this order, so the last ones are
   // short and no thread waits long for another to finish (measured 1.03-1.08x at ragged decode
@@ -72,6 +81,33 @@ std::vector<Item> plan_items(const int64_t* qsl, const int64_t* seq_lens, int64_
     return seq_lens[a.req] * (a.row1 - a.row0) > seq_lens[b.req] * (b.row1 - b.row0);
   });
   return items;
+}
+
+// Calls f(pos) for the first `limit` of the positions [0, num_keys) an item reads, in the order it
+// reads them. Positions fall into read groups of kGroupBlocks blocks. Those below own_group (the
+// first position of the group holding the item's query rows) are read group by group, one slot
+// of each of the group's blocks in turn; the rest in order. Blocks are scattered in memory and a
+// block's slots are 1-4 pages: reading them one block after the other keeps one or two pages'
+// cache misses in flight (the hardware prefetcher stops at each page), reading a group's blocks
+// side by side keeps eight. Measured inside the engine, steps alternating between the orders:
+// attention 0.87-0.92x the time of reading in order at workload cpu, 0.87-0.88x at nano's
+// shape (4-block groups 0.88-0.93x, 16-block 0.90-0.94x).
+// Every row of an item sees all of the groups below its own, and in its own group the keys up
+// to its position, which the in-order part keeps a prefix of each tile. A row's keys, their
+// tiles and the order within each tile depend only on its position, not on the rows beside it,
+// so a token gets the same bits in a decode and in any prefill chunk (plan_items ends chunk
+// items at group boundaries so their rows share own_group).
+template <typename F>
+inline void for_each_read_position(int64_t num_keys, int64_t own_group, int64_t block_size, int64_t limit, F f) {
+  const int64_t group_len = kGroupBlocks * block_size;
+  int64_t done = 0;
+  for (int64_t g0 = 0; g0 < own_group; g0 += group_len)
+    for (int64_t slot = 0; slot < block_size; ++slot)
+      for (int64_t pos = g0 + slot; pos < g0 + group_len; pos += block_size) {
+        if (done++ == limit) return;
+        f(pos);
+      }
+  for (int64_t pos = own_group; pos < num_keys && done < limit; ++pos, ++done) f(pos);
 }
 
 // Requests the cache lines of one slot's kv heads [head0, head1), into L1 (LOCALITY 3) or L2 (2).
@@ -103,7 +139,12 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
   const int64_t* lens = seq_lens.const_data_ptr<int64_t>();
 
   const int64_t num_threads = at::get_num_threads();
-  const std::vector<Item> items = plan_items(qsl, lens, num_reqs, num_kv_heads, group, num_threads);
+  const std::vector<Item> items = plan_items(qsl, lens, num_reqs, num_kv_heads, group, block_size, num_threads);
+  const int64_t group_len = kGroupBlocks * block_size;
+  // The first position of the read group holding an item's first query row.
+  auto own_group = [&](const Item& it) {
+    return (lens[it.req] - (qsl[it.req + 1] - qsl[it.req]) + it.row0) / group_len * group_len;
+  };
   const int64_t num_items = static_cast<int64_t>(items.size());
   std::atomic<int64_t> next{0};
 
@@ -111,7 +152,7 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
     const int64_t max_rows = std::max({kMaxRows, kPrefillRows, group});
     std::vector<float> qs(max_rows * head_dim), acc(max_rows * head_dim), kt(head_dim * kKeyTile);
     std::vector<float> scores(max_rows * kKeyTile), row_max(max_rows), row_sum(max_rows);
-    std::vector<const T*> slot_of;  // position -> its slot's first element (kv head 0)
+    std::vector<const T*> slot_of;  // the item's slots in its read order (at their kv head 0)
     const T* ptrs[kKeyTile];
     // The first element (kv head 0) of the slot holding position pos of a request's table.
     auto slot_at = [&](const int64_t* tbl, int64_t pos) {
@@ -154,9 +195,10 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
           kKeyTile * item_heads * head_dim * static_cast<int64_t>(sizeof(T)) <= kPrefetchTileBytes;
       // Padded by 7 copies of the last slot: an 8-key block may run past the end, and must read
       // (and ignore) valid memory there.
-      slot_of.resize(num_keys + 7);
-      for (int64_t pos = 0; pos < num_keys; ++pos) slot_of[pos] = slot_at(table, pos);
-      for (int64_t j = num_keys; j < num_keys + 7; ++j) slot_of[j] = slot_of[num_keys - 1];
+      slot_of.clear();
+      for_each_read_position(num_keys, own_group(item), block_size, num_keys,
+                             [&](int64_t pos) { slot_of.push_back(slot_at(table, pos)); });
+      slot_of.resize(num_keys + 7, slot_of.back());
 
       for (int64_t k0 = 0; k0 < num_keys; k0 += kKeyTile) {
         const int64_t tile = std::min(kKeyTile, num_keys - k0);
@@ -183,17 +225,18 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
         };
         if (prefetch_next && next_keys == 0 && it_next < num_items) {
           const Item& nx = items[it_next];
-          const int64_t nx_first_pos = lens[nx.req] - (qsl[nx.req + 1] - qsl[nx.req]);
-          const int64_t nx_keys = std::min(kKeyTile, nx_first_pos + nx.row1);
+          const int64_t nx_keys = lens[nx.req] - (qsl[nx.req + 1] - qsl[nx.req]) + nx.row1;
           const int64_t* nx_table = tables + nx.req * max_blocks;
-          for (int64_t pos = 0; pos < nx_keys; ++pos) {
+          for_each_read_position(nx_keys, own_group(nx), block_size, kKeyTile, [&](int64_t pos) {
             const T* slot = slot_at(nx_table, pos);
             prefetch_heads<2>(slot, nx.head0, nx.head1, head_dim);
             prefetch_heads<2>(slot + value_offset, nx.head0, nx.head1, head_dim);
-          }
+          });
         }
         // Keys a row sees in this tile: those up to its query's position (causal mask). The
         // scores are computed up to what the item's last query row sees, then masked per row.
+        // k0 counts keys in read order: every key before own_group is visible to every row, and
+        // from own_group on the j-th key read is position j, so the visible keys are a prefix.
         auto visible = [&](int64_t r) {
           return std::clamp<int64_t>(first_pos + query_row(r) + 1 - k0, 0, tile);
         };
