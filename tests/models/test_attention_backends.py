@@ -188,10 +188,11 @@ def test_a_query_gets_the_same_bits_as_a_decode_and_inside_any_chunk(cpu_paged, 
     for rows in (2, 5, 8, 17, 32, 70, 100):  # non-transposed and transposed chunks ending at one token
         if rows > seq_len:
             continue
-        chunk = op(q[-rows:], cache, table, torch.tensor([0, rows]), torch.tensor([seq_len]), 0.3)
+        chunk_q = q[-rows:]
+        chunk = op(chunk_q, cache, table, torch.tensor([0, rows]), torch.tensor([seq_len]), 0.3)
         for i in range(rows):
             pos = seq_len - rows + i
             if pos not in decodes:
-                decodes[pos] = op(q[100 - rows + i][None], cache, table, torch.tensor([0, 1]),
+                decodes[pos] = op(chunk_q[i:i + 1], cache, table, torch.tensor([0, 1]),
                                   torch.tensor([pos + 1]), 0.3)[0]
             assert torch.equal(chunk[i], decodes[pos]), (rows, pos)

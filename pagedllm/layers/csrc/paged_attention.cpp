@@ -43,6 +43,7 @@ constexpr int64_t kGroupBlocks = 8;   // blocks of a read group (see for_each_re
 
 struct Item {
   int64_t req, head0, head1, row0, row1;  // kv heads [head0, head1), query rows [row0, row1)
+  int64_t own_group;  // the first position of the read group its rows sit in
 };
 
 // Which work items cover a flat batch. A decode item takes as many kv heads as fit kMaxRows
@@ -69,9 +70,9 @@ std::vector<Item> plan_items(const int64_t* qsl, const int64_t* seq_lens, int64_
     const int64_t first_pos = seq_lens[b] - n;  // position of the request's query row 0
     for (int64_t h = 0; h < num_kv_heads; h += heads)
       for (int64_t r = 0, end; r < n; r = end) {
-        const int64_t group_end = ((first_pos + r) / group_len + 1) * group_len - first_pos;
-        end = std::min({n, r + rows_per_item, group_end});
-        items.push_back({b, h, std::min(num_kv_heads, h + heads), r, end});
+        const int64_t own_group = (first_pos + r) / group_len * group_len;
+        end = std::min({n, r + rows_per_item, own_group + group_len - first_pos});
+        items.push_back({b, h, std::min(num_kv_heads, h + heads), r, end, own_group});
       }
   }
   // Longest first (by keys x rows): threads take items in this order, so the last ones are
@@ -85,7 +86,7 @@ std::vector<Item> plan_items(const int64_t* qsl, const int64_t* seq_lens, int64_
 
 // Calls f(pos) for the first `limit` of the positions [0, num_keys) an item reads, in the order it
 // reads them. Positions fall into read groups of kGroupBlocks blocks. Those below own_group (the
-// first position of the group holding the item's query rows) are read group by group, one slot
+// first position of the group holding the item's query rows, Item::own_group) are read group by group, one slot
 // of each of the group's blocks in turn; the rest in order. Blocks are scattered in memory and a
 // block's slots are 1-4 pages: reading them one block after the other keeps one or two pages'
 // cache misses in flight (the hardware prefetcher stops at each page), reading a group's blocks
@@ -140,11 +141,6 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
 
   const int64_t num_threads = at::get_num_threads();
   const std::vector<Item> items = plan_items(qsl, lens, num_reqs, num_kv_heads, group, block_size, num_threads);
-  const int64_t group_len = kGroupBlocks * block_size;
-  // The first position of the read group holding an item's first query row.
-  auto own_group = [&](const Item& it) {
-    return (lens[it.req] - (qsl[it.req + 1] - qsl[it.req]) + it.row0) / group_len * group_len;
-  };
   const int64_t num_items = static_cast<int64_t>(items.size());
   std::atomic<int64_t> next{0};
 
@@ -196,7 +192,7 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
       // Padded by 7 copies of the last slot: an 8-key block may run past the end, and must read
       // (and ignore) valid memory there.
       slot_of.clear();
-      for_each_read_position(num_keys, own_group(item), block_size, num_keys,
+      for_each_read_position(num_keys, item.own_group, block_size, num_keys,
                              [&](int64_t pos) { slot_of.push_back(slot_at(table, pos)); });
       slot_of.resize(num_keys + 7, slot_of.back());
 
@@ -227,7 +223,7 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
           const Item& nx = items[it_next];
           const int64_t nx_keys = lens[nx.req] - (qsl[nx.req + 1] - qsl[nx.req]) + nx.row1;
           const int64_t* nx_table = tables + nx.req * max_blocks;
-          for_each_read_position(nx_keys, own_group(nx), block_size, kKeyTile, [&](int64_t pos) {
+          for_each_read_position(nx_keys, nx.own_group, block_size, kKeyTile, [&](int64_t pos) {
             const T* slot = slot_at(nx_table, pos);
             prefetch_heads<2>(slot, nx.head0, nx.head1, head_dim);
             prefetch_heads<2>(slot + value_offset, nx.head0, nx.head1, head_dim);
@@ -235,8 +231,8 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
         }
         // Keys a row sees in this tile: those up to its query's position (causal mask). The
         // scores are computed up to what the item's last query row sees, then masked per row.
-        // k0 counts keys in read order: every key before own_group is visible to every row, and
-        // from own_group on the j-th key read is position j, so the visible keys are a prefix.
+        // k0 counts keys in read order: every key before item.own_group is visible to every row,
+        // and from there on the j-th key read is position j, so the visible keys are a prefix.
         auto visible = [&](int64_t r) {
           return std::clamp<int64_t>(first_pos + query_row(r) + 1 - k0, 0, tile);
         };
