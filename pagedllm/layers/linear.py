@@ -41,7 +41,7 @@ from pagedllm.layers.cpu_extension import load_cpu_ops
 
 
 # Output columns per panel of the packed weight (kPanel in csrc/skinny_gemm.cpp).
-_PANEL = 32
+_PANEL = 64
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -171,7 +171,7 @@ class RowParallelLinear(Linear):
 
 
 def _prepack(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """``weight`` [out, in] as skinny_gemm's panels [ceil(out / 32), in, 32] (zero rows pad the
+    """``weight`` [out, in] as skinny_gemm's panels [ceil(out / 64), in, 64] (zero rows pad the
     last), or None when the kernel cannot run here: not float32 on CPU, or not built. Checked
     once against float64: a kernel whose error is not that of float32 rounding is never used."""
     if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2:

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.layers.cpu_extension import load_cpu_ops
-from pagedllm.layers.linear import Linear, _prepack, linear, prepack_linear_weights
+from pagedllm.layers.linear import _PANEL, Linear, _prepack, linear, prepack_linear_weights
 
 pytestmark = pytest.mark.skipif(load_cpu_ops() is None, reason="no C++ compiler: no CPU kernels")
 
@@ -25,8 +25,9 @@ def test_skinny_kernel_matches_float64_at_every_tile_size(out_features, in_featu
     w = torch.randn(out_features, in_features, generator=gen)
     b = torch.randn(out_features, generator=gen) if with_bias else None
     packed = _prepack(w, b)
-    assert packed is not None and packed.shape == (-(-out_features // 32), in_features, 32)
-    for rows in [1, 2, 11, 12, 13, 24, 25, 32, 33, 37, 64, 300]:
+    assert packed is not None and packed.shape == (-(-out_features // _PANEL), in_features, _PANEL)
+    # Both tiles (12 x 2 vectors up to 64 rows, 6 x 4 above) at every remainder of rows.
+    for rows in [1, 2, 11, 12, 13, 24, 25, 32, 33, 37, 64, 65, 66, 70, 71, 125, 300]:
         x = torch.randn(rows, in_features, generator=gen)
         y = linear(x, w, b, packed)
         assert y.shape == (rows, out_features) and y.dtype == torch.float32
@@ -68,9 +69,10 @@ def test_a_rows_result_does_not_depend_on_its_batch():
     gen = torch.Generator().manual_seed(3)
     w = torch.randn(200, 512, generator=gen)
     packed = _prepack(w, None)
-    x = torch.randn(300, 512, generator=gen)  # 300 rows: three chunks of the kernel
+    x = torch.randn(300, 512, generator=gen)  # 300 rows: five chunks of the 6 x 4 tile
+    # 64 rows or fewer: the 12 x 2 tile, whose sums must match the 6 x 4 tile's bit for bit
     full = linear(x, w, None, packed)
-    for rows in (1, 7, 12, 13, 30, 64, 130):
+    for rows in (1, 7, 12, 13, 30, 64, 65, 66, 130):
         for start in (0, 5, 300 - rows):
             part = linear(x[start:start + rows], w, None, packed)
             assert torch.equal(part, full[start:start + rows]), (rows, start)

@@ -6,7 +6,7 @@
 // in from memory (each weight is used M times), and the general libraries read them in bursts:
 // one tile of rows pulls a panel from DRAM while the rest of the panel's row tiles compute from
 // cache, so memory idles most of the time. Here each panel is walked in k blocks; within a block
-// every row tile uses the same 8 KiB of weights from L1, so the stream is steady, and the row
+// every row tile uses the same 16 KiB of weights from L1, so the stream is steady, and the row
 // tiles of the first kPrefetchRows rows prefetch the next block while they compute.
 // Why not MKL at many rows (prefill) either: with a block of weights in L1 and a row tile's 24
 // accumulators in registers, a tile runs at ~90% of the FMA peak, and re-reading x for each
@@ -14,7 +14,9 @@
 // caches (oneDNN ~440), 2.1x MKL's sgemm on this AMD CPU (MKL takes an AVX2 path there); with
 // cold caches (benchmarks/linear_kernels.py) 1.6-2.0x MKL at 2,048 rows, while oneDNN's
 // prepacked matmul is 1.05-1.45x faster there; at 8-32 rows 1.2-2.5x oneDNN on the decoder's
-// projections and 1.0-1.4x on the lm_head.
+// projections and 1.0-1.4x on the lm_head. On 2 Sapphire Rapids cores (Intel, where MKL takes
+// its AVX-512 path) the 6 x 4 tile runs at 140-200 GFLOP/s at 256-2,048 rows with cold caches,
+// within ~0.8-1.0x of MKL there, and the 12 x 2 tile at 32 rows at 1.3-1.7x MKL.
 //
 // Layout: panels[p][k][c] = W[p * kPanel + c][k] (zero rows pad the last panel), so a panel is
 // one contiguous stream. Arithmetic: every output is a sum over k blocks, in order, of the
@@ -34,10 +36,18 @@
 namespace {
 
 constexpr int64_t kW = 16;                  // floats per vector (AVX-512; two halves on AVX2)
-constexpr int64_t kVecs = 2;                // vectors per panel row
-constexpr int64_t kPanel = kVecs * kW;      // output columns per panel
-constexpr int64_t kBlockK = 64;             // k per block: 64 x 32 floats = 8 KiB of weights
-constexpr int64_t kTileRows = 12;           // rows per register tile: 24 accumulators + 2 weights
+constexpr int64_t kPanelVecs = 4;           // vectors per panel row
+constexpr int64_t kPanel = kPanelVecs * kW; // output columns per panel
+constexpr int64_t kBlockK = 64;             // k per block: 64 x 64 floats = 16 KiB of weights
+// Two register tiles of 24 accumulators, both over a k block in L1, chosen by the row count.
+// Many rows (prefill): 6 rows x a whole panel row (4 vectors), so each k step loads 4 weight
+// vectors and 6 broadcasts per 24 FMAs. Few rows (decode): 12 rows x half a panel row (2
+// vectors), the panel's two halves one after the other, so 32 rows take 3 tiles per half, not
+// 6 per panel (fewer, longer tiles keep the weight stream steady). Measured on 2 Sapphire Rapids
+// cores: 6 x 4 is 1.1-1.4x the 12 x 2 tile at 256-2,048 rows (where 12 x 2 ran at 0.6-0.9x
+// oneDNN), 12 x 2 is as fast or up to 1.1x at 32 rows.
+constexpr int64_t kTileFloats = 24 * kW;   // 24 accumulators (of 32 registers) per tile
+constexpr int64_t kFewRows = 64;            // up to this many rows: the 12 x 2 tile
 // Row tiles starting in the first kPrefetchRows rows (all of a decode batch of <= 32) prefetch
 // the next k block, the line of it they are about to read in this one (one block ahead).
 // Measured inside the engine, decode steps of 32 rows: 1.06x the first tile alone prefetching
@@ -46,12 +56,13 @@ constexpr int64_t kTileRows = 12;           // rows per register tile: 24 accumu
 // limit, and more prefetches only take issue slots (5-17% slower at 256-2,048 rows).
 constexpr int64_t kPrefetchRows = 32;
 constexpr int64_t kPrefetchFloats = kBlockK * kPanel;
-// Rows per chunk. A panel is walked once per chunk, so a chunk's rows of x (120 x K floats) stay
-// in L2 across the thread's panels, and its outputs (15 KiB) in L1 across a panel's k blocks;
-// the weights are read once per chunk, from L3 after the first (a prefill's layer is a few MB).
-// Measured with cold caches at 2,048 rows: 1.1-1.7x one chunk of all rows (x and the outputs
-// then come from L3 for every panel); 240 and 480 rows were as fast or slower.
-constexpr int64_t kChunkRows = 10 * kTileRows;
+// Rows per chunk. A panel is walked once per chunk, so a chunk's rows of x (<= 120 x K floats)
+// stay in L2 across the thread's panels, and its outputs (15-30 KiB) in L1 across a panel's k
+// blocks; the weights are read once per chunk, from L3 after the first (a prefill's layer is a
+// few MB). Measured with cold caches at 2,048 rows: 1.1-1.7x one chunk of all rows (x and the
+// outputs then come from L3 for every panel).
+constexpr int64_t kFewChunkRows = 120;      // 10 tiles of 12 rows
+constexpr int64_t kManyChunkRows = 60;      // 10 tiles of 6 rows
 
 typedef float vfloat __attribute__((vector_size(kW * sizeof(float))));
 
@@ -62,65 +73,88 @@ inline vfloat load(const float* p) {
 }
 inline void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof v); }
 
-// c[R][kPanel] (+)= x[R][0:kl] . w[0:kl][kPanel]: one register tile over one k block. The block
-// is summed from zero and then added to c (FIRST: stored), which keeps the rounding error of a
-// long K to that of a block plus K / kBlockK additions.
-template <int R, bool FIRST, bool PREFETCH>
+// c[R][0:V*kW] (+)= x[R][0:kl] . w[0:kl][0:V*kW]: one register tile over one k block (w and c
+// have rows of kPanel floats). The block is summed from zero and then added to c (FIRST:
+// stored), which keeps the rounding error of a long K to that of a block plus K / kBlockK
+// additions.
+template <int R, int V, bool FIRST, bool PREFETCH>
 inline void tile(const float* __restrict x, int64_t ldx, const float* __restrict w, int64_t kl,
                  float* __restrict c) {
   // Unrolled so the accumulators live in registers from the start to the stores (with
   // ``= {}`` GCC kept a zeroed copy on the stack: a memset and 24 spills per tile call).
-  vfloat acc[R][kVecs];
+  vfloat acc[R][V];
 #pragma GCC unroll 12
   for (int r = 0; r < R; ++r)
-#pragma GCC unroll 2
-    for (int v = 0; v < kVecs; ++v) acc[r][v] = vfloat{};
+#pragma GCC unroll 4
+    for (int v = 0; v < V; ++v) acc[r][v] = vfloat{};
   for (int64_t k = 0; k < kl; ++k) {
     const float* wk = w + k * kPanel;
     if (PREFETCH) {
-      __builtin_prefetch(wk + kPrefetchFloats);
-      __builtin_prefetch(wk + kPrefetchFloats + kW);
+      for (int v = 0; v < V; ++v) __builtin_prefetch(wk + kPrefetchFloats + v * kW);
     }
-    vfloat wv[kVecs];
-    for (int v = 0; v < kVecs; ++v) wv[v] = load(wk + v * kW);
+    vfloat wv[V];
+    for (int v = 0; v < V; ++v) wv[v] = load(wk + v * kW);
     for (int r = 0; r < R; ++r) {
       const float a = x[r * ldx + k];
-      for (int v = 0; v < kVecs; ++v) acc[r][v] += a * wv[v];
+      for (int v = 0; v < V; ++v) acc[r][v] += a * wv[v];
     }
   }
 #pragma GCC unroll 12
   for (int r = 0; r < R; ++r)
-#pragma GCC unroll 2
-    for (int v = 0; v < kVecs; ++v) {
+#pragma GCC unroll 4
+    for (int v = 0; v < V; ++v) {
       float* dst = c + r * kPanel + v * kW;
       store(dst, FIRST ? acc[r][v] : load(dst) + acc[r][v]);
     }
 }
 
-template <int R>
+template <int R, int V>
 inline void tile_any(bool first, bool prefetch, const float* x, int64_t ldx, const float* w,
                      int64_t kl, float* c) {
   if (first) {
-    prefetch ? tile<R, true, true>(x, ldx, w, kl, c) : tile<R, true, false>(x, ldx, w, kl, c);
+    prefetch ? tile<R, V, true, true>(x, ldx, w, kl, c) : tile<R, V, true, false>(x, ldx, w, kl, c);
   } else {
-    prefetch ? tile<R, false, true>(x, ldx, w, kl, c) : tile<R, false, false>(x, ldx, w, kl, c);
+    prefetch ? tile<R, V, false, true>(x, ldx, w, kl, c) : tile<R, V, false, false>(x, ldx, w, kl, c);
   }
 }
 
-// A tile of 1..kTileRows rows (the row count must be a compile-time constant for the
-// accumulators to stay in registers).
+// A tile of 1..R rows (R = 12 for 2 vectors, 6 for 4: 24 accumulators): the row count must be a compile-time
+// constant for the accumulators to stay in registers.
+template <int V, int R = kTileFloats / (V * kW)>
 inline void tile_rows(int64_t rows, bool first, bool prefetch, const float* x, int64_t ldx,
                       const float* w, int64_t kl, float* c) {
-  switch (rows) {
-#define PAGEDLLM_TILE(R) \
-  case R: tile_any<R>(first, prefetch, x, ldx, w, kl, c); break;
-    PAGEDLLM_TILE(1) PAGEDLLM_TILE(2) PAGEDLLM_TILE(3) PAGEDLLM_TILE(4) PAGEDLLM_TILE(5)
-    PAGEDLLM_TILE(6) PAGEDLLM_TILE(7) PAGEDLLM_TILE(8) PAGEDLLM_TILE(9) PAGEDLLM_TILE(10)
-    PAGEDLLM_TILE(11) PAGEDLLM_TILE(12)
-#undef PAGEDLLM_TILE
+  if constexpr (R > 1) {
+    if (rows < R) return tile_rows<V, R - 1>(rows, first, prefetch, x, ldx, w, kl, c);
+  }
+  tile_any<R, V>(first, prefetch, x, ldx, w, kl, c);
+}
+
+// y[0:M, panels p0..p1) for one tile shape: V vectors per tile (a panel row in kPanelVecs / V
+// parts), kTileFloats / (V * kW) rows per tile, CHUNK rows per chunk.
+template <int V, int64_t CHUNK>
+void panels_times_x(const float* xp, int64_t M, int64_t K, const float* wp, int64_t N, float* yp,
+                    int64_t p0, int64_t p1) {
+  constexpr int64_t TILE = kTileFloats / (V * kW);
+  std::vector<float> c(std::min(M, CHUNK) * kPanel);  // a panel's outputs, the chunk's rows
+  for (int64_t r0 = 0; r0 < M; r0 += CHUNK) {
+    const int64_t rows = std::min(CHUNK, M - r0);
+    const float* xr = xp + r0 * K;
+    for (int64_t p = p0; p < p1; ++p) {
+      const float* panel = wp + p * K * kPanel;
+      for (int64_t k0 = 0; k0 < K; k0 += kBlockK) {
+        const int64_t kl = std::min(kBlockK, K - k0);
+        for (int64_t col = 0; col < kPanel; col += V * kW)
+          for (int64_t m0 = 0; m0 < rows; m0 += TILE)
+            tile_rows<V>(std::min(TILE, rows - m0), k0 == 0, m0 < kPrefetchRows,
+                         xr + m0 * K + k0, K, panel + k0 * kPanel + col, kl,
+                         c.data() + m0 * kPanel + col);
+      }
+      const int64_t cols = std::min(kPanel, N - p * kPanel);
+      for (int64_t m = 0; m < rows; ++m)
+        std::memcpy(yp + (r0 + m) * N + p * kPanel, c.data() + m * kPanel, cols * sizeof(float));
+    }
   }
 }
-static_assert(kTileRows == 12, "tile_rows covers 1..12 rows");
 
 at::Tensor skinny_gemm(const at::Tensor& x, const at::Tensor& panels, int64_t out_features) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be a 2-D float32 tensor");
@@ -140,25 +174,12 @@ at::Tensor skinny_gemm(const at::Tensor& x, const at::Tensor& panels, int64_t ou
   const float* wp = panels.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   // Threads take contiguous runs of panels: each streams its own part of the weights. Rows go
-  // in chunks of kChunkRows, each over all of the thread's panels (one chunk at decode sizes).
+  // in chunks, each over all of the thread's panels (one chunk at decode sizes).
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    std::vector<float> c(std::min(M, kChunkRows) * kPanel);  // a panel's outputs, the chunk's rows
-    for (int64_t r0 = 0; r0 < M; r0 += kChunkRows) {
-      const int64_t rows = std::min(kChunkRows, M - r0);
-      const float* xr = xp + r0 * K;
-      for (int64_t p = p0; p < p1; ++p) {
-        const float* panel = wp + p * K * kPanel;
-        for (int64_t k0 = 0; k0 < K; k0 += kBlockK) {
-          const int64_t kl = std::min(kBlockK, K - k0);
-          for (int64_t m0 = 0; m0 < rows; m0 += kTileRows)
-            tile_rows(std::min(kTileRows, rows - m0), k0 == 0, m0 < kPrefetchRows, xr + m0 * K + k0,
-                      K, panel + k0 * kPanel, kl, c.data() + m0 * kPanel);
-        }
-        const int64_t cols = std::min(kPanel, N - p * kPanel);
-        for (int64_t m = 0; m < rows; ++m)
-          std::memcpy(yp + (r0 + m) * N + p * kPanel, c.data() + m * kPanel, cols * sizeof(float));
-      }
-    }
+    if (M <= kFewRows)
+      panels_times_x<2, kFewChunkRows>(xp, M, K, wp, N, yp, p0, p1);
+    else
+      panels_times_x<4, kManyChunkRows>(xp, M, K, wp, N, yp, p0, p1);
   });
   return y;
 }
