@@ -21,7 +21,8 @@ bursts), 1.0-1.4x on the lm_head. At prefill sizes it runs at ~90% of the FMA pe
 caches: ~2x a plain ``F.linear`` (MKL sgemm, which on AMD CPUs takes an AVX2 path and re-packs
 the whole weight on every call); oneDNN's prepacked matmul is 1.05-1.45x faster there with
 cold caches, but would need a third copy of the weights
-(``python -m benchmarks.linear_kernels``).
+(``python -m benchmarks.linear_kernels``). Above 64 rows it takes a wider register tile (6 rows
+x 64 columns), which on Intel CPUs brings prefill within ~0.8-1.0x of MKL.
 It sums in float32 like the others (results agree to rounding), in the same order for every row
 count, so a row's result does not depend on its batch. The C++ op ``pagedllm::packed_linear`` (same file)
 adds the bias; a compiled graph calls it directly as an opaque node with the weights as its
