@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: venv test test-fast demo bench-scheduler bench clean
+.PHONY: venv test test-fast kernel-guard demo bench-scheduler bench clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -21,6 +21,11 @@ test: venv
 
 test-fast: venv
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow"
+
+# The C++ kernels' speed against torch's on this CPU, every x86 level it runs (CI runs it after
+# the tests, alone on the machine: benchmarks/kernel_guard.py).
+kernel-guard: venv
+	$(BIN)/python -m benchmarks.kernel_guard
 
 demo: venv
 	$(BIN)/pagedllm generate "Once upon a time" --max-tokens 64

@@ -7,12 +7,15 @@ backend next to the bandwidth of a large tensor copy measured in the same run (r
 bytes per second, as STREAM's "copy" counts them), and the ratio. Rounds are interleaved across
 candidates and medians reported, so a VM's drifting speed affects all alike.
 
-Candidates: ``cpu_paged`` (the C++ kernel, reads the paged cache in place), ``torch`` (gathers
-the blocks, then one SDPA), and ``dense`` (SDPA over a contiguous [B, Hkv, L, D] copy of the
-context: what the deleted decode store did, without the cost of keeping the copy).
+Candidates: ``cpu_paged`` (the C++ kernel, reads the paged cache in place; ``--isa v3 v4``
+adds the kernel built for x86-64-v3 (AVX2) or -v4 (AVX-512) beside the engine's native build,
+so an AVX-512 machine measures the AVX2 variant too), ``torch`` (gathers the blocks, then one
+SDPA), and ``dense`` (SDPA over a contiguous [B, Hkv, L, D] copy of the context: what the
+deleted decode store did, without the cost of keeping the copy).
 
     python benchmarks/decode_attention.py [--requests 64] [--context 1024] [--heads 32]
         [--kv-heads 8] [--head-dim 128] [--block-size 16] [--dtype float32] [--rounds 5]
+        [--isa native v3 v4]
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ import torch.nn.functional as F
 
 from pagedllm.layers import (Attention, bind_kv_caches, build_attention_metadata,
                              get_attn_backend, kv_cache_shape, set_forward_context)
+from pagedllm.layers.cpu_extension import can_run, cpu_description, load_cpu_ops
 
 
 def _time(fn, iters: int) -> float:
@@ -49,6 +53,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--iters", type=int, default=5, help="calls per candidate per round")
     p.add_argument("--copy-mib", type=int, default=256, help="least size of the copied tensor")
+    p.add_argument("--isa", nargs="+", default=["native"], choices=["native", "v3", "v4"],
+                   help="builds of the kernel to measure (those this CPU can run)")
     args = p.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     B, L, H, Hkv, D, bs = (args.requests, args.context, args.heads, args.kv_heads,
@@ -89,10 +95,21 @@ def main(argv: list[str] | None = None) -> None:
     kv_bytes = 2 * B * L * Hkv * D * cache.element_size()
     src = torch.randn(max(kv_bytes, args.copy_mib << 20) // 4)  # far beyond any CPU cache
     dst = torch.empty_like(src)
-    candidates = {"cpu_paged": paged("cpu_paged"), "torch": paged("torch"), "dense": dense,
-                  "copy": lambda: dst.copy_(src)}
-    if get_attn_backend("cpu_paged", "cpu").name != "cpu_paged":
-        del candidates["cpu_paged"]  # the kernel did not build (the warning says why)
+    candidates = {}
+    for isa in args.isa:
+        ops = load_cpu_ops(isa) if can_run(isa) else None
+        if ops is None:
+            print(f"  (no cpu_paged {isa}: this CPU cannot run it, or it did not build)")
+        elif isa == "native":
+            candidates["cpu_paged"] = paged("cpu_paged")
+        else:
+            md = build_attention_metadata([1] * B, [L - 1] * B, tables, bs, "cpu",
+                                          backend=get_attn_backend("cpu_paged", "cpu"))
+            candidates[f"cpu_paged {isa}"] = (
+                lambda op=ops.paged_attention, md=md: op(q, cache, md.block_tables,
+                                                         md.query_start_loc_tensor,
+                                                         md.seq_lens_tensor, D ** -0.5))
+    candidates.update({"torch": paged("torch"), "dense": dense, "copy": lambda: dst.copy_(src)})
     times: dict[str, list[float]] = {name: [] for name in candidates}
     for _ in range(args.rounds):
         for name, fn in candidates.items():
@@ -101,13 +118,14 @@ def main(argv: list[str] | None = None) -> None:
     bandwidth = 2 * src.numel() * src.element_size() / med["copy"]
     print(f"decode attention: {B} requests x {L} context, {H} heads / {Hkv} kv heads x {D}, "
           f"block_size {bs}, {args.dtype}, {torch.get_num_threads()} threads; "
-          f"{kv_bytes / 2**20:.0f} MiB of K/V per call; medians of {args.rounds} interleaved rounds")
+          f"{kv_bytes / 2**20:.0f} MiB of K/V per call; medians of {args.rounds} interleaved rounds; "
+          f"{cpu_description()}")
     print(f"  memory bandwidth (tensor copy, read + write): {bandwidth / 1e9:.1f} GB/s")
     for name in candidates:
         if name == "copy":
             continue
         rate = kv_bytes / med[name]
-        print(f"  {name:>9}: {med[name] * 1e3:7.2f} ms  {rate / 1e9:6.1f} GB/s of K/V  "
+        print(f"  {name:>13}: {med[name] * 1e3:7.2f} ms  {rate / 1e9:6.1f} GB/s of K/V  "
               f"{rate / bandwidth:6.1%} of bandwidth")
 
 

@@ -1,23 +1,71 @@
-"""The linears' kernels side by side: pagedllm's skinny kernel (what a prepacked layer runs)
-against oneDNN's prepacked matmul (what vLLM's CPU path and pagedllm before it used) and a plain
+"""The linears' kernels side by side: pagedllm's skinny kernel (what a packed layer runs), in
+the engine's native build and, with ``--isa v3 v4``, built for x86-64-v3 (AVX2) or -v4
+(AVX-512) beside it, against oneDNN's prepacked matmul (what vLLM's CPU path uses) and a plain
 ``F.linear`` (MKL sgemm), on the benchmark model's shapes, at decode and prefill row counts,
 calls interleaved.
 
 Before every timed call the caches are flushed (a pass over a buffer larger than the last-level
 cache), as in the engine, where a step reads ~170 MB of weights and KV and nothing stays cached
 between one layer's call and the next step's. Prints the median time per call, the weights' read
-rate (what bounds a decode step's linears), the skinny kernel's GFLOP/s (what bounds a prefill's)
-and the ratio of each peer's time to the skinny kernel's.
+rate (what bounds a decode step's linears), each kernel's GFLOP/s (what bounds a prefill's) and
+the faster library's time over each skinny build's (> 1: the kernel is faster).
 
-    python -m benchmarks.linear_kernels [--rows 1 8 16 32 64 256 2048] [--rounds 7]
+    python -m benchmarks.linear_kernels [--rows 1 8 16 32 64 256 2048] [--rounds 7] [--isa native v3 v4]
 """
 from __future__ import annotations
 
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 
 from benchmarks.common import MODEL_CONFIGS, log
+
+
+def layer_shapes(model_config: str) -> dict[str, tuple[int, int]]:
+    """The model's linear layers: name -> (out_features, in_features)."""
+    spec = MODEL_CONFIGS[model_config]
+    hidden, inter = spec["hidden_size"], spec["intermediate_size"]
+    q = spec["num_attention_heads"] * spec["head_dim"]
+    kv = spec["num_key_value_heads"] * spec["head_dim"]
+    return {"qkv_proj": (q + 2 * kv, hidden), "o_proj": (hidden, q), "gate_up_proj": (2 * inter, hidden),
+            "down_proj": (hidden, inter), "lm_head": (spec["vocab_size"], hidden)}
+
+
+def linear_candidates(n: int, k: int, isas: list[str], seed: int = 0) -> dict[str, Callable]:
+    """name -> x -> x W^T for one random [n, k] weight: "skinny <isa>" for each build this CPU
+    can run, "onednn" (prepacked) and "f_linear"."""
+    import torch
+    import torch.nn.functional as F
+
+    from pagedllm.layers.cpu_extension import can_run, load_cpu_ops
+    from pagedllm.layers.linear import pack_weight
+
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
+    panels = pack_weight(w, None)
+    out: dict[str, Callable] = {}
+    for isa in isas:
+        ops = load_cpu_ops(isa) if can_run(isa) else None
+        if ops is not None and panels is not None:
+            out[f"skinny {isa}"] = lambda x, op=ops.skinny_gemm: op(x, panels, n)
+    onednn = torch.ops.mkldnn._reorder_linear_weight(w, None)
+    out["onednn"] = lambda x: torch.ops.mkldnn._linear_pointwise(x, onednn, None, "none", [], "")
+    out["f_linear"] = lambda x: F.linear(x, w)
+    return out
+
+
+def time_interleaved(kernels: dict[str, Callable], x, rounds: int, flush) -> dict[str, float]:
+    """Median seconds per call of each kernel on ``x``, caches flushed before every call, the
+    order reversed every other round."""
+    times: dict[str, list[float]] = {key: [] for key in kernels}
+    for r in range(rounds + 1):  # round 0 warms up
+        for key in (list(kernels) if r % 2 == 0 else list(reversed(kernels))):
+            flush.sum()
+            t0 = time.perf_counter()
+            kernels[key](x)
+            if r:
+                times[key].append(time.perf_counter() - t0)
+    return {key: statistics.median(v) for key, v in times.items()}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -25,54 +73,31 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16, 32, 64, 256, 2048])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--model-config", default="qwen3-58m", choices=sorted(MODEL_CONFIGS))
+    parser.add_argument("--isa", nargs="+", default=["native"], choices=["native", "v3", "v4"],
+                        help="builds of the skinny kernel to measure (those this CPU can run)")
     args = parser.parse_args(argv)
 
     import torch
-    import torch.nn.functional as F
 
-    from pagedllm.layers.cpu_extension import load_cpu_ops
-    from pagedllm.layers.linear import Linear, prepack_linear_weights
+    from pagedllm.layers.cpu_extension import cpu_description, load_cpu_ops
 
     if load_cpu_ops() is None:
         raise SystemExit("the C++ CPU kernels cannot be built here (no compiler?)")
     torch.set_grad_enabled(False)
-    spec = MODEL_CONFIGS[args.model_config]
-    hidden, inter = spec["hidden_size"], spec["intermediate_size"]
-    q = spec["num_attention_heads"] * spec["head_dim"]
-    kv = spec["num_key_value_heads"] * spec["head_dim"]
-    shapes = {"qkv_proj": (q + 2 * kv, hidden), "o_proj": (hidden, q), "gate_up_proj": (2 * inter, hidden),
-              "down_proj": (hidden, inter), "lm_head": (spec["vocab_size"], hidden)}
     flush = torch.ones(64 << 20)  # 256 MiB, more than the last-level cache
-    log(f"{torch.get_num_threads()} threads; times are medians of {args.rounds} cold calls")
-    print(f"{'layer':13s} {'rows':>4s} {'skinny':>29s} {'oneDNN prepacked':>26s} {'F.linear':>26s}")
-    for name, (n, k) in shapes.items():
-        gen = torch.Generator().manual_seed(0)
-        layer = Linear(k, n, bias=False)
-        layer.weight.data = w = torch.randn(n, k, generator=gen)
-        prepack_linear_weights(layer)
-        panels = layer.packed_weight
-        onednn = torch.ops.mkldnn._reorder_linear_weight(w, None)
-        kernels = {
-            "skinny": lambda x: torch.ops.pagedllm.skinny_gemm(x, panels, n),
-            "onednn": lambda x: torch.ops.mkldnn._linear_pointwise(x, onednn, None, "none", [], ""),
-            "f_linear": lambda x: F.linear(x, w),
-        }
+    log(f"{cpu_description()}; {torch.get_num_threads()} threads; times are medians of "
+        f"{args.rounds} cold calls; ratios: the faster library's time over the kernel's")
+    for name, (n, k) in layer_shapes(args.model_config).items():
+        kernels = linear_candidates(n, k, args.isa)
+        mine = [key for key in kernels if key.startswith("skinny")]
+        gen = torch.Generator().manual_seed(1)
         for rows in args.rows:
-            x = torch.randn(rows, k, generator=gen)
-            times: dict[str, list[float]] = {key: [] for key in kernels}
-            for r in range(args.rounds):
-                order = list(kernels) if r % 2 == 0 else list(reversed(kernels))
-                for key in order:
-                    flush.sum()
-                    t0 = time.perf_counter()
-                    kernels[key](x)
-                    times[key].append(time.perf_counter() - t0)
-            med = {key: statistics.median(v) for key, v in times.items()}
-            gbs = {key: 4 * n * k / t / 1e9 for key, t in med.items()}
-            gflops = 2 * rows * n * k / med["skinny"] / 1e9
-            print(f"{name:13s} {rows:4d} {med['skinny'] * 1e6:8.0f} us {gbs['skinny']:4.1f} GB/s {gflops:4.0f} GF/s"
-                  f" {med['onednn'] * 1e6:8.0f} us {gbs['onednn']:4.1f} GB/s {med['onednn'] / med['skinny']:5.2f}x"
-                  f" {med['f_linear'] * 1e6:8.0f} us {gbs['f_linear']:4.1f} GB/s {med['f_linear'] / med['skinny']:5.2f}x")
+            med = time_interleaved(kernels, torch.randn(rows, k, generator=gen), args.rounds, flush)
+            best_lib = min(med["onednn"], med["f_linear"])
+            cells = [f"{key} {med[key] * 1e6:7.0f} us {4 * n * k / med[key] / 1e9:5.1f} GB/s "
+                     f"{2 * rows * n * k / med[key] / 1e9:5.0f} GF/s" for key in kernels]
+            ratios = " ".join(f"{key}: {best_lib / med[key]:.2f}x" for key in mine)
+            print(f"{name:12s} {rows:4d} | " + " | ".join(cells) + f" | {ratios}", flush=True)
 
 
 if __name__ == "__main__":

@@ -104,19 +104,21 @@ def _rss_bytes(field: str = "VmHWM") -> int:
 
 
 def _kv_bytes_allocated(llm) -> dict:
-    """The runner's KV cache bytes, and the bytes of every other live tensor that is not a
-    weight or a prepacked copy of one (None with an out-of-process executor)."""
+    """The runner's KV cache bytes, its weights' bytes (parameters, buffers, and the layers held
+    as packed panels: one copy each), and the bytes of every other live tensor (None with an
+    out-of-process executor)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensor
 
     runner = getattr(llm.llm_engine.executor, "runner", None)
     if runner is None or not hasattr(runner, "kv_caches"):
-        return {"kv_cache_bytes": None, "other_tensor_bytes": None}
+        return {"kv_cache_bytes": None, "weight_bytes": None, "other_tensor_bytes": None}
     kv = {c.untyped_storage().data_ptr(): c.untyped_storage().nbytes() for c in runner.kv_caches}
     weights = list(runner.model.state_dict().values())
     weights += [m.packed_weight for m in runner.model.modules()
                 if getattr(m, "packed_weight", None) is not None]
-    seen = set(kv) | {t.untyped_storage().data_ptr() for t in weights}
+    weight_storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in weights}
+    seen = set(kv) | set(weight_storages)
     gc.collect()
     with warnings.catch_warnings():  # isinstance() pokes deprecated torch module attributes
         warnings.simplefilter("ignore")
@@ -132,7 +134,8 @@ def _kv_bytes_allocated(llm) -> dict:
         if storage.data_ptr() not in seen:
             seen.add(storage.data_ptr())
             other += storage.nbytes()
-    return {"kv_cache_bytes": sum(kv.values()), "other_tensor_bytes": other}
+    return {"kv_cache_bytes": sum(kv.values()), "weight_bytes": sum(weight_storages.values()),
+            "other_tensor_bytes": other}
 
 
 def measure_batch(model: str, workload: Workload, llm_kwargs: dict, block_size: int,
@@ -170,7 +173,8 @@ def _memory_truth(batch: dict, budget: int) -> str:
     mib = 2**20
     if batch["kv_cache_bytes"] is None:
         return f"peak RSS {batch['peak_rss_bytes'] / mib:.0f} MiB"
-    return (f"KV allocated {batch['kv_cache_bytes'] / mib:.2f} MiB of the {budget / mib:.2f} MiB "
+    return (f"weights {batch['weight_bytes'] / mib:.1f} MiB; "
+            f"KV allocated {batch['kv_cache_bytes'] / mib:.2f} MiB of the {budget / mib:.2f} MiB "
             f"budget ({batch['kv_cache_bytes'] / budget:.1%}), other live tensors "
             f"{batch['other_tensor_bytes'] / mib:.2f} MiB; peak RSS {batch['peak_rss_bytes'] / mib:.0f} "
             f"MiB during the workload ({batch['rss_at_start_bytes'] / mib:.0f} MiB at its start)")

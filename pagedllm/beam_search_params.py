@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from pagedllm.errors import ValidationError
+from pagedllm.errors import ValidationError, check_ints
 
 
 @dataclass
@@ -18,6 +18,8 @@ class BeamSearchParams:
     include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
+        for name in ("beam_width", "max_tokens"):  # what the executor wire carries: 64 bits
+            check_ints(getattr(self, name), name)
         if not isinstance(self.beam_width, int) or self.beam_width < 1:
             raise ValidationError(f"beam_width must be >= 1, got {self.beam_width!r}", "beam_width")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:

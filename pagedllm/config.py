@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from pagedllm.errors import ValidationError
+from pagedllm.errors import ValidationError, check_ints
 
 # The demo model lives in the shared folder beside the repository; PAGEDLLM_MODEL overrides it.
 _REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -121,6 +121,10 @@ class SchedulerConfig:
             raise ValidationError("max_skip_ahead must be >= 0", "max_skip_ahead")
 
 
+# The keys of EngineConfig.structured_outputs_config (vLLM's StructuredOutputsConfig has more;
+# these are the ones pagedllm honours).
+STRUCTURED_OUTPUTS_OPTIONS = ("disable_any_whitespace",)
+
 # The values of ParallelConfig.distributed_executor_backend (the executors: pagedllm/executor/).
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 
@@ -172,6 +176,28 @@ class EngineConfig:
     speculative_config: dict | None = None
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     observability_config: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+    # vLLM's structured_outputs_config (--structured-outputs-config '{"disable_any_whitespace":
+    # true}'): the engine's default for requests that leave an option unset.
+    structured_outputs_config: dict | None = None
+
+    def __post_init__(self) -> None:
+        # Engine arguments travel to worker and core processes, and seeds and sizes into torch:
+        # 64 bits at most, refused here by name rather than deep inside a worker.
+        for part in (self.model_config, self.cache_config, self.scheduler_config,
+                     self.parallel_config):
+            for f in fields(part):
+                check_ints(getattr(part, f.name), f.name)
+        check_ints(list((self.speculative_config or {}).values()), "speculative_config")
+        so = self.structured_outputs_config
+        if so is None:
+            return
+        if not isinstance(so, dict) or set(so) - set(STRUCTURED_OUTPUTS_OPTIONS):
+            raise ValidationError(f"structured_outputs_config must be a JSON object with keys among "
+                                  f"{', '.join(STRUCTURED_OUTPUTS_OPTIONS)}; got {so!r}",
+                                  "structured_outputs_config")
+        if so.get("disable_any_whitespace") not in (None, True, False):
+            raise ValidationError("structured_outputs_config.disable_any_whitespace must be true or "
+                                  "false", "structured_outputs_config")
 
     @classmethod
     def from_kwargs(cls, model: str | None = None, **kwargs) -> "EngineConfig":
@@ -181,6 +207,7 @@ class EngineConfig:
         if model is not None:
             parts[ModelConfig]["model"] = str(model)
         speculative_config = kwargs.pop("speculative_config", None)
+        structured_outputs_config = kwargs.pop("structured_outputs_config", None)
         for key, value in kwargs.items():
             for klass, values in parts.items():
                 if key in {f.name for f in fields(klass)}:
@@ -191,4 +218,4 @@ class EngineConfig:
         return cls(ModelConfig(**parts[ModelConfig]), CacheConfig(**parts[CacheConfig]),
                    SchedulerConfig(**parts[SchedulerConfig]), speculative_config,
                    ParallelConfig(**parts[ParallelConfig]),
-                   ObservabilityConfig(**parts[ObservabilityConfig]))
+                   ObservabilityConfig(**parts[ObservabilityConfig]), structured_outputs_config)

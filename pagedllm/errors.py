@@ -49,3 +49,37 @@ def check_text(value: object, param: str) -> None:
             stack.extend(item.values())
         elif isinstance(item, (list, tuple)):
             stack.extend(item)
+
+
+# The integers the executor wire (msgpack) and torch's int64 tensors carry: every integer a
+# request gives is checked against this range at the edge, so none fails later as a 500.
+INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
+
+
+def check_int(value: object, param: str) -> None:
+    """Raise ValidationError naming ``param`` unless ``value`` is an integer (not a bool) of 64
+    bits at most."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValidationError(f"{param} must be an integer, got {value!r}", param)
+    check_ints(value, param)
+
+
+def _shown(value: object) -> str:
+    if isinstance(value, int) and abs(value) >= 10 ** 24:  # not a page of digits in the log
+        return f"an integer of {len(str(abs(value)))} digits"
+    return repr(value)
+
+
+def check_ints(value: object, param: str) -> None:
+    """Raise ValidationError naming ``param`` if an integer in ``value`` (an int, or lists of
+    them: token ids) needs more than 64 bits; other values are left to their own checks."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, int) and not isinstance(item, bool):
+            if not INT64_MIN <= item <= INT64_MAX:
+                where = "is" if item is value else "holds"
+                raise ValidationError(f"{param} {where} {_shown(item)}, outside the 64-bit range "
+                                      f"[-2**63, 2**63 - 1] that the engine carries", param)
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)

@@ -8,12 +8,14 @@ import math
 from dataclasses import dataclass, field
 from enum import IntEnum
 
-from pagedllm.errors import ValidationError, check_text
+from pagedllm.errors import ValidationError, check_ints, check_text
 from pagedllm.structured_outputs_params import StructuredOutputsParams
 
 _SAMPLING_EPS = 1e-5
 # Seeds seed a torch generator, whose seed is a 64-bit integer: vLLM's range (torch.long).
 _SEED_MIN, _SEED_MAX = -(2 ** 63), 2 ** 63 - 1
+# The integer fields: each must fit the executor wire (64 bits) before its own range check.
+_INT_FIELDS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs")
 # The floats a NaN or an infinity would poison (NaN fails every comparison, so range checks
 # alone let it through).
 _FLOAT_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature",
@@ -80,6 +82,10 @@ class SamplingParams:
         def bad(param: str, msg: str) -> ValidationError:
             return ValidationError(f"{param} {msg}", param)
 
+        for name in _INT_FIELDS:
+            check_ints(getattr(self, name), name)
+        check_ints(self.stop_token_ids, "stop_token_ids")
+        check_ints(list(self.logit_bias or ()), "logit_bias")
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", f"must be an integer >= 1, got {self.n!r}")
         for name in _FLOAT_FIELDS:

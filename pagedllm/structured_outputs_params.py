@@ -11,7 +11,7 @@ import json as _json
 from dataclasses import dataclass
 from typing import Any
 
-from pagedllm.errors import ValidationError, check_text
+from pagedllm.errors import INT64_MAX, INT64_MIN, ValidationError, check_text
 
 _KINDS = ("json", "regex", "choice", "grammar", "json_object")
 PARAM = "structured_outputs"
@@ -29,8 +29,11 @@ class StructuredOutputsParams:
     grammar: str | None = None
     # Any JSON object (OpenAI's response_format {"type": "json_object"}).
     json_object: bool | None = None
-    # JSON without whitespace between tokens: small models otherwise may emit spaces forever.
-    disable_any_whitespace: bool = False
+    # vLLM's option. True: JSON without whitespace between tokens; False: any whitespace JSON
+    # allows (vLLM's default); None (unset): the engine's structured_outputs_config, else at most
+    # one space between tokens: a small model given JSON's own rule may emit newlines until
+    # max_tokens cuts its JSON off.
+    disable_any_whitespace: bool | None = None
     # The whitespace allowed between JSON tokens (a regex), instead of JSON's own.
     whitespace_pattern: str | None = None
 
@@ -48,6 +51,9 @@ class StructuredOutputsParams:
         if self.json is not None and not isinstance(self.json, (dict, bool)):
             raise ValidationError(f"{PARAM}.json must be a JSON schema (an object), got "
                                   f"{type(self.json).__name__}", PARAM)
+        if _has_wide_int(self.json):  # the executor wire carries the schema: 64-bit integers
+            raise ValidationError(f"{PARAM}.json holds an integer beyond 64 bits; write it as a "
+                                  "number with an exponent (1e30) or a smaller bound", PARAM)
         for name in ("regex", "grammar", "whitespace_pattern"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or value == ""):
@@ -60,8 +66,8 @@ class StructuredOutputsParams:
             self.choice = list(self.choice)
         if self.json_object is not None and not isinstance(self.json_object, bool):
             raise ValidationError(f"{PARAM}.json_object must be true or false", PARAM)
-        if not isinstance(self.disable_any_whitespace, bool):
-            raise ValidationError(f"{PARAM}.disable_any_whitespace must be true or false", PARAM)
+        if self.disable_any_whitespace is not None and not isinstance(self.disable_any_whitespace, bool):
+            raise ValidationError(f"{PARAM}.disable_any_whitespace must be true, false or null", PARAM)
         check_text([self.regex, self.grammar, self.choice, self.whitespace_pattern], PARAM)
 
     @property
@@ -78,3 +84,16 @@ class StructuredOutputsParams:
         if kind in ("json", "json_object"):
             text += f"|ws={self.disable_any_whitespace}:{self.whitespace_pattern}"
         return kind, text
+
+
+def _has_wide_int(value: Any) -> bool:
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, int) and not isinstance(item, bool) and not INT64_MIN <= item <= INT64_MAX:
+            return True
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return False

@@ -8,3 +8,6 @@ compiled path. As vLLM's CPU CI does (VLLM_CPU_CI_ENV), the suite trades that co
 import os
 
 os.environ.setdefault("PAGEDLLM_ENFORCE_EAGER", "1")
+
+# Optional packages that CI installs are imported with tests/ci_support.py's importorskip (a
+# failure under CI=true, a skip elsewhere), never with pytest.importorskip.

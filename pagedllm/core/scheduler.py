@@ -298,19 +298,7 @@ class Scheduler:
             if req.num_output_placeholders and new_ids:
                 req.num_output_placeholders -= 1  # the token in flight has landed
             if drafts and rid in drafts:
-                # Rejected drafts were computed but are not part of the sequence: roll back so
-                # their slots are rewritten next step.
-                num_drafts = len(drafts[rid])
-                req.num_computed_tokens -= num_drafts - (len(new_ids) - 1)
-                req.spec_token_ids = []
-                stats.num_drafts += 1
-                stats.num_draft_tokens += num_drafts
-                stats.num_accepted_tokens += len(new_ids) - 1
-                per_pos = stats.num_accepted_tokens_per_pos  # accepted: positions 0..m-1
-                for pos in range(min(len(new_ids) - 1, num_drafts)):
-                    if pos == len(per_pos):
-                        per_pos.append(0)
-                    per_pos[pos] += 1
+                self._update_spec_decode(req, len(drafts[rid]), len(new_ids), stats)
             if req.is_beam:  # caught up: report the distribution; the beam search picks the token
                 if new_ids:
                     outputs.add(rid, [], new_logprobs)
@@ -341,6 +329,25 @@ class Scheduler:
         stats.num_generation_tokens = num_generated
         self._fill_stats(stats, scheduler_output)
         return outputs
+
+    @staticmethod
+    def _update_spec_decode(req: Request, num_drafts: int, num_sampled: int,
+                            stats: SchedulerStats) -> None:
+        """A request verified ``num_drafts`` draft tokens and sampled ``num_sampled`` tokens (the
+        accepted drafts, then one more): roll back the rejected ones and count the step."""
+        num_accepted = num_sampled - 1
+        # Rejected drafts were computed but are not part of the sequence: roll back so their
+        # slots are rewritten next step.
+        req.num_computed_tokens -= num_drafts - num_accepted
+        req.spec_token_ids = []
+        stats.num_drafts += 1
+        stats.num_draft_tokens += num_drafts
+        stats.num_accepted_tokens += num_accepted
+        per_pos = stats.num_accepted_tokens_per_pos  # accepted: positions 0..m-1
+        for pos in range(min(num_accepted, num_drafts)):
+            if pos == len(per_pos):
+                per_pos.append(0)
+            per_pos[pos] += 1
 
     def _fill_stats(self, stats: SchedulerStats, so: SchedulerOutput) -> None:
         """The rest of the step's SchedulerStats (the update counted tokens and drafts)."""

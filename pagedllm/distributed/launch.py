@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class DistributedInit:
-    """Everything ``parallel_state.init_distributed`` needs; pickles (spawn and Ray send it)."""
+    """Everything ``parallel_state.init_distributed`` needs; pickles (the mp executor and Ray send it)."""
 
     rank: int
     world_size: int

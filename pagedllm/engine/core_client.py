@@ -1,9 +1,9 @@
 """MPEngineCoreClient: the engine core in a background process, behind EngineCore's methods.
 
 ``LLMEngine`` holds an ``EngineCore`` (in-process: ``LLM``, tests, notebooks) or this client
-(serving), chosen by ``make_engine_core``: the ``PAGEDLLM_ENABLE_MULTIPROCESSING`` environment
-variable (vLLM's ``VLLM_ENABLE_V1_MULTIPROCESSING``), off unless a caller (``pagedllm serve``)
-defaults it on. The core process is ``core_proc.run_engine_core``; the message format is in
+(serving), chosen by ``llm_engine.make_engine_core``: the ``PAGEDLLM_ENABLE_MULTIPROCESSING``
+environment variable (vLLM's ``VLLM_ENABLE_V1_MULTIPROCESSING``), off unless a caller
+(``pagedllm serve``) defaults it on. The core process is ``core_proc.run_engine_core``; the message format is in
 that module's docstring.
 
 * ``add_request`` is a request/reply: the core's admission check (a prompt that could never fit
@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import multiprocessing
-import os
 import shutil
 import signal
 import tempfile
@@ -42,9 +40,9 @@ import zmq
 from pagedllm.config import EngineConfig, env_flag
 from pagedllm.core.outputs import EngineCoreOutputs, EngineCoreRequest
 from pagedllm.engine.core_proc import run_engine_core
-from pagedllm.engine.engine_core import EngineCore
 from pagedllm.errors import EngineDeadError
 from pagedllm.executor.multiproc import RemoteTraceback, remote_error
+from pagedllm.executor.process import ChildProcess
 from pagedllm.executor.wire import Codec
 from pagedllm.executor.zmq_context import new_context, term_context
 from pagedllm.runner.base import Runner
@@ -57,22 +55,6 @@ logger = logging.getLogger("pagedllm")
 def multiprocessing_enabled(default: bool = False) -> bool:
     """``PAGEDLLM_ENABLE_MULTIPROCESSING`` (1/true/yes/on or 0/false/no/off), else ``default``."""
     return env_flag(ENV_ENABLE_MULTIPROCESSING, default)
-
-
-def make_engine_core(config: EngineConfig, max_model_len: int, runner: Runner | None = None,
-                     multiprocess: bool | None = None) -> "EngineCore | MPEngineCoreClient":
-    """The engine core in this process, or in its own (``multiprocess``; None: the env var);
-    with data_parallel_size > 1, that many core processes (always processes: a replica needs
-    its own interpreter to run beside the others)."""
-    if config.parallel_config.data_parallel_size > 1:
-        from pagedllm.engine.dp_client import DPEngineCoreClient  # it imports this module
-
-        return DPEngineCoreClient(config, max_model_len, runner)  # type: ignore[return-value]
-    if multiprocess is None:
-        multiprocess = multiprocessing_enabled()
-    if multiprocess:
-        return MPEngineCoreClient(config, max_model_len, runner)
-    return EngineCore(config, max_model_len, runner)
 
 
 class MPEngineCoreClient:
@@ -98,16 +80,15 @@ class MPEngineCoreClient:
         input_addr, output_addr = f"ipc://{self._ipc_dir}/inputs", f"ipc://{self._ipc_dir}/outputs"
         self._inputs.bind(input_addr)
         self._results.bind(output_addr)
-        # Not a daemon: the core may start worker processes of its own (the mp executor), which
-        # a daemon may not. So this process must stop it before multiprocessing's exit hook joins
-        # it: registered after that hook, this one runs first.
+        # A fresh interpreter running pagedllm's entry module: the user's script is not re-run
+        # there (a script may build its engine at top level). At exit, ask it to stop cleanly
+        # (it reaps its own workers); were this process killed, the core sees its pipe close.
         self.engine_index = engine_index
         name = "pagedllm-engine-core" + ("" if engine_index is None else f"-{engine_index}")
-        self._proc = multiprocessing.get_context("spawn").Process(
-            target=_run_engine_core_in_env, name=name, daemon=False,
-            args=(process_env or {}, config, max_model_len, runner, input_addr, output_addr,
-                  logging.getLogger().getEffectiveLevel()))
-        self._proc.start()
+        self._proc = ChildProcess(
+            run_engine_core, (config, max_model_len, runner, input_addr, output_addr,
+                              logging.getLogger().getEffectiveLevel()),
+            name=name, env=process_env)
         atexit.register(self.shutdown)
         self._poller = zmq.Poller()
         self._poller.register(self._results, zmq.POLLIN)
@@ -301,12 +282,6 @@ class MPEngineCoreClient:
             finally:
                 self._lock.release()
         self._died(EngineDeadError(self._how_it_ended()))
-
-
-def _run_engine_core_in_env(env: dict[str, str], *args: Any) -> None:
-    """The core process's entry: its environment first (read by torch when it is imported)."""
-    os.environ.update(env)
-    run_engine_core(*args)
 
 
 def _failure(info: dict[str, Any]) -> EngineDeadError:

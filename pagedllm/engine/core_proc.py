@@ -1,6 +1,6 @@
 """EngineCoreProc: the engine core's busy loop in a process of its own (serving).
 
-The API process (``core_client.MPEngineCoreClient``) spawns ``run_engine_core``, which builds an
+The API process (``core_client.MPEngineCoreClient``) starts ``run_engine_core`` in a process, which builds an
 ``EngineCore`` and then loops: take every input waiting on the input socket, step while there is
 work, push each step's ``EngineCoreOutputs`` back. Nothing here waits for the API process, so
 tokenization, detokenization and HTTP there never hold the model up.
@@ -20,7 +20,6 @@ idle), "reply" (a call's result), "error" (a call's exception as data; the core 
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
 import signal
 import sys
@@ -29,6 +28,7 @@ from typing import Any
 import zmq
 
 from pagedllm.engine.engine_core import EngineCore
+from pagedllm.executor.process import parent_process
 from pagedllm.executor.wire import Codec
 from pagedllm.executor.worker import error_info, send_unless_orphaned
 
@@ -48,7 +48,7 @@ class EngineCoreProc:
         self.codec = codec
         self.inputs = inputs
         self.outputs = outputs
-        self.parent = multiprocessing.parent_process()
+        self.parent = parent_process()
         self.poller = zmq.Poller()
         self.poller.register(inputs, zmq.POLLIN)
         if self.parent is not None:
@@ -107,7 +107,7 @@ class EngineCoreProc:
 
 def run_engine_core(config: Any, max_model_len: int, runner: Any, input_addr: str, output_addr: str,
                     log_level: int = logging.WARNING) -> None:
-    """Entry point of the spawned engine core process (every argument pickles)."""
+    """Entry point of the engine core process (``process.ChildProcess``; every argument pickles)."""
     # Ctrl-C reaches the whole process group: the API process decides when the core stops.
     # SIGTERM (the client's way to stop a core that does not answer) unwinds through the
     # finally below, so the executor's own worker processes are reaped too.
@@ -131,7 +131,7 @@ def run_engine_core(config: Any, max_model_len: int, runner: Any, input_addr: st
 def _serve(config: Any, max_model_len: int, runner: Any, codec: Codec, inputs: zmq.Socket,
            outputs: zmq.Socket) -> int:
     """Build the core and run its loop; the exit code (1: the core could not start or failed)."""
-    parent = multiprocessing.parent_process()
+    parent = parent_process()
     try:
         core = EngineCore(config, max_model_len, runner)
     except BaseException as exc:  # the client re-raises it: a ValidationError stays one

@@ -54,7 +54,9 @@ class EngineCore:
         self.proposer = make_proposer(config.speculative_config)
         # Structured outputs: grammars compile off the step loop; requests wait there meanwhile.
         mc = config.model_config
-        self.structured_output = StructuredOutputManager(mc.tokenizer or mc.model)
+        so_defaults = config.structured_outputs_config or {}
+        self.structured_output = StructuredOutputManager(
+            mc.tokenizer or mc.model, disable_any_whitespace=so_defaults.get("disable_any_whitespace"))
         self.stats = EngineStats()
         # Called after every step's update with (SchedulerOutput, EngineCoreOutputs, StepTimings).
         self.step_observers: list[StepObserver] = []

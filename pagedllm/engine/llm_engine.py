@@ -17,16 +17,32 @@ from typing import Any
 from pagedllm.beam_search_params import BeamSearchParams
 from pagedllm.config import EngineConfig
 from pagedllm.core.outputs import EngineCoreOutputs, EngineCoreRequest, FinishedBeam
-from pagedllm.engine.core_client import MPEngineCoreClient, make_engine_core
+from pagedllm.engine.core_client import MPEngineCoreClient, multiprocessing_enabled
+from pagedllm.engine.dp_client import DPEngineCoreClient
 from pagedllm.engine.engine_core import EngineCore
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.model_info import ModelInfo
 from pagedllm.engine.output_processor import OutputProcessor, ParentRequest
 from pagedllm.engine.parallel_sampling import sample_request_ids
-from pagedllm.errors import ValidationError
+from pagedllm.errors import ValidationError, check_int
 from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedllm.runner.base import Runner
 from pagedllm.sampling_params import SamplingParams
+
+
+def make_engine_core(config: EngineConfig, max_model_len: int, runner: Runner | None = None,
+                     multiprocess: bool | None = None) -> EngineCore | MPEngineCoreClient:
+    """The engine core in this process, or in its own (``multiprocess``; None: the env var);
+    with data_parallel_size > 1, that many core processes (always processes: a replica needs
+    its own interpreter to run beside the others). Here, above both clients, so that neither
+    client module imports the other's."""
+    if config.parallel_config.data_parallel_size > 1:
+        return DPEngineCoreClient(config, max_model_len, runner)  # type: ignore[return-value]
+    if multiprocess is None:
+        multiprocess = multiprocessing_enabled()
+    if multiprocess:
+        return MPEngineCoreClient(config, max_model_len, runner)
+    return EngineCore(config, max_model_len, runner)
 
 
 class LLMEngine:
@@ -109,8 +125,7 @@ class LLMEngine:
             raise ValidationError("sampling_params must be a SamplingParams", "sampling_params")
         if params.logit_bias and any(not 0 <= t < self.model_info.vocab_size for t in params.logit_bias):
             raise ValidationError("logit_bias has a token id outside the vocabulary", "logit_bias")
-        if not isinstance(priority, int):
-            raise ValidationError(f"priority must be an integer, got {priority!r}", "priority")
+        check_int(priority, "priority")  # the executor wire carries 64 bits
         if params.n > self.config.scheduler_config.max_num_seqs:
             raise ValidationError(f"n={params.n} parallel samples exceed max_num_seqs="
                                   f"{self.config.scheduler_config.max_num_seqs}; lower n or raise "
@@ -129,6 +144,7 @@ class LLMEngine:
         """Queue a beam search; its result comes out of step() as one RequestOutput whose
         outputs are the beams, best first (``cumulative_logprob`` unpenalised)."""
         self._check_new_id(request_id)
+        check_int(priority, "priority")
         text, prompt_ids = self.input_processor.process_prompt(prompt)
         self.engine_core.add_request(EngineCoreRequest(
             request_id, prompt_ids, None, self.model_info.eos_token_ids, time.monotonic(), priority,

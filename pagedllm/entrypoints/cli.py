@@ -98,11 +98,16 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: frozenset[str] = froz
     group.add_argument("--speculative-config", dest="speculative_config", type=_json_dict,
                        default=argparse.SUPPRESS,
                        help="Speculative decoding settings as a JSON object, passed through.")
+    group.add_argument("--structured-outputs-config", dest="structured_outputs_config",
+                       type=_json_dict, default=argparse.SUPPRESS,
+                       help='Structured outputs defaults as a JSON object (vLLM\'s), e.g. '
+                            '\'{"disable_any_whitespace": true}\' for compact JSON; unset: at '
+                            'most one space between JSON tokens.')
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     names = engine_field_names() - {"model"}
-    names.add("speculative_config")
+    names.update(("speculative_config", "structured_outputs_config"))
     return {name: getattr(args, name) for name in names if hasattr(args, name)}
 
 

@@ -18,7 +18,7 @@ from pagedllm.core.outputs import RunnerOutput, SchedulerOutput
 from pagedllm.errors import EngineDeadError
 from pagedllm.runner.base import Runner
 
-# Builds one rank's runner. For the mp executor it must pickle (spawn sends it to the worker):
+# Builds one rank's runner. For the mp executor it must pickle (sent to the worker over a pipe):
 # a module-level function, a class, or functools.partial of one.
 RunnerFactory = Callable[[], Runner]
 

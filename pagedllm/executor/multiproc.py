@@ -4,10 +4,12 @@ Each rank has a pair of ipc sockets: the executor PUSHes requests (``worker.py``
 and PULLs replies. Calls are lockstep: the same encoded message goes to every rank, then one
 reply is read from each, so a rank handles its SchedulerOutputs strictly in order.
 
-Workers are spawned, never forked: a fork of a process that holds torch threads (or a CUDA
-context) can deadlock. Waiting for a reply also watches every worker's process sentinel (a file
-descriptor that becomes readable when the process ends), so a dead worker wakes the engine at
-once with EngineDeadError instead of leaving it blocked on a socket nobody will write to.
+Workers are fresh interpreters running pagedllm's own entry module (``process.ChildProcess``),
+never forks (a fork of a process that holds torch threads or a CUDA context can deadlock) and
+never multiprocessing's spawn (which re-runs the user's script in the child). Waiting for a
+reply also watches every worker's process sentinel (a file descriptor that becomes readable
+when the process ends), so a dead worker wakes the engine at once with EngineDeadError instead
+of leaving it blocked on a socket nobody will write to.
 
 Calls must not overlap (ZeroMQ sockets are not thread-safe): one thread at a time, e.g. the
 engine loop, or the one thread it hands steps to. ``check_health`` touches only process state
@@ -15,7 +17,6 @@ and may be called from any thread.
 """
 from __future__ import annotations
 
-import multiprocessing
 import shutil
 import signal
 import tempfile
@@ -31,6 +32,7 @@ from pagedllm import errors
 from pagedllm.distributed.launch import DistributedInit, get_open_port
 from pagedllm.errors import EngineDeadError, ValidationError
 from pagedllm.executor.abstract import RankGroupExecutor, RunnerFactory
+from pagedllm.executor.process import ChildProcess
 from pagedllm.executor.wire import Codec
 from pagedllm.executor.worker import worker_main
 from pagedllm.executor.zmq_context import new_context, term_context
@@ -78,7 +80,7 @@ class MultiprocExecutor(RankGroupExecutor):
         self._failure: str | None = None  # once a rank failed, every call raises this
         self._is_shut_down = False
         self._started = False  # every rank reported ready
-        self._procs: list[multiprocessing.process.BaseProcess] = []
+        self._procs: list[ChildProcess] = []
         self._requests: list[zmq.Socket] = []
         self._responses: list[zmq.Socket] = []
         self._ipc_dir = tempfile.mkdtemp(prefix="pagedllm-executor-")
@@ -94,7 +96,6 @@ class MultiprocExecutor(RankGroupExecutor):
 
     # -- startup ----------------------------------------------------------------------------
     def _start_workers(self, runner_factory: RunnerFactory, timeout_s: float) -> None:
-        spawn = multiprocessing.get_context("spawn")
         device, master_addr, master_port, init_timeout_s = self._launch
         if self.world_size > 1 and master_port is None:
             master_port = get_open_port(master_addr)
@@ -109,11 +110,9 @@ class MultiprocExecutor(RankGroupExecutor):
             self._responses.append(self._zmq.socket(zmq.PULL))
             self._requests[rank].bind(request_addr)
             self._responses[rank].bind(response_addr)
-            proc = spawn.Process(target=worker_main, name=f"pagedllm-worker-{rank}", daemon=True,
-                                 args=(rank, runner_factory, request_addr, response_addr,
-                                       distributed))
-            proc.start()
-            self._procs.append(proc)
+            self._procs.append(ChildProcess(
+                worker_main, (rank, runner_factory, request_addr, response_addr, distributed),
+                name=f"pagedllm-worker-{rank}"))
         # One poller per rank: its replies, and every worker's end.
         self._pollers = []
         for rank in range(self.world_size):
@@ -210,12 +209,8 @@ class MultiprocExecutor(RankGroupExecutor):
                 self._failure = (f"worker rank {rank} (pid {proc.pid}) {how}; the engine cannot "
                                  f"continue (restart it)")
             else:
-                # The usual cause: spawn re-imports the main script in the worker, and a script
-                # that builds an engine at top level does it again there (multiprocessing refuses).
                 self._failure = (f"worker rank {rank} (pid {proc.pid}) {how} before it was ready "
-                                 f"(its stderr says why; a script that starts an engine needs an "
-                                 f"`if __name__ == \"__main__\":` guard, as spawn re-runs it in "
-                                 f"the worker)")
+                                 f"(its stderr says why)")
             raise EngineDeadError(self._failure)
 
     def _last_error(self, rank: int) -> dict[str, Any] | None:

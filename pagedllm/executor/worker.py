@@ -13,7 +13,6 @@ wrap the same class (``ray_executor.py``).
 """
 from __future__ import annotations
 
-import multiprocessing
 import os
 import signal
 import sys
@@ -23,6 +22,7 @@ from typing import Any, Callable
 import zmq
 
 from pagedllm.distributed.launch import DistributedInit
+from pagedllm.executor.process import parent_process
 from pagedllm.executor.wire import Codec
 
 # What the executor may call on the runner (the Runner protocol of pagedllm/runner/base.py).
@@ -74,7 +74,7 @@ class Worker:
 
 def worker_main(rank: int, runner_factory: Callable[[], Any], request_addr: str,
                 response_addr: str, distributed: DistributedInit | None = None) -> None:
-    """Entry point of a spawned worker (``multiprocessing`` target; everything is picklable)."""
+    """Entry point of a worker process (``process.ChildProcess`` target; everything is picklable)."""
     # Ctrl-C reaches the whole process group; the engine decides when workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     codec = Codec()
@@ -97,7 +97,7 @@ def _serve(rank: int, runner_factory: Callable[[], Any], distributed: Distribute
            codec: Codec, requests: zmq.Socket, responses: zmq.Socket) -> int:
     """Serve calls until told to stop (exit code 0); 1 if the rank could not start."""
     # Never outlive the engine: watch the parent process while waiting and while sending.
-    parent = multiprocessing.parent_process()
+    parent = parent_process()
     try:
         worker = Worker(rank, runner_factory, distributed)
     except BaseException as exc:  # the executor re-raises it with this text

@@ -12,7 +12,7 @@ from pagedllm.layers.kv_cache import attention_layers, bind_kv_caches, copy_bloc
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import (ColumnParallelLinear, Linear, MergedColumnParallelLinear,
                                     QKVParallelLinear, RowParallelLinear, WeightSlice,
-                                    prepack_linear_weights)
+                                    pack_linear)
 from pagedllm.layers.rotary import RopeConfig, RotaryEmbedding, apply_rotary
 
 __all__ = [
@@ -21,5 +21,5 @@ __all__ = [
     "PrefillChunk", "QKVParallelLinear", "RMSNorm", "RopeConfig", "RotaryEmbedding",
     "RowParallelLinear", "VocabParallelEmbedding", "WeightSlice",
     "apply_rotary", "attention_layers", "bind_kv_caches", "build_attention_metadata",
-    "copy_blocks", "get_attn_backend", "get_attn_metadata", "kv_cache_shape", "prepack_linear_weights", "set_forward_context",
+    "copy_blocks", "get_attn_backend", "get_attn_metadata", "kv_cache_shape", "pack_linear", "set_forward_context",
 ]

@@ -3,62 +3,24 @@
 The flat batch concatenates the new tokens of B requests: request i contributes
 ``query_lens[i]`` tokens at positions ``num_computed_tokens[i] ..  seq_lens[i] - 1``.
 Everything derived here (slots, gather tables, masks) is shared by all layers of the step,
-and so is the backend that attends (see attention/backend.py): it says what it needs built.
+and so is the backend that attends (see attention/backend.py, where the metadata's
+types live): it says what it needs built.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
-from pagedllm.layers.attention.backend import AttentionBackend, get_attn_backend
+# The metadata's types live with the backend interface that reads them (backend.py); they are
+# named here too, where the metadata is built.
+from pagedllm.layers.attention.backend import (AttentionBackend, AttentionMetadata, DecodeBatch,
+                                               PrefillChunk)
+from pagedllm.layers.attention.selector import get_attn_backend
+
+__all__ = ["AttentionMetadata", "DecodeBatch", "PrefillChunk", "build_attention_metadata"]
 
 ToDevice = Callable[[torch.Tensor], torch.Tensor]
-
-
-@dataclass(slots=True)
-class DecodeBatch:
-    """All requests with exactly one new token, attended by the torch backend with a single
-    batched SDPA call over blocks gathered from the paged cache."""
-
-    token_indices: torch.Tensor  # [Bd] long: rows of the flat batch
-    rows: slice | torch.Tensor   # token_indices as a slice when they are consecutive (no copies)
-    block_tables: torch.Tensor   # [Bd, nb] long: enough blocks for the longest of them
-    mask: torch.Tensor           # [Bd, 1, 1, nb * block_size] bool: True = position < seq_len
-
-
-@dataclass(slots=True)
-class PrefillChunk:
-    """One request with several new tokens (a whole prompt or a chunk of it)."""
-
-    token_start: int             # its rows in the flat batch: [token_start, token_end)
-    token_end: int
-    num_computed_tokens: int     # cached prefix length (0: attend to the new tokens only)
-    block_ids: torch.Tensor      # [nb] long: blocks holding positions [0, seq_len)
-    mask: torch.Tensor | None    # [q, seq_len] bool, causal shifted by the prefix; None if no prefix
-
-
-@dataclass(slots=True)
-class AttentionMetadata:
-    slot_mapping: torch.Tensor        # [T] long: cache slot (block_id * block_size + offset) per new token
-    query_start_loc: list[int]        # [B + 1]: request i owns rows [query_start_loc[i], query_start_loc[i+1])
-    seq_lens: list[int]               # [B]: context length after this step (computed + new)
-    num_computed_tokens: list[int]    # [B]: tokens already in the cache before this step
-    block_tables: torch.Tensor        # [B, max_blocks] long, padded with block 0 (never read: masked)
-    block_size: int
-    positions: torch.Tensor           # [T] long: position of each new token (what the model's rope needs)
-    query_start_loc_tensor: torch.Tensor  # [B + 1] long, on the device
-    seq_lens_tensor: torch.Tensor     # [B] long, on the device
-    backend: AttentionBackend         # attends in every layer of the step
-    # The torch backend's gather plan (None / empty for backends that read the cache in place).
-    decode: DecodeBatch | None = None
-    prefills: list[PrefillChunk] = field(default_factory=list)
-    backend_data: object = None       # whatever else the backend prepared (backend.prepare)
-
-    @property
-    def num_tokens(self) -> int:
-        return self.query_start_loc[-1]
 
 
 def build_attention_metadata(query_lens: list[int], num_computed_tokens: list[int],

@@ -18,6 +18,7 @@ import functools
 import hashlib
 import logging
 import os
+import platform
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -28,27 +29,76 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "paged_attention.cpp", CSRC / "skinny_gemm.cpp", CSRC / "write_kv.cpp"]  # + paged_attention_math.h
+SOURCES = [CSRC / "paged_attention.cpp", CSRC / "skinny_gemm.cpp", CSRC / "write_kv.cpp"]  # + the headers
 OPS = ("paged_attention", "skinny_gemm", "packed_linear", "write_kv")
-# -march=native: the dot products and GEMM tiles vectorise to the widest units this CPU has. The
-# binary is then only valid here, so the extension's name carries a hash of the CPU's flags (a cache directory
-# shared between different machines gets one build per kind of CPU) and of the sources (torch
-# would not notice a change to the header alone).
+# The x86 levels the kernels are tuned for (csrc/isa.h): their -march, and the CPU flags a CPU
+# needs to run a build of that level (the Linux /proc/cpuinfo names).
+ISA_MARCH = {"v3": "x86-64-v3", "v4": "x86-64-v4"}
+ISA_FLAGS = {"v3": {"avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm"},
+             "v4": {"avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm",
+                    "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}}
+# The engine's build is -march=native: the tiles vectorise to the widest units this CPU has
+# (csrc/isa.h picks them from what the compiler enables). The binary is then only valid here,
+# so the extension's name carries a hash of the CPU's flags (a cache directory shared between
+# different machines gets one build per kind of CPU) and of the sources (torch would not notice
+# a change to a header alone). The benchmarks can also build a named level ("v3", "v4") beside
+# it, in an op namespace of its own (torch.ops.pagedllm_v3), to measure the AVX2 kernels on an
+# AVX-512 CPU.
 # -fopenmp: at::parallel_for is a header template; compiled without it, it runs the whole range on
 # the calling thread (the kernel then used one core). The extension's libgomp.so.1 is the one
 # torch already loaded (same soname), so it shares torch's thread pool.
-_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast"]
+_COMMON_CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=fast"]
 _LDFLAGS = ["-fopenmp"]
 
 
-def _build_tag() -> str:
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags (empty where /proc/cpuinfo has none: not Linux, or not x86)."""
     try:
-        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines()
-                      if line.startswith("flags")), "")
+        line = next((line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("flags")), "")
     except OSError:
-        flags = ""
-    digest = hashlib.sha1(flags.encode())
-    digest.update(" ".join(_CFLAGS + _LDFLAGS).encode())
+        return set()
+    return set(line.partition(":")[2].split())
+
+
+def native_isa() -> str | None:
+    """The tuned level this CPU runs natively: "v4" (AVX-512), "v3" (AVX2 + FMA), or None for a
+    CPU nobody tuned the kernels for (older x86, Arm): there the engine uses torch's own ops."""
+    flags = cpu_flags()
+    return next((isa for isa in ("v4", "v3") if ISA_FLAGS[isa] <= flags), None)
+
+
+def cpu_description() -> str:
+    """The CPU's model name and the tuned level it runs ("AMD EPYC (x86-64-v3: AVX2)"), for
+    log lines and benchmark output: every figure names the CPU it came from."""
+    try:
+        name = next((line.partition(":")[2].strip() for line in
+                     Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("model name")), "")
+    except OSError:
+        name = ""
+    isa = native_isa()
+    level = {"v4": "x86-64-v4: AVX-512", "v3": "x86-64-v3: AVX2"}.get(isa or "", "no tuned level")
+    return f"{name or platform.machine() or 'unknown CPU'} ({level})"
+
+
+def can_run(isa: str) -> bool:
+    """Whether this CPU can run a build of ``isa`` ("native", "v3" or "v4")."""
+    return isa == "native" or ISA_FLAGS[isa] <= cpu_flags()
+
+
+def op_namespace(isa: str) -> str:
+    return "pagedllm" if isa == "native" else f"pagedllm_{isa}"
+
+
+def _cflags(isa: str) -> list[str]:
+    march = "native" if isa == "native" else ISA_MARCH[isa]
+    return [*_COMMON_CFLAGS, f"-march={march}", f"-DPAGEDLLM_NS={op_namespace(isa)}"]
+
+
+def _build_tag(isa: str) -> str:
+    digest = hashlib.sha1(" ".join(sorted(cpu_flags())).encode() if isa == "native" else b"")
+    digest.update(" ".join(_cflags(isa) + _LDFLAGS).encode())
     for path in sorted(CSRC.iterdir()):
         digest.update(path.read_bytes())
     return digest.hexdigest()[:10]
@@ -65,19 +115,23 @@ def _ensure_ninja_on_path() -> None:
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
-def _build() -> Any:
+def _build(isa: str) -> Any:
     from torch.utils import cpp_extension
 
-    if all(hasattr(torch.ops.pagedllm, op) for op in OPS):
+    namespace = op_namespace(isa)
+    ops = getattr(torch.ops, namespace)
+    if all(hasattr(ops, op) for op in OPS):
         # Built and loaded already in this process: torch aborts the process if a library
         # defines the same ops a second time (a relinked .so is a new library).
-        return torch.ops.pagedllm
+        return ops
+    if not can_run(isa):
+        raise RuntimeError(f"this CPU cannot run x86-64-{isa} code")
 
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None:
         raise RuntimeError(f"no C++ compiler ({compiler!r} is not on PATH)")
     _ensure_ninja_on_path()
-    name = f"pagedllm_cpu_{_build_tag()}"
+    name = f"pagedllm_cpu_{isa}_{_build_tag(isa)}"
     build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
     # An flock, released by the OS even if the process dies: parallel pytest workers build once,
     # one after the other. torch's own lock file is a plain file a killed build leaves behind
@@ -86,15 +140,15 @@ def _build() -> Any:
     with open(build_dir / "pagedllm.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         (build_dir / "lock").unlink(missing_ok=True)
-        cpp_extension.load(name, sources=[str(p) for p in SOURCES], extra_cflags=_CFLAGS,
+        cpp_extension.load(name, sources=[str(p) for p in SOURCES], extra_cflags=_cflags(isa),
                            extra_ldflags=_LDFLAGS, build_directory=str(build_dir),
                            is_python_module=False, verbose=False)
     # The outputs' shapes for dynamo and inductor, so the kernels can sit in a compiled graph as
     # opaque nodes (the model's graph reaches paged_attention through pagedllm::attention,
     # attention/layer.py).
-    torch.library.register_fake("pagedllm::paged_attention")(_paged_attention_fake)
-    torch.library.register_fake("pagedllm::packed_linear")(_packed_linear_fake)
-    return torch.ops.pagedllm
+    torch.library.register_fake(f"{namespace}::paged_attention")(_paged_attention_fake)
+    torch.library.register_fake(f"{namespace}::packed_linear")(_packed_linear_fake)
+    return ops
 
 
 def _paged_attention_fake(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -103,16 +157,18 @@ def _paged_attention_fake(query: torch.Tensor, kv_cache: torch.Tensor, block_tab
     return torch.empty_like(query, memory_format=torch.contiguous_format)  # [T, H, D]
 
 
-def _packed_linear_fake(x: torch.Tensor, weight: torch.Tensor, panels: torch.Tensor,
+def _packed_linear_fake(x: torch.Tensor, panels: torch.Tensor, out_features: int,
                         bias: torch.Tensor | None) -> torch.Tensor:
-    return x.new_empty((x.shape[0], weight.shape[0]))
+    return x.new_empty((*x.shape[:-1], out_features))
 
 
 @functools.cache
-def load_cpu_ops() -> Any | None:
-    """torch.ops.pagedllm with the kernels above, or None (logged once) when they cannot be built."""
+def load_cpu_ops(isa: str = "native") -> Any | None:
+    """torch.ops.pagedllm with the kernels above (``isa`` "native": the engine's build), or the
+    namespace of a build for one x86 level ("v3", "v4"); None (logged once) when they cannot be
+    built or run here."""
     try:
-        return _build()
+        return _build(isa)
     except Exception as exc:  # any build failure means "use torch's own ops", never a crash
         logger.warning("pagedllm: cannot build the C++ CPU kernels of the cpu_paged attention backend "
                        "and the linears (%s); using the torch attention backend and F.linear "

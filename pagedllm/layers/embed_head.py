@@ -14,11 +14,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.distributed.parallel_state import get_tp_group
-from pagedllm.layers.linear import WeightSlice, linear
+from pagedllm.layers.linear import WeightSlice, linear, rows_of_packed
 
 
 class VocabParallelEmbedding(nn.Embedding):
     """``[T] token ids -> [T, hidden]``."""
+
+    # A tied embedding whose head holds the shared weight as panels reads its rows from them
+    # (``weight`` is then None): one copy of the matrix (layers/linear_kernel.py sets it).
+    packed_weight: torch.Tensor | None = None
 
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         tp = get_tp_group()
@@ -31,11 +35,16 @@ class VocabParallelEmbedding(nn.Embedding):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         owned = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
         local_ids = torch.where(owned, input_ids - self.vocab_start, 0)
-        out = F.embedding(local_ids, self.weight).masked_fill_(~owned.unsqueeze(-1), 0.0)
+        out = self._lookup(local_ids).masked_fill_(~owned.unsqueeze(-1), 0.0)
         return self.tp.all_reduce(out)
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.packed_weight is None:
+            return F.embedding(ids, self.weight)
+        return rows_of_packed(self.packed_weight, ids)
 
     def checkpoint_slices(self, attr: str, param: torch.Tensor) -> list[WeightSlice]:
         return [_vocab_rows(self, param)]
@@ -45,7 +54,7 @@ class ParallelLMHead(nn.Module):
     """``[N, hidden] -> [N, vocab]`` float32 logits (the sampler wants float32 whatever the dtype),
     the same full rows on every rank (each rank samples, with the same generator state)."""
 
-    # Set by prepack_linear_weights (see linear.py); a tied head gets its own packed copy.
+    # The weight as panels, in place of ``weight`` (see linear.py's pack_linear).
     packed_weight: torch.Tensor | None = None
 
     def __init__(self, hidden_size: int, vocab_size: int) -> None:
@@ -53,6 +62,7 @@ class ParallelLMHead(nn.Module):
         tp = get_tp_group()
         rows = -(-vocab_size // tp.world_size)
         self.weight = nn.Parameter(torch.empty(rows, hidden_size))
+        self.out_features = rows  # this rank's
         self.tp = tp
         self.vocab_size = vocab_size
         self.vocab_start = min(tp.rank * rows, vocab_size)
@@ -64,7 +74,7 @@ class ParallelLMHead(nn.Module):
         self.weight = embedding.weight
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = linear(hidden_states, self.weight, None, self.packed_weight)
+        logits = linear(self, hidden_states, None)
         if self.tp.world_size == 1:
             return logits.float()
         # Gather in the model's dtype (half the bytes of float32 for bf16), then widen.

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from pagedllm.layers.attention_metadata import AttentionMetadata
+    from pagedllm.layers.attention.backend import AttentionMetadata
 
 # A module-level value rather than a ContextVar: one forward pass runs on one thread at a time and
 # the lookup happens once per layer, so the simplest thing is also the cheapest.

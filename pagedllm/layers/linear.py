@@ -12,22 +12,18 @@ output dimension so one matmul replaces two or three; each part remembers its ch
 and where this rank's rows start in it, so the loader reads just those rows from safetensors
 (``checkpoint_slices``).
 
-On CPU the runner may call ``prepack_linear_weights(model)`` once after loading: every linear
-layer then also holds its weight as the panels of ``pagedllm::skinny_gemm`` (layers/csrc/
-skinny_gemm.cpp), which then multiplies every 2-D input of the layer. It was written for decode
-steps, where a linear is bound by how fast its weights stream from memory: there it is 1.2-2.5x
-oneDNN's prepacked matmul on the decoder's projections at 8-32 rows (oneDNN reads weights in
-bursts), 1.0-1.4x on the lm_head. At prefill sizes it runs at ~90% of the FMA peak with warm
-caches: ~2x a plain ``F.linear`` (MKL sgemm, which on AMD CPUs takes an AVX2 path and re-packs
-the whole weight on every call); oneDNN's prepacked matmul is 1.05-1.45x faster there with
-cold caches, but would need a third copy of the weights
-(``python -m benchmarks.linear_kernels``). Above 64 rows it takes a wider register tile (6 rows
-x 64 columns), which on Intel CPUs brings prefill within ~0.8-1.0x of MKL.
-It sums in float32 like the others (results agree to rounding), in the same order for every row
-count, so a row's result does not depend on its batch. The C++ op ``pagedllm::packed_linear`` (same file)
-adds the bias; a compiled graph calls it directly as an opaque node with the weights as its
-inputs: inductor would otherwise lower the matmul to a plain sgemm; the elementwise work around
-the op is still fused (vLLM's CPU path calls its oneDNN matmul the same way).
+On CPU a float32 layer may hold its weight as the panels of ``pagedllm::skinny_gemm`` (layers/
+csrc/skinny_gemm.cpp) instead of the plain ``[out, in]`` matrix: ``pack_linear`` converts it, and
+the runner decides which layers to convert by measuring the kernel against torch's matmul on
+this CPU at startup (layers/linear_kernel.py). Either way a layer holds exactly one copy of its
+weight. The kernel was written for decode steps, where a linear is bound by how fast its weights
+stream from memory (1.2-2.5x oneDNN's prepacked matmul at 8-32 rows on AVX-512, 1.1-1.6x on
+AVX2), and runs at prefill sizes close to the FMA peak. It sums in float32 like the others
+(results agree to rounding), in the same order for every row count, so a row's result does not
+depend on its batch. The C++ op ``pagedllm::packed_linear`` (same file) adds the bias; a
+compiled graph calls it directly as an opaque node with the panels as its input: inductor would
+otherwise lower the matmul to a plain sgemm; the elementwise work around the op is still fused
+(vLLM's CPU path calls its oneDNN matmul the same way).
 """
 from __future__ import annotations
 
@@ -45,13 +41,19 @@ from pagedllm.layers.cpu_extension import load_cpu_ops
 _PANEL = 64
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           packed: torch.Tensor | None) -> torch.Tensor:
-    """``x W^T + b`` (``x`` is 2-D): through ``pagedllm::packed_linear`` (the skinny kernel) when
-    the weight is prepacked, else ``F.linear``."""
-    if packed is None:
-        return F.linear(x, weight, bias)
-    return torch.ops.pagedllm.packed_linear(x, weight, packed, bias)
+def linear(layer: Linear | nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x W^T + b`` for a layer holding its weight as ``weight`` (``F.linear``) or as panels,
+    ``packed_weight`` (``pagedllm::packed_linear``, the skinny kernel); ``layer.out_features``
+    is W's number of rows."""
+    if layer.packed_weight is None:
+        return F.linear(x, layer.weight, bias)
+    return torch.ops.pagedllm.packed_linear(x, layer.packed_weight, layer.out_features, bias)
+
+
+def rows_of_packed(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` of the weight held as panels ``packed`` (an embedding lookup for a tied
+    embedding whose head holds the panels): ``[T] -> [T, in]``."""
+    return packed[ids // _PANEL, :, ids % _PANEL]
 
 
 @dataclass(frozen=True)
@@ -77,15 +79,15 @@ class Linear(nn.Linear):
     """``y = x W^T + b``, replicated on every rank; a separate name so every projection in the
     models reads the same."""
 
-    # A plain attribute, not a buffer: a derived copy that state_dict() and .to() must ignore
-    # (set by prepack_linear_weights).
+    # The weight as skinny_gemm's panels, in place of ``weight`` (then None): set by pack_linear.
+    # A plain attribute, not a buffer: the loader fills ``weight`` and packing comes after.
     packed_weight: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return linear(x, self.weight, bias, self.packed_weight)
+        return linear(self, x, bias)
 
 
 class ColumnParallelLinear(Linear):
@@ -171,13 +173,14 @@ class RowParallelLinear(Linear):
         return [WeightSlice(param, None, 1, self.tp.rank * self.in_features, self.full_in_features)]
 
 
-def _prepack(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+def pack_weight(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
     """``weight`` [out, in] as skinny_gemm's panels [ceil(out / 64), in, 64] (zero rows pad the
     last), or None when the kernel cannot run here: not float32 on CPU, or not built. Checked
     once against float64: a kernel whose error is not that of float32 rounding is never used."""
     if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2:
         return None
-    if load_cpu_ops() is None:
+    ops = load_cpu_ops()
+    if ops is None:
         return None
     out_features, in_features = weight.shape
     padded = F.pad(weight.detach(), (0, 0, 0, -out_features % _PANEL))
@@ -186,7 +189,8 @@ def _prepack(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | 
     w64, b64 = weight.double(), None if bias is None else bias.double()
     for rows in (1, 5, 40):
         x = torch.randn(rows, in_features, generator=gen)
-        error = (linear(x, weight, bias, packed).double() - F.linear(x.double(), w64, b64)).abs()
+        error = (ops.packed_linear(x, packed, out_features, bias).double()
+                 - F.linear(x.double(), w64, b64)).abs()
         # Rounding of a float32 dot product is bounded by a multiple of eps x sum |x_i w_i|;
         # a wrong layout or a missed term is off by the order of the sum itself.
         scale = x.double().abs() @ w64.abs().T + (0 if b64 is None else b64.abs())
@@ -195,16 +199,11 @@ def _prepack(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | 
     return packed
 
 
-@torch.inference_mode()
-def prepack_linear_weights(model: nn.Module) -> int:
-    """Give every module with a ``packed_weight`` slot (the linear layers, ParallelLMHead) its
-    prepacked weight; returns how many were packed. Weights must not change afterwards.
-
-    The packed copy doubles the memory of the linear weights, so the runner only calls this on
-    CPU when the model is small next to RAM."""
-    count = 0
-    for module in model.modules():
-        if hasattr(type(module), "packed_weight"):
-            module.packed_weight = _prepack(module.weight, getattr(module, "bias", None))
-            count += module.packed_weight is not None
-    return count
+def pack_linear(layer: nn.Module) -> bool:
+    """Hold ``layer``'s weight as panels only (its ``weight`` becomes None); False, changing
+    nothing, when the kernel cannot take it. Weights must not change afterwards."""
+    packed = pack_weight(layer.weight, getattr(layer, "bias", None))
+    if packed is None:
+        return False
+    layer.packed_weight, layer.weight = packed, None
+    return True

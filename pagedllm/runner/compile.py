@@ -18,8 +18,8 @@ Triton; without one, the engine logs a line and runs eagerly. The environment va
 ``PAGEDLLM_ENFORCE_EAGER=1`` makes unset mean eager: the test suite sets it (tests/conftest.py),
 as vLLM's CPU CI runs eagerly, because each engine would otherwise spend 7-40 s compiling.
 
-On CPU the linears multiply through prepacked weights (the skinny kernel, layers/linear.py),
-each an opaque op in the graph, as in eager mode; inductor fuses what lies between them.
+On CPU the linears that hold packed weights (the skinny kernel, layers/linear_kernel.py chooses
+them) are each an opaque op in the graph, as in eager mode; inductor fuses what lies between them.
 Measured with ``python -m benchmarks.compile_ab --num-requests 16 --max-tokens 96`` (engines
 alternating single steps in one process, 2 shared cores, 2026-12-01): decode steps 1.11x as
 fast compiled on the 58M Qwen3, prefill 1.09x; the tiny demo model 1.09x at decode, 1.10x at
@@ -83,7 +83,7 @@ class CompiledForward:
         # fullgraph: a graph break would be a silent slowdown (and a second graph); fail loudly.
         # dynamic=False: only the token dimension is symbolic, marked per call below.
         # No size/alignment asserts: the generated wrapper checks every output of every opaque op
-        # (attention, the prepacked linears) against its fake implementation on every call, ~1%
+        # (attention, the packed linears) against its fake implementation on every call, ~1%
         # of a decode step of the 58M model; tests/runner/test_compile.py holds the compiled
         # outputs to the eager ones instead.
         self._forward: Callable[..., torch.Tensor] = torch.compile(

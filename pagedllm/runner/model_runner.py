@@ -17,7 +17,7 @@ from pagedllm.layers.attention import get_attn_backend
 from pagedllm.layers.attention_metadata import build_attention_metadata
 from pagedllm.layers.forward_context import set_forward_context
 from pagedllm.layers.kv_cache import bind_kv_caches, copy_blocks, kv_cache_shape
-from pagedllm.layers.linear import prepack_linear_weights
+from pagedllm.layers.linear_kernel import choose_linear_kernels
 from pagedllm.models.loader import load_model
 from pagedllm.runner.compile import maybe_compile
 from pagedllm.runner.grammar_bitmask import apply_grammar_bitmask
@@ -52,10 +52,10 @@ class ModelRunner:
         torch.manual_seed(mc.seed)
         self.model, self.hf_config = load_model(mc.model, self.dtype, self.device)
         if self.device.type == "cpu":
+            # Each layer's weight in the layout of the faster kernel on this CPU, one copy
+            # (layers/linear_kernel.py); before the allocator keeps what is freed.
+            choose_linear_kernels(self.model)
             _keep_freed_memory()
-        if self.device.type == "cpu" and _param_bytes(self.model) * 4 < _total_ram_bytes():
-            # A second, matmul-friendly copy of the linear weights (see layers/linear.py).
-            prepack_linear_weights(self.model)
         # The compiled forward, or None: eager (see runner/compile.py).
         self.compiled = maybe_compile(self.model, mc.enforce_eager, self.device, warmup_tokens=16)
         self.vocab_size = self.model.vocab_size
@@ -250,20 +250,21 @@ def _keep_freed_memory() -> None:
     By default glibc serves large blocks with mmap and gives them (and the top of the heap) back
     to the OS when freed, so every large activation of the next step page-faults its memory in
     again: a 2048-token prefill step took ~100k page faults, a quarter of its time. Like torch's
-    CUDA caching allocator, keep it. Process-wide and idempotent; a no-op off glibc."""
+    CUDA caching allocator, keep it. Process-wide and idempotent; a no-op off glibc.
+
+    What loading freed (safetensors' read buffers, the matrices replaced by packed panels, the
+    kernel measurements' temporaries) is given back first: it lies in holes of the heap that
+    glibc would otherwise keep, ~0.6x the checkpoint's size resident for nothing."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
         return
+    libc.malloc_trim(0)
     m_trim_threshold, m_mmap_threshold = -1, -3  # from <malloc.h>
     libc.mallopt(m_mmap_threshold, 32 << 20)  # blocks up to 32 MiB from the heap (glibc's max)
     libc.mallopt(m_trim_threshold, 1 << 30)  # keep up to 1 GiB free at the top of the heap
-
-
-def _param_bytes(model: torch.nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 def _total_ram_bytes() -> int:

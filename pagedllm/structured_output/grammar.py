@@ -13,6 +13,12 @@ from typing import Any
 from pagedllm.errors import ValidationError
 from pagedllm.structured_outputs_params import PARAM, StructuredOutputsParams
 
+# The whitespace allowed between JSON tokens unless a request says otherwise: at most one space.
+# Models write JSON on one line (json.dumps' style or compact), and JSON's own rule (any run of
+# spaces, tabs and newlines) lets a weak model spend max_tokens on whitespace between two tokens,
+# so the reply is cut off and never parses. Tool calls use it too (tool_request.py).
+ONE_SPACE = "[ ]?"
+
 
 def llguidance() -> Any:
     """The library, imported on first use (import pagedllm never pays for it)."""
@@ -31,10 +37,8 @@ def grammar_source(params: StructuredOutputsParams) -> str:
     try:
         if kind in ("json", "json_object"):
             schema: Any = params.json if kind == "json" else {"type": "object"}
-            options: dict[str, Any] = {"whitespace_flexible": not params.disable_any_whitespace}
-            if params.whitespace_pattern is not None:
-                options["whitespace_pattern"] = params.whitespace_pattern
-            source = llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=options)
+            source = llg.LLMatcher.grammar_from_json_schema(json.dumps(schema),
+                                                             defaults=_json_whitespace(params))
         elif kind == "regex":
             source = llg.LLMatcher.grammar_from_regex(params.regex)
         elif kind == "choice":
@@ -54,6 +58,17 @@ def grammar_source(params: StructuredOutputsParams) -> str:
         raise ValidationError(f"{PARAM}.json uses what pagedllm cannot enforce: "
                               f"{_first_line(messages[0])}", PARAM)
     return source
+
+
+def _json_whitespace(params: StructuredOutputsParams) -> dict[str, Any]:
+    """llguidance's whitespace options: ``whitespace_pattern`` if given; else vLLM's
+    ``disable_any_whitespace``: True, none (compact JSON); False, any that JSON allows (vLLM's
+    default); unset, at most one space (ONE_SPACE)."""
+    if params.whitespace_pattern is not None:
+        return {"whitespace_pattern": params.whitespace_pattern}
+    if params.disable_any_whitespace is None:
+        return {"whitespace_pattern": ONE_SPACE}
+    return {"whitespace_flexible": not params.disable_any_whitespace}
 
 
 def _to_lark(grammar: str) -> str:

@@ -15,6 +15,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -42,9 +43,12 @@ class _Held:
 
 
 class StructuredOutputManager:
-    def __init__(self, tokenizer_path: str, max_workers: int = 2) -> None:
+    def __init__(self, tokenizer_path: str, max_workers: int = 2,
+                 disable_any_whitespace: bool | None = None) -> None:
         self.tokenizer_path = tokenizer_path
         self.max_workers = max_workers
+        # The engine's structured_outputs_config default, for requests that leave it unset.
+        self.disable_any_whitespace = disable_any_whitespace
         self.backend: GrammarBackend | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._grammars: dict[GrammarKey, Future] = {}  # the cache: compiled or compiling
@@ -56,6 +60,9 @@ class StructuredOutputManager:
     # -- admission ---------------------------------------------------------------------------
     def add(self, request_id: str, params: StructuredOutputsParams, sample_ids: list[str],
             eos_token_ids: frozenset[int], enter: Callable[[], None]) -> None:
+        if (self.disable_any_whitespace is not None and params.disable_any_whitespace is None
+                and params.whitespace_pattern is None):
+            params = dataclasses.replace(params, disable_any_whitespace=self.disable_any_whitespace)
         key = params.key
         future = self._grammars.get(key)
         if future is None:

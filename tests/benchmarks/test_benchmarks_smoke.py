@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 
@@ -113,6 +114,10 @@ def test_memory(tiny_model, tmp_path, capsys):
     held = r["paged_batch"]  # memory truth: the KV allocated is the budget, and nothing beside it
     assert r["kv_budget_bytes"] - 16 * 512 < held["kv_cache_bytes"] <= r["kv_budget_bytes"]
     assert held["other_tensor_bytes"] < 16 * 512 and held["peak_rss_bytes"] > 0
+    # The weights reported apart from the KV: the checkpoint's float32 tensors, held once (the
+    # packed panels pad each layer to 64 output rows: at most twice a tiny model's matrices).
+    checkpoint = sum(p.stat().st_size for p in Path(tiny_model).glob("*.safetensors"))
+    assert 0.9 * checkpoint < held["weight_bytes"] < 2 * checkpoint
 
 
 def test_latency(tiny_model, tmp_path, capsys):

@@ -61,7 +61,8 @@ def _workers(proc: subprocess.Popen, backend: str) -> list[psutil.Process]:
     if backend == "ray":
         return [p for p in tree if "RayWorkerWrapper" in " ".join(p.cmdline())]
     # mp: the engine core is the server's spawned child, its workers are the core's.
-    return [p for p in tree if "spawn_main" in " ".join(p.cmdline()) and p.ppid() != proc.pid]
+    return [p for p in tree if "pagedllm.executor.process_main" in " ".join(p.cmdline())
+            and p.ppid() != proc.pid]
 
 
 @pytest.fixture(scope="module")

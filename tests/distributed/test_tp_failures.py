@@ -52,14 +52,18 @@ def test_valid_sizes_follow_the_heads():
                                     "intermediate_size": 96}, 3)
 
 
-def test_a_size_that_does_not_split_the_demo_model_fails_before_spawning(no_orphans):
+def test_a_size_that_does_not_split_the_demo_model_fails_before_spawning(no_orphans, monkeypatch):
     config = EngineConfig.from_kwargs(str(DEMO_MODEL_DIR), device="cpu", tensor_parallel_size=3)
     before = {p.pid for p in _children()}  # other tests' helpers (a Ray node, say) may be up
-    t0 = time.monotonic()
+
+    def no_process(*args, **kwargs):
+        raise AssertionError("a worker process was started for a size that cannot work")
+
+    monkeypatch.setattr("pagedllm.executor.multiproc.ChildProcess", no_process)
     with pytest.raises(ValidationError, match="tensor_parallel_size=3 .* valid sizes: 1, 2, 4") as e:
         create_executor(config, max_model_len=256)
     assert e.value.param == "tensor_parallel_size"
-    assert time.monotonic() - t0 < 1.0 and not [p for p in _children() if p.pid not in before]
+    assert not [p for p in _children() if p.pid not in before]
 
 
 @pytest.mark.slow  # two workers import torch (about 10 s here)
@@ -86,7 +90,9 @@ def test_a_master_nobody_can_reach_is_named_within_the_timeout(no_orphans):
 
 
 def test_a_rank_killed_mid_step_wakes_the_engine_naming_it(no_orphans):
-    executor = MultiprocExecutor(functools.partial(SlowFakeRunner, 1.0), world_size=2)
+    # Rank 0's step takes 60 s: the engine must wake on rank 1's death, not on rank 0's reply
+    # (at once, usually; bounded at 30 s for a loaded machine).
+    executor = MultiprocExecutor(functools.partial(SlowFakeRunner, 60.0), world_size=2)
     pids = executor.worker_pids
     try:
         executor.initialize(8, 4)
@@ -101,7 +107,7 @@ def test_a_rank_killed_mid_step_wakes_the_engine_naming_it(no_orphans):
         threading.Thread(target=kill_soon, daemon=True).start()
         with pytest.raises(EngineDeadError, match=r"worker rank 1 .* killed by signal SIGKILL"):
             executor.execute_model(SchedulerOutput([], CachedRequestData(), {}, 0))
-        assert time.monotonic() - killed_at[0] < 1.0
+        assert time.monotonic() - killed_at[0] < 30.0
         with pytest.raises(EngineDeadError, match="rank 1"):
             executor.check_health()  # and every later call says the same
     finally:

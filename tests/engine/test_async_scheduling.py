@@ -98,6 +98,15 @@ def test_tiny_models_prompt_and_sample_logprobs_identical(tiny_model_dirs, e2e):
         for a, b in zip(sync.generate(prompts, params, use_tqdm=False),
                         async_.generate(prompts, params, use_tqdm=False)):
             assert a.outputs[0].token_ids == b.outputs[0].token_ids, arch
-            for pa, pb in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+            assert len(a.prompt_logprobs) == len(b.prompt_logprobs) == len(prompts[0]["prompt_token_ids"])
+            for pa, pb in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:], strict=True):
+                assert pa.keys() == pb.keys(), arch
                 assert all(abs(pa[t].logprob - pb[t].logprob) < 1e-4 for t in pa), arch
+            # The sample logprobs: one dict per sampled token (the token and the top 3), each
+            # computed in a step that async scheduling queued before the previous token was known.
+            sa, sb = a.outputs[0].logprobs, b.outputs[0].logprobs
+            assert len(sa) == len(sb) == 12, arch
+            for tok, la, lb in zip(a.outputs[0].token_ids, sa, sb, strict=True):
+                assert tok in la and la.keys() == lb.keys() and 3 <= len(la) <= 4, arch
+                assert all(abs(la[t].logprob - lb[t].logprob) < 1e-4 for t in la), arch
         e2e.assert_engine_idle(async_)

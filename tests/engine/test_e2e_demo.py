@@ -250,3 +250,24 @@ def test_string_prompts_return_text_in_input_order(demo_model_path, demo_tokeniz
     # A single string prompt works too and returns one output.
     single = llm.generate(prompts[0], _greedy(24), use_tqdm=False)
     assert len(single) == 1 and single[0].outputs[0].text == outputs[0].outputs[0].text
+
+
+@pytest.mark.slow  # torch.compile at startup: 15-40 s on two cores
+def test_compiled_model_matches_transformers_under_chunking_and_preemption(demo_model_path, demo_cases, e2e):
+    """The suite runs eagerly (tests/conftest.py) while the CPU default is compiled: this runs
+    the transformers parity compiled, with every long prompt chunked (16-token budget), a
+    cache small enough to preempt, and prefix caching on."""
+    import torch
+    from ci_support import skip_unless_ci
+
+    from pagedllm.runner.compile import compile_disabled_reason
+
+    reason = compile_disabled_reason(False, torch.device("cpu"))
+    if reason is not None:
+        skip_unless_ci(f"no compiled mode here: {reason}")
+    llm = _small_cache_llm(demo_model_path, enforce_eager=False, max_num_batched_tokens=16)
+    assert llm.llm_engine.executor.runner.compiled is not None
+    assert max(len(c["prompt_ids"]) for c in demo_cases) > 16  # so some prompts are chunked
+    _assert_matches(_run(llm, demo_cases), demo_cases, e2e)
+    assert llm.get_metrics()["pagedllm:num_preemptions"] > 0
+    e2e.assert_engine_idle(llm)

@@ -122,11 +122,30 @@ def test_logit_bias_token_outside_vocabulary(llm, reference, e2e):
     ({"stop": [""]}, "stop"),
     ({"logit_bias": {5: 1000.0}}, "logit_bias"),
 ])
-def test_invalid_sampling_values(llm, reference, e2e, kwargs, param):
+def test_invalid_sampling_values(kwargs, param):
+    """Refused where SamplingParams are made (the constructor and clone(), which LLM.generate
+    uses to change output_kind), so no such value reaches an engine through them. (An engine
+    check after this would prove nothing: the engine never saw the values.)"""
     with pytest.raises(ValidationError) as info:
         SamplingParams(**kwargs)
     assert info.value.param == param
     assert param in str(info.value)
+    with pytest.raises(ValidationError) as info:
+        _greedy().clone(**kwargs)
+    assert info.value.param == param
+
+
+@pytest.mark.xfail(strict=True, raises=(AssertionError, pytest.fail.Exception, IndexError),
+                   reason="the engine does not validate SamplingParams again: a field set after "
+                          "construction (params.n = 0) reaches the scheduler (IndexError)")
+def test_sampling_params_changed_after_construction_are_refused_by_the_engine(demo_model_path, reference, e2e):
+    """vLLM users set fields on a SamplingParams they made (``params.max_tokens = ...``): a bad
+    value set that way must be a ValidationError at add_request, and the engine keeps serving.
+    Its own engine: while this fails, the module's engine is not left with a half-added request."""
+    llm = LLM(demo_model_path, device="cpu", max_model_len=MAX_MODEL_LEN)
+    params = _greedy()
+    params.n = 0
+    _raises(llm, {"prompt_token_ids": ONCE}, params, ValidationError, "n")
     _assert_still_serving(llm, reference, e2e)
 
 

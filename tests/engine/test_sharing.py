@@ -144,14 +144,18 @@ def test_beam_search_with_eos_matches_transformers(demo_llm, hf_demo):
 
 
 def test_beam_search_under_memory_pressure_matches_roomy(demo_llm):
-    tight = LLM(str(DEMO), block_size=4, num_gpu_blocks_override=40, max_num_seqs=8)
+    # 20 blocks of 4 tokens for 8 beams of up to 25 tokens: beams must be preempted (40 were
+    # enough for all of them, and the test then compared two roomy runs).
+    tight = LLM(str(DEMO), block_size=4, num_gpu_blocks_override=20, max_num_seqs=8)
     prompts = [{"prompt_token_ids": p} for p in _case_prompts()]
     params = BeamSearchParams(beam_width=3, max_tokens=20)
     a = tight.beam_search(prompts, params)
     b = demo_llm.beam_search(prompts, params)
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=True):
         assert [s.tokens for s in x.sequences] == [s.tokens for s in y.sequences]
-    assert tight.get_metrics()["pagedllm:kv_cache_usage_perc"] == 0.0
+    m = tight.get_metrics()
+    assert m["pagedllm:num_preemptions"] > 0  # the pressure was real: beams were preempted
+    assert m["pagedllm:kv_cache_usage_perc"] == 0.0
 
 
 # -- speculative decoding -----------------------------------------------------------------------

@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import logging
 import socket
+import threading
 import time
 
 import httpx
 import pytest
-from server_utils import HTTP
+from server_utils import HTTP, ServerThread, make_fake_engine, scrape
 
+from pagedllm.config import default_model
+from pagedllm.engine.model_info import ModelInfo
+from pagedllm.entrypoints.openai.server import build_app
 from pagedllm.entrypoints.openai.server_options import ServerOptions
+from pagedllm.runner.fake import FakeRunner
 
 OK = {"model": "demo", "prompt": "Once upon a time", "max_tokens": 2}
 CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -135,32 +140,70 @@ def test_default_sequence_cap_is_half_the_batch_at_most_64(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "n"
 
 
-def test_the_largest_allowed_request_does_not_stall_a_small_one(server):
-    """The bound: a one-token request sent while a request with the largest allowed n (64, and
-    200 tokens each) is decoding finishes within 20% of the big request's run time: it is
-    admitted at the next step (the big one cannot hold every slot) and needs a step or two,
-    where without the cap it would wait for the big one to end."""
-    import threading
+class _SteppingRunner(FakeRunner):
+    """A FakeRunner whose steps take a fixed time (a model that computes), so a 200-token request
+    lasts seconds and 'finished before the big one' is a matter of steps, not of luck."""
 
-    big_times: list[float] = []
+    def __init__(self, vocab_size: int, delay: float) -> None:
+        super().__init__(vocab_size)
+        self.delay = delay
 
-    def big() -> None:
+    def execute_model(self, so):
+        time.sleep(self.delay)
+        return super().execute_model(so)
+
+
+def _wait_for(condition, timeout: float = 30.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def test_the_largest_allowed_request_does_not_stall_a_small_one(demo_tokenizer):
+    """The README's bound: a one-token request sent while the largest request the server accepts
+    is decoding is admitted at the next step (the big one cannot hold every slot) and finishes
+    while the big one is still running, within 20% of the big one's run time.
+
+    max_num_seqs is 8, so without the per-request cap the largest accepted request (n=8) fills
+    every slot and the small one waits for all its 200 steps: the test then fails. The largest
+    n is found by asking the server, not assumed from the cap's rule."""
+    max_num_seqs = 8
+    runner = _SteppingRunner(ModelInfo.from_folder(default_model()).vocab_size, delay=0.02)
+    engine = make_fake_engine(demo_tokenizer, runner, max_num_seqs=max_num_seqs,
+                              num_gpu_blocks_override=512)  # roomy: no preemption muddles it
+    srv = ServerThread(build_app(engine, ["demo"])).start()
+    try:
+        largest = next(n for n in range(max_num_seqs, 0, -1)
+                       if HTTP.post(f"{srv.url}/v1/completions", json={**OK, "n": n, "max_tokens": 1}
+                                    ).status_code == 200)
+        assert 1 < largest < max_num_seqs, largest
+        big_done: list[float] = []
+
+        def big() -> None:
+            r = HTTP.post(f"{srv.url}/v1/completions", timeout=120,
+                          json={**OK, "n": largest, "max_tokens": 200, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            big_done.append(time.monotonic())
+
+        big_start = time.monotonic()
+        thread = threading.Thread(target=big)
+        thread.start()
+        # Every sample of the big request is decoding (forked and running) before the small one is sent.
+        _wait_for(lambda: scrape(srv.url).get("vllm:num_requests_running") == largest,
+                  what=f"{largest} running sequences")
         start = time.monotonic()
-        r = HTTP.post(f"{server.url}/v1/completions", timeout=120,
-                      json={**OK, "n": 64, "max_tokens": 200, "ignore_eos": True, "temperature": 1.0})
+        r = HTTP.post(f"{srv.url}/v1/completions", json={**OK, "max_tokens": 1}, timeout=120)
+        small_done = time.monotonic()
         assert r.status_code == 200, r.text
-        big_times.append(time.monotonic() - start)
-
-    thread = threading.Thread(target=big)
-    thread.start()
-    time.sleep(0.3)  # the big request is admitted and decoding
-    start = time.monotonic()
-    r = HTTP.post(f"{server.url}/v1/completions", json={**OK, "max_tokens": 1}, timeout=120)
-    small = time.monotonic() - start
-    assert r.status_code == 200
-    thread.join(timeout=120)
-    assert big_times, "the big request did not finish"
-    assert small < 0.2 * big_times[0], (small, big_times[0])
+        # The big request's samples are all still decoding: the small one did not wait for them.
+        assert scrape(srv.url)["vllm:num_requests_running"] >= largest and not big_done, \
+            "the small request waited for the big one"
+        thread.join(timeout=120)
+        assert big_done, "the big request did not finish"
+        assert small_done - start < 0.2 * (big_done[0] - big_start), (small_done - start, big_done[0] - big_start)
+    finally:
+        srv.stop()
 
 
 def test_chat_beam_search(server):

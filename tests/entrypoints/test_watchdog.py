@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import httpx
 from server_utils import make_fake_engine
@@ -82,23 +83,43 @@ def test_idle_loop_with_open_requests_is_stuck(demo_tokenizer):
     assert reason is not None and "1 requests open" in reason
 
 
+class SteadyRunner(FakeRunner):
+    """Every step takes ``delay`` seconds: a model that computes, slowly but steadily."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__(VOCAB)
+        self.delay = delay
+
+    def execute_model(self, so):
+        time.sleep(self.delay)
+        return super().execute_model(so)
+
+
 def test_busy_engine_is_not_stuck(demo_tokenizer):
-    llm = AsyncLLM(make_fake_engine(demo_tokenizer, None, num_gpu_blocks_override=64),
-                   watchdog_timeout_s=0.5)
+    """Steps of 0.2 s (under the 0.5 s timeout, but not by much) for over three watchdog periods,
+    requests open at every probe: a watchdog that counted from the request's arrival, or from the
+    last finished request, instead of from the last computed token, reports this engine."""
+    timeout_s, step_s = 0.5, 0.2
+    llm = AsyncLLM(make_fake_engine(demo_tokenizer, SteadyRunner(step_s), num_gpu_blocks_override=64),
+                   watchdog_timeout_s=timeout_s)
 
     async def run():
-        reasons = []
+        probes: list[tuple[str | None, int]] = []  # (health_error, requests still open) per probe
+        # 8 requests x 12 tokens: ~13 steps of 0.2 s, longer than the probing below.
+        tasks = [asyncio.create_task(_collect(llm.generate([1, 403, 407 + i], _params(12), f"r{i}")))
+                 for i in range(8)]
+        await asyncio.sleep(0.1)  # the requests are queued
+        start = time.monotonic()
+        while time.monotonic() - start < 3.5 * timeout_s:
+            probes.append((llm.health_error(), sum(not t.done() for t in tasks)))
+            await asyncio.sleep(0.05)
+        await asyncio.gather(*tasks)
+        return probes
 
-        async def probe():
-            for _ in range(20):
-                reasons.append(llm.health_error())
-                await asyncio.sleep(0.05)
-
-        await asyncio.gather(probe(), *[_collect(llm.generate([1, 403, 407 + i], _params(64), f"r{i}"))
-                                        for i in range(8)])
-        return reasons
-
-    assert all(r is None for r in asyncio.run(run()))
+    probes = asyncio.run(run())
+    assert len(probes) >= 20
+    assert all(open_requests > 0 for _, open_requests in probes), probes  # busy at every probe
+    assert all(reason is None for reason, _ in probes), probes
 
 
 async def _collect(gen) -> list[int]:

@@ -13,7 +13,7 @@ from pagedllm.config import ModelConfig
 from pagedllm.errors import ValidationError
 from pagedllm.layers import (Attention, bind_kv_caches, build_attention_metadata, get_attn_backend,
                              kv_cache_shape, set_forward_context)
-from pagedllm.layers.attention import backend as backend_module
+from pagedllm.layers.attention import selector
 from pagedllm.layers import cpu_extension
 
 
@@ -151,12 +151,12 @@ def test_backend_choice_and_validation():
 
 
 def test_a_failed_build_falls_back_to_torch_with_one_warning(monkeypatch, caplog):
-    def broken_build():
+    def broken_build(isa):
         raise RuntimeError("c++: error: no such compiler")
 
     monkeypatch.setattr(cpu_extension, "_build", broken_build)
     cpu_extension.load_cpu_ops.cache_clear()
-    backend_module.get_attn_backend.cache_clear()
+    selector.get_attn_backend.cache_clear()
     try:
         with caplog.at_level(logging.WARNING):
             assert get_attn_backend("cpu_paged", "cpu").name == "torch"
@@ -165,7 +165,7 @@ def test_a_failed_build_falls_back_to_torch_with_one_warning(monkeypatch, caplog
         assert len(warnings) == 1 and "no such compiler" in warnings[0].getMessage()
     finally:  # the real kernel for the tests after this one
         cpu_extension.load_cpu_ops.cache_clear()
-        backend_module.get_attn_backend.cache_clear()
+        selector.get_attn_backend.cache_clear()
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 4, 64), (32, 8, 128), (4, 2, 12), (8, 8, 8)])
@@ -196,3 +196,33 @@ def test_a_query_gets_the_same_bits_as_a_decode_and_inside_any_chunk(cpu_paged, 
                 decodes[pos] = op(chunk_q[i:i + 1], cache, table, torch.tensor([0, 1]),
                                   torch.tensor([pos + 1]), 0.3)[0]
             assert torch.equal(chunk[i], decodes[pos]), (rows, pos)
+
+
+@pytest.mark.parametrize("isa", ["v3", "v4"])
+def test_every_level_computes_the_same_attention(isa):
+    """The x86-64-v3 build keeps fewer rows in registers per pass than the v4 one (16 vector
+    registers, not 32): every level this CPU can run agrees with the engine's build (which the
+    tests above hold to the torch backend), on decodes, a fresh prompt and a chunk. (Not bit
+    for bit: -march=native and -march=x86-64-v3 may vectorise the scalar tails differently.)"""
+    if not cpu_extension.can_run(isa):
+        pytest.skip(f"this CPU cannot run {isa}")
+    ops = cpu_extension.load_cpu_ops(isa)
+    assert ops is not None, f"the {isa} build failed"
+    native = cpu_extension.load_paged_attention_op()
+    gen = torch.Generator().manual_seed(7)
+    for heads, kv_heads, head_dim, block_size in [(8, 4, 64, 16), (32, 8, 128, 4), (6, 1, 12, 1)]:
+        lens, news = [300, 17, 64, 1], [1, 17, 20, 1]  # decodes, a fresh prompt, a chunk
+        num_blocks = sum(-(-n // block_size) for n in lens) + 2
+        cache = torch.randn(kv_cache_shape(num_blocks, block_size, kv_heads, head_dim), generator=gen)
+        perm = torch.randperm(num_blocks, generator=gen)
+        width = max(-(-n // block_size) for n in lens)
+        tables = torch.zeros(len(lens), width, dtype=torch.long)
+        used = 0
+        for b, n in enumerate(lens):
+            k = -(-n // block_size)
+            tables[b, :k] = perm[used:used + k]
+            used += k
+        qsl = torch.tensor([0, *torch.tensor(news).cumsum(0).tolist()])
+        q = torch.randn(int(qsl[-1]), heads, head_dim, generator=gen)
+        args = (q, cache, tables, qsl, torch.tensor(lens), head_dim ** -0.5)
+        torch.testing.assert_close(ops.paged_attention(*args), native(*args), rtol=1e-5, atol=2e-6)

@@ -1,88 +1,131 @@
-"""The linears' kernels (layers/linear.py): the skinny C++ kernel against float64, at every row
-count a tile can take and at prefill sizes, ragged output and input sizes, with bias; that a
-prepacked layer runs it at every row count and an unpacked one ``F.linear``; and batch invariance
-(a row's result does not depend on the rows beside it)."""
+"""The linears' kernels (layers/linear.py, csrc/skinny_gemm.cpp): the skinny C++ kernel against
+float64 at every row count a tile can take and at prefill sizes, ragged output and input sizes,
+with bias; batch invariance (a row's result does not depend on the rows beside it), on every
+x86 level this CPU can run (the engine's native build, and the x86-64-v3 / -v4 builds, whose
+tiles differ); that a packed layer holds its weight once and runs the kernel at every row
+count, and an unpacked one ``F.linear``."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedllm.layers.cpu_extension import load_cpu_ops
-from pagedllm.layers.linear import _PANEL, Linear, _prepack, linear, prepack_linear_weights
+from pagedllm.layers.cpu_extension import can_run, load_cpu_ops
+from pagedllm.layers.linear import _PANEL, Linear, linear, pack_linear, pack_weight, rows_of_packed
 
 pytestmark = pytest.mark.skipif(load_cpu_ops() is None, reason="no C++ compiler: no CPU kernels")
+
+ISAS = [pytest.param(isa, marks=pytest.mark.skipif(not can_run(isa), reason=f"this CPU cannot run {isa}"))
+        for isa in ("native", "v3", "v4")]
+
+
+def _ops(isa: str):
+    ops = load_cpu_ops(isa)
+    assert ops is not None, f"the {isa} build failed"
+    return ops
 
 
 def _reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     return F.linear(x.double(), w.double(), None if b is None else b.double())
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("out_features,in_features", [(96, 64), (100, 37), (5, 3), (33, 200), (64, 1536)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_skinny_kernel_matches_float64_at_every_tile_size(out_features, in_features, with_bias):
+def test_skinny_kernel_matches_float64_at_every_tile_size(isa, out_features, in_features, with_bias):
+    ops = _ops(isa)
     gen = torch.Generator().manual_seed(out_features * 1000 + in_features)
     w = torch.randn(out_features, in_features, generator=gen)
     b = torch.randn(out_features, generator=gen) if with_bias else None
-    packed = _prepack(w, b)
+    packed = pack_weight(w, b)
     assert packed is not None and packed.shape == (-(-out_features // _PANEL), in_features, _PANEL)
-    # Both tiles (12 x 2 vectors up to 64 rows, 6 x 4 above) at every remainder of rows.
-    for rows in [1, 2, 11, 12, 13, 24, 25, 32, 33, 37, 64, 65, 66, 70, 71, 125, 300]:
+    # Every tile (AVX2: 1 x 8 vectors up to 4 rows, 6 x 2 above; AVX-512: 12 x 2 up to 64 rows,
+    # 6 x 4 above) at every remainder of rows.
+    for rows in [1, 2, 3, 4, 5, 6, 7, 11, 12, 13, 24, 25, 32, 33, 37, 64, 65, 66, 70, 71, 125, 300]:
         x = torch.randn(rows, in_features, generator=gen)
-        y = linear(x, w, b, packed)
+        y = ops.packed_linear(x, packed, out_features, b)
         assert y.shape == (rows, out_features) and y.dtype == torch.float32
         ref = _reference(x, w, b)
         scale = (x.double().abs() @ w.double().abs().T).amax()
         assert (y.double() - ref).abs().max() <= 2e-6 * scale, rows
 
 
-def test_non_contiguous_and_empty_inputs():
-    gen = torch.Generator().manual_seed(1)
-    w = torch.randn(70, 48, generator=gen)
-    packed = _prepack(w, None)
-    wide = torch.randn(9, 96, generator=gen)
-    x = wide[:, ::2]  # a strided view
-    torch.testing.assert_close(linear(x, w, None, packed), F.linear(x, w), rtol=1e-5, atol=1e-5)
-    assert linear(torch.empty(0, 48), w, None, packed).shape == (0, 70)
-
-
-def test_a_prepacked_layer_runs_the_skinny_kernel_at_every_row_count():
-    """pagedllm::packed_linear picks the kernel in C++; which one ran shows in the bits: each
-    result is exactly what the skinny kernel alone returns (decode and prefill sizes alike)."""
-    gen = torch.Generator().manual_seed(2)
-    # K = 1000: the skinny kernel sums 64-wide blocks, MKL otherwise, so their bits differ.
-    w, b = torch.randn(64, 1000, generator=gen), torch.randn(64, generator=gen)
-    packed = _prepack(w, b)
-    for rows in (1, 64, 65, 300, 2048):
-        x = torch.randn(rows, 1000, generator=gen)
-        skinny = torch.ops.pagedllm.skinny_gemm(x, packed, 64) + b
-        mkl = F.linear(x, w, b)
-        assert torch.equal(linear(x, w, b, packed), skinny), rows
-        assert not torch.equal(skinny, mkl)  # the two kernels round differently: the check can fail
-    x = torch.randn(3, 1000, generator=gen)
-    assert torch.equal(linear(x, w, b, None), F.linear(x, w, b))  # not prepacked: F.linear
-
-
-def test_a_rows_result_does_not_depend_on_its_batch():
+@pytest.mark.parametrize("isa", ISAS)
+def test_a_rows_result_does_not_depend_on_its_batch(isa):
     """Every output is summed in the same order whatever the number of rows and the row's
     place in its tile: the same input row gives the same bits alone or in any batch."""
+    ops = _ops(isa)
     gen = torch.Generator().manual_seed(3)
     w = torch.randn(200, 512, generator=gen)
-    packed = _prepack(w, None)
-    x = torch.randn(300, 512, generator=gen)  # 300 rows: five chunks of the 6 x 4 tile
-    # 64 rows or fewer: the 12 x 2 tile, whose sums must match the 6 x 4 tile's bit for bit
-    full = linear(x, w, None, packed)
-    for rows in (1, 7, 12, 13, 30, 64, 65, 66, 130):
+    packed = pack_weight(w, None)
+    x = torch.randn(300, 512, generator=gen)  # 300 rows: several chunks of the many-rows tile
+    full = ops.skinny_gemm(x, packed, 200)
+    for rows in (1, 3, 4, 5, 7, 12, 13, 30, 64, 65, 66, 130):
         for start in (0, 5, 300 - rows):
-            part = linear(x[start:start + rows], w, None, packed)
+            part = ops.skinny_gemm(x[start:start + rows], packed, 200)
             assert torch.equal(part, full[start:start + rows]), (rows, start)
 
 
-def test_prepack_gives_every_float32_linear_its_panels_and_skips_other_dtypes():
-    model = torch.nn.Sequential(Linear(16, 40), Linear(40, 8, bias=False))
-    assert prepack_linear_weights(model) == 2
-    assert all(m.packed_weight is not None for m in model)
-    x = torch.randn(4, 16)
-    torch.testing.assert_close(model(x), F.linear(F.linear(x, model[0].weight, model[0].bias), model[1].weight),
-                               rtol=1e-5, atol=1e-5)
-    assert _prepack(torch.randn(8, 8, dtype=torch.bfloat16), None) is None
+def test_every_level_computes_the_same_products():
+    """The tiles differ between levels; every level this CPU can run agrees with the engine's
+    build (each is held to float64 above; the same order of sums makes them agree to the bit
+    where the compiler contracts the same FMAs, which this does not require)."""
+    gen = torch.Generator().manual_seed(4)
+    w = torch.randn(130, 300, generator=gen)
+    packed = pack_weight(w, None)
+    x = torch.randn(70, 300, generator=gen)
+    runnable = [isa for isa in ("native", "v3", "v4") if can_run(isa)]
+    outputs = [_ops(isa).skinny_gemm(x, packed, 130) for isa in runnable]
+    assert len(outputs) >= 2 or not can_run("v3")
+    for out in outputs[1:]:
+        torch.testing.assert_close(out, outputs[0], rtol=1e-6, atol=1e-5)
+
+
+def test_non_contiguous_empty_and_3d_inputs():
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(70, 48, generator=gen)
+    packed = pack_weight(w, None)
+    wide = torch.randn(9, 96, generator=gen)
+    x = wide[:, ::2]  # a strided view
+    op = torch.ops.pagedllm.packed_linear
+    torch.testing.assert_close(op(x, packed, 70, None), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    assert op(torch.empty(0, 48), packed, 70, None).shape == (0, 70)
+    x3 = torch.randn(2, 5, 48, generator=gen)
+    torch.testing.assert_close(op(x3, packed, 70, None), F.linear(x3, w), rtol=1e-5, atol=1e-5)
+
+
+def test_a_packed_layer_holds_one_copy_and_runs_the_skinny_kernel_at_every_row_count():
+    """Which kernel ran shows in the bits: each result is exactly what the skinny kernel alone
+    returns (decode and prefill sizes alike), and differs from MKL's."""
+    gen = torch.Generator().manual_seed(2)
+    layer = Linear(1000, 64)
+    # K = 1000: the skinny kernel sums 64-wide blocks, MKL otherwise, so their bits differ.
+    w, b = torch.randn(64, 1000, generator=gen), torch.randn(64, generator=gen)
+    layer.weight.data, layer.bias.data = w.clone(), b.clone()
+    plain = Linear(1000, 64)
+    plain.weight.data, plain.bias.data = w.clone(), b.clone()
+    assert pack_linear(layer)
+    assert layer.weight is None and layer.packed_weight is not None  # one copy: the panels
+    assert [name for name, _ in layer.named_parameters()] == ["bias"]
+    for rows in (1, 4, 5, 64, 65, 300):
+        x = torch.randn(rows, 1000, generator=gen)
+        skinny = torch.ops.pagedllm.skinny_gemm(x, layer.packed_weight, 64) + b
+        mkl = F.linear(x, w, b)
+        assert torch.equal(layer(x), skinny), rows
+        assert not torch.equal(skinny, mkl)  # the two kernels round differently: the check can fail
+        assert torch.equal(plain(x), mkl)    # not packed: F.linear
+        assert torch.equal(linear(plain, x, b), mkl)
+
+
+def test_rows_of_packed_is_the_embedding_lookup():
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(130, 24, generator=gen)
+    packed = pack_weight(w, None)
+    ids = torch.tensor([0, 63, 64, 129, 5, 5])
+    assert torch.equal(rows_of_packed(packed, ids), w[ids])
+
+
+def test_pack_skips_what_the_kernel_cannot_take():
+    layer = Linear(8, 8).to(torch.bfloat16)
+    assert not pack_linear(layer)
+    assert layer.weight is not None and layer.packed_weight is None

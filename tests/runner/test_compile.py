@@ -7,6 +7,9 @@ does not compile.
 """
 from __future__ import annotations
 
+import os
+from unittest import mock
+
 import shutil
 from pathlib import Path
 
@@ -94,7 +97,10 @@ def _workload(vocab_size: int) -> tuple[list[dict], list[SamplingParams]]:
 
 def _engines(model: str) -> tuple[LLM, LLM]:
     kwargs = dict(device="cpu", block_size=4, max_num_batched_tokens=16, max_num_seqs=6)
-    return LLM(model, enforce_eager=False, **kwargs), LLM(model, enforce_eager=True, **kwargs)
+    # Every layer packed (the startup measurement may keep a tiny model's layers on torch's
+    # matmul), so that the graph's opaque linears can be counted.
+    with mock.patch.dict(os.environ, {"PAGEDLLM_LINEAR_KERNEL": "pagedllm"}):
+        return LLM(model, enforce_eager=False, **kwargs), LLM(model, enforce_eager=True, **kwargs)
 
 
 def _recording(runner, sizes: set[int]) -> None:
@@ -113,10 +119,11 @@ def _compare(model: str, vocab_size: int) -> None:
     runner = compiled.llm_engine.executor.runner
     assert runner.compiled is not None and runner.compiled.compile_seconds > 0
     assert eager.llm_engine.executor.runner.compiled is None
-    # The compiled forward multiplies through the prepacked weights, as eager does: every linear
-    # of the decoder is prepacked, and the graph calls each as the opaque op (counted below).
+    # The compiled forward multiplies through the packed weights, as eager does: every linear
+    # of the decoder is packed (_engines forces it), and the graph calls each as the opaque op
+    # (counted below).
     linears = [m for m in runner.model.model.modules() if isinstance(m, Linear)]
-    assert linears and all(m.packed_weight is not None for m in linears)
+    assert linears and all(m.packed_weight is not None and m.weight is None for m in linears)
     sizes: set[int] = set()
     _recording(runner, sizes)
     counters = torch._dynamo.utils.counters

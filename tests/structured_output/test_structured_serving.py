@@ -7,9 +7,10 @@ import json
 
 import pytest
 
+from ci_support import importorskip
 from so_helpers import DEMO_HF, VOCAB, check_json, check_regex
 
-pytest.importorskip("fastapi")
+importorskip("fastapi")  # the serve extra: CI installs it
 from fastapi.testclient import TestClient  # noqa: E402
 
 TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"

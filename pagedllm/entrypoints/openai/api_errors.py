@@ -77,7 +77,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     msg = str(first.get("msg", ""))
     if first.get("type") == "value_error":  # our own check inside a validator: its message alone
         msg = msg.removeprefix("Value error, ")
-    message = f"{where}: {msg}"
+    message = msg if msg.startswith(f"{where} ") else f"{where}: {msg}"  # named once
     if sum(1 for e in errors if [str(p) for p in e.get("loc", ()) if p != "body"][:1] == loc[:1]) > 1:
         message = f"{param}: the value matches none of the accepted types or shapes ({first.get('msg')})"
     if first.get("type") == "extra_forbidden":

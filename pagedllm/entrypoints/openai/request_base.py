@@ -10,6 +10,10 @@ reaches the engine.
   a 400 naming it: ignoring it would return the wrong kind of answer.
 * NaN and infinities are refused (JSON from Python clients can carry them; NaN fails every range
   check), and so is a lone UTF-16 surrogate in any string, with the field named.
+* An integer beyond 64 bits in an integer field or a token-id list (``max_tokens``, ``priority``,
+  ``prompt``) is a 400 naming the field: JSON numbers have no size limit, but the executor wire
+  and torch carry 64 bits, and such a value used to fail deep inside as a 500. Finer ranges
+  (max_tokens against the context, say) are SamplingParams' and the scheduler's.
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 
-from pagedllm.errors import ValidationError, check_text
+from pagedllm.errors import ValidationError, check_ints, check_text
 
 logger = logging.getLogger("pagedllm.entrypoints.openai")
 
@@ -71,6 +75,8 @@ class OpenAIRequest(BaseModel):
     def _text_is_unicode(cls, value: Any, info: ValidationInfo) -> Any:
         if isinstance(value, (str, list, dict, BaseModel)):
             check_text(_plain(value), info.field_name or "body")
+        if isinstance(value, (int, list)):  # dicts and models hold text, schemas: not token ids
+            check_ints(value, info.field_name or "body")
         return value
 
     def check_extra_fields(self) -> None:

@@ -5,6 +5,15 @@
 ``structured_outputs``: vLLM's object, ``{"json" | "regex" | "choice" | "grammar" |
 "json_object": ...}`` plus its options. A bad one is a 400 naming the field the client used, and
 the grammar is checked here, before the request reaches the engine.
+
+What ``json_schema.strict`` means here: unset or true, the schema is generated as OpenAI's
+strict mode (and vLLM's default backend, xgrammar) generates it, with only the properties each
+object declares unless it allows others explicitly (structured_output/strict_schema.py), since
+a small model otherwise invents keys until max_tokens; an explicit ``"strict": false`` asks
+for the schema's plain JSON Schema reading, undeclared keys allowed. OpenAI's strict mode also
+refuses schemas it cannot enforce; pagedllm enforces a wider set, so it does not.
+vLLM's ``structured_outputs.json`` keeps its plain JSON Schema reading (as vLLM's guidance
+backend does): a client who wants it closed says ``additionalProperties: false``.
 """
 from __future__ import annotations
 
@@ -12,6 +21,7 @@ from typing import Any
 
 from pagedllm.errors import ValidationError
 from pagedllm.structured_output.grammar import grammar_source
+from pagedllm.structured_output.strict_schema import strict_schema
 from pagedllm.structured_outputs_params import StructuredOutputsParams
 
 _OPTIONS = ("disable_any_whitespace", "whitespace_pattern")
@@ -54,7 +64,11 @@ def _from_response_format(value: Any) -> dict[str, Any] | None:
         if not isinstance(schema, dict):
             raise ValidationError("response_format json_schema.schema must be a JSON schema object",
                                   "response_format")
-        return {"json": schema}
+        strict = spec.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise ValidationError("response_format json_schema.strict must be true, false or null",
+                                  "response_format")
+        return {"json": schema if strict is False else strict_schema(schema)}
     raise ValidationError(f"response_format type {kind!r} is not supported; use text, json_object "
                           "or json_schema", "response_format")
 

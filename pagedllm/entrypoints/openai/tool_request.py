@@ -5,7 +5,11 @@ with vLLM's messages), and the JSON schema that enforces a forced tool call.
 one branch per tool, so the model can only call a function the request offers, with arguments
 its schema accepts; a named function is generated under its own parameters' schema. The schema
 goes through the structured-output machinery like any response_format, so the arguments always
-parse (unless max_tokens cuts the reply short).
+parse (unless max_tokens cuts the reply short). Arguments are generated as OpenAI's strict mode
+generates them, whatever the tool's ``strict`` says: only the declared properties, unless a
+schema allows others explicitly (structured_output/strict_schema.py), since a function called
+with a key it does not take fails; and with at most one space between JSON tokens, whatever the
+engine's whitespace default (models write calls on one line).
 """
 from __future__ import annotations
 
@@ -13,17 +17,14 @@ import copy
 from typing import Any
 
 from pagedllm.errors import ValidationError
-from pagedllm.structured_output.grammar import grammar_source
+from pagedllm.structured_output.grammar import ONE_SPACE, grammar_source
+from pagedllm.structured_output.strict_schema import strict_schema
 from pagedllm.structured_outputs_params import StructuredOutputsParams
 
 _AUTO_NEEDS_FLAGS = ('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
                      "to be set")
 # An omitted or null schema: OpenAI's "no parameters", generated as {}.
 _NO_PARAMETERS = {"type": "object", "properties": {}}
-# At most one space between JSON tokens of a forced call: models write tool calls on one line
-# (json.dumps' style or compact), and JSON's own whitespace rule would let a weak model spend
-# max_tokens on newlines and tabs inside the call, which then never parses.
-TOOL_CALL_WHITESPACE = "[ ]?"
 
 
 def check_tool_usage(request: Any, auto_tool_choice: bool) -> str:
@@ -60,7 +61,7 @@ def tool_structured_outputs(request: Any) -> StructuredOutputsParams | None:
     else:
         schema = required_schema(request.tools, request.parallel_tool_calls is not False)
     try:
-        params = StructuredOutputsParams(json=schema, whitespace_pattern=TOOL_CALL_WHITESPACE)
+        params = StructuredOutputsParams(json=strict_schema(schema), whitespace_pattern=ONE_SPACE)
         grammar_source(params)
     except ValidationError as e:
         raise ValidationError(e.message.replace("structured_outputs.json", "a tool's parameters"),

@@ -4,11 +4,14 @@
 - ``cpu_paged.py``: the CPU default, a C++ kernel (``layers/csrc/``, built by ``layers/cpu_extension.py``) that
   reads the paged cache in place.
 
-``backend.py`` holds the interface and ``get_attn_backend`` (the choice per device).
+``backend.py`` holds the interface (and the per-step metadata's types) and imports no backend;
+``selector.py`` holds ``get_attn_backend`` (the choice per device), importing backends lazily.
 """
 from __future__ import annotations
 
-from pagedllm.layers.attention.backend import ATTENTION_BACKENDS, AttentionBackend, get_attn_backend
+from pagedllm.config import ATTENTION_BACKENDS
+from pagedllm.layers.attention.backend import AttentionBackend
 from pagedllm.layers.attention.layer import Attention
+from pagedllm.layers.attention.selector import get_attn_backend
 
 __all__ = ["ATTENTION_BACKENDS", "Attention", "AttentionBackend", "get_attn_backend"]

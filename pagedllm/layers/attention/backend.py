@@ -1,27 +1,79 @@
-"""The attention backend interface, and the choice of one per device.
+"""The attention backend interface, and the per-step metadata it reads (vLLM's abstract.py).
 
 A backend stores one layer's K/V of a step in the paged cache, then computes that layer's
 attention from the query and the cache. It also says what per-step metadata it needs:
 the torch backend gathers blocks and needs gather tables and masks; the cpu_paged kernel reads
 the block tables in place and needs none of that. Backends are stateless singletons, carried by
 the step's ``AttentionMetadata`` so that every layer of a step uses the same one.
+
+This module sits below everything else in attention: the backends (one module each) import it,
+``selector.py`` picks one and imports it lazily, ``attention_metadata.py`` builds the metadata.
+It imports none of them, so no import circle runs through it; the layer a backend attends for is
+typed by what the backend reads from it (``AttentionLayer``), not by the layer's class.
 """
 from __future__ import annotations
 
-import functools
-import logging
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, ClassVar
+from dataclasses import dataclass, field
+from typing import ClassVar, Protocol
 
 import torch
 
-from pagedllm.config import ATTENTION_BACKENDS
 
-if TYPE_CHECKING:
-    from pagedllm.layers.attention.layer import Attention
-    from pagedllm.layers.attention_metadata import AttentionMetadata
+class AttentionLayer(Protocol):
+    """What a backend reads from the layer it attends for (``layer.Attention`` is one)."""
 
-logger = logging.getLogger(__name__)
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_groups: int  # query heads per KV head
+    scale: float
+    kv_cache: torch.Tensor  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+
+
+@dataclass(slots=True)
+class DecodeBatch:
+    """All requests with exactly one new token, attended by the torch backend with a single
+    batched SDPA call over blocks gathered from the paged cache."""
+
+    token_indices: torch.Tensor  # [Bd] long: rows of the flat batch
+    rows: slice | torch.Tensor   # token_indices as a slice when they are consecutive (no copies)
+    block_tables: torch.Tensor   # [Bd, nb] long: enough blocks for the longest of them
+    mask: torch.Tensor           # [Bd, 1, 1, nb * block_size] bool: True = position < seq_len
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    """One request with several new tokens (a whole prompt or a chunk of it)."""
+
+    token_start: int             # its rows in the flat batch: [token_start, token_end)
+    token_end: int
+    num_computed_tokens: int     # cached prefix length (0: attend to the new tokens only)
+    block_ids: torch.Tensor      # [nb] long: blocks holding positions [0, seq_len)
+    mask: torch.Tensor | None    # [q, seq_len] bool, causal shifted by the prefix; None if no prefix
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor        # [T] long: cache slot (block_id * block_size + offset) per new token
+    query_start_loc: list[int]        # [B + 1]: request i owns rows [query_start_loc[i], query_start_loc[i+1])
+    seq_lens: list[int]               # [B]: context length after this step (computed + new)
+    num_computed_tokens: list[int]    # [B]: tokens already in the cache before this step
+    block_tables: torch.Tensor        # [B, max_blocks] long, padded with block 0 (never read: masked)
+    block_size: int
+    positions: torch.Tensor           # [T] long: position of each new token (what the model's rope needs)
+    query_start_loc_tensor: torch.Tensor  # [B + 1] long, on the device
+    seq_lens_tensor: torch.Tensor     # [B] long, on the device
+    backend: AttentionBackend         # attends in every layer of the step
+    # The torch backend's gather plan (None / empty for backends that read the cache in place).
+    decode: DecodeBatch | None = None
+    prefills: list[PrefillChunk] = field(default_factory=list)
+    backend_data: object = None       # whatever else the backend prepared (backend.prepare)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query_start_loc[-1]
+
 
 class AttentionBackend(ABC):
     name: ClassVar[str]
@@ -34,7 +86,7 @@ class AttentionBackend(ABC):
         ``md.backend_data``."""
         return None
 
-    def write_kv(self, layer: Attention, k: torch.Tensor, v: torch.Tensor,
+    def write_kv(self, layer: AttentionLayer, k: torch.Tensor, v: torch.Tensor,
                  md: AttentionMetadata) -> None:
         """Store this step's ``k/v [T, Hkv, D]`` in ``layer.kv_cache`` at the flat slots
         ``md.slot_mapping``: torch's index_copy_ into a slot-indexed view, on any device."""
@@ -44,34 +96,10 @@ class AttentionBackend(ABC):
         flat[1].index_copy_(0, md.slot_mapping, v)
 
     @abstractmethod
-    def forward(self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def forward(self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 md: AttentionMetadata) -> torch.Tensor:
         """``q [T, H, D]`` and this step's ``k/v [T, Hkv, D]`` (already in ``layer.kv_cache``)
         -> ``[T, H, D]``."""
 
     def __repr__(self) -> str:
         return f"<attention backend {self.name}>"
-
-
-@functools.cache
-def get_attn_backend(name: str = "auto", device: str = "cpu") -> AttentionBackend:
-    """``name``: one of ATTENTION_BACKENDS; ``auto`` is cpu_paged on CPU and torch elsewhere.
-    cpu_paged falls back to torch (with a warning, logged once) when its kernel cannot be
-    built. Imports a backend's module only when it is chosen: nothing device-specific is
-    imported on another device."""
-    device_type = torch.device(device).type
-    if name not in ATTENTION_BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; expected one of {ATTENTION_BACKENDS}")
-    if name == "auto":
-        name = "cpu_paged" if device_type == "cpu" else "torch"
-    if name == "cpu_paged":
-        if device_type != "cpu":
-            raise ValueError(f"the cpu_paged attention backend runs on CPU only, not {device}")
-        from pagedllm.layers.attention.cpu_paged import CpuPagedBackend, load_paged_attention_op
-
-        if load_paged_attention_op() is not None:
-            return CpuPagedBackend()
-        name = "torch"  # the loader has logged why
-    from pagedllm.layers.attention.torch_backend import TorchBackend
-
-    return TorchBackend()

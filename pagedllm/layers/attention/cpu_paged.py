@@ -11,17 +11,12 @@ query rows per key); the kernel skips them (sequence length 0 in its view of the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from pagedllm.layers.attention.backend import AttentionBackend
+from pagedllm.layers.attention.backend import AttentionBackend, AttentionLayer, AttentionMetadata
 from pagedllm.layers.attention.torch_backend import attend_causal
 from pagedllm.layers.cpu_extension import load_cpu_ops, load_paged_attention_op
-
-if TYPE_CHECKING:
-    from pagedllm.layers.attention.layer import Attention
-    from pagedllm.layers.attention_metadata import AttentionMetadata
 
 __all__ = ["CpuPagedBackend", "load_paged_attention_op"]
 
@@ -36,7 +31,7 @@ class CpuPagedBackend(AttentionBackend):
             raise RuntimeError("the cpu_paged attention kernel is not available")
         self._op, self._write_kv = ops.paged_attention, ops.write_kv
 
-    def write_kv(self, layer: Attention, k: torch.Tensor, v: torch.Tensor,
+    def write_kv(self, layer: AttentionLayer, k: torch.Tensor, v: torch.Tensor,
                  md: AttentionMetadata) -> None:
         # Two memcpy per token (csrc/write_kv.cpp): index_copy_ was 3% of a decode step.
         self._write_kv(layer.kv_cache, k, v, md.slot_mapping)
@@ -53,7 +48,7 @@ class CpuPagedBackend(AttentionBackend):
         return _Plan(kernel_seq_lens, [slice(qsl[i], qsl[i + 1]) for i in fresh],
                      len(computed) - len(fresh))
 
-    def forward(self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def forward(self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 md: AttentionMetadata) -> torch.Tensor:
         plan: _Plan = md.backend_data
         if plan.num_paged == 0:

@@ -6,16 +6,11 @@ reference the other backends are tested against.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 
-from pagedllm.layers.attention.backend import AttentionBackend
-
-if TYPE_CHECKING:
-    from pagedllm.layers.attention.layer import Attention
-    from pagedllm.layers.attention_metadata import AttentionMetadata, DecodeBatch, PrefillChunk
+from pagedllm.layers.attention.backend import (AttentionBackend, AttentionLayer, AttentionMetadata,
+                                               DecodeBatch, PrefillChunk)
 
 
 def attend_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -35,7 +30,7 @@ class TorchBackend(AttentionBackend):
     name = "torch"
     needs_gather_plan = True
 
-    def forward(self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def forward(self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 md: AttentionMetadata) -> torch.Tensor:
         decode = md.decode
         if decode is not None and not md.prefills:  # all decodes, in batch order: no shuffling
@@ -48,7 +43,7 @@ class TorchBackend(AttentionBackend):
             out[rows] = self._prefill(layer, q[rows], k[rows], v[rows], chunk)
         return out
 
-    def _decode(self, layer: Attention, q: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
+    def _decode(self, layer: AttentionLayer, q: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
         """``q [Bd, H, D]`` (one token per request) -> ``[Bd, H, D]``, one SDPA for the batch."""
         cache = layer.kv_cache
         num_reqs, num_blocks = q.shape[0], batch.block_tables.shape[1]
@@ -66,7 +61,7 @@ class TorchBackend(AttentionBackend):
                                              scale=layer.scale)
         return out.reshape(num_reqs, layer.num_heads, layer.head_dim)
 
-    def _prefill(self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def _prefill(self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  chunk: PrefillChunk) -> torch.Tensor:
         """``q [n, H, D]`` of one request -> ``[n, H, D]``, causal over prefix + chunk."""
         if chunk.num_computed_tokens == 0:

@@ -28,6 +28,7 @@
 #include <limits>
 #include <vector>
 
+#include "isa.h"
 #include "paged_attention_math.h"
 
 namespace {
@@ -328,9 +329,9 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
+TORCH_LIBRARY_FRAGMENT(PAGEDLLM_NS, m) {
   m.def("paged_attention(Tensor query, Tensor kv_cache, Tensor block_tables, "
         "Tensor query_start_loc, Tensor seq_lens, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(pagedllm, CPU, m) { m.impl("paged_attention", &paged_attention); }
+TORCH_LIBRARY_IMPL(PAGEDLLM_NS, CPU, m) { m.impl("paged_attention", &paged_attention); }

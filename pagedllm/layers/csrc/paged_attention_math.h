@@ -10,7 +10,18 @@
 #include <cstdint>
 #include <cstring>
 
+#include "isa.h"
+
 namespace paged_math {
+
+// How many query rows each small GEMM below keeps in registers at once: sized for the vector
+// register file (32 zmm on AVX-512, 16 ymm on AVX2, where the AVX-512 passes would spill). A
+// row's arithmetic is the same whatever pass it is in, so results do not depend on the ISA's
+// pass sizes either.
+constexpr bool kWideRegs = isa::kVecRegs >= 32;
+constexpr int kScoreRows = kWideRegs ? 2 : 1;       // score8: 8 accumulators per row
+constexpr int kTransposedRows = kWideRegs ? 4 : 2;  // score_transposed: 4 per row
+constexpr int kValueRows = kWideRegs ? 4 : 2;       // accumulate: kValueSplit per row
 
 
 constexpr int64_t kKeyTile = 32;   // keys scored before one softmax rescale
@@ -42,9 +53,10 @@ inline vfloat load(const c10::Half* p) {
 }
 inline void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof v); }
 
-// Sixteen floats (AVX-512 where there is one): the value accumulation's main width, which needs
-// no horizontal sums (measured 1.04-1.16x on the whole kernel over 8 lanes; results are
-// identical, the arithmetic of every lane being the same).
+// Sixteen floats: the value accumulation's main width on AVX-512, which needs no horizontal sums
+// (measured 1.04-1.16x on the whole kernel over 8 lanes; results are identical, the arithmetic
+// of every lane being the same). On AVX2 a 16-float vector is two registers, and kValueRows x
+// kValueSplit of them would spill: the 8-float width runs there.
 typedef float vfloat16 __attribute__((vector_size(16 * sizeof(float))));
 typedef uint16_t vu16x16 __attribute__((vector_size(16 * sizeof(uint16_t))));
 typedef uint32_t vu32x16 __attribute__((vector_size(16 * sizeof(uint32_t))));
@@ -156,7 +168,8 @@ template <int GB, typename T>
 inline void accumulate(float* __restrict acc, const float* __restrict p, const T* const* v,
                        int64_t tile, int64_t d) {
   int64_t i = 0;
-  for (; i + 16 <= d; i += 16) accumulate_chunk<GB, vfloat16>(acc, p, v, tile, d, i);
+  if constexpr (isa::kVecFloats >= 16)
+    for (; i + 16 <= d; i += 16) accumulate_chunk<GB, vfloat16>(acc, p, v, tile, d, i);
   for (; i + kW <= d; i += kW) accumulate_chunk<GB, vfloat>(acc, p, v, tile, d, i);
   for (; i < d; ++i)
     for (int64_t j = 0; j < tile; ++j)
@@ -215,8 +228,8 @@ void score_group_transposed(const float* q, const T* const* k, int64_t tile, int
     for (int64_t i = 0; i < d; ++i) kt[i * kKeyTile + j] = static_cast<float>(k[j][i]);
   for (int64_t j = tile; j < kKeyTile; ++j)
     for (int64_t i = 0; i < d; ++i) kt[i * kKeyTile + j] = 0.f;
-  for (int64_t r = 0; r < rows; r += 4) {
-    switch (std::min<int64_t>(4, rows - r)) {
+  for (int64_t r = 0; r < rows; r += kTransposedRows) {
+    switch (std::min<int64_t>(kTransposedRows, rows - r)) {
       case 4: score_transposed<4>(q + r * d, kt, d, out + r * kKeyTile); break;
       case 3: score_transposed<3>(q + r * d, kt, d, out + r * kKeyTile); break;
       case 2: score_transposed<2>(q + r * d, kt, d, out + r * kKeyTile); break;
@@ -225,12 +238,12 @@ void score_group_transposed(const float* q, const T* const* k, int64_t tile, int
   }
 }
 
-// The group's rows against 8 keys, in passes of 2 rows (16 accumulators and the keys fill the
-// vector registers).
+// The group's rows against 8 keys, in passes of kScoreRows rows (2 on AVX-512: 16 accumulators
+// and the keys fill the vector registers).
 template <typename T>
 void score_group(const float* q, const T* const* k, int64_t rows, int64_t d, float* out) {
-  for (int64_t g = 0; g < rows; g += 2) {
-    if (rows - g >= 2)
+  for (int64_t g = 0; g < rows; g += kScoreRows) {
+    if (kScoreRows >= 2 && rows - g >= 2)
       score8<2>(q + g * d, k, d, out + g * kKeyTile);
     else
       score8<1>(q + g * d, k, d, out + g * kKeyTile);
@@ -240,12 +253,13 @@ void score_group(const float* q, const T* const* k, int64_t rows, int64_t d, flo
 template <typename T>
 void accumulate_group(float* acc, const float* p, const T* const* v, int64_t tile, int64_t rows,
                       int64_t d) {
-  // Passes of 4 rows (4 x kValueSplit accumulators fill the vector registers), the rest by 2, 1.
+  // Passes of kValueRows rows (4 x kValueSplit accumulators fill AVX-512's registers, 2 x
+  // kValueSplit AVX2's), the rest by 2, 1.
   for (int64_t g = 0; g < rows;) {
     float* a = acc + g * d;
     const float* pg = p + g * kKeyTile;
     const int64_t left = rows - g;
-    if (left >= 4) {
+    if (kValueRows >= 4 && left >= 4) {
       accumulate<4>(a, pg, v, tile, d);
       g += 4;
     } else if (left >= 2) {

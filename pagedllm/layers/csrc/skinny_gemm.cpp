@@ -25,7 +25,6 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/linear.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -33,21 +32,38 @@
 #include <cstring>
 #include <vector>
 
+#include "isa.h"
+
 namespace {
 
-constexpr int64_t kW = 16;                  // floats per vector (AVX-512; two halves on AVX2)
-constexpr int64_t kPanelVecs = 4;           // vectors per panel row
-constexpr int64_t kPanel = kPanelVecs * kW; // output columns per panel
+constexpr int64_t kW = isa::kVecFloats;     // floats per vector register
+constexpr int64_t kPanel = 64;              // output columns per panel (every ISA: one layout)
 constexpr int64_t kBlockK = 64;             // k per block: 64 x 64 floats = 16 KiB of weights
-// Two register tiles of 24 accumulators, both over a k block in L1, chosen by the row count.
-// Many rows (prefill): 6 rows x a whole panel row (4 vectors), so each k step loads 4 weight
-// vectors and 6 broadcasts per 24 FMAs. Few rows (decode): 12 rows x half a panel row (2
-// vectors), the panel's two halves one after the other, so 32 rows take 3 tiles per half, not
-// 6 per panel (fewer, longer tiles keep the weight stream steady). Measured on 2 Sapphire Rapids
-// cores: 6 x 4 is 1.1-1.4x the 12 x 2 tile at 256-2,048 rows (where 12 x 2 ran at 0.6-0.9x
-// oneDNN), 12 x 2 is as fast or up to 1.1x at 32 rows.
-constexpr int64_t kTileFloats = 24 * kW;   // 24 accumulators (of 32 registers) per tile
-constexpr int64_t kFewRows = 64;            // up to this many rows: the 12 x 2 tile
+// Two register tiles, both over a k block in L1, chosen by the row count; each holds kTileAcc
+// accumulators, about three quarters of the vector registers (the rest hold the block's weight
+// vectors and a broadcast of x).
+// AVX-512 (32 zmm, 24 accumulators): many rows (prefill): 6 rows x a whole panel row (4
+// vectors), so each k step loads 4 weight vectors and 6 broadcasts per 24 FMAs. Few rows
+// (decode): 12 rows x half a panel row (2 vectors), the panel's two halves one after the other,
+// so 32 rows take 3 tiles per half, not 6 per panel (fewer, longer tiles keep the weight stream
+// steady). Measured on 2 Sapphire Rapids cores: 6 x 4 is 1.1-1.4x the 12 x 2 tile at
+// 256-2,048 rows, 12 x 2 as fast or up to 1.1x at 32 rows.
+// AVX2 (16 ymm, 12 accumulators), measured on 1-2 AMD EPYC (Zen 3) cores with cold caches
+// (benchmarks/linear_kernels.py's shapes): 6 rows x 2 vectors (a quarter of a panel row) from 5
+// rows up, 1.0-1.6x 3 x 4 at 16-128 rows; up to 4 rows, 1 row x the whole panel row (8
+// vectors: 8 independent accumulators where a 1-row 6 x 2 tile would have 2 chains waiting on
+// their FMA latency), 1.1-1.4x the 6 x 2 tile at one row.
+#if defined(__AVX512F__)
+constexpr int64_t kTileAcc = 24;
+constexpr int64_t kTinyRows = 0;  // no tiny-row tile
+constexpr int kTinyV = 2, kFewV = 2, kManyV = 4;
+#else
+constexpr int64_t kTileAcc = 12;
+constexpr int64_t kTinyRows = 4;
+constexpr int kTinyV = 8, kFewV = 2, kManyV = 2;
+#endif
+constexpr int64_t kTileFloats = kTileAcc * kW;
+constexpr int64_t kFewRows = 64;            // up to this many rows: the few-rows tile
 // Row tiles starting in the first kPrefetchRows rows (all of a decode batch of <= 32) prefetch
 // the next k block, the line of it they are about to read in this one (one block ahead).
 // Measured inside the engine, decode steps of 32 rows: 1.06x the first tile alone prefetching
@@ -56,13 +72,14 @@ constexpr int64_t kFewRows = 64;            // up to this many rows: the 12 x 2 
 // limit, and more prefetches only take issue slots (5-17% slower at 256-2,048 rows).
 constexpr int64_t kPrefetchRows = 32;
 constexpr int64_t kPrefetchFloats = kBlockK * kPanel;
+constexpr int64_t kLineFloats = 16;         // a 64-byte cache line
 // Rows per chunk. A panel is walked once per chunk, so a chunk's rows of x (<= 120 x K floats)
 // stay in L2 across the thread's panels, and its outputs (15-30 KiB) in L1 across a panel's k
 // blocks; the weights are read once per chunk, from L3 after the first (a prefill's layer is a
 // few MB). Measured with cold caches at 2,048 rows: 1.1-1.7x one chunk of all rows (x and the
 // outputs then come from L3 for every panel).
-constexpr int64_t kFewChunkRows = 120;      // 10 tiles of 12 rows
-constexpr int64_t kManyChunkRows = 60;      // 10 tiles of 6 rows
+constexpr int64_t kFewChunkRows = 120;
+constexpr int64_t kManyChunkRows = 60;
 
 typedef float vfloat __attribute__((vector_size(kW * sizeof(float))));
 
@@ -85,12 +102,12 @@ inline void tile(const float* __restrict x, int64_t ldx, const float* __restrict
   vfloat acc[R][V];
 #pragma GCC unroll 12
   for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int v = 0; v < V; ++v) acc[r][v] = vfloat{};
   for (int64_t k = 0; k < kl; ++k) {
     const float* wk = w + k * kPanel;
     if (PREFETCH) {
-      for (int v = 0; v < V; ++v) __builtin_prefetch(wk + kPrefetchFloats + v * kW);
+      for (int64_t f = 0; f < V * kW; f += kLineFloats) __builtin_prefetch(wk + kPrefetchFloats + f);
     }
     vfloat wv[V];
     for (int v = 0; v < V; ++v) wv[v] = load(wk + v * kW);
@@ -101,7 +118,7 @@ inline void tile(const float* __restrict x, int64_t ldx, const float* __restrict
   }
 #pragma GCC unroll 12
   for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int v = 0; v < V; ++v) {
       float* dst = c + r * kPanel + v * kW;
       store(dst, FIRST ? acc[r][v] : load(dst) + acc[r][v]);
@@ -118,7 +135,7 @@ inline void tile_any(bool first, bool prefetch, const float* x, int64_t ldx, con
   }
 }
 
-// A tile of 1..R rows (R = 12 for 2 vectors, 6 for 4: 24 accumulators): the row count must be a compile-time
+// A tile of 1..R rows (R x V = kTileAcc accumulators): the row count must be a compile-time
 // constant for the accumulators to stay in registers.
 template <int V, int R = kTileFloats / (V * kW)>
 inline void tile_rows(int64_t rows, bool first, bool prefetch, const float* x, int64_t ldx,
@@ -129,7 +146,7 @@ inline void tile_rows(int64_t rows, bool first, bool prefetch, const float* x, i
   tile_any<R, V>(first, prefetch, x, ldx, w, kl, c);
 }
 
-// y[0:M, panels p0..p1) for one tile shape: V vectors per tile (a panel row in kPanelVecs / V
+// y[0:M, panels p0..p1) for one tile shape: V vectors per tile (a panel row in kPanel / (V * kW)
 // parts), kTileFloats / (V * kW) rows per tile, CHUNK rows per chunk.
 template <int V, int64_t CHUNK>
 void panels_times_x(const float* xp, int64_t M, int64_t K, const float* wp, int64_t N, float* yp,
@@ -176,33 +193,39 @@ at::Tensor skinny_gemm(const at::Tensor& x, const at::Tensor& panels, int64_t ou
   // Threads take contiguous runs of panels: each streams its own part of the weights. Rows go
   // in chunks, each over all of the thread's panels (one chunk at decode sizes).
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    if (M <= kFewRows)
-      panels_times_x<2, kFewChunkRows>(xp, M, K, wp, N, yp, p0, p1);
+    if (M <= kTinyRows)
+      panels_times_x<kTinyV, kFewChunkRows>(xp, M, K, wp, N, yp, p0, p1);
+    else if (M <= kFewRows)
+      panels_times_x<kFewV, kFewChunkRows>(xp, M, K, wp, N, yp, p0, p1);
     else
-      panels_times_x<4, kManyChunkRows>(xp, M, K, wp, N, yp, p0, p1);
+      panels_times_x<kManyV, kManyChunkRows>(xp, M, K, wp, N, yp, p0, p1);
   });
   return y;
 }
 
-// x W^T (+ bias) for a layer whose weight is also prepacked: the skinny kernel for 2-D inputs
-// of any row count, at::linear for others. In C++ so that a compiled graph calls it straight
-// from inductor's wrapper: a Python custom op around the same call cost ~30 us per call, ~1 ms
-// per decode step of the 58M model.
-at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& panels,
+// x W^T (+ bias) for a layer whose weight is held as panels only (x of any number of leading
+// dims, flattened to rows). In C++ so that a compiled graph calls it straight from inductor's
+// wrapper: a Python custom op around the same call cost ~30 us per call, ~1 ms per decode step of
+// the 58M model.
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& panels, int64_t out_features,
                          const std::optional<at::Tensor>& bias) {
-  if (x.dim() != 2) return at::linear(x, weight, bias);
-  at::Tensor y = skinny_gemm(x, panels, weight.size(0));
-  return bias ? y.add_(*bias) : y;  // y is the kernel's own new tensor
+  TORCH_CHECK(x.dim() >= 1, "x must have at least one dimension");
+  at::Tensor y = skinny_gemm(x.reshape({-1, x.size(-1)}), panels, out_features);
+  if (bias) y.add_(*bias);  // y is the kernel's own new tensor
+  if (x.dim() == 2) return y;
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = out_features;
+  return y.view(shape);
 }
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
+TORCH_LIBRARY_FRAGMENT(PAGEDLLM_NS, m) {
   m.def("skinny_gemm(Tensor x, Tensor panels, int out_features) -> Tensor");
-  m.def("packed_linear(Tensor x, Tensor weight, Tensor panels, Tensor? bias) -> Tensor");
+  m.def("packed_linear(Tensor x, Tensor panels, int out_features, Tensor? bias) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
+TORCH_LIBRARY_IMPL(PAGEDLLM_NS, CPU, m) {
   m.impl("skinny_gemm", &skinny_gemm);
   m.impl("packed_linear", &packed_linear);
 }

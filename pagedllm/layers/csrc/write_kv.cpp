@@ -13,6 +13,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "isa.h"
+
 namespace {
 
 void write_kv(at::Tensor& kv_cache, const at::Tensor& key, const at::Tensor& value,
@@ -57,8 +59,8 @@ void write_kv(at::Tensor& kv_cache, const at::Tensor& key, const at::Tensor& val
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
+TORCH_LIBRARY_FRAGMENT(PAGEDLLM_NS, m) {
   m.def("write_kv(Tensor(a!) kv_cache, Tensor key, Tensor value, Tensor slot_mapping) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(pagedllm, CPU, m) { m.impl("write_kv", &write_kv); }
+TORCH_LIBRARY_IMPL(PAGEDLLM_NS, CPU, m) { m.impl("write_kv", &write_kv); }

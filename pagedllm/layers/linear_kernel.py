@@ -1,0 +1,122 @@
+"""Which kernel multiplies each float32 linear layer on CPU: pagedllm's skinny kernel or torch's
+matmul, measured on this CPU at startup (the safety net).
+
+The skinny kernel (layers/csrc/skinny_gemm.cpp) is tuned per x86 level (AVX2, AVX-512); on a
+CPU nobody tuned it for it is never used, and on a tuned one a surprise (another
+microarchitecture, a VM's cache sizes) must not leave the engine at a fraction of torch's
+speed. So the runner times both kernels on one layer of every distinct shape, at a decode and a
+prefill row count, calls interleaved, and each shape keeps the faster for every row count (one
+choice per shape: a row's bits still do not depend on its batch). One log line says what was
+chosen and why. A chosen layer then holds its weight as panels only (``pack_linear``), the
+others keep the plain matrix: one copy either way.
+
+A shape is measured once per process (every engine a process builds then makes the same choice,
+so two of them compute the same bits). ``PAGEDLLM_LINEAR_KERNEL=pagedllm`` or ``=torch`` skips
+the measurement and takes that kernel for every layer it can (tests, and anyone comparing them).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.layers.cpu_extension import cpu_description, load_cpu_ops, native_isa
+from pagedllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+from pagedllm.layers.linear import Linear, pack_linear, pack_weight
+
+logger = logging.getLogger(__name__)
+
+# Rows of the timed calls: a decode batch, and a prefill chunk (above the kernel's few-rows
+# tile on every ISA, so both tiles are measured).
+DECODE_ROWS, PREFILL_ROWS = 8, 128
+_ROUNDS = 3
+_MEASURED: dict[tuple[int, int], float] = {}  # (out, in) -> speedup, this process's measurements
+
+
+@dataclass(frozen=True)
+class ShapeChoice:
+    out_features: int
+    in_features: int
+    num_layers: int
+    packed: bool      # True: the skinny kernel; False: torch's matmul
+    speedup: float    # torch's time / the kernel's (geometric mean over the two row counts)
+
+    def describe(self) -> str:
+        measured = "not measured" if math.isnan(self.speedup) else f"{self.speedup:.2f}x"
+        return f"{self.out_features}x{self.in_features}: {measured}"
+
+
+@torch.inference_mode()
+def choose_linear_kernels(model: nn.Module) -> list[ShapeChoice]:
+    """Measure, choose and convert every float32 linear layer of ``model`` (on CPU, after the
+    weights are loaded and before anything compiles the model). Returns the choice per shape."""
+    layers = [m for m in model.modules()
+              if isinstance(m, (Linear, ParallelLMHead)) and m.weight is not None]
+    by_shape: dict[tuple[int, int], list[nn.Module]] = {}
+    for layer in layers:
+        if layer.weight.device.type == "cpu" and layer.weight.dtype == torch.float32:
+            by_shape.setdefault(tuple(layer.weight.shape), []).append(layer)
+    if not by_shape:
+        return []
+    if native_isa() is None or load_cpu_ops() is None:
+        logger.info("linears: torch's matmul for every layer (no tuned kernel for this CPU)")
+        return [ShapeChoice(n, k, len(group), False, 0.0) for (n, k), group in by_shape.items()]
+    tied = {id(m.weight): m for m in model.modules()
+            if isinstance(m, VocabParallelEmbedding) and m.weight is not None}
+    forced = os.environ.get("PAGEDLLM_LINEAR_KERNEL", "auto")
+    if forced not in ("auto", "pagedllm", "torch"):
+        raise ValueError(f"PAGEDLLM_LINEAR_KERNEL={forced!r}: expected auto, pagedllm or torch")
+    choices = []
+    for (n, k), group in by_shape.items():
+        if forced == "auto" and (n, k) not in _MEASURED:
+            _MEASURED[n, k] = _measure(group[0])
+        speedup = _MEASURED.get((n, k), math.nan)
+        packed = speedup >= 1.0 if forced == "auto" else forced == "pagedllm"
+        if packed:
+            for layer in group:
+                embedding = tied.get(id(layer.weight))
+                if pack_linear(layer) and embedding is not None:
+                    # The embedding shares the head's weight: it reads rows from the panels.
+                    embedding.packed_weight, embedding.weight = layer.packed_weight, None
+        choices.append(ShapeChoice(n, k, len(group), packed, speedup))
+    mine = [c for c in choices if c.packed]
+    why = ("" if forced == "auto" else f" (PAGEDLLM_LINEAR_KERNEL={forced})")
+    logger.info("linears on %s: the skinny kernel for %d of %d layer shapes, torch's matmul for "
+                "the rest%s; torch's time over the kernel's at %d and %d rows: %s",
+                cpu_description(), len(mine), len(choices), why, DECODE_ROWS, PREFILL_ROWS,
+                ", ".join(c.describe() for c in choices))
+    return choices
+
+
+def _measure(layer: nn.Module) -> float:
+    """torch's time over the skinny kernel's on ``layer``'s weight (geometric mean over the two
+    row counts, best of _ROUNDS interleaved calls each); 0 when the kernel cannot take it."""
+    weight, bias = layer.weight, getattr(layer, "bias", None)
+    packed = pack_weight(weight, bias)
+    if packed is None:
+        return 0.0
+    ops = load_cpu_ops()
+    n, k = weight.shape
+    gen = torch.Generator().manual_seed(0)
+    log_ratio = 0.0
+    for rows in (DECODE_ROWS, PREFILL_ROWS):
+        x = torch.randn(rows, k, generator=gen)
+        kernels: list[Callable[[], torch.Tensor]] = [
+            lambda: ops.packed_linear(x, packed, n, bias), lambda: F.linear(x, weight, bias)]
+        best = [math.inf, math.inf]
+        for r in range(_ROUNDS + 1):  # the first round warms up (page faults, thread pool)
+            for i in (0, 1) if r % 2 else (1, 0):
+                t0 = time.perf_counter()
+                kernels[i]()
+                if r:
+                    best[i] = min(best[i], time.perf_counter() - t0)
+        log_ratio += math.log(best[1] / best[0])
+    return math.exp(log_ratio / 2)
+
