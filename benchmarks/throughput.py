@@ -255,6 +255,13 @@ def summarize(runs: list[dict], ours: str = OURS) -> dict[str, dict]:
     return engines
 
 
+def _cpu() -> str:
+    """The CPU's model name and tuned level, as the kernels' own log lines name it."""
+    from pagedllm.layers.cpu_extension import cpu_description  # torch: imported when needed
+
+    return cpu_description()
+
+
 def plot(path: str, result: dict) -> None:
     """Bars of the median tok/s, with whiskers from the slowest to the fastest run."""
     import matplotlib
@@ -274,8 +281,11 @@ def plot(path: str, result: dict) -> None:
     ax.margins(y=0.15)  # room for the labels
     ax.set_ylabel("generated tokens / s")
     runs = f", median of {result['repeat']} runs" if result.get("repeat", 1) > 1 else ""
-    ax.set_title(f"throughput, workload {result['workload']} ({result['num_requests']} requests{runs})",
-                 fontsize=10)
+    # The CPU and its tuned level ("AMD EPYC 9R14 (x86-64-v4: AVX-512)"): a picture without it
+    # cannot be compared with one drawn elsewhere (the kernels differ per level).
+    cpu = result.get("cpu") or _cpu()
+    ax.set_title(f"throughput, workload {result['workload']} ({result['num_requests']} requests{runs})"
+                 f"\n{cpu}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -404,7 +414,8 @@ def main(argv: list[str] | None = None) -> None:
         log(f"warning: pagedllm's greedy repeats differ: only {engines_out[OURS]['repeats_same_ids']}"
             f"/{args.repeat} runs gave the token ids of the first")
     result = {
-        "benchmark": "throughput", "workload": workload.name, "num_requests": workload.num_requests,
+        "benchmark": "throughput", "cpu": _cpu(), "workload": workload.name,
+        "num_requests": workload.num_requests,
         "num_prompt_tokens": workload.num_prompt_tokens, "num_output_tokens": workload.num_output_tokens,
         "model": model, "num_params": stats.num_params, "dtype": args.dtype,
         "flops_per_output_token": flops / workload.num_output_tokens, "workload_flops": flops,

@@ -123,6 +123,9 @@ class LLMEngine:
         params = params if params is not None else self.default_sampling_params()
         if not isinstance(params, SamplingParams):
             raise ValidationError("sampling_params must be a SamplingParams", "sampling_params")
+        # A copy, validated again: a user may set fields after construction (params.n = 0), and
+        # may change the object later without changing this request (vLLM copies it too).
+        params = params.clone()
         if params.logit_bias and any(not 0 <= t < self.model_info.vocab_size for t in params.logit_bias):
             raise ValidationError("logit_bias has a token id outside the vocabulary", "logit_bias")
         check_int(priority, "priority")  # the executor wire carries 64 bits

@@ -3,7 +3,11 @@
 - ``pagedllm::paged_attention`` and ``pagedllm::write_kv`` (csrc/paged_attention.cpp,
   csrc/write_kv.cpp): the cpu_paged attention backend, and its store of each step's K/V;
 - ``pagedllm::packed_linear`` and ``pagedllm::skinny_gemm`` (csrc/skinny_gemm.cpp): the linears
-  of prepacked layers, in pagedllm's own kernel (layers/linear.py).
+  of packed layers, in pagedllm's own kernel (layers/linear.py).
+
+Their register tiles are sized per x86 level (csrc/isa.h): x86-64-v4 (AVX-512, 32 vector
+registers) and x86-64-v3 (AVX2 + FMA, 16). On a CPU of neither level the engine uses torch's
+ops (``native_isa()`` is None: the torch attention backend, ``F.linear``).
 
 torch.utils.cpp_extension compiles them into torch's extension cache (``TORCH_EXTENSIONS_DIR``,
 default ``~/.cache/torch_extensions``) on first use, which takes ~40 s, and reloads the shared

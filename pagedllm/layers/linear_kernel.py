@@ -5,9 +5,12 @@ The skinny kernel (layers/csrc/skinny_gemm.cpp) is tuned per x86 level (AVX2, AV
 CPU nobody tuned it for it is never used, and on a tuned one a surprise (another
 microarchitecture, a VM's cache sizes) must not leave the engine at a fraction of torch's
 speed. So the runner times both kernels on one layer of every distinct shape, at a decode and a
-prefill row count, calls interleaved, and each shape keeps the faster for every row count (one
-choice per shape: a row's bits still do not depend on its batch). One log line says what was
-chosen and why. A chosen layer then holds its weight as panels only (``pack_linear``), the
+prefill row count, calls interleaved, and a shape leaves the kernel for torch's matmul (for
+every row count: one choice per shape) only when torch's is clearly faster, by TORCH_MARGIN.
+Near ties stay on the kernel: its sums do not depend on the row count, so a token gets the same
+bits in a decode and in a prefill chunk (recomputed after a preemption), where MKL picks its
+kernels by the row count; and a tie decided by a 2-core VM's noise would make two runs of the
+same model differ. One log line says what was chosen and why. A chosen layer then holds its weight as panels only (``pack_linear``), the
 others keep the plain matrix: one copy either way.
 
 A shape is measured once per process (every engine a process builds then makes the same choice,
@@ -37,6 +40,11 @@ logger = logging.getLogger(__name__)
 # tile on every ISA, so both tiles are measured).
 DECODE_ROWS, PREFILL_ROWS = 8, 128
 _ROUNDS = 3
+# torch's matmul replaces the kernel when the kernel takes this much longer (geometric mean over
+# the two row counts): far above run-to-run noise (tiny layers measured 0.84-1.54x from one run
+# to the next), far below what a kernel wrong for the CPU loses (0.04-0.3x on AVX2 before its
+# tiles were sized for it).
+TORCH_MARGIN = 1.25
 _MEASURED: dict[tuple[int, int], float] = {}  # (out, in) -> speedup, this process's measurements
 
 
@@ -78,7 +86,7 @@ def choose_linear_kernels(model: nn.Module) -> list[ShapeChoice]:
         if forced == "auto" and (n, k) not in _MEASURED:
             _MEASURED[n, k] = _measure(group[0])
         speedup = _MEASURED.get((n, k), math.nan)
-        packed = speedup >= 1.0 if forced == "auto" else forced == "pagedllm"
+        packed = speedup * TORCH_MARGIN >= 1.0 if forced == "auto" else forced == "pagedllm"
         if packed:
             for layer in group:
                 embedding = tied.get(id(layer.weight))

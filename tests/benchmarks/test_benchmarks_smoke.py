@@ -183,14 +183,20 @@ def test_dashboard_overhead(tiny_model, tmp_path, capsys):
 
 def test_linear_kernels_compares_the_skinny_kernel_with_its_peers(capsys):
     from benchmarks import linear_kernels
-    from pagedllm.layers.cpu_extension import load_cpu_ops
+    from pagedllm.layers.cpu_extension import can_run, load_cpu_ops
 
     if load_cpu_ops() is None:
         pytest.skip("no C++ compiler: no CPU kernels")
-    linear_kernels.main(["--model-config", "tiny", "--rows", "1", "3", "--rounds", "1"])
+    linear_kernels.main(["--model-config", "tiny", "--rows", "1", "3", "--rounds", "1",
+                         "--isa", "native", "v3"])
     lines = capsys.readouterr().out.strip().splitlines()
-    assert lines[0].split()[:2] == ["layer", "rows"] and len(lines) == 1 + 5 * 2
-    for line in lines[1:]:
-        fields = line.split()
-        assert fields[0] in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
-        assert fields[1] in ("1", "3") and float(fields[-1].rstrip("x")) > 0
+    assert len(lines) == 5 * 2
+    for line in lines:
+        cells = [c.strip() for c in line.split("|")]
+        layer, rows = cells[0].split()
+        assert layer in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head") and rows in ("1", "3")
+        names = [c.split(" us")[0].rsplit(" ", 1)[0].strip() for c in cells[1:-1]]
+        want = ["skinny native", *(["skinny v3"] if can_run("v3") else []), "onednn", "f_linear"]
+        assert names == want, names
+        ratios = cells[-1].split()  # "skinny native: 1.23x skinny v3: 1.20x"
+        assert all(float(r.rstrip("x")) > 0 for r in ratios[2::3])

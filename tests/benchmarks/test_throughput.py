@@ -171,3 +171,21 @@ def test_vllm_peer_serve_explains_a_missing_vllm():
 
     with pytest.raises(SystemExit, match="setup_vllm_cpu.sh"):
         vllm_peer.main(["--model", "x", "--workload-file", "w", "--serve"])
+
+
+def test_plot_title_names_the_cpu(tmp_path, monkeypatch):
+    """A throughput picture says which CPU and tuned level it came from (the result's "cpu",
+    else this machine's), so a figure from another machine or build is never mistaken."""
+    import matplotlib.figure
+
+    titles: list[str] = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig",
+                        lambda fig, *a, **k: titles.append(fig.axes[0].get_title()))
+    engine = {"tok_per_s": 10.0, "runs_tok_per_s": [9.0, 10.0, 11.0]}
+    result = {"workload": "cpu", "num_requests": 32, "repeat": 3,
+              "engines": {"pagedllm": engine, "vllm": engine}}
+    throughput.plot(str(tmp_path / "a.png"), {**result, "cpu": "AMD EPYC 9R14 (x86-64-v4: AVX-512)"})
+    throughput.plot(str(tmp_path / "b.png"), result)
+    assert titles[0].endswith("\nAMD EPYC 9R14 (x86-64-v4: AVX-512)"), titles
+    from pagedllm.layers.cpu_extension import cpu_description
+    assert titles[1].endswith("\n" + cpu_description()), titles

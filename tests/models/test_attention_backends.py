@@ -226,3 +226,13 @@ def test_every_level_computes_the_same_attention(isa):
         q = torch.randn(int(qsl[-1]), heads, head_dim, generator=gen)
         args = (q, cache, tables, qsl, torch.tensor(lens), head_dim ** -0.5)
         torch.testing.assert_close(ops.paged_attention(*args), native(*args), rtol=1e-5, atol=2e-6)
+
+
+def test_auto_is_the_torch_backend_on_a_cpu_nobody_tuned_for(monkeypatch):
+    monkeypatch.setattr(cpu_extension, "native_isa", lambda: None)
+    selector.get_attn_backend.cache_clear()
+    try:
+        assert get_attn_backend("auto", "cpu").name == "torch"
+        assert get_attn_backend("cpu_paged", "cpu").name == "cpu_paged"  # asked for: still there
+    finally:
+        selector.get_attn_backend.cache_clear()

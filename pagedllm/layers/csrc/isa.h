@@ -20,7 +20,7 @@ constexpr int64_t kVecRegs = 32;
 #else
 // x86-64-v3 (AVX2 + FMA: 8-float ymm vectors, 16 of them), and the layout any other CPU gets
 // (two SSE or NEON halves per vector: correct, but nobody tuned for it; the runner checks it
-// against torch's matmul at startup, layers/kernel_choice.py).
+// against torch's matmul at startup, layers/linear_kernel.py).
 constexpr int64_t kVecFloats = 8;
 constexpr int64_t kVecRegs = 16;
 #endif
