@@ -13,7 +13,7 @@ os.environ.setdefault("PAGEDLLM_ENFORCE_EAGER", "1")
 # it runs (a token's bits in a decode and in a prefill chunk), which torch's matmul need not
 # have, and a measured choice could differ between two engines of one test.
 # tests/models/test_linear_choice.py tests the measured choice itself.
-os.environ.setdefault("PAGEDLLM_LINEAR_KERNEL", "pagedllm")
+os.environ.setdefault("PAGEDLLM_CPU_KERNELS", "pagedllm")
 
 # Optional packages that CI installs are imported with tests/ci_support.py's importorskip (a
 # failure under CI=true, a skip elsewhere), never with pytest.importorskip.

@@ -14,7 +14,7 @@ same model differ. One log line says what was chosen and why. A chosen layer the
 others keep the plain matrix: one copy either way.
 
 A shape is measured once per process (every engine a process builds then makes the same choice,
-so two of them compute the same bits). ``PAGEDLLM_LINEAR_KERNEL=pagedllm`` or ``=torch`` skips
+so two of them compute the same bits). ``PAGEDLLM_CPU_KERNELS=pagedllm`` or ``=torch`` skips
 the measurement and takes that kernel for every layer it can (tests, and anyone comparing them).
 """
 from __future__ import annotations
@@ -78,9 +78,9 @@ def choose_linear_kernels(model: nn.Module) -> list[ShapeChoice]:
         return [ShapeChoice(n, k, len(group), False, 0.0) for (n, k), group in by_shape.items()]
     tied = {id(m.weight): m for m in model.modules()
             if isinstance(m, VocabParallelEmbedding) and m.weight is not None}
-    forced = os.environ.get("PAGEDLLM_LINEAR_KERNEL", "auto")
+    forced = os.environ.get("PAGEDLLM_CPU_KERNELS", "auto")
     if forced not in ("auto", "pagedllm", "torch"):
-        raise ValueError(f"PAGEDLLM_LINEAR_KERNEL={forced!r}: expected auto, pagedllm or torch")
+        raise ValueError(f"PAGEDLLM_CPU_KERNELS={forced!r}: expected auto, pagedllm or torch")
     choices = []
     for (n, k), group in by_shape.items():
         if forced == "auto" and (n, k) not in _MEASURED:
@@ -95,7 +95,7 @@ def choose_linear_kernels(model: nn.Module) -> list[ShapeChoice]:
                     embedding.packed_weight, embedding.weight = layer.packed_weight, None
         choices.append(ShapeChoice(n, k, len(group), packed, speedup))
     mine = [c for c in choices if c.packed]
-    why = ("" if forced == "auto" else f" (PAGEDLLM_LINEAR_KERNEL={forced})")
+    why = ("" if forced == "auto" else f" (PAGEDLLM_CPU_KERNELS={forced})")
     logger.info("linears on %s: the skinny kernel for %d of %d layer shapes, torch's matmul for "
                 "the rest%s; torch's time over the kernel's at %d and %d rows: %s",
                 cpu_description(), len(mine), len(choices), why, DECODE_ROWS, PREFILL_ROWS,

@@ -13,7 +13,8 @@ import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.outputs import PromptLogprobsChunk, RunnerOutput, SchedulerOutput, TokenLogprobs
-from pagedllm.layers.attention import get_attn_backend
+from pagedllm.layers.attention import Attention, get_attn_backend
+from pagedllm.layers.attention.choice import choose_cpu_attention
 from pagedllm.layers.attention_metadata import build_attention_metadata
 from pagedllm.layers.forward_context import set_forward_context
 from pagedllm.layers.kv_cache import bind_kv_caches, copy_blocks, kv_cache_shape
@@ -63,6 +64,10 @@ class ModelRunner:
         self.input_batch = InputBatch()
         self.kv_caches: list[torch.Tensor] = []
         self.attn_backend = get_attn_backend(mc.attention_backend, self.device.type)
+        if mc.attention_backend == "auto" and self.attn_backend.name == "cpu_paged":
+            # The kernel against the torch backend on this model's heads (the safety net).
+            self.attn_backend = choose_cpu_attention(
+                next(m for m in self.model.modules() if isinstance(m, Attention)))
         self.block_size = 0
         self.max_model_len = max_model_len
 

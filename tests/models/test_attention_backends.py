@@ -236,3 +236,26 @@ def test_auto_is_the_torch_backend_on_a_cpu_nobody_tuned_for(monkeypatch):
         assert get_attn_backend("cpu_paged", "cpu").name == "cpu_paged"  # asked for: still there
     finally:
         selector.get_attn_backend.cache_clear()
+
+
+def test_the_startup_check_measures_the_kernel_against_the_torch_backend(monkeypatch, caplog):
+    from pagedllm.layers.attention import choice
+
+    layer = Attention(8, 2, 32, scale=32 ** -0.5, layer_idx=0)
+    monkeypatch.setattr(choice, "_MEASURED", {})
+    monkeypatch.setenv("PAGEDLLM_CPU_KERNELS", "auto")
+    with caplog.at_level(logging.INFO, logger="pagedllm.layers.attention.choice"):
+        backend = choice.choose_cpu_attention(layer)
+    (line,) = [r.getMessage() for r in caplog.records if "attention on" in r.getMessage()]
+    speedup = choice._MEASURED[(8, 2, 32)]
+    assert speedup > 0 and f"{speedup:.2f}x" in line and backend.name in line
+    assert backend.name == ("cpu_paged" if speedup * choice.TORCH_MARGIN >= 1 else "torch")
+    monkeypatch.setattr(choice, "_MEASURED", {(8, 2, 32): 0.5})  # torch clearly faster
+    assert choice.choose_cpu_attention(layer).name == "torch"
+    monkeypatch.setattr(choice, "_MEASURED", {(8, 2, 32): 0.9})  # a near tie: the kernel
+    assert choice.choose_cpu_attention(layer).name == "cpu_paged"
+    monkeypatch.setenv("PAGEDLLM_CPU_KERNELS", "torch")
+    assert choice.choose_cpu_attention(layer).name == "torch"
+    monkeypatch.setenv("PAGEDLLM_CPU_KERNELS", "pagedllm")
+    monkeypatch.setattr(choice, "_MEASURED", {(8, 2, 32): 0.1})  # not consulted when forced
+    assert choice.choose_cpu_attention(layer).name == "cpu_paged"

@@ -1,6 +1,6 @@
 """The startup choice of a linear kernel per layer shape (layers/linear_kernel.py): measured,
 one choice per shape, torch's matmul only when clearly faster, one log line; forced by
-PAGEDLLM_LINEAR_KERNEL; torch's matmul on a CPU nobody tuned the kernel for."""
+PAGEDLLM_CPU_KERNELS; torch's matmul on a CPU nobody tuned the kernel for."""
 from __future__ import annotations
 
 import logging
@@ -32,7 +32,7 @@ class _Model(torch.nn.Module):
 
 @pytest.fixture
 def auto(monkeypatch):
-    monkeypatch.setenv("PAGEDLLM_LINEAR_KERNEL", "auto")
+    monkeypatch.setenv("PAGEDLLM_CPU_KERNELS", "auto")
     monkeypatch.setattr(linear_kernel, "_MEASURED", {})
 
 
@@ -80,17 +80,17 @@ def test_the_measurement_is_real(auto):
 
 
 def test_forced_choices_and_a_bad_value(monkeypatch):
-    monkeypatch.setenv("PAGEDLLM_LINEAR_KERNEL", "torch")
+    monkeypatch.setenv("PAGEDLLM_CPU_KERNELS", "torch")
     model = _Model()
     choices = linear_kernel.choose_linear_kernels(model)
     assert not any(c.packed for c in choices)
     assert all(m.packed_weight is None for m in (model.a, model.c, model.head))
-    monkeypatch.setenv("PAGEDLLM_LINEAR_KERNEL", "pagedllm")
+    monkeypatch.setenv("PAGEDLLM_CPU_KERNELS", "pagedllm")
     model = _Model()
     linear_kernel.choose_linear_kernels(model)
     assert all(m.weight is None for m in (model.a, model.b, model.c, model.head))
-    monkeypatch.setenv("PAGEDLLM_LINEAR_KERNEL", "fast")
-    with pytest.raises(ValueError, match="PAGEDLLM_LINEAR_KERNEL"):
+    monkeypatch.setenv("PAGEDLLM_CPU_KERNELS", "fast")
+    with pytest.raises(ValueError, match="PAGEDLLM_CPU_KERNELS"):
         linear_kernel.choose_linear_kernels(_Model())
 
 

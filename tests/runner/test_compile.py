@@ -99,7 +99,7 @@ def _engines(model: str) -> tuple[LLM, LLM]:
     kwargs = dict(device="cpu", block_size=4, max_num_batched_tokens=16, max_num_seqs=6)
     # Every layer packed (the startup measurement may keep a tiny model's layers on torch's
     # matmul), so that the graph's opaque linears can be counted.
-    with mock.patch.dict(os.environ, {"PAGEDLLM_LINEAR_KERNEL": "pagedllm"}):
+    with mock.patch.dict(os.environ, {"PAGEDLLM_CPU_KERNELS": "pagedllm"}):
         return LLM(model, enforce_eager=False, **kwargs), LLM(model, enforce_eager=True, **kwargs)
 
 

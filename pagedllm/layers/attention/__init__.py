@@ -5,7 +5,8 @@
   reads the paged cache in place.
 
 ``backend.py`` holds the interface (and the per-step metadata's types) and imports no backend;
-``selector.py`` holds ``get_attn_backend`` (the choice per device), importing backends lazily.
+``selector.py`` holds ``get_attn_backend`` (the choice per device), importing backends lazily;
+``choice.py`` measures cpu_paged against torch on a model's heads at startup (``auto`` on CPU).
 """
 from __future__ import annotations
 
