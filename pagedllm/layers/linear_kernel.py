@@ -116,15 +116,22 @@ def _measure(layer: nn.Module) -> float:
     log_ratio = 0.0
     for rows in (DECODE_ROWS, PREFILL_ROWS):
         x = torch.randn(rows, k, generator=gen)
-        kernels: list[Callable[[], torch.Tensor]] = [
+        kernels: list[Callable[[], object]] = [
             lambda: ops.packed_linear(x, packed, n, bias), lambda: F.linear(x, weight, bias)]
-        best = [math.inf, math.inf]
-        for r in range(_ROUNDS + 1):  # the first round warms up (page faults, thread pool)
-            for i in (0, 1) if r % 2 else (1, 0):
-                t0 = time.perf_counter()
-                kernels[i]()
-                if r:
-                    best[i] = min(best[i], time.perf_counter() - t0)
-        log_ratio += math.log(best[1] / best[0])
+        mine, torch_time = best_times(kernels)
+        log_ratio += math.log(torch_time / mine)
     return math.exp(log_ratio / 2)
 
+
+def best_times(calls: list[Callable[[], object]], rounds: int = _ROUNDS) -> list[float]:
+    """The best of ``rounds`` timed calls of each of ``calls``, interleaved (the order reversed
+    every other round, so a drifting machine slows all alike), after one warm-up round (page
+    faults, the thread pool)."""
+    best = [math.inf] * len(calls)
+    for r in range(rounds + 1):
+        for i in (range(len(calls)) if r % 2 else reversed(range(len(calls)))):
+            t0 = time.perf_counter()
+            calls[i]()
+            if r:
+                best[i] = min(best[i], time.perf_counter() - t0)
+    return best

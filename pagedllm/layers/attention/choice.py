@@ -11,7 +11,6 @@ import logging
 import math
 import os
 import random
-import time
 
 import torch
 
@@ -22,7 +21,7 @@ from pagedllm.layers.attention_metadata import build_attention_metadata
 from pagedllm.layers.cpu_extension import cpu_description
 from pagedllm.layers.forward_context import set_forward_context
 from pagedllm.layers.kv_cache import bind_kv_caches, kv_cache_shape
-from pagedllm.layers.linear_kernel import TORCH_MARGIN
+from pagedllm.layers.linear_kernel import TORCH_MARGIN, best_times
 
 logger = logging.getLogger(__name__)
 
@@ -75,13 +74,12 @@ def _measure(heads: int, kv_heads: int, head_dim: int, paged: AttentionBackend,
         kv = torch.randn(tokens, kv_heads, head_dim, generator=gen)
         metadata = [build_attention_metadata([n for _, n in batch], [c for c, _ in batch], tables,
                                              _BLOCK_SIZE, backend=b) for b in (paged, reference)]
-        best = [math.inf, math.inf]
-        for r in range(_ROUNDS + 1):  # the first round warms up
-            for i in (0, 1) if r % 2 else (1, 0):
-                with set_forward_context(metadata[i]):
-                    t0 = time.perf_counter()
-                    layer(q, kv, kv)
-                    if r:
-                        best[i] = min(best[i], time.perf_counter() - t0)
-        log_ratio += math.log(best[1] / best[0])
+        calls = [lambda md=md: _attend(layer, md, q, kv) for md in metadata]
+        mine, torch_time = best_times(calls, _ROUNDS)
+        log_ratio += math.log(torch_time / mine)
     return math.exp(log_ratio / 2)
+
+
+def _attend(layer: Attention, md, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    with set_forward_context(md):
+        return layer(q, kv, kv)
