@@ -9,10 +9,11 @@ size works there.
 from __future__ import annotations
 
 from pagedllm.errors import ValidationError
+from pagedllm.hf_config import text_config
 
 
 def _dims(hf_config: dict) -> tuple[int, int, int]:
-    text = hf_config.get("text_config", hf_config)  # multimodal-style configs nest the LM's fields
+    text = text_config(hf_config)
     heads = int(text["num_attention_heads"])
     kv_heads = int(text.get("num_key_value_heads") or heads)
     return heads, kv_heads, int(text["intermediate_size"])

@@ -10,6 +10,7 @@ plain Python; the executor builds the real runner (torch) lazily.
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -29,6 +30,8 @@ from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedllm.runner.base import Runner
 from pagedllm.sampling_params import SamplingParams
 
+logger = logging.getLogger("pagedllm")
+
 
 def make_engine_core(config: EngineConfig, max_model_len: int, runner: Runner | None = None,
                      multiprocess: bool | None = None) -> EngineCore | MPEngineCoreClient:
@@ -45,6 +48,31 @@ def make_engine_core(config: EngineConfig, max_model_len: int, runner: Runner | 
     return EngineCore(config, max_model_len, runner)
 
 
+def _resolve_max_model_len(requested: int | None, info: ModelInfo) -> int:
+    """The user's max_model_len, or the model's usable context; never past what pagedllm
+    computes exactly. Past an active sliding window our full attention would silently differ
+    from the model's windowed attention, so the window caps the default and refuses more."""
+    max_pos, window = info.max_position_embeddings, info.sliding_window
+    if requested is None:
+        if window is not None and window < max_pos:
+            logger.warning("max_model_len capped at %d, the model's sliding_window "
+                           "(not its max_position_embeddings %d): sliding-window attention is not "
+                           "implemented yet, and full attention is exact only within the window",
+                           window, max_pos)
+        return info.usable_context
+    if window is not None and requested > window:
+        raise ValidationError(
+            f"max_model_len={requested} exceeds the model's sliding_window ({window}): "
+            f"sliding-window attention is not implemented yet, so only sequences within the "
+            f"window are computed exactly; set max_model_len <= {window} or leave it unset",
+            "max_model_len")
+    if requested > max_pos:
+        raise ValidationError(
+            f"max_model_len={requested} exceeds the model's max_position_embeddings "
+            f"({max_pos}); lower it", "max_model_len")
+    return requested
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, runner: Runner | None = None,
                  model_info: ModelInfo | None = None, tokenizer: Any | None = None,
@@ -59,13 +87,8 @@ class LLMEngine:
 
             tokenizer = _load(mc.tokenizer or mc.model)
         self.tokenizer = tokenizer
-        max_pos = self.model_info.max_position_embeddings
-        if mc.max_model_len is not None and mc.max_model_len > max_pos:
-            raise ValidationError(
-                f"max_model_len={mc.max_model_len} exceeds the model's max_position_embeddings "
-                f"({max_pos}); lower it", "max_model_len")
         # Resolved once here and passed down (the runner and the scheduler never re-derive it).
-        self.max_model_len = mc.max_model_len or max_pos
+        self.max_model_len = _resolve_max_model_len(mc.max_model_len, self.model_info)
 
         self.engine_core: EngineCore | MPEngineCoreClient = make_engine_core(
             config, self.max_model_len, runner, multiprocess)

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pagedllm.errors import ModelLoadError
+from pagedllm.hf_config import (cap_at_window, max_position_embeddings, sliding_window,
+                                text_config)
 
 _GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
@@ -19,6 +21,14 @@ class ModelInfo:
     bos_token_id: int | None = None
     architectures: tuple[str, ...] = ()
     generation_defaults: dict = field(default_factory=dict)
+    # The active attention window (hf_config.sliding_window), None without one. Not implemented
+    # yet, so the engine caps max_model_len at it (full attention within the window is exact).
+    sliding_window: int | None = None
+
+    @property
+    def usable_context(self) -> int:
+        """The longest sequence computed exactly (hf_config.usable_context of the config)."""
+        return cap_at_window(self.max_position_embeddings, self.sliding_window)
 
     @classmethod
     def from_folder(cls, path: str | Path) -> "ModelInfo":
@@ -29,8 +39,7 @@ class ModelInfo:
                 f"{folder} is not a Hugging Face model folder: config.json is missing "
                 f"(pass --model or set PAGEDLLM_MODEL to a folder with config.json and safetensors)")
         cfg = json.loads(cfg_path.read_text())
-        # Multimodal-style configs nest the language model's fields.
-        text_cfg = cfg.get("text_config", cfg)
+        text_cfg = text_config(cfg)
         gen: dict = {}
         gen_path = folder / "generation_config.json"
         if gen_path.is_file():
@@ -47,9 +56,10 @@ class ModelInfo:
             raise ModelLoadError(f"{cfg_path} has no integer vocab_size")
         return cls(
             vocab_size=vocab_size,
-            max_position_embeddings=int(text_cfg.get("max_position_embeddings", 2048)),
+            max_position_embeddings=max_position_embeddings(cfg),
             eos_token_ids=eos_ids,
             bos_token_id=gen.get("bos_token_id", text_cfg.get("bos_token_id")),
             architectures=tuple(cfg.get("architectures") or ()),
             generation_defaults={k: gen[k] for k in _GENERATION_DEFAULT_KEYS if k in gen},
+            sliding_window=sliding_window(cfg),
         )

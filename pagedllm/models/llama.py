@@ -19,6 +19,7 @@ from torch import nn
 from pagedllm.distributed.parallel_state import get_tp_group
 from pagedllm.distributed.tp_sizes import check_tensor_parallel_size
 from pagedllm.errors import ModelLoadError
+from pagedllm.hf_config import usable_context
 from pagedllm.layers import (Attention, GatedActivation, MergedColumnParallelLinear,
                              ParallelLMHead, QKVParallelLinear, RMSNorm, RopeConfig,
                              RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding,
@@ -65,7 +66,7 @@ class DecoderArgs:
             num_layers=int(need("num_hidden_layers")), num_heads=heads, num_kv_heads=kv_heads,
             head_dim=int(config.get("head_dim") or hidden // heads),
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=_usable_context(config),
+            max_position_embeddings=usable_context(config),  # capped at an active window
             rope=RopeConfig.from_hf(config),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             hidden_act=config.get("hidden_act", "silu"),
@@ -73,16 +74,6 @@ class DecoderArgs:
             mlp_bias=bool(config.get("mlp_bias", False)))
         args.update(overrides)
         return cls(**args)
-
-
-def _usable_context(config: dict) -> int:
-    max_pos = int(config.get("max_position_embeddings", 2048))
-    window = config.get("sliding_window")
-    # No sliding-window attention here. Within the window, full attention is exactly what a
-    # sliding-window model computes, so capping the context at the window keeps outputs exact.
-    if window and config.get("use_sliding_window", True):
-        return min(max_pos, int(window))
-    return max_pos
 
 
 class LlamaAttention(nn.Module):

@@ -10,7 +10,8 @@ from pagedllm.models.qwen3 import Qwen3ForCausalLM
 
 _MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
-    # Mistral is Llama with a sliding window; DecoderArgs caps the context at the window.
+    # Mistral is Llama with a sliding window; hf_config.usable_context caps the context (the
+    # engine's max_model_len included) at the window until sliding-window attention exists.
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,

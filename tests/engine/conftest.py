@@ -150,7 +150,7 @@ def hf_demo_model(demo_model_path):
 
 
 def _tiny_config(arch: str):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     common = {"vocab_size": 32000, "hidden_size": 64, "intermediate_size": 128,
               "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 256,
@@ -168,6 +168,11 @@ def _tiny_config(arch: str):
         # q/k RMSNorm per head; head_dim set explicitly and != hidden_size / num_heads.
         return Qwen3Config(num_key_value_heads=1, head_dim=32, tie_word_embeddings=False,
                            rope_theta=1000000.0, **common)
+    if arch == "mistral_swa":
+        # A sliding window far shorter than the context (not in TINY_ARCHS: pagedllm caps its
+        # context at the window; tests/engine/test_sliding_window.py).
+        return MistralConfig(num_key_value_heads=2, tie_word_embeddings=False, rope_theta=10000.0,
+                             sliding_window=8, **common)
     raise ValueError(arch)
 
 
