@@ -173,10 +173,13 @@ class RowParallelLinear(Linear):
         return [WeightSlice(param, None, 1, self.tp.rank * self.in_features, self.full_in_features)]
 
 
-def pack_weight(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+def pack_weight(weight: torch.Tensor, bias: torch.Tensor | None,
+                check: bool = True) -> torch.Tensor | None:
     """``weight`` [out, in] as skinny_gemm's panels [ceil(out / 64), in, 64] (zero rows pad the
-    last), or None when the kernel cannot run here: not float32 on CPU, or not built. Checked
-    once against float64: a kernel whose error is not that of float32 rounding is never used."""
+    last), or None when the kernel cannot run here: not float32 on CPU, or not built. With
+    ``check``, the kernel is first checked against float64 on it: a kernel whose error is not
+    that of float32 rounding is never used (one check per shape suffices: the layout and the
+    kernel's path depend on the shape, not on the values)."""
     if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2:
         return None
     ops = load_cpu_ops()
@@ -185,12 +188,19 @@ def pack_weight(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor
     out_features, in_features = weight.shape
     padded = F.pad(weight.detach(), (0, 0, 0, -out_features % _PANEL))
     packed = padded.view(-1, _PANEL, in_features).transpose(1, 2).contiguous()
+    if not check:
+        return packed
+    # The first two panels and the last (partial) one: every path of the kernel, at a fraction
+    # of a float64 product over a large layer's every row (the lm_head's took ~0.5 s).
+    head = min(2 * _PANEL, out_features)
+    rows = torch.cat((torch.arange(head), torch.arange(max(head, out_features - _PANEL), out_features)))
+    w64 = weight[rows].double()
+    b64 = None if bias is None else bias[rows].double()
     gen = torch.Generator().manual_seed(0)
-    w64, b64 = weight.double(), None if bias is None else bias.double()
-    for rows in (1, 5, 40):
-        x = torch.randn(rows, in_features, generator=gen)
-        error = (ops.packed_linear(x, packed, out_features, bias).double()
-                 - F.linear(x.double(), w64, b64)).abs()
+    for num_rows in (1, 5, 40):
+        x = torch.randn(num_rows, in_features, generator=gen)
+        y = ops.packed_linear(x, packed, out_features, bias)[:, rows]
+        error = (y.double() - F.linear(x.double(), w64, b64)).abs()
         # Rounding of a float32 dot product is bounded by a multiple of eps x sum |x_i w_i|;
         # a wrong layout or a missed term is off by the order of the sum itself.
         scale = x.double().abs() @ w64.abs().T + (0 if b64 is None else b64.abs())
@@ -199,10 +209,11 @@ def pack_weight(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor
     return packed
 
 
-def pack_linear(layer: nn.Module) -> bool:
+def pack_linear(layer: nn.Module, check: bool = True) -> bool:
     """Hold ``layer``'s weight as panels only (its ``weight`` becomes None); False, changing
-    nothing, when the kernel cannot take it. Weights must not change afterwards."""
-    packed = pack_weight(layer.weight, getattr(layer, "bias", None))
+    nothing, when the kernel cannot take it (``check``: see pack_weight). Weights must not
+    change afterwards."""
+    packed = pack_weight(layer.weight, getattr(layer, "bias", None), check)
     if packed is None:
         return False
     layer.packed_weight, layer.weight = packed, None

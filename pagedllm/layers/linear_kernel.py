@@ -37,9 +37,10 @@ from pagedllm.layers.linear import Linear, pack_linear, pack_weight
 logger = logging.getLogger(__name__)
 
 # Rows of the timed calls: a decode batch, and a prefill chunk (above the kernel's few-rows
-# tile on every ISA, so both tiles are measured).
-DECODE_ROWS, PREFILL_ROWS = 8, 128
-_ROUNDS = 3
+# tile on every ISA, so both tiles are measured; small, so that the check of the 58M benchmark
+# model takes ~0.5 s with the packing).
+DECODE_ROWS, PREFILL_ROWS = 8, 72
+_ROUNDS = 2
 # torch's matmul replaces the kernel when the kernel takes this much longer (geometric mean over
 # the two row counts): far above run-to-run noise (tiny layers measured 0.84-1.54x from one run
 # to the next), far below what a kernel wrong for the CPU loses (0.04-0.3x on AVX2 before its
@@ -87,12 +88,14 @@ def choose_linear_kernels(model: nn.Module) -> list[ShapeChoice]:
             _MEASURED[n, k] = _measure(group[0])
         speedup = _MEASURED.get((n, k), math.nan)
         packed = speedup * TORCH_MARGIN >= 1.0 if forced == "auto" else forced == "pagedllm"
-        if packed:
-            for layer in group:
-                embedding = tied.get(id(layer.weight))
-                if pack_linear(layer) and embedding is not None:
-                    # The embedding shares the head's weight: it reads rows from the panels.
-                    embedding.packed_weight, embedding.weight = layer.packed_weight, None
+        for i, layer in enumerate(group if packed else []):
+            embedding = tied.get(id(layer.weight))
+            if not pack_linear(layer, check=i == 0):  # checked against float64 once per shape
+                packed = False
+                break
+            if embedding is not None:
+                # The embedding shares the head's weight: it reads rows from the panels.
+                embedding.packed_weight, embedding.weight = layer.packed_weight, None
         choices.append(ShapeChoice(n, k, len(group), packed, speedup))
     mine = [c for c in choices if c.packed]
     why = ("" if forced == "auto" else f" (PAGEDLLM_CPU_KERNELS={forced})")
@@ -107,7 +110,7 @@ def _measure(layer: nn.Module) -> float:
     """torch's time over the skinny kernel's on ``layer``'s weight (geometric mean over the two
     row counts, best of _ROUNDS interleaved calls each); 0 when the kernel cannot take it."""
     weight, bias = layer.weight, getattr(layer, "bias", None)
-    packed = pack_weight(weight, bias)
+    packed = pack_weight(weight, bias, check=False)  # checked when the layers are packed
     if packed is None:
         return 0.0
     ops = load_cpu_ops()

@@ -96,21 +96,22 @@ class SteadyRunner(FakeRunner):
 
 
 def test_busy_engine_is_not_stuck(demo_tokenizer):
-    """Steps of 0.2 s (under the 0.5 s timeout, but not by much) for over three watchdog periods,
-    requests open at every probe: a watchdog that counted from the request's arrival, or from the
-    last finished request, instead of from the last computed token, reports this engine."""
-    timeout_s, step_s = 0.5, 0.2
+    """Steps of 0.2 s for two and a half watchdog periods of 1 s, requests open at every probe: a
+    watchdog that counted from the request's arrival, or from the last finished request, instead
+    of from the last computed token, reports this engine. (A 0.5 s timeout left too little room
+    for a stall of the loaded 2-core machine in the full suite: it once saw 1.1 s without a step.)"""
+    timeout_s, step_s = 1.0, 0.2
     llm = AsyncLLM(make_fake_engine(demo_tokenizer, SteadyRunner(step_s), num_gpu_blocks_override=64),
                    watchdog_timeout_s=timeout_s)
 
     async def run():
         probes: list[tuple[str | None, int]] = []  # (health_error, requests still open) per probe
-        # 8 requests x 12 tokens: ~13 steps of 0.2 s, longer than the probing below.
-        tasks = [asyncio.create_task(_collect(llm.generate([1, 403, 407 + i], _params(12), f"r{i}")))
+        # 8 requests x 16 tokens: ~17 steps of 0.2 s, longer than the probing below.
+        tasks = [asyncio.create_task(_collect(llm.generate([1, 403, 407 + i], _params(16), f"r{i}")))
                  for i in range(8)]
         await asyncio.sleep(0.1)  # the requests are queued
         start = time.monotonic()
-        while time.monotonic() - start < 3.5 * timeout_s:
+        while time.monotonic() - start < 2.5 * timeout_s:
             probes.append((llm.health_error(), sum(not t.done() for t in tasks)))
             await asyncio.sleep(0.05)
         await asyncio.gather(*tasks)
