@@ -8,13 +8,12 @@ import math
 from dataclasses import dataclass, field
 from enum import IntEnum
 
-from pagedllm.errors import ValidationError, check_ints, check_text
+from pagedllm.errors import INT64_MAX, INT64_MIN, ValidationError, check_ints, check_text
 from pagedllm.structured_outputs_params import StructuredOutputsParams
 
 _SAMPLING_EPS = 1e-5
-# Seeds seed a torch generator, whose seed is a 64-bit integer: vLLM's range (torch.long).
-_SEED_MIN, _SEED_MAX = -(2 ** 63), 2 ** 63 - 1
-# The integer fields: each must fit the executor wire (64 bits) before its own range check.
+# The integer fields: each must fit the executor wire (64 bits) before its own range check
+# (a seed seeds a torch generator, whose seed is 64 bits too: vLLM's range).
 _INT_FIELDS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs")
 # The floats a NaN or an infinity would poison (NaN fails every comparison, so range checks
 # alone let it through).
@@ -107,7 +106,7 @@ class SamplingParams:
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", f"must be in [0, 1], got {self.min_p}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
-                                      or not _SEED_MIN <= self.seed <= _SEED_MAX):
+                                      or not INT64_MIN <= self.seed <= INT64_MAX):
             raise bad("seed", f"must be an integer in [-2**63, 2**63 - 1], got {self.seed!r}")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             raise bad("max_tokens", f"must be at least 1, got {self.max_tokens!r}")

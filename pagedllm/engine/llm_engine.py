@@ -54,7 +54,7 @@ def _resolve_max_model_len(requested: int | None, info: ModelInfo) -> int:
     from the model's windowed attention, so the window caps the default and refuses more."""
     max_pos, window = info.max_position_embeddings, info.sliding_window
     if requested is None:
-        if window is not None and window < max_pos:
+        if window is not None:  # hf_config.sliding_window: only a window shorter than max_pos
             logger.warning("max_model_len capped at %d, the model's sliding_window "
                            "(not its max_position_embeddings %d): sliding-window attention is not "
                            "implemented yet, and full attention is exact only within the window",

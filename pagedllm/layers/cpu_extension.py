@@ -55,14 +55,21 @@ _COMMON_CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=fast"]
 _LDFLAGS = ["-fopenmp"]
 
 
+@functools.cache
+def _cpuinfo(key: str) -> str:
+    """The value of ``key`` in /proc/cpuinfo's first processor ("" where there is none: not
+    Linux, or a key this CPU's kernel does not list)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return ""
+    return next((line.partition(":")[2].strip() for line in lines
+                 if line.split(":")[0].strip() == key), "")
+
+
 def cpu_flags() -> set[str]:
     """This CPU's feature flags (empty where /proc/cpuinfo has none: not Linux, or not x86)."""
-    try:
-        line = next((line for line in Path("/proc/cpuinfo").read_text().splitlines()
-                     if line.startswith("flags")), "")
-    except OSError:
-        return set()
-    return set(line.partition(":")[2].split())
+    return set(_cpuinfo("flags").split())
 
 
 def native_isa() -> str | None:
@@ -75,12 +82,7 @@ def native_isa() -> str | None:
 def cpu_description() -> str:
     """The CPU's model name and the tuned level it runs ("AMD EPYC (x86-64-v3: AVX2)"), for
     log lines and benchmark output: every figure names the CPU it came from."""
-    try:
-        name = next((line.partition(":")[2].strip() for line in
-                     Path("/proc/cpuinfo").read_text().splitlines()
-                     if line.startswith("model name")), "")
-    except OSError:
-        name = ""
+    name = _cpuinfo("model name")
     isa = native_isa()
     level = {"v4": "x86-64-v4: AVX-512", "v3": "x86-64-v3: AVX2"}.get(isa or "", "no tuned level")
     return f"{name or platform.machine() or 'unknown CPU'} ({level})"
