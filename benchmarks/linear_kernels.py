@@ -2,7 +2,9 @@
 the engine's native build and, with ``--isa v3 v4``, built for x86-64-v3 (AVX2) or -v4
 (AVX-512) beside it, against oneDNN's prepacked matmul (what vLLM's CPU path uses) and a plain
 ``F.linear`` (MKL sgemm), on the benchmark model's shapes, at decode and prefill row counts,
-calls interleaved.
+calls interleaved. ``--formats`` adds the kernel over weights held in other formats
+(layers/quantization/: bf16, fp16 panels; q8_0, q4_0 quantized at load), each timed against the
+float32 panels' kernel too; their GB/s count the bytes the format holds.
 
 Before every timed call the caches are flushed (a pass over a buffer larger than the last-level
 cache), as in the engine, where a step reads ~170 MB of weights and KV and nothing stays cached
@@ -11,6 +13,7 @@ rate (what bounds a decode step's linears), each kernel's GFLOP/s (what bounds a
 the faster library's time over each skinny build's (> 1: the kernel is faster).
 
     python -m benchmarks.linear_kernels [--rows 1 8 16 32 64 256 2048] [--rounds 7] [--isa native v3 v4]
+        [--formats bf16 fp16 q8_0 q4_0] [--shapes 4864x896 896x4864] [--threads N]
 """
 from __future__ import annotations
 
@@ -54,6 +57,31 @@ def linear_candidates(n: int, k: int, isas: list[str], seed: int = 0) -> dict[st
     return out
 
 
+def format_candidates(n: int, k: int, formats: list[str], isas: list[str],
+                      seed: int = 0) -> tuple[dict[str, Callable], dict[str, int]]:
+    """name -> x -> x W^T for one random [n, k] weight held in each of ``formats`` ("bf16",
+    "fp16", "q8_0", "q4_0"), per build in ``isas``; and name -> the bytes each reads."""
+    import torch
+
+    from pagedllm.layers.cpu_extension import can_run, load_cpu_ops
+    from pagedllm.layers.quantization import QuantizedWeight, quantize_linear
+
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
+    out: dict[str, Callable] = {}
+    nbytes: dict[str, int] = {}
+    for fmt in formats:
+        qw = (QuantizedWeight.from_half(w.to(torch.bfloat16 if fmt == "bf16" else torch.float16))
+              if fmt in ("bf16", "fp16") else quantize_linear(w, fmt))
+        for isa in isas:
+            ops = load_cpu_ops(isa) if can_run(isa) else None
+            if ops is not None:
+                name = f"{fmt} {isa}"
+                out[name] = lambda x, op=ops.quant_linear, qw=qw: op(
+                    x, qw.codes, qw.scales, qw.offsets, qw.group_size, n, None)
+                nbytes[name] = qw.nbytes
+    return out, nbytes
+
+
 def time_interleaved(kernels: dict[str, Callable], x, rounds: int, flush) -> dict[str, float]:
     """Median seconds per call of each kernel on ``x``, caches flushed before every call, the
     order reversed every other round."""
@@ -75,6 +103,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model-config", default="qwen3-58m", choices=sorted(MODEL_CONFIGS))
     parser.add_argument("--isa", nargs="+", default=["native"], choices=["native", "v3", "v4"],
                         help="builds of the skinny kernel to measure (those this CPU can run)")
+    parser.add_argument("--formats", nargs="*", default=[], choices=["bf16", "fp16", "q8_0", "q4_0"],
+                        help="weight formats to time beside float32 (layers/quantization/)")
+    parser.add_argument("--shapes", nargs="*", default=[],
+                        help="OUTxIN layer shapes in place of the model config's")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = parser.parse_args(argv)
 
     import torch
@@ -84,19 +117,29 @@ def main(argv: list[str] | None = None) -> None:
     if load_cpu_ops() is None:
         raise SystemExit("the C++ CPU kernels cannot be built here (no compiler?)")
     torch.set_grad_enabled(False)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     flush = torch.ones(64 << 20)  # 256 MiB, more than the last-level cache
     log(f"{cpu_description()}; {torch.get_num_threads()} threads; times are medians of "
         f"{args.rounds} cold calls; ratios: the faster library's time over the kernel's")
-    for name, (n, k) in layer_shapes(args.model_config).items():
+    shapes = ({shape: tuple(int(d) for d in shape.split("x")) for shape in args.shapes}
+              or layer_shapes(args.model_config))
+    for name, (n, k) in shapes.items():
         kernels = linear_candidates(n, k, args.isa)
         mine = [key for key in kernels if key.startswith("skinny")]
+        formats, nbytes = format_candidates(n, k, args.formats, args.isa)
+        kernels.update(formats)
         gen = torch.Generator().manual_seed(1)
         for rows in args.rows:
             med = time_interleaved(kernels, torch.randn(rows, k, generator=gen), args.rounds, flush)
             best_lib = min(med["onednn"], med["f_linear"])
-            cells = [f"{key} {med[key] * 1e6:7.0f} us {4 * n * k / med[key] / 1e9:5.1f} GB/s "
+            cells = [f"{key} {med[key] * 1e6:7.0f} us "
+                     f"{nbytes.get(key, 4 * n * k) / med[key] / 1e9:5.1f} GB/s "
                      f"{2 * rows * n * k / med[key] / 1e9:5.0f} GF/s" for key in kernels]
             ratios = " ".join(f"{key}: {best_lib / med[key]:.2f}x" for key in mine)
+            # each format against the float32 panels of its own build
+            ratios += "".join(f" {key} vs f32: {med['skinny ' + key.split()[1]] / med[key]:.2f}x"
+                              for key in formats if "skinny " + key.split()[1] in med)
             print(f"{name:12s} {rows:4d} | " + " | ".join(cells) + f" | {ratios}", flush=True)
 
 

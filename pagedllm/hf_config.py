@@ -1,9 +1,9 @@
 """What a Hugging Face config.json (a parsed dict) means for pagedllm: the rules every reader of
 the file must agree on, in one torch-free place (the engine's ModelInfo, the model's DecoderArgs).
 
-Today that is the sliding window. pagedllm has no sliding-window attention yet; within the
-window, full attention is exactly what a sliding-window model computes, so a model with an
-active window runs with its context capped at the window (vLLM's ``disable_sliding_window``).
+Today that is the sliding window: whether a model has an active one (``sliding_window``) and which
+layers use it (``layer_types``). The attention layers apply it exactly (layers/attention/), so the
+context is the model's max_position_embeddings, windowed or not.
 """
 from __future__ import annotations
 
@@ -48,11 +48,19 @@ def sliding_window(config: dict) -> int | None:
     return window if window < max_position_embeddings(config) else None
 
 
-def usable_context(config: dict) -> int:
-    """The longest sequence pagedllm computes exactly: max_position_embeddings, capped at an
-    active sliding window (see the module docstring)."""
-    return cap_at_window(max_position_embeddings(config), sliding_window(config))
-
-
-def cap_at_window(max_position_embeddings: int, window: int | None) -> int:
-    return max_position_embeddings if window is None else min(max_position_embeddings, window)
+def layer_types(config: dict, default_pattern: int | None = None) -> list[str]:
+    """Each layer's declared attention, ``"full_attention"`` or ``"sliding_attention"``, whether
+    or not the window is active (Gemma 3's local layers keep their own rope either way):
+    ``layer_types`` when the config lists it; else every ``sliding_window_pattern``-th layer (or
+    the family's ``default_pattern``-th) full and the others sliding (Gemma 2/3 before
+    transformers 4.56); else all sliding when a window is set and active (Mistral), else all full."""
+    text = text_config(config)
+    num_layers = int(text["num_hidden_layers"])
+    if text.get("layer_types"):
+        return list(text["layer_types"])
+    pattern = text.get("sliding_window_pattern") or default_pattern
+    if pattern and text.get("sliding_window"):
+        return ["sliding_attention" if (i + 1) % int(pattern) else "full_attention"
+                for i in range(num_layers)]
+    kind = "sliding_attention" if sliding_window(config) is not None else "full_attention"
+    return [kind] * num_layers

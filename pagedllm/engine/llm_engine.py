@@ -49,23 +49,10 @@ def make_engine_core(config: EngineConfig, max_model_len: int, runner: Runner | 
 
 
 def _resolve_max_model_len(requested: int | None, info: ModelInfo) -> int:
-    """The user's max_model_len, or the model's usable context; never past what pagedllm
-    computes exactly. Past an active sliding window our full attention would silently differ
-    from the model's windowed attention, so the window caps the default and refuses more."""
-    max_pos, window = info.max_position_embeddings, info.sliding_window
+    """The user's max_model_len, or the model's max_position_embeddings; never past it."""
+    max_pos = info.max_position_embeddings
     if requested is None:
-        if window is not None:  # hf_config.sliding_window: only a window shorter than max_pos
-            logger.warning("max_model_len capped at %d, the model's sliding_window "
-                           "(not its max_position_embeddings %d): sliding-window attention is not "
-                           "implemented yet, and full attention is exact only within the window",
-                           window, max_pos)
-        return info.usable_context
-    if window is not None and requested > window:
-        raise ValidationError(
-            f"max_model_len={requested} exceeds the model's sliding_window ({window}): "
-            f"sliding-window attention is not implemented yet, so only sequences within the "
-            f"window are computed exactly; set max_model_len <= {window} or leave it unset",
-            "max_model_len")
+        return max_pos
     if requested > max_pos:
         raise ValidationError(
             f"max_model_len={requested} exceeds the model's max_position_embeddings "

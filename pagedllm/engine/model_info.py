@@ -7,8 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pagedllm.errors import ModelLoadError
-from pagedllm.hf_config import (cap_at_window, max_position_embeddings, sliding_window,
-                                text_config)
+from pagedllm.hf_config import max_position_embeddings, sliding_window, text_config
 
 _GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
@@ -21,29 +20,30 @@ class ModelInfo:
     bos_token_id: int | None = None
     architectures: tuple[str, ...] = ()
     generation_defaults: dict = field(default_factory=dict)
-    # The active attention window (hf_config.sliding_window), None without one. Not implemented
-    # yet, so the engine caps max_model_len at it (full attention within the window is exact).
+    # The active attention window (hf_config.sliding_window), None without one: what the
+    # dashboard and logs name; the attention layers apply it.
     sliding_window: int | None = None
-
-    @property
-    def usable_context(self) -> int:
-        """The longest sequence computed exactly (hf_config.usable_context of the config)."""
-        return cap_at_window(self.max_position_embeddings, self.sliding_window)
 
     @classmethod
     def from_folder(cls, path: str | Path) -> "ModelInfo":
         folder = Path(path)
         cfg_path = folder / "config.json"
-        if not cfg_path.is_file():
+        gen: dict = {}
+        if str(path).lower().endswith(".gguf"):  # llama.cpp's file: config from its metadata
+            from pagedllm.gguf import read_gguf_config
+
+            cfg, cfg_path = read_gguf_config(folder), folder
+        elif not cfg_path.is_file():
             raise ModelLoadError(
                 f"{folder} is not a Hugging Face model folder: config.json is missing "
-                f"(pass --model or set PAGEDLLM_MODEL to a folder with config.json and safetensors)")
-        cfg = json.loads(cfg_path.read_text())
+                f"(pass --model or set PAGEDLLM_MODEL to a folder with config.json and safetensors, "
+                f"or a .gguf file)")
+        else:
+            cfg = json.loads(cfg_path.read_text())
+            gen_path = folder / "generation_config.json"
+            if gen_path.is_file():
+                gen = json.loads(gen_path.read_text())
         text_cfg = text_config(cfg)
-        gen: dict = {}
-        gen_path = folder / "generation_config.json"
-        if gen_path.is_file():
-            gen = json.loads(gen_path.read_text())
         eos = gen.get("eos_token_id", text_cfg.get("eos_token_id"))
         if eos is None:
             eos_ids: frozenset[int] = frozenset()

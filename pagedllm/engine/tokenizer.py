@@ -9,6 +9,10 @@ from pagedllm.errors import ModelLoadError, ValidationError
 
 def load_tokenizer(path: str | Path) -> Any:
     folder = Path(path)
+    if str(path).lower().endswith(".gguf"):  # the tokenizer llama.cpp's file carries
+        from pagedllm.gguf.tokenizer import load_gguf_tokenizer
+
+        return load_gguf_tokenizer(folder)
     if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "vocab.json")):
         raise ModelLoadError(f"{folder} has no tokenizer files (tokenizer.json, tokenizer.model or vocab.json)")
     from transformers import AutoTokenizer  # heavy import, kept off the engine's import path

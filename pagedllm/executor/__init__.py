@@ -59,7 +59,13 @@ def _check_model_splits(model: str, world_size: int) -> None:
     """The heads must divide by the ranks: say so (naming the sizes that do) before spawning.
     A folder without a readable config.json is left to the loader, which says what is wrong."""
     try:
-        check_tensor_parallel_size(json.loads((Path(model) / "config.json").read_text()), world_size)
+        if str(model).lower().endswith(".gguf"):
+            from pagedllm.gguf import read_gguf_config
+
+            config = read_gguf_config(model)
+        else:
+            config = json.loads((Path(model) / "config.json").read_text())
+        check_tensor_parallel_size(config, world_size)
     except ValidationError:
         raise
     except (OSError, KeyError, TypeError, ValueError):

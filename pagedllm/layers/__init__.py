@@ -7,6 +7,7 @@ from pagedllm.layers.attention import (ATTENTION_BACKENDS, Attention, AttentionB
 from pagedllm.layers.attention_metadata import (AttentionMetadata, DecodeBatch, PrefillChunk,
                                                 build_attention_metadata)
 from pagedllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+from pagedllm.layers.fused_moe import FusedMoE
 from pagedllm.layers.forward_context import get_attn_metadata, set_forward_context
 from pagedllm.layers.kv_cache import attention_layers, bind_kv_caches, copy_blocks, kv_cache_shape
 from pagedllm.layers.layernorm import RMSNorm
@@ -17,7 +18,7 @@ from pagedllm.layers.rotary import RopeConfig, RotaryEmbedding, apply_rotary
 
 __all__ = [
     "ATTENTION_BACKENDS", "Attention", "AttentionBackend", "AttentionMetadata", "ColumnParallelLinear",
-    "DecodeBatch", "GatedActivation", "Linear", "MergedColumnParallelLinear", "ParallelLMHead",
+    "DecodeBatch", "FusedMoE", "GatedActivation", "Linear", "MergedColumnParallelLinear", "ParallelLMHead",
     "PrefillChunk", "QKVParallelLinear", "RMSNorm", "RopeConfig", "RotaryEmbedding",
     "RowParallelLinear", "VocabParallelEmbedding", "WeightSlice",
     "apply_rotary", "attention_layers", "bind_kv_caches", "build_attention_metadata",

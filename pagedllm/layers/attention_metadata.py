@@ -97,7 +97,8 @@ def _build_decode(query_lens: list[int], seq_lens: list[int], query_start_loc: l
     mask = key_pos[None, :] < dec_seq_lens[:, None]  # [Bd, L]
     return DecodeBatch(token_indices=token_indices_t, rows=rows,
                        block_tables=to_dev(tables[decode_reqs, :num_blocks]),
-                       mask=to_dev(mask[:, None, None, :]))  # [Bd, 1, 1, L]: broadcast over heads
+                       mask=to_dev(mask[:, None, None, :]),  # [Bd, 1, 1, L]: broadcast over heads
+                       seq_lens=to_dev(dec_seq_lens))
 
 
 def _build_prefills(query_lens: list[int], num_computed_tokens: list[int],

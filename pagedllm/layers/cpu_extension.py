@@ -3,7 +3,9 @@
 - ``pagedllm::paged_attention`` and ``pagedllm::write_kv`` (csrc/paged_attention.cpp,
   csrc/write_kv.cpp): the cpu_paged attention backend, and its store of each step's K/V;
 - ``pagedllm::packed_linear`` and ``pagedllm::skinny_gemm`` (csrc/skinny_gemm.cpp): the linears
-  of packed layers, in pagedllm's own kernel (layers/linear.py).
+  of packed layers, in pagedllm's own kernel (layers/linear.py);
+- ``pagedllm::quant_linear`` (csrc/quant_gemm.cpp): the same kernel over weights held as bf16,
+  fp16 or block-quantized panels (layers/quantization/).
 
 Their register tiles are sized per x86 level (csrc/isa.h): x86-64-v4 (AVX-512, 32 vector
 registers) and x86-64-v3 (AVX2 + FMA, 16). On a CPU of neither level the engine uses torch's
@@ -33,8 +35,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "paged_attention.cpp", CSRC / "skinny_gemm.cpp", CSRC / "write_kv.cpp"]  # + the headers
-OPS = ("paged_attention", "skinny_gemm", "packed_linear", "write_kv")
+SOURCES = [CSRC / "paged_attention.cpp", CSRC / "skinny_gemm.cpp", CSRC / "quant_gemm.cpp",
+           CSRC / "write_kv.cpp"]  # + the headers
+OPS = ("paged_attention", "skinny_gemm", "packed_linear", "quant_linear", "write_kv")
 # The x86 levels the kernels are tuned for (csrc/isa.h): their -march, and the CPU flags a CPU
 # needs to run a build of that level (the Linux /proc/cpuinfo names).
 ISA_MARCH = {"v3": "x86-64-v3", "v4": "x86-64-v4"}
@@ -154,18 +157,47 @@ def _build(isa: str) -> Any:
     # attention/layer.py).
     torch.library.register_fake(f"{namespace}::paged_attention")(_paged_attention_fake)
     torch.library.register_fake(f"{namespace}::packed_linear")(_packed_linear_fake)
+    torch.library.register_fake(f"{namespace}::quant_linear")(_quant_linear_fake)
     return ops
 
 
 def _paged_attention_fake(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                           query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                          scale: float) -> torch.Tensor:
+                          scale: float, sliding_window: int = 0, logits_soft_cap: float = 0.0,
+                          sinks: torch.Tensor | None = None) -> torch.Tensor:
     return torch.empty_like(query, memory_format=torch.contiguous_format)  # [T, H, D]
 
 
 def _packed_linear_fake(x: torch.Tensor, panels: torch.Tensor, out_features: int,
                         bias: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], out_features))
+
+
+def _quant_linear_fake(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor | None,
+                       offsets: torch.Tensor | None, group_size: int, out_features: int,
+                       bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+def compile_sources(isa: str, output_dir: Path, sources: list[Path] | None = None) -> None:
+    """Compile ``sources`` (default: every source) for ``isa`` into objects under ``output_dir`` without linking or
+    loading them: proves a level this CPU cannot run (an AVX-512 build on an AVX2 machine)
+    still builds. Raises RuntimeError with the compiler's first error."""
+    import subprocess
+    import sysconfig
+
+    from torch.utils import cpp_extension
+
+    compiler = os.environ.get("CXX", "c++")
+    includes = [arg for path in [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]
+                for arg in ("-isystem", path)]
+    for source in SOURCES if sources is None else sources:
+        cmd = [compiler, "-std=c++20", "-fPIC", *includes, *_cflags(isa), "-c", str(source),
+               "-o", str(output_dir / f"{source.stem}.o")]
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"{source.name} for {isa}: " + _first_error_line(
+                RuntimeError(result.stderr)))
 
 
 @functools.cache

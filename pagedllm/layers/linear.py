@@ -24,10 +24,16 @@ depend on its batch. The C++ op ``pagedllm::packed_linear`` (same file) adds the
 compiled graph calls it directly as an opaque node with the panels as its input: inductor would
 otherwise lower the matmul to a plain sgemm; the elementwise work around the op is still fused
 (vLLM's CPU path calls its oneDNN matmul the same way).
+
+A layer may instead hold its weight in another format, bf16/fp16 or block-quantized (q8, q4),
+as ``qweight`` with the ``quant_method`` that multiplies by it (layers/quantization/): the same
+kernel over converted k blocks (csrc/quant_gemm.cpp); ``linear`` dispatches, the model code
+does not see the format.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -36,15 +42,22 @@ from torch import nn
 from pagedllm.distributed.parallel_state import get_tp_group
 from pagedllm.layers.cpu_extension import load_cpu_ops
 
+if TYPE_CHECKING:  # quantization/ builds on this module's layers, not the reverse
+    from pagedllm.layers.quantization import LinearMethod, QuantizedWeight
+
 
 # Output columns per panel of the packed weight (kPanel in csrc/skinny_gemm.cpp).
 _PANEL = 64
 
 
 def linear(layer: Linear | nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x W^T + b`` for a layer holding its weight as ``weight`` (``F.linear``) or as panels,
-    ``packed_weight`` (``pagedllm::packed_linear``, the skinny kernel); ``layer.out_features``
-    is W's number of rows."""
+    """``x W^T + b`` for a layer holding its weight as ``weight`` (``F.linear``), as float32
+    panels, ``packed_weight`` (``pagedllm::packed_linear``, the skinny kernel), or in another
+    format, ``qweight``, multiplied by its ``quant_method`` (bf16/fp16, q8, q4: layers/
+    quantization/); ``layer.out_features`` is W's number of rows."""
+    method = getattr(layer, "quant_method", None)
+    if method is not None:
+        return method.apply(layer, x, bias)
     if layer.packed_weight is None:
         return F.linear(x, layer.weight, bias)
     return torch.ops.pagedllm.packed_linear(x, layer.packed_weight, layer.out_features, bias)
@@ -52,7 +65,7 @@ def linear(layer: Linear | nn.Module, x: torch.Tensor, bias: torch.Tensor | None
 
 def rows_of_packed(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Rows ``ids`` of the weight held as panels ``packed`` (an embedding lookup for a tied
-    embedding whose head holds the panels): ``[T] -> [T, in]``."""
+    embedding whose head holds the panels, float32 or bf16/fp16): ``[T] -> [T, in]``."""
     return packed[ids // _PANEL, :, ids % _PANEL]
 
 
@@ -82,6 +95,10 @@ class Linear(nn.Linear):
     # The weight as skinny_gemm's panels, in place of ``weight`` (then None): set by pack_linear.
     # A plain attribute, not a buffer: the loader fills ``weight`` and packing comes after.
     packed_weight: torch.Tensor | None = None
+    # A weight in another format (layers/quantization/): its LinearMethod and the weight it
+    # holds (``weight`` then None), set once at load by set_quantized_weight or the runner.
+    quant_method: LinearMethod | None = None
+    qweight: QuantizedWeight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)

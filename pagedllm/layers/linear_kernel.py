@@ -1,5 +1,6 @@
 """Which kernel multiplies each float32 linear layer on CPU: pagedllm's skinny kernel or torch's
-matmul, measured on this CPU at startup (the safety net).
+matmul, measured on this CPU at startup (the safety net). bfloat16/float16 layers always take
+the kernel over half panels (layers/quantization/; see _convert_half_layers).
 
 The skinny kernel (layers/csrc/skinny_gemm.cpp) is tuned per x86 level (AVX2, AVX-512); on a
 CPU nobody tuned it for it is never used, and on a tuned one a surprise (another
@@ -33,6 +34,7 @@ from torch import nn
 from pagedllm.layers.cpu_extension import cpu_description, load_cpu_ops, native_isa
 from pagedllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.layers.linear import Linear, pack_linear, pack_weight
+from pagedllm.layers.quantization import HalfLinearMethod, kernel_matches_float64
 
 logger = logging.getLogger(__name__)
 
@@ -65,13 +67,16 @@ class ShapeChoice:
 @torch.inference_mode()
 def choose_linear_kernels(model: nn.Module) -> list[ShapeChoice]:
     """Measure, choose and convert every float32 linear layer of ``model`` (on CPU, after the
-    weights are loaded and before anything compiles the model). Returns the choice per shape."""
+    weights are loaded and before anything compiles the model), and hold bfloat16/float16 ones
+    as half panels (``_convert_half_layers``). Returns the choice per float32 shape."""
     layers = [m for m in model.modules()
               if isinstance(m, (Linear, ParallelLMHead)) and m.weight is not None]
     by_shape: dict[tuple[int, int], list[nn.Module]] = {}
     for layer in layers:
         if layer.weight.device.type == "cpu" and layer.weight.dtype == torch.float32:
             by_shape.setdefault(tuple(layer.weight.shape), []).append(layer)
+    _convert_half_layers(model, [m for m in layers if m.weight.device.type == "cpu"
+                                 and m.weight.dtype in (torch.bfloat16, torch.float16)])
     if not by_shape:
         return []
     if native_isa() is None or load_cpu_ops() is None:
@@ -104,6 +109,37 @@ def choose_linear_kernels(model: nn.Module) -> list[ShapeChoice]:
                 cpu_description(), len(mine), len(choices), why, DECODE_ROWS, PREFILL_ROWS,
                 ", ".join(c.describe() for c in choices))
     return choices
+
+
+def _convert_half_layers(model: nn.Module, layers: list[nn.Module]) -> None:
+    """bfloat16/float16 layers keep their precision, as panels widened in registers by
+    pagedllm's kernel (HalfLinearMethod), checked against float64 once per shape and dtype; not
+    measured: torch's half matmul on a CPU without native bf16 converts the whole matrix on every
+    call (``PAGEDLLM_CPU_KERNELS=torch`` keeps it anyway). A tied embedding reads its rows from
+    the head's half panels (the same layout as float32 panels): one copy of the matrix."""
+    forced = os.environ.get("PAGEDLLM_CPU_KERNELS", "auto")
+    if not layers or forced == "torch" or native_isa() is None or load_cpu_ops() is None:
+        return
+    tied = {id(m.weight): m for m in model.modules()
+            if isinstance(m, VocabParallelEmbedding) and m.weight is not None}
+    checked: dict[tuple, bool] = {}
+    method = HalfLinearMethod()
+    for layer in layers:
+        qweight = method.convert(layer.weight)
+        key = (*layer.weight.shape, layer.weight.dtype)
+        if key not in checked:
+            checked[key] = kernel_matches_float64(qweight, getattr(layer, "bias", None))
+        if not checked[key]:
+            continue
+        embedding = tied.get(id(layer.weight))
+        layer.quant_method, layer.qweight, layer.weight = method, qweight, None
+        if embedding is not None:
+            embedding.packed_weight, embedding.weight = qweight.codes, None
+    kept = [f"{n}x{k} {dtype}" for (n, k, dtype), ok in checked.items() if not ok]
+    logger.info("linears on %s: %d bfloat16/float16 layers as half panels in the skinny kernel%s",
+                cpu_description(), sum(getattr(m, "quant_method", None) is not None for m in layers),
+                f"; torch's matmul for {', '.join(kept)} (the kernel disagreed with float64)"
+                if kept else "")
 
 
 def _measure(layer: nn.Module) -> float:

@@ -5,6 +5,8 @@ on the target device, then every parameter is filled from the checkpoint. A para
 checkpoint tensor fills is an error, so a half-loaded model can never run. Under tensor
 parallelism the model's layers hold this rank's shards, and each rank reads only its rows or
 columns of each tensor from the files (``safe_open(...).get_slice``), never the whole model.
+Then modules with ``process_weights_after_loading()`` convert what they loaded (the MoE experts
+into the skinny kernel's panels).
 """
 from __future__ import annotations
 
@@ -28,6 +30,10 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 def load_model(model_path: str, dtype: torch.dtype, device: torch.device) -> tuple[nn.Module, dict]:
     """Return ``(model in eval mode with weights loaded, the parsed config.json)``."""
+    if str(model_path).lower().endswith(".gguf"):  # llama.cpp's single-file checkpoints
+        from pagedllm.gguf.model_loader import load_gguf_model
+
+        return load_gguf_model(model_path, dtype, device, expected_tensors)
     folder = Path(model_path)
     config = read_config(folder)
     model_cls = get_model_class(config)
@@ -37,6 +43,9 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device) -> tup
     if hasattr(model, "tie_weights"):
         model.tie_weights()  # moving a module breaks parameter sharing; restore it
     load_weights(model, weight_files(folder))
+    for module in model.modules():
+        if hasattr(module, "process_weights_after_loading"):
+            module.process_weights_after_loading()  # e.g. MoE experts into the kernel's layout
     model.requires_grad_(False)  # inference only: no autograd bookkeeping in forward
     return model.eval(), config
 
@@ -75,28 +84,59 @@ def weight_files(folder: Path) -> list[Path]:
                          "(only safetensors weights are supported)")
 
 
-def expected_tensors(model: nn.Module) -> dict[str, tuple[WeightSlice, str]]:
-    """Checkpoint tensor name -> (where it goes on this rank, parameter name for messages).
+def expected_tensors(model: nn.Module) -> dict[str, list[tuple[WeightSlice, str]]]:
+    """Checkpoint tensor name -> [(where it goes on this rank, parameter name for messages)]:
+    usually one place; a fused checkpoint tensor (Phi-3's ``qkv_proj``) fills several parts.
 
     Layers that shard or fuse (``checkpoint_slices``: the tensor-parallel linears, the vocabulary
     embedding and head) say which checkpoint tensors fill which rows of their parameters; a fused
     ``qkv_proj`` expects ``q_proj.weight``, ``k_proj.weight``... each into its rows. Any other
     parameter takes its checkpoint tensor whole. A tied lm_head shares the embedding's Parameter,
-    which named_parameters() lists once, so no ``lm_head.weight`` is expected.
+    which named_parameters() lists once, so no ``lm_head.weight`` is expected. The MoE experts
+    (``checkpoint_tensors``) name their tensors themselves, one per expert and projection; their
+    fused spelling is in ``fused_tensors``.
     """
     modules = dict(model.named_modules())
-    expected: dict[str, tuple[WeightSlice, str]] = {}
+    expected: dict[str, list[tuple[WeightSlice, str]]] = {}
     for param_name, param in model.named_parameters():
         module_name, _, attr = param_name.rpartition(".")
         module = modules[module_name]
+        if hasattr(module, "checkpoint_tensors"):  # names its own tensors (one per MoE expert)
+            for name, piece in module.checkpoint_tensors(attr, param.data).items():
+                expected.setdefault(f"{module_name}.{name}", []).append((piece, param_name))
+            continue
         slices = (module.checkpoint_slices(attr, param.data) if hasattr(module, "checkpoint_slices")
                   else [WeightSlice(param.data)])
         parent, _, _ = module_name.rpartition(".")
         prefix = f"{parent}." if parent else ""
         for piece in slices:
             name = f"{prefix}{piece.shard_name}.{attr}" if piece.shard_name else param_name
-            expected[name] = (piece, param_name)
+            expected.setdefault(name, []).append((piece, param_name))
     return expected
+
+
+def fused_tensors(model: nn.Module) -> dict[str, tuple[list[tuple[WeightSlice, str]], list[str]]]:
+    """The other spelling of modules that name their own tensors: a fused checkpoint tensor
+    (``experts.gate_up_proj``, named as the parameter) -> (its places on this rank, the
+    per-expert names of ``expected_tensors`` it stands for)."""
+    modules = dict(model.named_modules())
+    fused: dict[str, tuple[list[tuple[WeightSlice, str]], list[str]]] = {}
+    for param_name, param in model.named_parameters():
+        module_name, _, attr = param_name.rpartition(".")
+        module = modules[module_name]
+        if hasattr(module, "fused_checkpoint_tensors"):
+            pieces = module.fused_checkpoint_tensors(attr, param.data)
+            replaced = [f"{module_name}.{name}"
+                        for name in module.checkpoint_tensors(attr, param.data)]
+            fused[param_name] = ([(piece, param_name) for piece in pieces], replaced)
+    return fused
+
+
+def _renamed(name: str, renames: dict[str, str]) -> str:
+    """A checkpoint name in the model's spelling (Mixtral's ``.block_sparse_moe.`` -> ``.mlp.``)."""
+    for old, new in renames.items():
+        name = name.replace(old, new)
+    return name
 
 
 @torch.no_grad()
@@ -105,19 +145,30 @@ def load_weights(model: nn.Module, files: list[Path]) -> None:
     from the file (safetensors slices); raise ModelLoadError on missing tensors or shape
     mismatches. Unknown tensors are logged and skipped."""
     expected = expected_tensors(model)
+    fused = fused_tensors(model)
+    renames = getattr(model, "checkpoint_renames", {})
     _zero_padding(model, expected)
     tied = getattr(getattr(model, "args", None), "tie_word_embeddings", False)
+    # Parts of the checkpoint a model knowingly leaves out (a multimodal model's vision tower).
+    skipped: tuple[str, ...] = getattr(model, "skipped_checkpoint_prefixes", ())
     unexpected: list[str] = []
     for path in files:
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
-                for name in f.keys():
-                    target = expected.pop(name, None)
-                    if target is None:
-                        if not (name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight")):
+                for file_name in f.keys():
+                    name = _renamed(file_name, renames)
+                    targets = expected.pop(name, None)
+                    if targets is None and name in fused:  # the experts' fused spelling
+                        targets, replaced = fused.pop(name)
+                        for per_expert in replaced:
+                            expected.pop(per_expert, None)
+                    if targets is None:
+                        if not (name.endswith(_IGNORED_SUFFIXES) or name.startswith(skipped)
+                                or (tied and name == "lm_head.weight")):
                             unexpected.append(name)
                         continue
-                    _copy_slice(f, name, *target)
+                    for target in targets:
+                        _copy_slice(f, file_name, *target)
         except (OSError, SafetensorError) as e:  # truncated file, corrupt header, ...
             raise ModelLoadError(f"cannot read weights from {path}: {e}") from e
     if expected:
@@ -144,11 +195,11 @@ def _copy_slice(f, name: str, piece: WeightSlice, param_name: str) -> None:
     piece.dest.copy_(sliced[tuple(index)])  # reads only these rows (or columns) from the file
 
 
-def _zero_padding(model: nn.Module, expected: dict[str, tuple[WeightSlice, str]]) -> None:
+def _zero_padding(model: nn.Module, expected: dict[str, list[tuple[WeightSlice, str]]]) -> None:
     """Zero the parameters the checkpoint does not cover whole: the vocabulary rows past the end
     on the last rank (``to_empty`` left them as whatever the memory held, NaN included)."""
     covered: dict[str, int] = {}
-    for piece, param_name in expected.values():
+    for piece, param_name in (t for targets in expected.values() for t in targets):
         covered[param_name] = covered.get(param_name, 0) + piece.dest.numel()
     for param_name, param in model.named_parameters():
         if covered.get(param_name, 0) < param.numel():

@@ -1,7 +1,8 @@
 """Qwen2: the Llama decoder with biases on q/k/v (always) and none on o_proj."""
 from __future__ import annotations
 
-from pagedllm.models.llama import DecoderArgs, LlamaForCausalLM
+from pagedllm.models.decoder_args import DecoderArgs
+from pagedllm.models.llama import LlamaForCausalLM
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

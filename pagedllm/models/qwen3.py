@@ -1,7 +1,8 @@
 """Qwen3: the Llama decoder plus an RMSNorm over each head of q and k (before rope)."""
 from __future__ import annotations
 
-from pagedllm.models.llama import DecoderArgs, LlamaForCausalLM
+from pagedllm.models.decoder_args import DecoderArgs
+from pagedllm.models.llama import LlamaForCausalLM
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):

@@ -4,17 +4,38 @@ from __future__ import annotations
 from torch import nn
 
 from pagedllm.errors import UnsupportedModelError
+from pagedllm.models.gemma2 import Gemma2ForCausalLM
+from pagedllm.models.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
+from pagedllm.models.granite import GraniteForCausalLM
 from pagedllm.models.llama import LlamaForCausalLM
+from pagedllm.models.olmo2 import Olmo2ForCausalLM
+from pagedllm.models.phi3 import Phi3ForCausalLM
+from pagedllm.models.mixtral import MixtralForCausalLM
+from pagedllm.models.olmoe import OlmoeForCausalLM
 from pagedllm.models.qwen2 import Qwen2ForCausalLM
+from pagedllm.models.qwen2_moe import Qwen2MoeForCausalLM
 from pagedllm.models.qwen3 import Qwen3ForCausalLM
+from pagedllm.models.smollm3 import SmolLM3ForCausalLM
+from pagedllm.models.qwen3_moe import Qwen3MoeForCausalLM
 
 _MODELS: dict[str, type[nn.Module]] = {
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
+    "GraniteForCausalLM": GraniteForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
-    # Mistral is Llama with a sliding window; hf_config.usable_context caps the context (the
-    # engine's max_model_len included) at the window until sliding-window attention exists.
+    # Mistral and Ministral are Llama with a sliding window (a window per layer: layer specs).
+    "MinistralForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
+    "Olmo2ForCausalLM": Olmo2ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,  # mixture-of-experts families (models/moe.py)
+    "OlmoeForCausalLM": OlmoeForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 

@@ -38,7 +38,12 @@ class GrammarBackend:
                 import llguidance.hf
                 from transformers import AutoTokenizer
 
-                hf = AutoTokenizer.from_pretrained(self.tokenizer_path)
+                if str(self.tokenizer_path).lower().endswith(".gguf"):
+                    from pagedllm.gguf.tokenizer import load_gguf_tokenizer
+
+                    hf = load_gguf_tokenizer(self.tokenizer_path)
+                else:
+                    hf = AutoTokenizer.from_pretrained(self.tokenizer_path)
                 eos = sorted(self.eos_token_ids) or None
                 self._tokenizer = llguidance.hf.from_tokenizer(hf, eos_token=eos)
                 self.row_bytes = (self._tokenizer.vocab_size + 31) // 32 * 4

@@ -170,15 +170,18 @@ ALLOWED = {
     # The tensor-parallel group and its collectives (torch), and the torch-free launch data.
     "distributed": {"base", "distributed"},
     "layers": {"base", "distributed", "layers"},
-    "models": {"base", "distributed", "layers", "models"},
+    "models": {"base", "distributed", "layers", "models", "gguf"},
+    # GGUF files: reading, config and tokenizer torch-free (the engine reads a file's config);
+    # model_loader.py builds the model from it (torch).
+    "gguf": {"base", "distributed", "layers", "models.registry", "gguf"},
     "runner": {"base", "core.outputs", "core.scheduler_stats", "runner_light", "runner", "layers",
                "models", "distributed"},
     # Executors join workers into the group: the torch-free launch data and size checks only
     # (parallel_state is imported in the worker, lazily).
-    "executor": {"base", "core", "runner_light", "runner", "executor", "distributed"},
-    "engine": {"base", "core", "runner_light", "executor", "engine", "structured_output"},
+    "executor": {"base", "core", "runner_light", "runner", "executor", "distributed", "gguf"},
+    "engine": {"base", "core", "runner_light", "executor", "engine", "structured_output", "gguf"},
     # Grammars and matchers for structured outputs (the runner applies the masks on its own).
-    "structured_output": {"base", "core", "structured_output"},
+    "structured_output": {"base", "core", "structured_output", "gguf.tokenizer"},
     # The public API only: LLM, AsyncLLM, the tokenizer helpers, the plain-data modules.
     "entrypoints": {"base", "package", "engine.llm", "engine.async_engine", "engine.tokenizer",
                     "engine.step_trace", "explain", "entrypoints",

@@ -1,22 +1,22 @@
-"""Sliding-window models before sliding-window attention exists (issue 31's correctness bug).
+"""Sliding-window models (issue 31's correctness bug, now exact).
 
-Full attention within the window is exactly what a sliding-window model computes, so pagedllm
-caps max_model_len at an active window and refuses more; past the window it would silently
-compute something else. Checked here:
+A Mistral config with ``sliding_window: 8`` used to load with full attention past the window and
+give greedy ids different from transformers; then the context was capped at the window. Now the
+attention layers apply the window (layers/attention/; the kernel-level tests are in
+tests/models/test_attention_features.py), so the context is the model's max_position_embeddings.
+Checked here:
 
 * the rule of pagedllm/hf_config.py on config dicts (Mistral, Qwen2's flag, layer_types, nesting);
-* the engine's resolution on a FakeRunner (default capped with a log line, explicit <= window
-  kept, explicit > window refused naming the window);
+* the engine's max_model_len on a FakeRunner: the window no longer caps it;
 * end to end on a tiny random Mistral with sliding_window 8 against transformers (eager
-  attention): greedy ids equal within the window, longer requests rejected while the engine
-  keeps serving, an explicit max_model_len=64 refused;
-* a Qwen2 config carrying sliding_window with use_sliding_window false is not capped, and still
+  attention): prompts of 7-43 tokens with max_num_batched_tokens=16 (the issue's failing case:
+  chunks that cross the window edge), greedy ids equal, and the engine idle afterwards;
+* a Qwen2 config carrying sliding_window with use_sliding_window false has no window, and still
   matches transformers past the would-be window.
 """
 from __future__ import annotations
 
 import json
-import logging
 import random
 
 import pytest
@@ -25,7 +25,7 @@ from pagedllm.config import CacheConfig, EngineConfig, ModelConfig
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.model_info import ModelInfo
 from pagedllm.errors import ValidationError
-from pagedllm.hf_config import sliding_window, usable_context
+from pagedllm.hf_config import sliding_window
 from pagedllm.runner.fake import FakeRunner
 
 WINDOW = 8
@@ -56,8 +56,6 @@ EOS = frozenset({2})
 ])
 def test_active_window_rule(config, window):
     assert sliding_window(config) == window
-    max_pos = config.get("text_config", config)["max_position_embeddings"]
-    assert usable_context(config) == (max_pos if window is None else window)
 
 
 # -- the engine's max_model_len, on a FakeRunner ------------------------------------------------
@@ -70,26 +68,12 @@ def _fake_engine(max_model_len: int | None, window: int | None) -> LLMEngine:
                      load_tokenizer=False)
 
 
-def test_default_is_capped_at_the_window_with_one_log_line(caplog):
-    with caplog.at_level(logging.INFO, logger="pagedllm"):
-        engine = _fake_engine(None, WINDOW)
-    assert engine.max_model_len == WINDOW
-    lines = [r.getMessage() for r in caplog.records if "sliding_window" in r.getMessage()]
-    assert len(lines) == 1 and "capped at 8" in lines[0] and "not implemented" in lines[0], lines
-
-
-def test_explicit_len_within_the_window_is_kept():
-    assert _fake_engine(6, WINDOW).max_model_len == 6
-    assert _fake_engine(WINDOW, WINDOW).max_model_len == WINDOW
-    assert _fake_engine(None, None).max_model_len == 64  # no window: max_position_embeddings
-
-
-def test_explicit_len_past_the_window_is_refused():
+def test_window_does_not_cap_max_model_len():
+    assert _fake_engine(None, WINDOW).max_model_len == 64  # max_position_embeddings
+    assert _fake_engine(40, WINDOW).max_model_len == 40
     with pytest.raises(ValidationError) as info:
-        _fake_engine(9, WINDOW)
-    assert info.value.param == "max_model_len"
-    for fragment in ("max_model_len=9", "sliding_window (8)", "not implemented"):
-        assert fragment in str(info.value), str(info.value)
+        _fake_engine(65, WINDOW)
+    assert info.value.param == "max_model_len" and "max_position_embeddings (64)" in str(info.value)
 
 
 # -- end to end: a tiny random Mistral with sliding_window 8 ------------------------------------
@@ -110,52 +94,21 @@ def mistral(tmp_path_factory, e2e):
     del llm
 
 
-def _prompts() -> list[list[int]]:
-    rng = random.Random(31)
-    return [[1] + [rng.randrange(3, 32000) for _ in range(n - 1)] for n in range(2, WINDOW)]
-
-
-def test_mistral_context_is_the_window_and_greedy_matches_transformers(mistral, e2e):
+def test_mistral_past_the_window_matches_transformers(mistral, e2e):
+    """The issue's case: prompts of 7-43 tokens, 16-token steps, generation past the window."""
     from pagedllm import SamplingParams
 
     _, hf, llm = mistral
-    assert llm.llm_engine.max_model_len == WINDOW
-    prompts = _prompts()  # 2..7 tokens, each generating up to the window: the whole context
-    params = [SamplingParams(temperature=0.0, max_tokens=WINDOW - len(p)) for p in prompts]
+    assert llm.llm_engine.max_model_len == json.loads(
+        (mistral[0] / "config.json").read_text())["max_position_embeddings"]
+    rng = random.Random(31)
+    prompts = [[1] + [rng.randrange(3, 32000) for _ in range(n - 1)] for n in (7, 12, 20, 31, 43)]
+    params = SamplingParams(temperature=0.0, max_tokens=12)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     for p, out in zip(prompts, outs):
-        want = e2e.hf_greedy(hf, p, WINDOW - len(p), eos_ids=EOS)
-        assert out.outputs[0].token_ids == want, (p, out.outputs[0].token_ids, want)
+        want = e2e.hf_greedy(hf, p, 12, eos_ids=EOS)
+        assert out.outputs[0].token_ids == want, (len(p), out.outputs[0].token_ids, want)
     e2e.assert_engine_idle(llm)
-
-
-@pytest.mark.parametrize("num_prompt, max_tokens", [(43, 4), (WINDOW, 1), (5, 10)])
-def test_mistral_request_past_the_window_is_rejected(mistral, e2e, num_prompt, max_tokens):
-    from pagedllm import SamplingParams
-
-    _, hf, llm = mistral
-    ids = [1] + [300 + i for i in range(num_prompt - 1)]
-    with pytest.raises(ValidationError) as info:
-        llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0.0, max_tokens=max_tokens))
-    assert "max_model_len" in str(info.value) or "maximum context length" in str(info.value)
-    assert str(WINDOW) in str(info.value), str(info.value)
-    # Nothing left behind, and the engine still serves.
-    e2e.assert_engine_idle(llm)
-    p = _prompts()[-1]
-    out = llm.generate({"prompt_token_ids": p}, SamplingParams(temperature=0.0, max_tokens=1))
-    assert out[0].outputs[0].token_ids == e2e.hf_greedy(hf, p, 1, eos_ids=EOS)
-    e2e.assert_engine_idle(llm)
-
-
-def test_mistral_explicit_max_model_len_past_the_window_is_refused(mistral):
-    from pagedllm import LLM
-
-    folder, _, _ = mistral
-    with pytest.raises(ValidationError) as info:
-        LLM(str(folder), device="cpu", dtype="float32", max_model_len=64)
-    assert info.value.param == "max_model_len"
-    for fragment in ("max_model_len=64", "sliding_window (8)", "not implemented"):
-        assert fragment in str(info.value), str(info.value)
 
 
 # -- Qwen2: a window size with use_sliding_window false is no window ----------------------------

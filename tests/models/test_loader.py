@@ -130,8 +130,8 @@ def test_rope_both_spellings_match_transformers(rope_type):
 
 
 def test_unsupported_rope_type():
-    with pytest.raises(UnsupportedModelError, match="yarn"):
-        RopeConfig.from_hf({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}})
+    with pytest.raises(UnsupportedModelError, match="mrope"):
+        RopeConfig.from_hf({"rope_parameters": {"rope_type": "mrope", "rope_theta": 1e4, "factor": 4.0}})
 
 
 def test_sliding_window_caps_context():

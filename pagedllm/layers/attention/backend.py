@@ -29,6 +29,16 @@ class AttentionLayer(Protocol):
     num_groups: int  # query heads per KV head
     scale: float
     kv_cache: torch.Tensor  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    # What a layer adds to plain causal attention (layer.Attention says how); None: nothing.
+    sliding_window: int | None     # a query at position p sees keys at (p - window, p]
+    logits_soft_cap: float | None  # scores -> cap * tanh(scores / cap), after the scale
+    sinks: torch.Tensor | None     # [num_heads]: per query head, a logit in the denominator only
+
+
+def is_plain(layer: AttentionLayer) -> bool:
+    """Whether the layer is plain causal attention (no window, soft cap or sinks): the path
+    every backend had before those existed, kept as it was."""
+    return layer.sliding_window is None and layer.logits_soft_cap is None and layer.sinks is None
 
 
 @dataclass(slots=True)
@@ -40,6 +50,7 @@ class DecodeBatch:
     rows: slice | torch.Tensor   # token_indices as a slice when they are consecutive (no copies)
     block_tables: torch.Tensor   # [Bd, nb] long: enough blocks for the longest of them
     mask: torch.Tensor           # [Bd, 1, 1, nb * block_size] bool: True = position < seq_len
+    seq_lens: torch.Tensor       # [Bd] long: where a sliding window's keys end
 
 
 @dataclass(slots=True)

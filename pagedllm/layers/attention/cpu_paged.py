@@ -7,6 +7,10 @@ cache through a second small kernel (layers/csrc/write_kv.cpp), two memcpy per t
 Prompts without a cached prefix need nothing from the cache: their own K/V (just written) go to
 torch's SDPA, whose GEMM-based flash kernel is 1.5-3x faster than ours at prefill shapes (many
 query rows per key); the kernel skips them (sequence length 0 in its view of the batch).
+
+A layer with a sliding window, logit soft-capping or attention sinks runs every row in the
+kernel, fresh prompts included: SDPA has no soft cap or sinks, and a window would need a dense
+``[n, n]`` mask there, where the kernel reads only each row's window (``O(n * window)``).
 """
 from __future__ import annotations
 
@@ -14,7 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedllm.layers.attention.backend import AttentionBackend, AttentionLayer, AttentionMetadata
+from pagedllm.layers.attention.backend import (AttentionBackend, AttentionLayer, AttentionMetadata,
+                                               is_plain)
 from pagedllm.layers.attention.torch_backend import attend_causal
 from pagedllm.layers.cpu_extension import load_cpu_ops, load_paged_attention_op
 
@@ -50,6 +55,13 @@ class CpuPagedBackend(AttentionBackend):
 
     def forward(self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 md: AttentionMetadata) -> torch.Tensor:
+        if not is_plain(layer):
+            sinks = layer.sinks
+            if sinks is not None:  # the kernel reads float32 logits (a copy only if cast to bf16)
+                sinks = sinks.detach().float()
+            return self._op(q, layer.kv_cache, md.block_tables, md.query_start_loc_tensor,
+                            md.seq_lens_tensor, layer.scale, layer.sliding_window or 0,
+                            layer.logits_soft_cap or 0.0, sinks)
         plan: _Plan = md.backend_data
         if plan.num_paged == 0:
             out = q.new_empty(q.shape)  # [T, H, D]

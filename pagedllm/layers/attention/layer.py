@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedllm.layers.attention.torch_backend import attend_causal
+from pagedllm.errors import ModelLoadError
+from pagedllm.layers.attention.torch_backend import attend_sequence
 from pagedllm.layers.forward_context import get_attn_metadata
 from pagedllm.layers.op_registry import LayerRegistry
 
@@ -27,17 +28,38 @@ class Attention(nn.Module):
 
     ``forward(q [T, H, D], k [T, Hkv, D], v [T, Hkv, D]) -> [T, H * D]`` where rope has already
     been applied. ``kv_cache`` is bound by the runner (see ``bind_kv_caches``).
+
+    Per-layer variations (transformers' semantics; None / False: plain causal attention):
+    ``sliding_window``: a query at position p sees the keys at positions (p - window, p] (Mistral,
+    Gemma 2/3's local layers, GPT-OSS); ``logits_soft_cap``: scores become
+    ``cap * tanh(scores / cap)`` after the scale, before the mask (Gemma 2); ``has_sinks``: a
+    learned logit per query head joins the softmax's denominator (GPT-OSS), ``self.sinks``, for
+    this rank's heads, filled by the model's loader.
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 layer_idx: int) -> None:
+                 layer_idx: int, sliding_window: int | None = None,
+                 logits_soft_cap: float | None = None, has_sinks: bool = False) -> None:
         super().__init__()
+        # From a checkpoint's config: a bad value is the model's, not the caller's.
+        if sliding_window is not None and (isinstance(sliding_window, bool)
+                                           or not isinstance(sliding_window, int) or sliding_window < 1):
+            raise ModelLoadError(f"attention layer {layer_idx}: sliding_window={sliding_window!r} "
+                                 "is unsupported; expected a positive int or None")
+        if logits_soft_cap is not None and not logits_soft_cap > 0:
+            raise ModelLoadError(f"attention layer {layer_idx}: logits_soft_cap={logits_soft_cap!r} "
+                                 "is unsupported; expected a positive float or None")
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
         self.layer_idx = layer_idx
         self.num_groups = num_heads // num_kv_heads
+        self.sliding_window = sliding_window
+        self.logits_soft_cap = None if logits_soft_cap is None else float(logits_soft_cap)
+        self.sinks: torch.Tensor | None = None
+        if has_sinks:
+            self.sinks = nn.Parameter(torch.empty(num_heads))
         # A plain attribute (not a buffer): the runner owns the cache memory, and model.to() or
         # state_dict() must not copy or save it. Empty until bound.
         self.kv_cache: torch.Tensor = torch.empty(0, device="cpu")
@@ -45,8 +67,11 @@ class Attention(nn.Module):
         self._op_id = _layers_by_op_id.register(self)
 
     def extra_repr(self) -> str:
+        extra = "".join(f", {name}={value}" for name, value in (
+            ("sliding_window", self.sliding_window), ("logits_soft_cap", self.logits_soft_cap),
+            ("sinks", True if self.sinks is not None else None)) if value is not None)
         return (f"layer_idx={self.layer_idx}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
-                f"head_dim={self.head_dim}")
+                f"head_dim={self.head_dim}{extra}")
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
@@ -59,7 +84,7 @@ class Attention(nn.Module):
         num_tokens = q.shape[0]
         md = get_attn_metadata()
         if md is None:  # no step: one causal sequence, no cache (warm-up, profiling)
-            return attend_causal(q, k, v, self.scale).reshape(num_tokens, -1)
+            return attend_sequence(self, q, k, v).reshape(num_tokens, -1)
         if self.kv_cache.dim() != 5:
             raise RuntimeError(f"attention layer {self.layer_idx} has no KV cache bound; "
                                "call bind_kv_caches(model, kv_caches) first")

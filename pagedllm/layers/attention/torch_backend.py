@@ -3,6 +3,10 @@
 Readable rather than fast: decode gathers every decoding request's whole context from the paged
 cache into a padded ``[B, Hkv, L, D]`` tensor in every layer at every step. It is the numerical
 reference the other backends are tested against.
+
+A layer with a sliding window masks the keys before it (SDPA with a boolean mask); one with
+logit soft-capping or attention sinks, which SDPA cannot express, takes the same steps written
+out (``_attend_math``: scores, cap, mask, sink column, softmax, values), in float32.
 """
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.layers.attention.backend import (AttentionBackend, AttentionLayer, AttentionMetadata,
-                                               DecodeBatch, PrefillChunk)
+                                               DecodeBatch, PrefillChunk, is_plain)
 
 
 def attend_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -24,6 +28,56 @@ def attend_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     out = F.scaled_dot_product_attention(q_t, k_t, v_t, attn_mask=mask, is_causal=mask is None,
                                          scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     return out[0].transpose(0, 1)  # [n, H, D]
+
+
+def causal_mask(query_pos: torch.Tensor, num_keys: int, window: int | None) -> torch.Tensor:
+    """``[n, num_keys]`` bool: True where the query at ``query_pos[i]`` sees key position j,
+    i.e. ``j <= p`` and, with a window, ``j > p - window`` (transformers'
+    sliding_window_overlay)."""
+    key_pos = torch.arange(num_keys, device=query_pos.device)[None, :]  # [1, L]
+    mask = key_pos <= query_pos[:, None]
+    if window is not None:
+        mask &= key_pos > query_pos[:, None] - window
+    return mask
+
+
+def attend_sequence(layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    mask: torch.Tensor | None = None) -> torch.Tensor:
+    """One request's query rows ``q [n, H, D]``, the last n of the positions of ``k/v [L, Hkv,
+    D]``, -> ``[n, H, D]`` with the layer's features. ``mask``: the plain causal mask ``[n, L]``
+    when the caller has one (None: causal over the rows' own positions)."""
+    if is_plain(layer):
+        return attend_causal(q, k, v, layer.scale, mask)
+    n, num_keys = q.shape[0], k.shape[0]
+    mask = causal_mask(torch.arange(num_keys - n, num_keys, device=q.device), num_keys,
+                       layer.sliding_window)
+    if layer.logits_soft_cap is None and layer.sinks is None:
+        return attend_causal(q, k, v, layer.scale, mask)
+    # Query heads grouped by their kv head: [n, H, D] -> [Hkv, groups, n, D]; the K/V of a kv
+    # head broadcast over its groups: [L, Hkv, D] -> [Hkv, 1, L, D].
+    q_g = q.transpose(0, 1).reshape(layer.num_kv_heads, layer.num_groups, n, layer.head_dim)
+    k_g, v_g = k.transpose(0, 1)[:, None], v.transpose(0, 1)[:, None]
+    sinks = None if layer.sinks is None else layer.sinks.view(layer.num_kv_heads, layer.num_groups, 1, 1)
+    out = _attend_math(layer, q_g, k_g, v_g, mask, sinks)  # [Hkv, groups, n, D]
+    return out.reshape(layer.num_heads, n, layer.head_dim).transpose(0, 1)
+
+
+def _attend_math(layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 mask: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """``q [..., R, D]`` against ``k/v [..., L, D]`` (batch dims broadcast), ``mask``
+    broadcastable to ``[..., R, L]``, ``sinks`` to ``[..., R, 1]``: transformers' eager
+    attention (gemma2's soft cap, gpt_oss's sinks), in float32, -> ``[..., R, D]``."""
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * layer.scale  # [..., R, L]
+    if layer.logits_soft_cap is not None:
+        cap = layer.logits_soft_cap
+        scores = torch.tanh(scores / cap) * cap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:  # the sink is one more column of the softmax, dropped after it
+        sink_col = sinks.float().expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([scores, sink_col], dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(probs, v.float()).to(q.dtype)
 
 
 class TorchBackend(AttentionBackend):
@@ -57,8 +111,18 @@ class TorchBackend(AttentionBackend):
         # head's "query positions": [Bd, H, D] -> [Bd, Hkv, groups, D]. The mask [Bd, 1, 1, L]
         # broadcasts over both.
         q = q.view(num_reqs, layer.num_kv_heads, layer.num_groups, layer.head_dim)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.mask,
-                                             scale=layer.scale)
+        mask = batch.mask
+        if layer.sliding_window is not None:  # the query sits at position seq_len - 1
+            key_pos = torch.arange(shape[1], device=q.device)
+            first = batch.seq_lens - layer.sliding_window  # [Bd]: the first position it sees
+            mask = mask & (key_pos[None, :] >= first[:, None])[:, None, None, :]
+        if layer.logits_soft_cap is None and layer.sinks is None:
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+                                                 scale=layer.scale)
+        else:
+            sinks = None if layer.sinks is None else layer.sinks.view(layer.num_kv_heads,
+                                                                      layer.num_groups, 1)
+            out = _attend_math(layer, q, keys, values, mask, sinks)  # [Bd, Hkv, groups, D]
         return out.reshape(num_reqs, layer.num_heads, layer.head_dim)
 
     def _prefill(self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -66,9 +130,9 @@ class TorchBackend(AttentionBackend):
         """``q [n, H, D]`` of one request -> ``[n, H, D]``, causal over prefix + chunk."""
         if chunk.num_computed_tokens == 0:
             # No prefix: the chunk's own K/V (just written, bit-identical to the cache) suffice.
-            return attend_causal(q, k, v, layer.scale)
+            return attend_sequence(layer, q, k, v)
         seq_len = chunk.num_computed_tokens + q.shape[0]
         # [nb, block_size, Hkv, D] -> [seq_len, Hkv, D]
         keys = layer.kv_cache[0][chunk.block_ids].flatten(0, 1)[:seq_len]
         values = layer.kv_cache[1][chunk.block_ids].flatten(0, 1)[:seq_len]
-        return attend_causal(q, keys, values, layer.scale, mask=chunk.mask)
+        return attend_sequence(layer, q, keys, values, mask=chunk.mask)

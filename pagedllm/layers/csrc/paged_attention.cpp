@@ -16,6 +16,12 @@
 // Softmax is online (flash-attention style): per key tile, one max, one rescale of the
 // accumulators, so nothing of size seq_len is materialised. Keys are read in an order that has
 // several blocks' cache misses in flight at once (see for_each_read_position).
+//
+// Per layer (Features, a second instantiation of run so plain layers keep their code): a
+// sliding window, where an item reads only the positions its rows' windows cover (a decode's
+// cost is O(window), the blocks before it never touched); logit soft-capping, applied to a
+// tile's visible scores before its softmax update; attention sinks, a per-head logit that
+// starts each row's online softmax as a key of value 0 (so it counts in the denominator only).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_like.h>
@@ -26,6 +32,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <vector>
 
 #include "isa.h"
@@ -45,6 +52,20 @@ constexpr int64_t kGroupBlocks = 8;   // blocks of a read group (see for_each_re
 struct Item {
   int64_t req, head0, head1, row0, row1;  // kv heads [head0, head1), query rows [row0, row1)
   int64_t own_group;  // the first position of the read group its rows sit in
+  // A sliding-window layer's item reads positions [key0, last row's position] in order:
+  // window_start is the first position its first row sees (nothing before it is read), key0
+  // that rounded down to a multiple of kKeyTile (see for_each_item_position). 0 without a window.
+  int64_t key0, window_start;
+};
+
+// What a layer adds to plain causal attention (run<T, true>; plain layers run<T, false>, the
+// code they always had). window: a query at position p sees keys (p - window, p], 0 = all;
+// soft_cap: scores become soft_cap * tanh(score / soft_cap), 0 = off; sinks: per query head, a
+// logit that joins the softmax's denominator only (nullptr = none).
+struct Features {
+  int64_t window;
+  float soft_cap;
+  const float* sinks;
 };
 
 // Which work items cover a flat batch. A decode item takes as many kv heads as fit kMaxRows
@@ -56,7 +77,7 @@ struct Item {
 // and ends where a read group does (its rows must share their own group: see
 // for_each_read_position).
 std::vector<Item> plan_items(const int64_t* qsl, const int64_t* seq_lens, int64_t num_reqs, int64_t num_kv_heads,
-                             int64_t group, int64_t block_size, int64_t num_threads) {
+                             int64_t group, int64_t block_size, int64_t num_threads, int64_t window) {
   const int64_t group_len = kGroupBlocks * block_size;
   int64_t decode_heads = std::clamp<int64_t>(kMaxRows / group, 1, num_kv_heads);
   int64_t num_rows = 0;
@@ -73,14 +94,16 @@ std::vector<Item> plan_items(const int64_t* qsl, const int64_t* seq_lens, int64_
       for (int64_t r = 0, end; r < n; r = end) {
         const int64_t own_group = (first_pos + r) / group_len * group_len;
         end = std::min({n, r + rows_per_item, own_group + group_len - first_pos});
-        items.push_back({b, h, std::min(num_kv_heads, h + heads), r, end, own_group});
+        const int64_t window_start = window > 0 ? std::max<int64_t>(0, first_pos + r - window + 1) : 0;
+        items.push_back({b, h, std::min(num_kv_heads, h + heads), r, end, own_group,
+                         window_start / kKeyTile * kKeyTile, window_start});
       }
   }
   // Longest first (by keys x rows): threads take items in this order, so the last ones are
   // short and no thread waits long for another to finish (measured 1.03-1.08x at ragged decode
   // batches). Items are independent: the order changes no result.
   std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) {
-    return seq_lens[a.req] * (a.row1 - a.row0) > seq_lens[b.req] * (b.row1 - b.row0);
+    return (seq_lens[a.req] - a.key0) * (a.row1 - a.row0) > (seq_lens[b.req] - b.key0) * (b.row1 - b.row0);
   });
   return items;
 }
@@ -112,6 +135,19 @@ inline void for_each_read_position(int64_t num_keys, int64_t own_group, int64_t 
   for (int64_t pos = own_group; pos < num_keys && done < limit; ++pos, ++done) f(pos);
 }
 
+// for_each_read_position for an item of a layer with Features: without a window the same; with
+// one, the positions [key0, num_keys) in order, those before window_start (seen by none of the
+// item's rows, and maybe in blocks the request no longer holds) replaced by window_start. Tiles
+// then start at multiples of kKeyTile whatever the item's first row, so a row's tiles and sums
+// are the same in a decode and in any chunk (as without a window), and the replaced keys, masked
+// for every row, only ever meet a weight of 0 and a value that is finite.
+template <typename F>
+inline void for_each_item_position(const Item& item, int64_t num_keys, int64_t block_size, bool windowed,
+                                   int64_t limit, F f) {
+  if (!windowed) return for_each_read_position(num_keys, item.own_group, block_size, limit, f);
+  for (int64_t pos = item.key0; pos < num_keys && pos - item.key0 < limit; ++pos) f(std::max(pos, item.window_start));
+}
+
 // Requests the cache lines of one slot's kv heads [head0, head1), into L1 (LOCALITY 3) or L2 (2).
 template <int LOCALITY, typename T>
 inline void prefetch_heads(const T* slot, int64_t head0, int64_t head1, int64_t head_dim) {
@@ -120,10 +156,10 @@ inline void prefetch_heads(const T* slot, int64_t head0, int64_t head1, int64_t 
   for (const char* p = first; p < end; p += 64) __builtin_prefetch(p, 0, LOCALITY);
 }
 
-template <typename T>
+template <typename T, bool kFeatures>
 void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
          const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
-         at::Tensor& out) {
+         const Features& features, at::Tensor& out) {
   const int64_t num_heads = query.size(1), head_dim = query.size(2);
   const int64_t block_size = kv_cache.size(2), num_kv_heads = kv_cache.size(3);
   const int64_t group = num_heads / num_kv_heads;
@@ -141,7 +177,9 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
   const int64_t* lens = seq_lens.const_data_ptr<int64_t>();
 
   const int64_t num_threads = at::get_num_threads();
-  const std::vector<Item> items = plan_items(qsl, lens, num_reqs, num_kv_heads, group, block_size, num_threads);
+  const bool windowed = kFeatures && features.window > 0;
+  const std::vector<Item> items = plan_items(qsl, lens, num_reqs, num_kv_heads, group, block_size, num_threads,
+                                             kFeatures ? features.window : 0);
   const int64_t num_items = static_cast<int64_t>(items.size());
   std::atomic<int64_t> next{0};
 
@@ -181,8 +219,17 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
       std::fill(acc.begin(), acc.begin() + rows * head_dim, 0.f);
       std::fill(row_max.begin(), row_max.begin() + rows, -std::numeric_limits<float>::infinity());
       std::fill(row_sum.begin(), row_sum.begin() + rows, 0.f);
+      if (kFeatures && features.sinks != nullptr)
+        for (int64_t r = 0; r < rows; ++r) {  // the sink: a key of logit sinks[h] and value 0
+          row_max[r] = features.sinks[query_head(r)];
+          row_sum[r] = 1.f;
+        }
 
       const int64_t num_keys = first_pos + item.row1;  // the last row sees this many keys
+      // The item reads positions [key0, num_keys) (key0 > 0 in a sliding window only): read
+      // index k is position key0 + k in the in-order part of the reads.
+      const int64_t key0 = kFeatures ? item.key0 : 0;
+      const int64_t num_read = num_keys - key0;
       // Small slots (few kv heads x head_dim) put several slots in one 4 KiB page, and the
       // hardware prefetcher stops at every page (a block's 16 slots span several, and blocks
       // are scattered): the next tile's keys and values are requested while this tile is
@@ -193,12 +240,15 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
       // Padded by 7 copies of the last slot: an 8-key block may run past the end, and must read
       // (and ignore) valid memory there.
       slot_of.clear();
-      for_each_read_position(num_keys, item.own_group, block_size, num_keys,
-                             [&](int64_t pos) { slot_of.push_back(slot_at(table, pos)); });
-      slot_of.resize(num_keys + 7, slot_of.back());
+      auto add_slot = [&](int64_t pos) { slot_of.push_back(slot_at(table, pos)); };
+      if constexpr (kFeatures)
+        for_each_item_position(item, num_keys, block_size, windowed, num_read, add_slot);
+      else
+        for_each_read_position(num_keys, item.own_group, block_size, num_keys, add_slot);
+      slot_of.resize(num_read + 7, slot_of.back());
 
-      for (int64_t k0 = 0; k0 < num_keys; k0 += kKeyTile) {
-        const int64_t tile = std::min(kKeyTile, num_keys - k0);
+      for (int64_t k0 = 0; k0 < num_read; k0 += kKeyTile) {
+        const int64_t tile = std::min(kKeyTile, num_read - k0);
         const T* const* slots = &slot_of[k0];
         // The tile's values (read by P @ V below) are requested now, so that their cache
         // misses overlap this tile's arithmetic: read head by head, a tile's values are a 1 KiB
@@ -215,7 +265,7 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
         // tile, the first tile of the thread's next item (into L2). Measured inside the engine
         // (steps alternating, workload cpu): 0.85x the attention time of one burst per tile.
         const int64_t next_keys =
-            prefetch_next ? std::clamp<int64_t>(num_keys - k0 - kKeyTile, 0, kKeyTile) : 0;
+            prefetch_next ? std::clamp<int64_t>(num_read - k0 - kKeyTile, 0, kKeyTile) : 0;
         auto prefetch_next_keys = [&](int64_t h, int64_t j0, int64_t j1) {  // kv head h, keys [j0, j1)
           for (int64_t j = j0; j < std::min(j1, next_keys); ++j)
             prefetch_heads<3>(slots[kKeyTile + j], item.head0 + h, item.head0 + h + 1, head_dim);
@@ -224,20 +274,31 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
           const Item& nx = items[it_next];
           const int64_t nx_keys = lens[nx.req] - (qsl[nx.req + 1] - qsl[nx.req]) + nx.row1;
           const int64_t* nx_table = tables + nx.req * max_blocks;
-          for_each_read_position(nx_keys, nx.own_group, block_size, kKeyTile, [&](int64_t pos) {
+          auto prefetch_slot = [&](int64_t pos) {
             const T* slot = slot_at(nx_table, pos);
             prefetch_heads<2>(slot, nx.head0, nx.head1, head_dim);
             prefetch_heads<2>(slot + value_offset, nx.head0, nx.head1, head_dim);
-          });
+          };
+          if constexpr (kFeatures)
+            for_each_item_position(nx, nx_keys, block_size, windowed, kKeyTile, prefetch_slot);
+          else
+            for_each_read_position(nx_keys, nx.own_group, block_size, kKeyTile, prefetch_slot);
         }
         // Keys a row sees in this tile: those up to its query's position (causal mask). The
         // scores are computed up to what the item's last query row sees, then masked per row.
         // k0 counts keys in read order: every key before item.own_group is visible to every row,
         // and from there on the j-th key read is position j, so the visible keys are a prefix.
+        // In a sliding window (read in order from key0) they are the range [first_visible(r),
+        // visible(r)) of the tile.
         auto visible = [&](int64_t r) {
-          return std::clamp<int64_t>(first_pos + query_row(r) + 1 - k0, 0, tile);
+          return std::clamp<int64_t>(first_pos + query_row(r) + 1 - (key0 + k0), 0, tile);
         };
-        const int64_t tile_visible = std::clamp<int64_t>(num_keys - k0, 0, tile);
+        auto first_visible = [&](int64_t r) -> int64_t {
+          if (!windowed) return 0;
+          const int64_t start = std::max<int64_t>(0, first_pos + query_row(r) - features.window + 1);
+          return std::clamp<int64_t>(start - (key0 + k0), 0, tile);
+        };
+        const int64_t tile_visible = std::clamp<int64_t>(num_read - k0, 0, tile);
         // Scores, 8 keys at a time for every kv head, so each slot is read front to back once:
         // within a page that is one sequential stream, which the hardware prefetcher follows.
         if (transposed) {
@@ -261,17 +322,24 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
         }
         for (int64_t r = 0; r < rows; ++r) {
           const int64_t vis = visible(r);
+          const int64_t lo = kFeatures ? first_visible(r) : 0;  // visible: [lo, vis)
           float* sr = &scores[r * kKeyTile];
-          std::fill(sr + vis, sr + tile, 0.f);  // masked keys: weight 0, never exp(-inf)
-          if (vis == 0) continue;               // nothing visible in this tile: no update
-          float tile_max = sr[0];
+          std::fill(sr, sr + lo, 0.f);          // masked keys: weight 0, never exp(-inf)
+          std::fill(sr + vis, sr + tile, 0.f);
+          if (vis == lo) continue;              // nothing visible in this tile: no update
+          if (kFeatures && features.soft_cap > 0.f) {  // after the scale, before the softmax
+            const float cap = features.soft_cap, inv_cap = 1.f / cap;
+#pragma omp simd
+            for (int64_t j = lo; j < vis; ++j) sr[j] = cap * tanh_approx(sr[j] * inv_cap);
+          }
+          float tile_max = sr[lo];
 #pragma omp simd reduction(max : tile_max)
-          for (int64_t j = 1; j < vis; ++j) tile_max = std::max(tile_max, sr[j]);
+          for (int64_t j = lo + 1; j < vis; ++j) tile_max = std::max(tile_max, sr[j]);
           const float new_max = std::max(row_max[r], tile_max);
           const float alpha = std::exp(row_max[r] - new_max);  // 0 on the first tile
           float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-          for (int64_t j = 0; j < vis; ++j) {
+          for (int64_t j = lo; j < vis; ++j) {
             sr[j] = exp_nonpositive(sr[j] - new_max);
             sum += sr[j];
           }
@@ -302,9 +370,20 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
   });
 }
 
+template <typename T>
+void dispatch(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
+              const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
+              const Features& features, at::Tensor& out) {
+  if (features.window > 0 || features.soft_cap > 0.f || features.sinks != nullptr)
+    run<T, true>(query, kv_cache, block_tables, query_start_loc, seq_lens, scale, features, out);
+  else
+    run<T, false>(query, kv_cache, block_tables, query_start_loc, seq_lens, scale, features, out);
+}
+
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
                            const at::Tensor& block_tables, const at::Tensor& query_start_loc,
-                           const at::Tensor& seq_lens, double scale) {
+                           const at::Tensor& seq_lens, double scale, int64_t sliding_window,
+                           double logits_soft_cap, const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "query must be [T, H, D], D contiguous");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
               "kv_cache must be a contiguous [2, blocks, block_size, Hkv, D]");
@@ -317,11 +396,18 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
   TORCH_CHECK(query_start_loc.size(0) == seq_lens.size(0) + 1 &&
                   block_tables.size(0) == seq_lens.size(0),
               "query_start_loc must be [B + 1], block_tables [B, max_blocks], seq_lens [B]");
+  TORCH_CHECK(sliding_window >= 0 && logits_soft_cap >= 0, "sliding_window and logits_soft_cap must be >= 0 (0: none)");
+  if (sinks.has_value())
+    TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->is_contiguous() && sinks->dim() == 1 &&
+                    sinks->size(0) == query.size(1),
+                "sinks must be a contiguous float32 [num_heads]");
+  const Features features{sliding_window, static_cast<float>(logits_soft_cap),
+                          sinks.has_value() ? sinks->const_data_ptr<float>() : nullptr};
   at::Tensor out = at::empty_like(query, at::MemoryFormat::Contiguous);
   switch (query.scalar_type()) {
-    case at::kFloat: run<float>(query, kv_cache, block_tables, query_start_loc, seq_lens, scale, out); break;
-    case at::kBFloat16: run<c10::BFloat16>(query, kv_cache, block_tables, query_start_loc, seq_lens, scale, out); break;
-    case at::kHalf: run<c10::Half>(query, kv_cache, block_tables, query_start_loc, seq_lens, scale, out); break;
+    case at::kFloat: dispatch<float>(query, kv_cache, block_tables, query_start_loc, seq_lens, scale, features, out); break;
+    case at::kBFloat16: dispatch<c10::BFloat16>(query, kv_cache, block_tables, query_start_loc, seq_lens, scale, features, out); break;
+    case at::kHalf: dispatch<c10::Half>(query, kv_cache, block_tables, query_start_loc, seq_lens, scale, features, out); break;
     default: TORCH_CHECK(false, "paged_attention: unsupported dtype ", query.scalar_type());
   }
   return out;
@@ -331,7 +417,8 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
 
 TORCH_LIBRARY_FRAGMENT(PAGEDLLM_NS, m) {
   m.def("paged_attention(Tensor query, Tensor kv_cache, Tensor block_tables, "
-        "Tensor query_start_loc, Tensor seq_lens, float scale) -> Tensor");
+        "Tensor query_start_loc, Tensor seq_lens, float scale, int sliding_window=0, "
+        "float logits_soft_cap=0., Tensor? sinks=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(PAGEDLLM_NS, CPU, m) { m.impl("paged_attention", &paged_attention); }

@@ -7,6 +7,7 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -250,9 +251,12 @@ void score_group(const float* q, const T* const* k, int64_t rows, int64_t d, flo
   }
 }
 
+// Always inlined: with two instantiations of the kernel's loop calling it (plain layers and
+// layers with Features) GCC stopped inlining it into either, a call per kv head and tile that
+// the plain loop never had.
 template <typename T>
-void accumulate_group(float* acc, const float* p, const T* const* v, int64_t tile, int64_t rows,
-                      int64_t d) {
+__attribute__((always_inline)) inline void accumulate_group(float* acc, const float* p, const T* const* v,
+                                                            int64_t tile, int64_t rows, int64_t d) {
   // Passes of kValueRows rows (4 x kValueSplit accumulators fill AVX-512's registers, 2 x
   // kValueSplit AVX2's), the rest by 2, 1.
   for (int64_t g = 0; g < rows;) {
@@ -287,6 +291,19 @@ inline float exp_nonpositive(float x) {
   float scale;
   std::memcpy(&scale, &scale_bits, sizeof scale);
   return p * scale;
+}
+
+// tanh(x), relative error ~3e-7, vectorisable (glibc's tanhf is a call per element; soft-capping
+// takes one per score): (1 - e^-2|x|) / (1 + e^-2|x|) by exp_nonpositive, except below 0.25,
+// where that difference would cancel and tanh's odd Taylor series to x^9 is exact to ~1e-8.
+inline float tanh_approx(float x) {
+  const float a = std::fabs(x);
+  const float e = exp_nonpositive(-2.f * a);
+  const float far = (1.f - e) / (1.f + e);
+  const float a2 = a * a;
+  const float near =
+      a * (1.f + a2 * (-1.f / 3 + a2 * (2.f / 15 + a2 * (-17.f / 315 + a2 * (62.f / 2835)))));
+  return std::copysign(a < 0.25f ? near : far, x);
 }
 
 }  // namespace paged_math

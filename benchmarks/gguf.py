@@ -1,0 +1,285 @@
+"""GGUF files: pagedllm against llama.cpp on the same file, the same threads, the same run.
+
+The models are random, in the shapes of Qwen2.5-0.5B and Llama-3.2-1B (Llama architecture, the
+32K synthetic tokenizer in place of their vocabularies), made once: transformers writes the
+float32 checkpoint, llama.cpp's own converter (convert_hf_to_gguf.py) turns it into an F32 GGUF
+file and llama.cpp's quantizer (llama_model_quantize) into Q8_0, Q4_0 and Q4_K_M, exactly the
+files a user downloads. Both engines then load each file, and in interleaved rounds:
+  decode      one request: a 32-token prompt, 128 new tokens, greedy; tok/s of the 127 steps
+              after the first token, and the share of the measured memory read bandwidth this is
+              (weight bytes a step reads / time per step);
+  prefill     one 512-token prompt, to its first token: prompt tok/s;
+  batch       32 concurrent requests (the throughput benchmark's "cpu" workload): output tok/s;
+              llama.cpp runs them in one llama_decode per step (continuous batching, its best
+              batched mode; benchmarks/llama_cpp_peer.py).
+pagedllm's peak RSS is reported against the file size plus its KV budget.
+
+    bash benchmarks/setup_llama_cpp.sh      # once: llama.cpp for this CPU, and its converter
+    python -m benchmarks.gguf [--shape qwen2.5-0.5b llama-3.2-1b] [--type Q4_K_M Q8_0 Q4_0]
+                              [--rounds 3] [--no-llama-cpp] [--skip batch]
+Prints one line per (shape, type) with both engines' medians and the ratios.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.common import (CACHE_DIR, REPO_ROOT, TOKENIZER_DIR, ServedPeer, log, make_workload,
+                               write_json)
+
+LLAMA_CPP_VENV = REPO_ROOT / ".venv-llama-cpp"
+_COMMON = dict(vocab_size=32000, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
+               rope_theta=500_000.0, rms_norm_eps=1e-5, tie_word_embeddings=True, head_dim=64)
+SHAPES: dict[str, dict] = {
+    "qwen2.5-0.5b": dict(_COMMON, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2),
+    "llama-3.2-1b": dict(_COMMON, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                         num_attention_heads=32, num_key_value_heads=8),
+    "tiny": dict(_COMMON, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2),
+}
+FTYPES = ("Q4_K_M", "Q8_0", "Q4_0")  # what benchmarks/llama_cpp_peer.py --quantize makes
+KV_BUDGET = 1 << 30
+
+
+def _peer_python() -> Path:
+    python = LLAMA_CPP_VENV / "bin" / "python"
+    if not python.is_file():
+        raise SystemExit(f"no llama.cpp venv at {LLAMA_CPP_VENV}: run bash benchmarks/setup_llama_cpp.sh")
+    return python
+
+
+def prepare(shape: str, types: list[str]) -> dict[str, Path]:
+    """The GGUF files of ``shape`` (made once, cached): type name -> path."""
+    folder = CACHE_DIR / f"gguf-{shape}"
+    spec = SHAPES[shape]
+    stamp = folder / "spec.json"
+    if not stamp.is_file() or json.loads(stamp.read_text()) != spec:
+        shutil.rmtree(folder, ignore_errors=True)
+        (folder / "hf").mkdir(parents=True)
+        log(f"building the random {shape} model ...")
+        # In a child process: the float32 model must not count in this process's peak RSS.
+        code = ("import sys, torch; from transformers import LlamaConfig, LlamaForCausalLM; "
+                "torch.manual_seed(0); "
+                f"m = LlamaForCausalLM(LlamaConfig(**{spec!r})).eval(); "
+                "m.save_pretrained(sys.argv[1])")
+        subprocess.run([sys.executable, "-c", code, str(folder / "hf")], check=True)
+        for f in TOKENIZER_DIR.iterdir():
+            shutil.copy(f, folder / "hf" / f.name)
+        convert = LLAMA_CPP_VENV / "llama.cpp" / "convert_hf_to_gguf.py"
+        env = dict(os.environ, PYTHONPATH=str(LLAMA_CPP_VENV / "convert-deps"))
+        subprocess.run([sys.executable, str(convert), str(folder / "hf"), "--outtype", "f32",
+                        "--outfile", str(folder / "F32.gguf")], check=True, env=env)
+        shutil.rmtree(folder / "hf")
+        stamp.write_text(json.dumps(spec))
+    paths = {}
+    for name in types:
+        path = folder / f"{name}.gguf"
+        if not path.is_file():
+            log(f"quantizing {shape} to {name} with llama.cpp ...")
+            subprocess.run([str(_peer_python()), str(Path(__file__).with_name("llama_cpp_peer.py")),
+                            "--quantize", str(folder / "F32.gguf"), str(path), name], check=True)
+        paths[name] = path
+    return paths
+
+
+def weight_bytes_per_token(path: Path) -> int:
+    """Bytes of the tensors a decode step reads: all but the embedding table, whose one row a
+    token looks up; a tied output head reads the whole table, so then it counts."""
+    from gguf import GGUFReader
+
+    tensors = {t.name: int(t.n_bytes) for t in GGUFReader(str(path)).tensors}
+    if "output.weight" in tensors:
+        return sum(tensors.values()) - tensors["token_embd.weight"]
+    return sum(tensors.values())
+
+
+def read_bandwidth() -> float:
+    """Bytes per second the machine reads from memory: the best of 5 sums over a 1 GiB tensor
+    (torch's threads, as both engines use every core)."""
+    import torch
+
+    x = torch.ones(1 << 28)  # 1 GiB of float32, far larger than any cache
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - start)
+    return x.numel() * 4 / best
+
+
+class PagedLLM:
+    """pagedllm on one GGUF file, answering the same jobs as the llama.cpp peer."""
+
+    def __init__(self, path: Path, threads: int) -> None:
+        from pagedllm import LLM
+
+        import torch
+        torch.set_num_threads(threads)
+        self.llm = LLM(str(path), max_model_len=2048, kv_cache_memory_bytes=KV_BUDGET,
+                       enable_prefix_caching=False, max_num_seqs=64, seed=0)
+
+    def _generate(self, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+        from pagedllm import SamplingParams
+
+        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in max_tokens]
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    def run_decode(self, prompt: list[int], max_tokens: int) -> dict:
+        start = time.perf_counter()
+        self._generate([prompt], [1])
+        prefill_s = time.perf_counter() - start
+        start = time.perf_counter()
+        ids = self._generate([prompt], [max_tokens])[0]
+        # The same prefill again, then the steps: the difference is the steps alone.
+        return {"prefill_s": prefill_s, "decode_s": time.perf_counter() - start - prefill_s,
+                "token_ids": ids}
+
+    def run_batch(self, prompts: list[list[int]], max_tokens: list[int]) -> dict:
+        start = time.perf_counter()
+        ids = self._generate(prompts, max_tokens)
+        return {"elapsed_s": time.perf_counter() - start, "num_tokens": sum(map(len, ids)),
+                "token_ids": ids}
+
+
+def _jobs(skip: set[str]) -> list[tuple[str, dict]]:
+    import random
+
+    rng = random.Random(0)
+    jobs = [("decode", {"kind": "decode", "prompt": [rng.randrange(3, 32000) for _ in range(32)],
+                        "max_tokens": 128}),
+            ("prefill", {"kind": "decode", "prompt": [rng.randrange(3, 32000) for _ in range(512)],
+                         "max_tokens": 1})]
+    w = make_workload("cpu", 32000)
+    jobs.append(("batch", {"kind": "batch", "prompts": w.prompts, "max_tokens": w.output_lens}))
+    return [(name, job) for name, job in jobs if name not in skip]
+
+
+def _ask(engine, job: dict) -> dict:
+    if isinstance(engine, ServedPeer):
+        return engine.ask(json.dumps(job))
+    if job["kind"] == "decode":
+        return engine.run_decode(job["prompt"], job["max_tokens"])
+    return engine.run_batch(job["prompts"], job["max_tokens"])
+
+
+def _rate(name: str, job: dict, r: dict) -> float:
+    if name == "decode":
+        return (job["max_tokens"] - 1) / r["decode_s"]
+    if name == "prefill":
+        return len(job["prompt"]) / r["prefill_s"]
+    return r["num_tokens"] / r["elapsed_s"]
+
+
+def bench_file(path: Path, args: argparse.Namespace, bandwidth: float) -> dict:
+    jobs = _jobs(set(args.skip))
+    engines: dict[str, object] = {"pagedllm": PagedLLM(path, args.threads)}
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    if args.llama_cpp:
+        n_ctx = 32 * 1024
+        engines["llama.cpp"] = ServedPeer(
+            "llama.cpp peer", [str(_peer_python()), str(Path(__file__).with_name("llama_cpp_peer.py")),
+                               "--model", str(path), "--threads", str(args.threads),
+                               "--n-ctx", str(n_ctx), "--n-seq-max", "32", "--serve"],
+            env=dict(os.environ, OMP_NUM_THREADS=str(args.threads)))
+    rates: dict[str, dict[str, list[float]]] = {e: {n: [] for n, _ in jobs} for e in engines}
+    same_ids: dict[str, bool] = {}
+    try:
+        for warm_or_round in range(args.rounds + 1):  # round 0 warms every engine up
+            for name, job in jobs:
+                results = {}
+                for engine_name, engine in engines.items():
+                    results[engine_name] = r = _ask(engine, job)
+                    if warm_or_round:
+                        rates[engine_name][name].append(_rate(name, job, r))
+                if len(results) == 2:
+                    a, b = (results[e]["token_ids"] for e in engines)
+                    same_ids[name] = a == b
+                if warm_or_round:
+                    log(f"  round {warm_or_round} {name}: " + ", ".join(
+                        f"{e} {rates[e][name][-1]:.1f} tok/s" for e in engines))
+        rss = max(rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    finally:
+        for engine in engines.values():
+            if isinstance(engine, ServedPeer):
+                engine.close()
+    medians = {e: {n: statistics.median(v) for n, v in per.items()} for e, per in rates.items()}
+    weight_bytes = weight_bytes_per_token(path)
+    result = {"file": path.name, "file_bytes": path.stat().st_size, "medians": medians,
+              "peak_rss_bytes": rss, "rss_bound_bytes": int(1.1 * (path.stat().st_size + KV_BUDGET)),
+              "weight_bytes_per_token": weight_bytes, "read_bandwidth": bandwidth,
+              "same_greedy_ids": same_ids}
+    if "decode" in medians["pagedllm"]:
+        result["decode_bandwidth_share"] = {
+            e: m["decode"] * weight_bytes / bandwidth for e, m in medians.items()}
+    if "llama.cpp" in medians:
+        result["ratio_vs_llama_cpp"] = {n: medians["pagedllm"][n] / medians["llama.cpp"][n]
+                                        for n in medians["pagedllm"]}
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", nargs="+", default=["qwen2.5-0.5b"], choices=sorted(SHAPES))
+    p.add_argument("--type", nargs="+", default=["Q4_K_M", "Q8_0", "Q4_0"], choices=FTYPES)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--no-llama-cpp", dest="llama_cpp", action="store_false")
+    p.add_argument("--skip", nargs="*", default=[], choices=["decode", "prefill", "batch"])
+    p.add_argument("--json", metavar="FILE")
+    args = p.parse_args(argv)
+    from pagedllm.layers.cpu_extension import cpu_description
+
+    bandwidth = read_bandwidth()
+    log(f"CPU: {cpu_description()}; memory read bandwidth {bandwidth / 1e9:.1f} GB/s")
+    results = []
+    for shape in args.shape:
+        for type_name, path in prepare(shape, args.type).items():
+            log(f"{shape} {type_name}: {path}")
+            # One process per file: a file's peak RSS must not include the one before it.
+            if len(args.shape) * len(args.type) > 1:
+                with tempfile.NamedTemporaryFile(suffix=".json") as out:
+                    subprocess.run([sys.executable, "-m", "benchmarks.gguf", "--shape", shape,
+                                    "--type", type_name, "--rounds", str(args.rounds),
+                                    "--threads", str(args.threads), "--json", out.name]
+                                   + ([] if args.llama_cpp else ["--no-llama-cpp"])
+                                   + (["--skip", *args.skip] if args.skip else []),
+                                   check=True, stdout=subprocess.DEVNULL, cwd=REPO_ROOT)
+                    result = json.loads(Path(out.name).read_text())["results"][0]
+            else:
+                result = bench_file(path, args, bandwidth)
+            result["shape"], result["type"] = shape, type_name
+            results.append(result)
+            print(_line(result), flush=True)
+    write_json(args.json, {"cpu": cpu_description(), "results": results})
+    return 0
+
+
+def _line(r: dict) -> str:
+    m = r["medians"]
+    parts = [f"{r['shape']} {r['type']}:"]
+    for name in m["pagedllm"]:
+        text = f"{name} {m['pagedllm'][name]:.1f} tok/s"
+        if "llama.cpp" in m:
+            text += f" vs llama.cpp {m['llama.cpp'][name]:.1f} ({r['ratio_vs_llama_cpp'][name]:.2f}x)"
+        parts.append(text)
+    if "decode_bandwidth_share" in r:
+        parts.append("decode bandwidth " + ", ".join(
+            f"{e} {100 * s:.0f}%" for e, s in r["decode_bandwidth_share"].items()))
+    parts.append(f"peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MiB (bound "
+                 f"{r['rss_bound_bytes'] / 2**20:.0f})")
+    return "; ".join(parts)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Makes the separate venv of the llama.cpp peer of the GGUF benchmarks:
+#
+#     bash benchmarks/setup_llama_cpp.sh           # then: pagedllm bench gguf --llama-cpp
+#
+# llama-cpp-python is built from source here (PyPI has only its sdist, which vendors llama.cpp),
+# for this CPU (GGML_NATIVE: AVX2 or AVX-512 kernels, whichever the machine has), with OpenMP
+# threads like a default llama.cpp build. It gets a venv of its own (.venv-llama-cpp at the
+# repository root, git-ignored; VENV=DIR to choose another). About 10-15 minutes on 2 cores.
+# Safe to rerun.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${VENV:-.venv-llama-cpp}"
+LLAMA_CPP_PYTHON_VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
+
+python3 -m venv "$VENV"
+"$VENV/bin/pip" install --upgrade pip
+CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_OPENMP=ON -DLLAMA_CURL=OFF" FORCE_CMAKE=1 \
+    "$VENV/bin/pip" install --no-cache-dir --verbose "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION" numpy
+"$VENV/bin/python" -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__, \
+'system info:', llama_cpp.llama_print_system_info().decode())"
+
+# llama.cpp's converter (convert_hf_to_gguf.py, with its conversion/ and gguf-py/ folders) from
+# the same sdist, for benchmarks/gguf.py: it runs with pagedllm's python (torch, transformers)
+# plus sentencepiece, which the converter imports, from $VENV/convert-deps.
+SRC="$(mktemp -d)"
+"$VENV/bin/pip" download --no-deps --no-binary :all: -d "$SRC" "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION"
+tar -xzf "$SRC"/llama_cpp_python-*.tar.gz -C "$SRC"
+rm -rf "$VENV/llama.cpp" && mkdir -p "$VENV/llama.cpp"
+cp -r "$SRC"/llama_cpp_python-*/vendor/llama.cpp/{convert_hf_to_gguf.py,conversion,gguf-py} "$VENV/llama.cpp/"
+rm -rf "$SRC"
+"$VENV/bin/pip" install --target "$VENV/convert-deps" sentencepiece

@@ -1,0 +1,153 @@
+"""Build a pagedllm model from a GGUF checkpoint (``LLM("model.gguf")``).
+
+The model is the same class a Hugging Face folder of that architecture gets (built on the meta
+device, materialised uninitialised); the GGUF tensors are renamed to HF names (names.py), Llama's
+q/k rows put back in HF order, and each is placed where the safetensors loader would place it
+(``expected_tensors``: fused q/k/v and gate/up parts, this rank's rows under tensor
+parallelism). A parameter no tensor fills is an error, as for safetensors.
+
+Block-quantized linear weights stay quantized (quantized_linears.py: the layer's float weight
+is never allocated; its ``QuantizedWeight`` is built from the unpacked parts). Everything else
+is loaded as float in the model's dtype, one tensor at a time: norms (small) and the token
+embedding, dequantized when the file holds it quantized (a lookup reads a few rows, but a tied
+head multiplies by all of them, and the float embedding is what the layers take today).
+``keep_quantized=False`` (or a non-CPU device, where the quantized kernels do not run)
+dequantizes every weight instead: the reference the tests compare with.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from pagedllm.errors import ModelLoadError
+from pagedllm.gguf.config import hf_config
+from pagedllm.gguf.names import CONFIG_TENSORS, hf_name, is_permuted, unpermute_rows
+from pagedllm.gguf.quant_types import FLOAT_TYPES, GroupQuant, unpack
+from pagedllm.gguf.quantized_linears import (Part, QuantizedAttacher, combine, drop_float_weights,
+                                             plan_quantized_layers, quantized_kernels_available,
+                                             this_rank)
+from pagedllm.gguf.reader import GGUFCheckpoint, GGUFTensor, open_gguf
+from pagedllm.layers import WeightSlice
+from pagedllm.models.registry import get_model_class
+
+logger = logging.getLogger(__name__)
+
+
+def load_gguf_model(model_path: str | Path, dtype: torch.dtype, device: torch.device,
+                    expected_tensors: Callable[[nn.Module], dict],
+                    keep_quantized: bool = True) -> tuple[nn.Module, dict]:
+    """``(model in eval mode with weights loaded, its HF-style config dict)``.
+    ``expected_tensors``: models/loader.py's placement of checkpoint tensors in a model (passed
+    in by that module, which calls this one: no import circle)."""
+    ckpt = open_gguf(model_path)  # validates types and architecture before anything is allocated
+    config = hf_config(ckpt)
+    model_cls = get_model_class(config)
+    with torch.device("meta"):
+        model = model_cls(config)
+    plan: dict[str, Part] = {}
+    if keep_quantized and quantized_kernels_available(device):
+        quantized = {hf_name(t.name) for t in ckpt.tensors.values() if t.type_id not in FLOAT_TYPES}
+        plan = plan_quantized_layers(model, _expected(model, expected_tensors), quantized)
+        drop_float_weights(model, plan)
+    elif keep_quantized and any(t.type_id not in FLOAT_TYPES for t in ckpt.tensors.values()):
+        logger.warning("%s: quantized weights dequantized to %s (the quantized kernels run on "
+                       "CPU only, and need the C++ extension)", ckpt.path.name, dtype)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    load_gguf_weights(model, ckpt, config, plan, expected_tensors)
+    model.requires_grad_(False)
+    return model.eval(), config
+
+
+def _expected(model: nn.Module, expected_tensors: Callable) -> dict[str, list[tuple[WeightSlice, str]]]:
+    """The safetensors loader's placement, as name -> [(piece, parameter name)]."""
+    return {name: targets if isinstance(targets, list) else [targets]
+            for name, targets in expected_tensors(model).items()}
+
+
+@torch.no_grad()
+def load_gguf_weights(model: nn.Module, ckpt: GGUFCheckpoint, config: dict,
+                      plan: dict[str, Part], expected_tensors: Callable) -> None:
+    expected = _expected(model, expected_tensors)
+    _zero_uncovered(model, expected)
+    pending: dict[str, dict[int, GroupQuant]] = {}
+    unexpected: list[str] = []
+    for tensor in ckpt.tensors.values():
+        if tensor.name in CONFIG_TENSORS:
+            continue
+        name = hf_name(tensor.name)
+        if name in plan:
+            part = plan.pop(name)
+            value = _read(tensor, ckpt.architecture, config)
+            assert isinstance(value, GroupQuant)  # planned from the file's types
+            if value.shape != part.checkpoint_shape:
+                raise ModelLoadError(f"GGUF tensor {tensor.name} has shape {value.shape}, the "
+                                     f"model expects {part.checkpoint_shape} ({part.module_name})")
+            pending.setdefault(part.module_name, {})[part.index] = this_rank(value, part)
+            continue
+        targets = expected.pop(name, None) if name is not None else None
+        if targets is None:
+            unexpected.append(tensor.name)
+            continue
+        value = _read(tensor, ckpt.architecture, config)
+        for piece, param_name in targets:
+            if tuple(value.shape) != piece.checkpoint_shape():
+                raise ModelLoadError(f"GGUF tensor {tensor.name} has shape {tuple(value.shape)}, "
+                                     f"the model expects {piece.checkpoint_shape()} (for {param_name})")
+            _copy(value, piece)
+    missing = sorted(expected) + sorted(plan)
+    if missing:
+        more = f" and {len(missing) - 10} more" if len(missing) > 10 else ""
+        raise ModelLoadError(f"{ckpt.path.name} is missing {len(missing)} tensors: "
+                             f"{', '.join(missing[:10])}{more}")
+    modules = dict(model.named_modules())
+    attacher = QuantizedAttacher()
+    for module_name, parts in pending.items():
+        attacher.attach(modules[module_name], combine([parts[i] for i in sorted(parts)]))
+    if unexpected:
+        logger.warning("ignoring %d GGUF tensors the model does not use: %s",
+                       len(unexpected), ", ".join(unexpected[:10]))
+
+
+def _read(tensor: GGUFTensor, architecture: str, config: dict) -> GroupQuant | np.ndarray:
+    """The tensor unpacked (GroupQuant or a float array), rows in HF order."""
+    try:
+        value = unpack(tensor.type_id, tensor.data, tensor.shape)
+    except ValueError as e:
+        raise ModelLoadError(f"GGUF tensor {tensor.name}: {e}") from e
+    if is_permuted(tensor.name, architecture):
+        heads = config["num_attention_heads" if ".attn_q." in tensor.name else "num_key_value_heads"]
+        perm = unpermute_rows(tensor.shape[0], heads)
+        value = value.rows(perm) if isinstance(value, GroupQuant) else value[perm]
+    return value
+
+
+def _copy(value: GroupQuant | np.ndarray, piece: WeightSlice) -> None:
+    """This rank's rows (or columns) of ``value`` into ``piece.dest``, dequantized."""
+    if isinstance(value, GroupQuant):
+        value = value.dequantize()  # one tensor in float32 at a time
+    if piece.dim is not None:
+        index = [slice(None)] * value.ndim
+        index[piece.dim] = slice(piece.start, piece.start + piece.dest.shape[piece.dim])
+        value = value[tuple(index)]
+    value = np.ascontiguousarray(value)
+    if not value.flags.writeable:  # a view of the read-only file map: torch wants its own copy
+        value = value.copy()
+    piece.dest.copy_(torch.from_numpy(value))  # casts to the model dtype
+
+
+def _zero_uncovered(model: nn.Module, expected: dict[str, list[tuple[WeightSlice, str]]]) -> None:
+    """Zero the parameters no tensor covers whole: the last rank's vocabulary rows past the end
+    (``to_empty`` left whatever the memory held there)."""
+    covered: dict[str, int] = {}
+    for piece, param_name in (target for targets in expected.values() for target in targets):
+        covered[param_name] = covered.get(param_name, 0) + piece.dest.numel()
+    for param_name, param in model.named_parameters():
+        if covered.get(param_name, 0) < param.numel():
+            param.data.zero_()

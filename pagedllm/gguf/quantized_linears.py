@@ -1,0 +1,182 @@
+"""Keep a GGUF file's block-quantized linear weights quantized: which layers can, and the
+``QuantizedWeight`` (layers/quantization/) each gets from its checkpoint parts.
+
+A layer holds its weight quantized when every checkpoint tensor it is built from (q, k and v
+for ``qkv_proj``; gate and up for ``gate_up_proj``) is a block type, and the model runs on CPU
+(the kernels are CPU kernels). Its float parameter is dropped on the meta device before the
+model is materialised, so the float32 matrix is never allocated.
+
+The parts of a fused layer may come in different formats: Q4_K_M files hold ``attn_v`` (and
+some ``ffn_down``) as Q6_K beside Q4_K for the rest. The layer then takes the smallest format
+that holds every part exactly: q4 parts widen to q8 (codes 0..15 fit int8), groups split to the
+smallest group size (a scale repeated), a missing offset is zero. Those layers cost more memory
+than their parts did (a q4 part held as q8 doubles its code bytes); the values are the same.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from pagedllm.errors import ModelLoadError
+from pagedllm.gguf.quant_types import GroupQuant
+
+
+_PANEL = 64  # output rows per panel of the quantized kernel (QuantizedWeight's PANEL)
+_CHECK_ROWS = 3 * _PANEL  # layers up to this size are checked whole
+
+
+@dataclass(frozen=True)
+class Part:
+    """Where one checkpoint tensor goes in a quantized layer: part ``index`` of ``num_parts``
+    (rows stacked in that order), this rank's rows or columns ``start:start + size`` along
+    ``dim`` (None: the whole tensor)."""
+
+    module_name: str
+    index: int
+    num_parts: int
+    dim: int | None
+    start: int
+    size: int
+    checkpoint_shape: tuple[int, ...]
+
+
+def plan_quantized_layers(model: nn.Module, expected: dict,
+                          quantized_names: set[str]) -> dict[str, Part]:
+    """Checkpoint name -> Part for the weights of the linear layers (and the untied lm_head)
+    whose every part is in ``quantized_names``; ``expected`` is the loader's placement of the
+    still-meta model (name -> [(WeightSlice, parameter name)])."""
+    from pagedllm.layers import Linear, ParallelLMHead
+
+    modules = dict(model.named_modules())
+    by_module: dict[str, list[tuple[str, object]]] = {}
+    for name, targets in expected.items():
+        for piece, param_name in targets:
+            module_name, _, attr = param_name.rpartition(".")
+            if attr == "weight" and isinstance(modules[module_name], (Linear, ParallelLMHead)):
+                by_module.setdefault(module_name, []).append((name, piece))
+    # A tensor the model splits over several places (a fused checkpoint tensor) stays float.
+    shared = {name for name, targets in expected.items() if len(targets) > 1}
+    plan: dict[str, Part] = {}
+    for module_name, parts in by_module.items():
+        if not all(name in quantized_names and name not in shared for name, _ in parts):
+            continue
+        for index, (name, piece) in enumerate(parts):
+            size = piece.dest.shape[piece.dim] if piece.dim is not None else 0
+            plan[name] = Part(module_name, index, len(parts), piece.dim, piece.start, size,
+                              piece.checkpoint_shape())
+    return plan
+
+
+def drop_float_weights(model: nn.Module, plan: dict[str, Part]) -> None:
+    """Remove the float parameter of every planned layer (call on the meta model)."""
+    modules = dict(model.named_modules())
+    for module_name in {part.module_name for part in plan.values()}:
+        modules[module_name].weight = None
+
+
+def this_rank(value: GroupQuant, part: Part) -> GroupQuant:
+    if part.dim is None:
+        return value
+    if part.dim == 0:
+        return value.rows(slice(part.start, part.start + part.size))
+    g = value.group_size
+    if part.start % g or part.size % g:
+        raise ModelLoadError(f"a tensor-parallel split at input column {part.start} cuts a "
+                             f"quantization group of {g}; use a tensor-parallel size that "
+                             "keeps whole groups")
+    groups = slice(part.start // g, (part.start + part.size) // g)
+    offsets = None if value.offsets is None else value.offsets[:, groups]
+    return GroupQuant(value.kind, value.codes[:, part.start:part.start + part.size],
+                      value.scales[:, groups], offsets, g)
+
+
+def combine(parts: list[GroupQuant]) -> GroupQuant:
+    """The parts stacked by rows in one format that holds each exactly (module docstring)."""
+    kind = "q4" if all(p.kind == "q4" for p in parts) else "q8"
+    group = math.gcd(*(p.group_size for p in parts))
+    with_offsets = any(p.offsets is not None for p in parts)
+    codes, scales, offsets = [], [], []
+    for p in parts:
+        repeat = p.group_size // group
+        codes.append(p.codes if p.kind == kind else p.codes.astype(np.int8))
+        scales.append(np.repeat(p.scales, repeat, axis=1) if repeat > 1 else p.scales)
+        if with_offsets:
+            off = p.offsets if p.offsets is not None else np.zeros_like(p.scales)
+            offsets.append(np.repeat(off, repeat, axis=1) if repeat > 1 else off)
+    if len(parts) == 1:
+        return GroupQuant(kind, codes[0], scales[0], offsets[0] if with_offsets else None, group)
+    return GroupQuant(kind, np.concatenate(codes), np.concatenate(scales),
+                      np.concatenate(offsets) if with_offsets else None, group)
+
+
+class QuantizedAttacher:
+    """Builds each layer's QuantizedWeight and binds it, checking the kernel against float64
+    once per (format, shape, group, offsets) rather than per layer."""
+
+    def __init__(self) -> None:
+        self._checked: dict[tuple, bool] = {}
+
+    def attach(self, layer: nn.Module, value: GroupQuant) -> None:
+        from pagedllm.layers.quantization import (QuantizedWeight, kernel_matches_float64,
+                                                  set_quantized_weight)
+
+        missing = layer.out_features - value.codes.shape[0]
+        if missing > 0:  # the last rank's vocabulary rows past the end: zero weights
+            value = _pad_rows(value, missing)
+
+        build = QuantizedWeight.from_q4 if value.kind == "q4" else QuantizedWeight.from_q8
+        qweight = build(value.codes, value.scales, value.offsets, value.group_size)
+        bias = getattr(layer, "bias", None)
+        rows = value.codes.shape[0]
+        key = (qweight.format, qweight.in_features, qweight.group_size, qweight.offsets is None,
+               bias is None, rows % _PANEL, rows > _CHECK_ROWS)
+        if key not in self._checked:
+            # The kernel's paths depend on the input size, the format and whether the last
+            # panel is partial, not on the number of full panels: check two full panels and
+            # the last one (kernel_matches_float64 dequantizes its whole weight in float64,
+            # 8 bytes a weight: a 150k-row head would cost gigabytes).
+            sample = np.arange(rows)
+            if rows > _CHECK_ROWS:
+                sample = np.concatenate((sample[:2 * _PANEL], sample[-(rows % _PANEL or _PANEL):]))
+            small = value.rows(sample)
+            self._checked[key] = kernel_matches_float64(
+                build(small.codes, small.scales, small.offsets, small.group_size),
+                None if bias is None else bias.detach()[torch.from_numpy(sample)])
+        if not self._checked[key]:
+            raise ModelLoadError(f"the {qweight.format} CPU kernel disagrees with float64 on a "
+                                 f"{qweight.out_features}x{qweight.in_features} layer (or cannot "
+                                 "be built here)")
+        if hasattr(layer, "in_features"):
+            set_quantized_weight(layer, qweight, check=False)
+        else:  # the lm_head: no in_features, the same dispatch through linear()
+            if qweight.out_features != layer.out_features:
+                raise ModelLoadError(f"lm_head weight has {qweight.out_features} rows, the layer "
+                                     f"{layer.out_features}")
+            from pagedllm.layers.quantization.linear_method import Q4LinearMethod, Q8LinearMethod
+
+            layer.quant_method = Q4LinearMethod() if qweight.format == "q4" else Q8LinearMethod()
+            layer.qweight, layer.weight = qweight, None
+
+
+def _pad_rows(value: GroupQuant, rows: int) -> GroupQuant:
+    def pad(a: np.ndarray) -> np.ndarray:
+        return np.concatenate((a, np.zeros((rows, a.shape[1]), a.dtype)))
+
+    return GroupQuant(value.kind, pad(value.codes), pad(value.scales),
+                      None if value.offsets is None else pad(value.offsets), value.group_size)
+
+
+def quantized_kernels_available(device: torch.device) -> bool:
+    """The quantized formats run on pagedllm's CPU kernels only."""
+    if device.type != "cpu":
+        return False
+    try:
+        from pagedllm.layers.cpu_extension import load_cpu_ops
+        import pagedllm.layers.quantization  # noqa: F401
+    except ImportError:
+        return False
+    return load_cpu_ops() is not None

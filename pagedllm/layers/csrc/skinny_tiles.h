@@ -1,0 +1,268 @@
+// The register tiles of the linear kernels and their walk over 64-column panels, shared by the
+// float32 kernel (skinny_gemm.cpp) and the kernels of weights held in other formats
+// (quant_gemm.cpp: bf16/fp16 panels, block-quantized q8/q4 panels). Why the tiles and the walk
+// look as they do: skinny_gemm.cpp's opening comment.
+//
+// A weight format is a Source. Float32 panels (kInPlace) give ``block(p, k0)``, a pointer to
+// rows k0.. of panel p as [k][kPanel] floats. Any other format gives ``code(p, k, v)``, vector v
+// of row k of panel p widened to floats, with (kScaled, kOffset) ``scale_row(p, k)`` /
+// ``offset_row(p, k)`` and ``group_size()``, and ``row_bytes(p, k)``, where the row lies
+// (kRowBytes long): a k block is converted into an L1 buffer (kBlockK x kPanel floats) that
+// every row tile of the chunk reads, or, for a single row, straight into registers. Both
+// compute a weight by ``value``, so it is the same float whatever the row count, and every path
+// sums in the same order: a row's result does not depend on its batch in any format.
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "isa.h"
+
+namespace skinny {
+
+constexpr int64_t kW = isa::kVecFloats;     // floats per vector register
+constexpr int64_t kPanel = 64;              // output columns per panel (every ISA: one layout)
+constexpr int64_t kBlockK = 64;             // k per block: 64 x 64 floats = 16 KiB of weights
+// Two register tiles, both over a k block in L1, chosen by the row count; each holds kTileAcc
+// accumulators, about three quarters of the vector registers (the rest hold the block's weight
+// vectors and a broadcast of x).
+// AVX-512 (32 zmm, 24 accumulators): many rows (prefill): 6 rows x a whole panel row (4
+// vectors), so each k step loads 4 weight vectors and 6 broadcasts per 24 FMAs. Few rows
+// (decode): 12 rows x half a panel row (2 vectors), the panel's two halves one after the other,
+// so 32 rows take 3 tiles per half, not 6 per panel (fewer, longer tiles keep the weight stream
+// steady). Measured on 2 Sapphire Rapids cores: 6 x 4 is 1.1-1.4x the 12 x 2 tile at
+// 256-2,048 rows, 12 x 2 as fast or up to 1.1x at 32 rows.
+// AVX2 (16 ymm, 12 accumulators), measured on 1-2 AMD EPYC (Zen 3) cores with cold caches
+// (benchmarks/linear_kernels.py's shapes): 6 rows x 2 vectors (a quarter of a panel row) from 5
+// rows up, 1.0-1.6x 3 x 4 at 16-128 rows; up to 4 rows, 1 row x the whole panel row (8
+// vectors: 8 independent accumulators where a 1-row 6 x 2 tile would have 2 chains waiting on
+// their FMA latency), 1.1-1.4x the 6 x 2 tile at one row.
+#if defined(__AVX512F__)
+constexpr int64_t kTileAcc = 24;
+constexpr int64_t kTinyRows = 0;  // no tiny-row tile
+constexpr int kTinyV = 2, kFewV = 2, kManyV = 4;
+#else
+constexpr int64_t kTileAcc = 12;
+constexpr int64_t kTinyRows = 4;
+constexpr int kTinyV = 8, kFewV = 2, kManyV = 2;
+#endif
+constexpr int64_t kTileFloats = kTileAcc * kW;
+constexpr int64_t kFewRows = 64;            // up to this many rows: the few-rows tile
+// Row tiles starting in the first kPrefetchRows rows (all of a decode batch of <= 32) prefetch
+// the next k block, the line of it they are about to read in this one (one block ahead).
+// Measured inside the engine, decode steps of 32 rows: 1.06x the first tile alone prefetching
+// half a block ahead, 1.03x the first tile alone one block ahead; half a block or 1.5-2 blocks
+// ahead are slower. With more rows each block is reused long enough that the stream is not the
+// limit, and more prefetches only take issue slots (5-17% slower at 256-2,048 rows).
+constexpr int64_t kPrefetchRows = 32;
+constexpr int64_t kPrefetchFloats = kBlockK * kPanel;
+constexpr int64_t kLineFloats = 16;         // a 64-byte cache line
+// Rows per chunk. A panel is walked once per chunk, so a chunk's rows of x (<= 120 x K floats)
+// stay in L2 across the thread's panels, and its outputs (15-30 KiB) in L1 across a panel's k
+// blocks; the weights are read once per chunk, from L3 after the first (a prefill's layer is a
+// few MB). Measured with cold caches at 2,048 rows: 1.1-1.7x one chunk of all rows (x and the
+// outputs then come from L3 for every panel).
+constexpr int64_t kFewChunkRows = 120;
+constexpr int64_t kManyChunkRows = 60;
+
+typedef float vfloat __attribute__((vector_size(kW * sizeof(float))));
+
+inline vfloat load(const float* p) {
+  vfloat v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof v); }
+
+// c[R][0:V*kW] (+)= x[R][0:kl] . w[0:kl][0:V*kW]: one register tile over one k block (w and c
+// have rows of kPanel floats). The block is summed from zero and then added to c (FIRST:
+// stored), which keeps the rounding error of a long K to that of a block plus K / kBlockK
+// additions.
+template <int R, int V, bool FIRST, bool PREFETCH>
+inline void tile(const float* __restrict x, int64_t ldx, const float* __restrict w, int64_t kl,
+                 float* __restrict c) {
+  // Unrolled so the accumulators live in registers from the start to the stores (with
+  // ``= {}`` GCC kept a zeroed copy on the stack: a memset and 24 spills per tile call).
+  vfloat acc[R][V];
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int v = 0; v < V; ++v) acc[r][v] = vfloat{};
+  for (int64_t k = 0; k < kl; ++k) {
+    const float* wk = w + k * kPanel;
+    if (PREFETCH) {
+      for (int64_t f = 0; f < V * kW; f += kLineFloats) __builtin_prefetch(wk + kPrefetchFloats + f);
+    }
+    vfloat wv[V];
+    for (int v = 0; v < V; ++v) wv[v] = load(wk + v * kW);
+    for (int r = 0; r < R; ++r) {
+      const float a = x[r * ldx + k];
+      for (int v = 0; v < V; ++v) acc[r][v] += a * wv[v];
+    }
+  }
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int v = 0; v < V; ++v) {
+      float* dst = c + r * kPanel + v * kW;
+      store(dst, FIRST ? acc[r][v] : load(dst) + acc[r][v]);
+    }
+}
+
+template <int R, int V>
+inline void tile_any(bool first, bool prefetch, const float* x, int64_t ldx, const float* w,
+                     int64_t kl, float* c) {
+  if (first) {
+    prefetch ? tile<R, V, true, true>(x, ldx, w, kl, c) : tile<R, V, true, false>(x, ldx, w, kl, c);
+  } else {
+    prefetch ? tile<R, V, false, true>(x, ldx, w, kl, c) : tile<R, V, false, false>(x, ldx, w, kl, c);
+  }
+}
+
+// A tile of 1..R rows (R x V = kTileAcc accumulators): the row count must be a compile-time
+// constant for the accumulators to stay in registers.
+template <int V, int R = kTileFloats / (V * kW)>
+inline void tile_rows(int64_t rows, bool first, bool prefetch, const float* x, int64_t ldx,
+                      const float* w, int64_t kl, float* c) {
+  if constexpr (R > 1) {
+    if (rows < R) return tile_rows<V, R - 1>(rows, first, prefetch, x, ldx, w, kl, c);
+  }
+  tile_any<R, V>(first, prefetch, x, ldx, w, kl, c);
+}
+
+constexpr int64_t kRowVecs = kPanel / kW;  // vectors per panel row (one k)
+
+// The float32 values of row k of panel p from ``src``'s codes: ``code`` widened, times the
+// group's scale, plus its offset, in one fused multiply-add (the formats without them: the
+// code itself). ``s`` and ``o`` point at the group's scales and offsets for the row's column 0.
+template <class Source>
+inline vfloat value(const Source& src, int64_t p, int64_t k, int v, const vfloat& s,
+                    const vfloat& o) {
+  const vfloat f = src.code(p, k, v);
+  if constexpr (Source::kOffset) return f * s + o;
+  if constexpr (Source::kScaled) return f * s;
+  return f;
+}
+
+template <class Source>
+inline void prefetch_next_block(const Source& src, int64_t p, int64_t k) {
+  const char* next = src.row_bytes(p, k) + kBlockK * Source::kRowBytes;
+  for (int64_t b = 0; b < Source::kRowBytes; b += kLineFloats * 4) __builtin_prefetch(next + b);
+}
+
+// Rows k0..k0+kl of panel p converted by ``src`` into ``buf`` ([kl][kPanel] floats), the
+// source's stream prefetched one block ahead (as the float32 tiles prefetch their panels).
+template <class Source>
+inline const float* convert_block(const Source& src, int64_t p, int64_t k0, int64_t kl,
+                                  float* __restrict buf) {
+  for (int64_t k = k0; k < k0 + kl; ++k) {
+    prefetch_next_block(src, p, k);
+    const float* s = Source::kScaled ? src.scale_row(p, k) : nullptr;
+    const float* o = Source::kOffset ? src.offset_row(p, k) : nullptr;
+#pragma GCC unroll 8
+    for (int v = 0; v < kRowVecs; ++v) {
+      const vfloat sv = Source::kScaled ? load(s + v * kW) : vfloat{};
+      const vfloat ov = Source::kOffset ? load(o + v * kW) : vfloat{};
+      store(buf + (k - k0) * kPanel + v * kW, value(src, p, k, v, sv, ov));
+    }
+  }
+  return buf;
+}
+
+// One row times panel p's k block, the weights converted in registers (no block buffer): a
+// single row uses each converted value once, so storing it to L1 and loading it back would be
+// half the work. A group's scales and offsets stay in registers across its k, so the panel
+// row goes in parts of kPart vectors (AVX2: two halves; 4 accumulators + 8 scales and offsets).
+// Bit for bit the tiles' result on convert_block's floats: the same values (``value``), summed
+// per column from zero over the block in k order, then added to c.
+template <class Source>
+inline void row_times_block(const float* __restrict x, const Source& src, int64_t p, int64_t k0,
+                            int64_t kl, float* __restrict c) {
+  constexpr int kPart = kRowVecs < 4 ? kRowVecs : 4;
+  for (int v0 = 0; v0 < kRowVecs; v0 += kPart) {
+    vfloat acc[kPart], s[kPart], o[kPart];
+#pragma GCC unroll 4
+    for (int v = 0; v < kPart; ++v) acc[v] = s[v] = o[v] = vfloat{};
+    for (int64_t k = k0; k < k0 + kl; ++k) {
+      if (v0 == 0) prefetch_next_block(src, p, k);
+      if constexpr (Source::kScaled) {
+        if (k == k0 || k % src.group_size() == 0) {  // a new group: its scales (and offsets)
+#pragma GCC unroll 4
+          for (int v = 0; v < kPart; ++v) {
+            s[v] = load(src.scale_row(p, k) + (v0 + v) * kW);
+            if constexpr (Source::kOffset) o[v] = load(src.offset_row(p, k) + (v0 + v) * kW);
+          }
+        }
+      }
+      const float a = x[k - k0];
+#pragma GCC unroll 4
+      for (int v = 0; v < kPart; ++v) acc[v] += a * value(src, p, k, v0 + v, s[v], o[v]);
+    }
+#pragma GCC unroll 4
+    for (int v = 0; v < kPart; ++v) {
+      float* dst = c + (v0 + v) * kW;
+      store(dst, k0 == 0 ? acc[v] : load(dst) + acc[v]);
+    }
+  }
+}
+
+// y[0:M, panels p0..p1) for one tile shape: V vectors per tile (a panel row in kPanel / (V * kW)
+// parts), kTileFloats / (V * kW) rows per tile, CHUNK rows per chunk; the weights' k blocks from
+// ``src`` (see the top of this file). Float32 panels (Source::kInPlace) are read in place and
+// prefetched by the tiles; other formats are converted once per block and chunk.
+template <int V, int64_t CHUNK, class Source>
+void panels_times_x(const float* xp, int64_t M, int64_t K, const Source& src, int64_t N,
+                    float* yp, int64_t p0, int64_t p1) {
+  constexpr int64_t TILE = kTileFloats / (V * kW);
+  std::vector<float> c(std::min(M, CHUNK) * kPanel);  // a panel's outputs, the chunk's rows
+  alignas(64) float buf[Source::kInPlace ? 1 : kBlockK * kPanel];
+  for (int64_t r0 = 0; r0 < M; r0 += CHUNK) {
+    const int64_t rows = std::min(CHUNK, M - r0);
+    const float* xr = xp + r0 * K;
+    for (int64_t p = p0; p < p1; ++p) {
+      for (int64_t k0 = 0; k0 < K; k0 += kBlockK) {
+        const int64_t kl = std::min(kBlockK, K - k0);
+        if constexpr (Source::kInPlace) {
+          const float* block = src.block(p, k0);
+          for (int64_t col = 0; col < kPanel; col += V * kW)
+            for (int64_t m0 = 0; m0 < rows; m0 += TILE)
+              tile_rows<V>(std::min(TILE, rows - m0), k0 == 0, m0 < kPrefetchRows,
+                           xr + m0 * K + k0, K, block + col, kl, c.data() + m0 * kPanel + col);
+        } else if (rows == 1) {
+          row_times_block(xr + k0, src, p, k0, kl, c.data());
+        } else {
+          const float* block = convert_block(src, p, k0, kl, buf);
+          for (int64_t col = 0; col < kPanel; col += V * kW)
+            for (int64_t m0 = 0; m0 < rows; m0 += TILE)
+              tile_rows<V>(std::min(TILE, rows - m0), k0 == 0, false, xr + m0 * K + k0, K,
+                           block + col, kl, c.data() + m0 * kPanel + col);
+        }
+      }
+      const int64_t cols = std::min(kPanel, N - p * kPanel);
+      for (int64_t m = 0; m < rows; ++m)
+        std::memcpy(yp + (r0 + m) * N + p * kPanel, c.data() + m * kPanel, cols * sizeof(float));
+    }
+  }
+}
+
+// y [M, N] = x [M, K] W^T for W held as P panels by ``src``. Threads take contiguous runs of
+// panels: each streams its own part of the weights. Rows go in chunks, each over all of the
+// thread's panels (one chunk at decode sizes); the tile by the row count.
+template <class Source>
+void panels_gemm(const float* xp, int64_t M, int64_t K, const Source& src, int64_t N, int64_t P,
+                 float* yp) {
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    if (M <= kTinyRows)
+      panels_times_x<kTinyV, kFewChunkRows>(xp, M, K, src, N, yp, p0, p1);
+    else if (M <= kFewRows)
+      panels_times_x<kFewV, kFewChunkRows>(xp, M, K, src, N, yp, p0, p1);
+    else
+      panels_times_x<kManyV, kManyChunkRows>(xp, M, K, src, N, yp, p0, p1);
+  });
+}
+
+}  // namespace skinny

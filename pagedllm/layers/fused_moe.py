@@ -1,0 +1,195 @@
+"""The experts of a mixture-of-experts layer, stored fused per layer (vLLM's FusedMoE).
+
+Weights: ``gate_up_proj`` ``[E, 2 * I, H]`` (each expert's gate rows, then its up rows) and
+``down_proj`` ``[E, H, I]``, the layout transformers 5 keeps in memory. Checkpoints come in two
+spellings: one tensor per expert and projection (``experts.N.gate_proj.weight``, what
+transformers 5 writes for these families and what the Hub holds; Mixtral's ``w1``/``w3``/``w2``)
+or the fused tensors themselves (``experts.gate_up_proj``, ``experts.down_proj``); the loader
+takes either (``checkpoint_tensors``, ``fused_checkpoint_tensors``).
+
+Tensor parallelism splits every expert's intermediate dimension: a rank holds ``I / tp`` rows of
+each expert's gate and up and the matching columns of its down, so each rank's result is a
+partial sum of the layer's output, all-reduced once per layer (after the shared expert's partial
+sum, where the family has one) -- the row-parallel path of the dense MLP.
+
+On CPU the tokens are grouped by expert and each active expert runs once over its tokens. Each
+product is ``pagedllm::packed_linear`` (the skinny kernel, layers/linear.py) whenever it can run:
+its sums run in the same order whatever the number of rows, so a token's output does not depend
+on which other tokens share its step or its expert (torch's matmul picks kernels by the row
+count). Elsewhere (GPU, half precision, no kernel for this CPU) each expert is an ``F.linear``.
+
+Under torch.compile the expert loop (its trip count depends on the routing) is one opaque custom
+op per layer, ``pagedllm::fused_moe_experts``, found by number like attention's
+(layers/op_registry.py); the routing around it stays in the graph.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.distributed.parallel_state import get_tp_group
+from pagedllm.layers.activation import GatedActivation
+from pagedllm.layers.linear import WeightSlice, pack_weight
+from pagedllm.layers.moe_router import RoutingOrder, check_routing, select_experts
+from pagedllm.layers.op_registry import LayerRegistry
+
+
+def kernel_wanted() -> bool:
+    """False when the user forced torch's matmul for every layer (layers/linear_kernel.py)."""
+    return os.environ.get("PAGEDLLM_CPU_KERNELS", "auto") != "torch"
+
+
+class FusedMoE(nn.Module):
+    """``forward(hidden [T, H], router_logits [T, E]) -> [T, H]``: each token's top-k experts'
+    SwiGLU MLPs, weighted by the router. With ``reduce_results`` False the result is this rank's
+    partial sum (the caller adds to it and all-reduces once)."""
+
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
+                 hidden_act: str, renormalize: bool,
+                 order: RoutingOrder = RoutingOrder.SOFTMAX_TOPK,
+                 expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+                 reduce_results: bool = True) -> None:
+        super().__init__()
+        check_routing(num_experts, top_k)
+        self.tp = get_tp_group()
+        if intermediate_size % self.tp.world_size:
+            raise ValueError(f"expert intermediate size {intermediate_size} does not split over "
+                             f"{self.tp.world_size} ranks")
+        self.num_experts, self.top_k = num_experts, top_k
+        self.hidden_size = hidden_size
+        self.full_intermediate_size = intermediate_size
+        self.intermediate_size = intermediate_size // self.tp.world_size  # this rank's
+        self.renormalize, self.order = renormalize, RoutingOrder(order)
+        self.expert_names = expert_names
+        self.reduce_results = reduce_results
+        self.act = GatedActivation(hidden_act)
+        self.gate_up_proj = nn.Parameter(
+            torch.empty(num_experts, 2 * self.intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, self.intermediate_size))
+        # The weights as skinny_gemm panels per expert, [E, panels, in, 64], in place of the
+        # parameters (then None): set by process_weights_after_loading. One copy either way.
+        self.packed_gate_up: torch.Tensor | None = None
+        self.packed_down: torch.Tensor | None = None
+        self._op_id = _layers_by_op_id.register(self)  # how a compiled graph names this layer
+
+    def extra_repr(self) -> str:
+        return (f"experts={self.num_experts}, top_k={self.top_k}, hidden={self.hidden_size}, "
+                f"intermediate={self.intermediate_size}, order={self.order.value}, "
+                f"renormalize={self.renormalize}, packed={self.packed_down is not None}")
+
+    # -- loading -------------------------------------------------------------------------------
+    def checkpoint_tensors(self, attr: str, param: torch.Tensor) -> dict[str, WeightSlice]:
+        """Per-expert spelling: checkpoint name (relative to this module) -> where it goes."""
+        gate, up, down = self.expert_names
+        size, rank_start = self.intermediate_size, self.tp.rank * self.intermediate_size
+        full = self.full_intermediate_size
+        names: dict[str, WeightSlice] = {}
+        for e in range(self.num_experts):
+            if attr == "gate_up_proj":
+                names[f"{e}.{gate}.weight"] = WeightSlice(param[e, :size], None, 0, rank_start,
+                                                          full)
+                names[f"{e}.{up}.weight"] = WeightSlice(param[e, size:], None, 0, rank_start, full)
+            else:
+                names[f"{e}.{down}.weight"] = WeightSlice(param[e], None, 1, rank_start, full)
+        return names
+
+    def fused_checkpoint_tensors(self, attr: str, param: torch.Tensor) -> list[WeightSlice]:
+        """Fused spelling: the pieces of the checkpoint tensor named ``attr`` (the same name as
+        the parameter) that fill ``param``: this rank's gate rows and up rows of every expert,
+        or its columns of every down."""
+        size, rank_start = self.intermediate_size, self.tp.rank * self.intermediate_size
+        full = self.full_intermediate_size
+        if attr == "gate_up_proj":
+            return [WeightSlice(param[:, :size], None, 1, rank_start, 2 * full),
+                    WeightSlice(param[:, size:], None, 1, full + rank_start, 2 * full)]
+        return [WeightSlice(param, None, 2, rank_start, full)]
+
+    @torch.no_grad()
+    def process_weights_after_loading(self) -> None:
+        """Hold the experts as skinny_gemm panels where the kernel runs (see the module doc)."""
+        if not kernel_wanted():
+            return
+        for name in ("gate_up_proj", "down_proj"):
+            weight = getattr(self, name)
+            if weight is None:  # already packed
+                continue
+            first = pack_weight(weight[0], None, check=True)  # float64 check once per shape
+            if first is None:
+                continue
+            panels = torch.empty((self.num_experts, *first.shape), dtype=first.dtype)
+            panels[0] = first
+            for e in range(1, self.num_experts):  # one expert's transient copy at a time
+                panels[e] = pack_weight(weight[e], None, check=False)
+            # The plain weight goes at once: at most one projection of one layer held twice.
+            setattr(self, f"packed_{name.removesuffix('_proj')}", panels)
+            setattr(self, name, None)
+
+    # -- compute -------------------------------------------------------------------------------
+    def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize,
+                                                self.order)
+        if torch.compiler.is_compiling():
+            out = torch.ops.pagedllm.fused_moe_experts(hidden_states, topk_weights, topk_ids,
+                                                       self._op_id)
+        else:
+            out = self.apply_experts(hidden_states, topk_weights, topk_ids)
+        if self.reduce_results and self.tp.world_size > 1:
+            out = self.tp.all_reduce(out)
+        return out
+
+    def apply_experts(self, x: torch.Tensor, topk_weights: torch.Tensor,
+                      topk_ids: torch.Tensor) -> torch.Tensor:
+        """``sum_j w[t, j] * expert_{ids[t, j]}(x[t])`` for every token ``t``."""
+        num_tokens, top_k = topk_ids.shape
+        flat_ids = topk_ids.flatten()  # [T * k]: token t's j-th choice at t * k + j
+        # Group the (token, choice) pairs by expert; stable, so tokens stay in order within one.
+        order = torch.argsort(flat_ids, stable=True)
+        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
+        x_sorted = x[order // top_k]  # [T * k, H], expert 0's tokens first
+        y_sorted = torch.empty_like(x_sorted)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count:
+                rows = slice(start, start + count)
+                y_sorted[rows] = self._expert(expert, x_sorted[rows])
+                start += count
+        y = torch.empty_like(y_sorted)
+        y[order] = y_sorted  # back to token order: [T * k, H] -> [T, k, H]
+        y = y.view(num_tokens, top_k, self.hidden_size)
+        weights = topk_weights.to(x.dtype)
+        # Elementwise, choice by choice: a token's sum never depends on other tokens.
+        out = y[:, 0] * weights[:, :1]
+        for j in range(1, top_k):
+            out = torch.addcmul(out, y[:, j], weights[:, j:j + 1])
+        return out
+
+    def _expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        """One expert's SwiGLU MLP on its tokens: ``[n, H] -> [n, H]`` (a partial sum under TP)."""
+        if self.packed_gate_up is not None:
+            gate_up = torch.ops.pagedllm.packed_linear(x, self.packed_gate_up[expert],
+                                                       2 * self.intermediate_size, None)
+        else:
+            gate_up = F.linear(x, self.gate_up_proj[expert])
+        if self.packed_down is not None:
+            return torch.ops.pagedllm.packed_linear(self.act(gate_up), self.packed_down[expert],
+                                                    self.hidden_size, None)
+        return F.linear(self.act(gate_up), self.down_proj[expert])
+
+
+_layers_by_op_id: LayerRegistry[FusedMoE] = LayerRegistry()
+
+
+@torch.library.custom_op("pagedllm::fused_moe_experts", mutates_args=())
+def fused_moe_experts_op(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                         layer_id: int) -> torch.Tensor:
+    """``FusedMoE.apply_experts`` of layer ``layer_id``, eager inside a compiled graph."""
+    return _layers_by_op_id[layer_id].apply_experts(x, topk_weights, topk_ids)
+
+
+@fused_moe_experts_op.register_fake
+def _fused_moe_experts_fake(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                            layer_id: int) -> torch.Tensor:
+    return torch.empty_like(x)

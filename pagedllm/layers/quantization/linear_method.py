@@ -1,0 +1,130 @@
+"""How a linear layer holds its weight and multiplies by it, one ``LinearMethod`` per format
+(vLLM's LinearMethodBase): the layer's ``quant_method`` is set once at load, ``qweight`` holds
+the weight (``weight`` is then None), and ``layers/linear.linear`` calls
+``layer.quant_method.apply(layer, x, bias)``: the model code never branches on the format.
+
+- A loader that reads quantized tensors (GGUF, AWQ, GPTQ) builds a ``QuantizedWeight``
+  (``from_q8`` / ``from_q4``) and calls ``set_quantized_weight(layer, qweight)``. For a
+  stacked layer (qkv_proj, gate_up_proj) it concatenates the parts' codes, scales and offsets
+  along the rows first (groups run along the input, so every part's rows stay whole); a
+  tensor-parallel slice of the input must cut at group boundaries.
+- A model loaded as float32 and quantized at load (``--quantization q8_0|q4_0``), or loaded in
+  bfloat16/float16 on CPU: the method is set on the layer and
+  ``process_weights_after_loading(layer)`` converts its loaded ``weight``.
+
+Every method runs ``pagedllm::quant_linear`` (csrc/quant_gemm.cpp): float32 activations and
+sums whatever the weight's format (x of another dtype is widened, the result narrowed back).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.errors import ModelLoadError
+from pagedllm.layers.cpu_extension import load_cpu_ops
+from pagedllm.layers.quantization.quantized_weight import QuantizedWeight
+from pagedllm.layers.quantization.round_to_nearest import quantize_linear
+
+
+class LinearMethod:
+    """The base: ``apply`` through the kernel on ``layer.qweight``; subclasses say how a loaded
+    float weight becomes one."""
+
+    formats: tuple[str, ...] = ()
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Convert ``layer.weight`` (loaded) into ``layer.qweight``; nothing when the loader
+        set ``qweight`` itself."""
+        if getattr(layer, "qweight", None) is None:
+            qweight = self.convert(layer.weight)
+            layer.qweight, layer.weight = qweight, None
+
+    def convert(self, weight: torch.Tensor) -> QuantizedWeight:
+        raise NotImplementedError
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        qw: QuantizedWeight = layer.qweight
+        y = torch.ops.pagedllm.quant_linear(
+            x.float(), qw.codes, qw.scales, qw.offsets, qw.group_size, qw.out_features,
+            None if bias is None else bias.float())
+        return y.to(x.dtype)
+
+
+class HalfLinearMethod(LinearMethod):
+    """bfloat16 / float16 weights, widened in registers (never torch's half GEMM, which on a CPU
+    without native bf16 converts the whole matrix on every call)."""
+
+    formats = ("bf16", "fp16")
+
+    def convert(self, weight: torch.Tensor) -> QuantizedWeight:
+        return QuantizedWeight.from_half(weight)
+
+
+class Q8LinearMethod(LinearMethod):
+    """int8 codes with a scale (and optional offset) per group: GGUF Q8_0, Q6_K, Q5_K; at load,
+    llama.cpp's q8_0 round-to-nearest."""
+
+    formats = ("q8",)
+
+    def convert(self, weight: torch.Tensor) -> QuantizedWeight:
+        return quantize_linear(weight, "q8_0")
+
+
+class Q4LinearMethod(LinearMethod):
+    """4-bit codes with a scale and offset per group: GGUF Q4_0, Q4_1, Q4_K, AWQ, GPTQ; at
+    load, llama.cpp's q4_0 round-to-nearest."""
+
+    formats = ("q4",)
+
+    def convert(self, weight: torch.Tensor) -> QuantizedWeight:
+        return quantize_linear(weight, "q4_0")
+
+
+_METHODS = {fmt: cls for cls in (HalfLinearMethod, Q8LinearMethod, Q4LinearMethod)
+            for fmt in cls.formats}
+
+
+def set_quantized_weight(layer: nn.Module, qweight: QuantizedWeight, check: bool = True) -> None:
+    """Make ``layer`` hold ``qweight`` only (its ``weight`` becomes None) and multiply through
+    its format's method. ``check``: first compare the kernel with float64 on the dequantized
+    weight (see ``kernel_matches_float64``); a mismatch raises ModelLoadError."""
+    # [out, in] of the layer: its allocated weight's (an lm_head has no in_features)
+    weight = getattr(layer, "weight", None)
+    shape = tuple(weight.shape) if weight is not None else (layer.out_features, layer.in_features)
+    if (qweight.out_features, qweight.in_features) != shape:
+        raise ModelLoadError(f"a {qweight.out_features}x{qweight.in_features} weight does not fit "
+                             f"a {shape[0]}x{shape[1]} layer")
+    bias = getattr(layer, "bias", None)
+    if check and not kernel_matches_float64(qweight, bias):
+        raise ModelLoadError(f"the {qweight.format} CPU kernel disagrees with float64 on a "
+                             f"{qweight.out_features}x{qweight.in_features} layer")
+    layer.quant_method = _METHODS[qweight.format]()
+    layer.qweight, layer.weight = qweight, None
+
+
+def kernel_matches_float64(qweight: QuantizedWeight, bias: torch.Tensor | None) -> bool:
+    """Whether the kernel's product is within float32 rounding of float64 on the dequantized
+    weight, at 1, 5 and 40 rows, on the first two panels and the last (every path of the kernel:
+    one check per shape and format suffices). False when the kernels cannot be built here."""
+    ops = load_cpu_ops()
+    if ops is None:
+        return False
+    n, k = qweight.out_features, qweight.in_features
+    head = min(128, n)
+    rows = torch.cat((torch.arange(head), torch.arange(max(head, n - 64), n)))
+    w64 = qweight.dequantize(torch.float64)[rows]
+    b64 = None if bias is None else bias.detach()[rows].double()
+    b32 = None if bias is None else bias.detach().float()
+    gen = torch.Generator().manual_seed(0)
+    for num_rows in (1, 5, 40):
+        x = torch.randn(num_rows, k, generator=gen)
+        y = ops.quant_linear(x, qweight.codes, qweight.scales, qweight.offsets,
+                             qweight.group_size, n, b32)[:, rows]
+        error = (y.double() - F.linear(x.double(), w64, b64)).abs()
+        # float32 rounding of a dot product is a small multiple of eps x sum |x_i w_i|; a wrong
+        # layout or a missed group is off by the order of the sum itself.
+        scale = x.double().abs() @ w64.abs().T + (0 if b64 is None else b64.abs())
+        if not bool((error <= 1e-5 * scale.amax() + 1e-30).all()):
+            return False
+    return True

@@ -1,0 +1,160 @@
+"""A linear layer's weight held in a format other than float32, in the panels of pagedllm's CPU
+linear kernel (csrc/quant_gemm.cpp; the layout is described there and below).
+
+Four formats, named by ``QuantizedWeight.format``:
+
+- ``"bf16"``, ``"fp16"``: the weight's own 16-bit values, widened to float32 in registers;
+- ``"q8"``: int8 codes, a float32 scale per group of ``group_size`` input elements of an output
+  row, and optionally a float32 offset: ``value = code * scale (+ offset)``;
+- ``"q4"``: codes 0..15 (two per byte), scale and optional offset per group, the same formula.
+
+These two block layouts hold every GGUF block type and AWQ/GPTQ exactly (dequantizing them is
+exact in float32 up to the last rounding of ``code * scale + offset``; the loaders compute each
+``scale`` and ``offset`` from the file's own fields):
+
+===========  ======  ==========  =======================  ============================
+source       layout  group_size  scale                    offset
+===========  ======  ==========  =======================  ============================
+Q8_0         q8      32          d                        None
+Q6_K         q8      16          d * sc (codes -32..31)   None
+Q5_K         q8      32          d * sc (codes 0..31)     -dmin * m
+Q4_0         q4      32          d                        -8 * d
+Q4_1         q4      32          d                        m
+Q4_K         q4      32          d * sc                   -dmin * m
+AWQ / GPTQ   q4      group size  s                        -z * s
+===========  ======  ==========  =======================  ============================
+
+Q5_K's 5-bit codes go to q8 with an offset, not to a layout of their own: int8 holds 0..31, and
+one more kernel would buy 3/8 of a byte per weight. The scales are float32 (not GGUF's fp16 d
+times a 6-bit sc, which no 16-bit float holds exactly): 4 bytes per group, so a weight costs
+1 + 4/G bytes in q8 and 0.5 + 8/G in q4 with offsets (GGUF's Q4_K: 0.5625).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from pagedllm.errors import ModelLoadError
+
+if TYPE_CHECKING:  # loaders pass numpy arrays (GGUF's memory map); torch.as_tensor takes them
+    import numpy as np
+
+PANEL = 64  # output columns per panel (kPanel in csrc/skinny_gemm.cpp)
+FORMATS = ("bf16", "fp16", "q8", "q4")
+_HALF_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """A weight [out_features, in_features] as panels: ``codes`` [P, in, 64] (q4: [P, in, 32],
+    byte j of a k holding column j low and column j + 32 high), ``scales`` and ``offsets``
+    float32 [P, in / group_size, 64] (None for bf16/fp16; offsets None: no offset). Zero rows
+    pad the last panel."""
+
+    format: str
+    out_features: int
+    in_features: int
+    codes: torch.Tensor
+    scales: torch.Tensor | None = None
+    offsets: torch.Tensor | None = None
+    group_size: int = 0
+
+    # -- construction --------------------------------------------------------------------------
+    @classmethod
+    def from_half(cls, weight: torch.Tensor) -> QuantizedWeight:
+        """A bfloat16 or float16 ``weight`` [out, in] as 16-bit panels (the same values)."""
+        fmt = _HALF_DTYPES.get(weight.dtype)
+        if fmt is None or weight.dim() != 2:
+            raise ModelLoadError(f"a half-precision weight must be a 2-D bfloat16 or float16 "
+                                 f"tensor, got {weight.dtype} {tuple(weight.shape)}")
+        return cls(fmt, *weight.shape, _to_panels(weight.detach()))
+
+    @classmethod
+    def from_q8(cls, codes: np.ndarray | torch.Tensor, scales: np.ndarray | torch.Tensor,
+                offsets: np.ndarray | torch.Tensor | None, group_size: int) -> QuantizedWeight:
+        """int8 ``codes`` [out, in], float ``scales`` (and ``offsets`` or None) [out, in /
+        group_size]: ``W[n, k] = codes[n, k] * scales[n, k // G] (+ offsets[n, k // G])``."""
+        codes_t = torch.as_tensor(codes)
+        if codes_t.dtype != torch.int8:
+            raise ModelLoadError(f"q8 codes must be int8, got {codes_t.dtype}")
+        scales_t, offsets_t = _check_groups("q8", codes_t, scales, offsets, group_size)
+        return cls("q8", *codes_t.shape, _to_panels(codes_t), _to_panels(scales_t),
+                   None if offsets_t is None else _to_panels(offsets_t), group_size)
+
+    @classmethod
+    def from_q4(cls, codes: np.ndarray | torch.Tensor, scales: np.ndarray | torch.Tensor,
+                offsets: np.ndarray | torch.Tensor | None, group_size: int) -> QuantizedWeight:
+        """``codes`` [out, in] of values 0..15 (any integer dtype, one code per element), float
+        ``scales`` (and ``offsets`` or None) [out, in / group_size], as for from_q8."""
+        codes_t = torch.as_tensor(codes)
+        if codes_t.dtype.is_floating_point or codes_t.dtype.is_complex or codes_t.dtype == torch.bool:
+            raise ModelLoadError(f"q4 codes must be integers 0..15, got {codes_t.dtype}")
+        if codes_t.numel() and not (int(codes_t.min()) >= 0 and int(codes_t.max()) <= 15):
+            raise ModelLoadError("q4 codes must lie in 0..15")
+        scales_t, offsets_t = _check_groups("q4", codes_t, scales, offsets, group_size)
+        panels = _to_panels(codes_t.to(torch.uint8))  # [P, in, 64]
+        half = PANEL // 2
+        packed = panels[..., :half] | (panels[..., half:] << 4)  # [P, in, 32]
+        return cls("q4", *codes_t.shape, packed.contiguous(), _to_panels(scales_t),
+                   None if offsets_t is None else _to_panels(offsets_t), group_size)
+
+    # -- reading -------------------------------------------------------------------------------
+    @property
+    def nbytes(self) -> int:
+        """Bytes held (codes, scales and offsets, the last panel's padding included)."""
+        return sum(t.numel() * t.element_size()
+                   for t in (self.codes, self.scales, self.offsets) if t is not None)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight [out, in] the kernel multiplies by (the reference of the tests), computed
+        in float64 and rounded once to ``dtype``."""
+        if self.format in ("bf16", "fp16"):
+            values = self.codes.double()  # [P, in, 64]
+        else:
+            codes = self.codes
+            if self.format == "q4":
+                codes = torch.cat((codes & 15, codes >> 4), dim=-1)  # [P, in, 64]
+            # [P, in / G, 64] -> [P, in, 64]: each group's row repeated over its G inputs.
+            scales = self.scales.double().repeat_interleave(self.group_size, dim=1)
+            values = codes.double() * scales
+            if self.offsets is not None:
+                values = values + self.offsets.double().repeat_interleave(self.group_size, dim=1)
+        # [P, in, 64] -> [P * 64, in] -> the real rows
+        rows = values.transpose(1, 2).reshape(-1, self.in_features)[:self.out_features]
+        return rows.to(dtype)
+
+
+def _to_panels(matrix: torch.Tensor) -> torch.Tensor:
+    """[out, cols] -> [ceil(out / 64), cols, 64] contiguous, zero rows padding the last panel."""
+    out_features, cols = matrix.shape
+    padded = torch.cat((matrix, matrix.new_zeros(-out_features % PANEL, cols)))
+    return padded.view(-1, PANEL, cols).transpose(1, 2).contiguous()
+
+
+def _check_groups(fmt: str, codes: torch.Tensor, scales: np.ndarray | torch.Tensor,
+                  offsets: np.ndarray | torch.Tensor | None,
+                  group_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """scales and offsets as float32 tensors, after checking their shapes against the codes'."""
+    if codes.dim() != 2:
+        raise ModelLoadError(f"{fmt} codes must be a 2-D [out, in] array, got {tuple(codes.shape)}")
+    out_features, in_features = codes.shape
+    if group_size <= 0 or in_features % group_size:
+        raise ModelLoadError(f"{fmt} group size {group_size} does not divide the input size "
+                             f"{in_features}; supported: a positive divisor")
+    expected = (out_features, in_features // group_size)
+    tensors = []
+    for name, array in (("scales", scales), ("offsets", offsets)):
+        if array is None:
+            tensors.append(None)
+            continue
+        tensor = torch.as_tensor(array)
+        if tuple(tensor.shape) != expected or not tensor.dtype.is_floating_point:
+            raise ModelLoadError(f"{fmt} {name} must be floats shaped {expected} (out, in / "
+                                 f"group size), got {tensor.dtype} {tuple(tensor.shape)}")
+        tensors.append(tensor.float())
+    if tensors[0] is None:
+        raise ModelLoadError(f"{fmt} needs scales")
+    return tensors[0], tensors[1]
+

@@ -1,0 +1,326 @@
+"""GGUF checkpoints: block unpacking bit-exact against the gguf package, the config, tokenizer
+and weights of tiny random models written as GGUF against transformers loading the same file,
+split files, the demo model as Q8_0, and clear errors for bad files."""
+from __future__ import annotations
+
+import json
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf_helpers import STORIES, permute, random_blocks, write_gguf
+from paged_helpers import PagedRunner, hf_log_probs, randomize_
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+from pagedllm.errors import ModelLoadError, UnsupportedModelError
+from pagedllm.gguf import read_gguf_config
+from pagedllm.gguf.names import unpermute_rows
+from pagedllm.gguf.quant_types import unpack
+from pagedllm.models import load_model
+
+TOL = 1e-4
+CPU = torch.device("cpu")
+# K-quant rows are super-blocks of 256: every matrix dimension here is a multiple of it.
+SMALL = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+
+
+# -- block types -------------------------------------------------------------------------------
+def _encoded(type_id: int, rows: int, cols: int) -> np.ndarray:
+    if type_id in (T.Q4_K, T.Q5_K, T.Q6_K):  # gguf cannot quantize these: random raw blocks
+        return random_blocks(type_id, rows, cols, seed=type_id)
+    w = np.random.default_rng(type_id).normal(0, 1, (rows, cols)).astype(np.float32)
+    if type_id == T.F32:
+        return w
+    if type_id == T.F16:
+        return w.astype(np.float16)
+    return gguf.quants.quantize(w, type_id)
+
+
+@pytest.mark.parametrize("type_id", [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K,
+                                     T.Q5_K, T.Q6_K], ids=lambda t: t.name)
+def test_unpack_is_bit_exact(type_id):
+    rows, cols = 5, 768
+    data = _encoded(type_id, rows, cols)
+    ours = unpack(int(type_id), data, (rows, cols))
+    ref = gguf.quants.dequantize(data, type_id)
+    if isinstance(ours, np.ndarray):
+        np.testing.assert_array_equal(ours.astype(np.float32), ref)
+        return
+    kind, group, low, high = {T.Q8_0: ("q8", 32, -128, 127), T.Q4_0: ("q4", 32, 0, 15),
+                              T.Q4_1: ("q4", 32, 0, 15), T.Q4_K: ("q4", 32, 0, 15),
+                              T.Q5_K: ("q8", 32, 0, 31), T.Q6_K: ("q8", 16, -32, 31)}[type_id]
+    assert (ours.kind, ours.group_size, ours.scales.shape) == (kind, group, (rows, cols // group))
+    assert low <= ours.codes.min() and ours.codes.max() <= high
+    assert ours.codes.dtype == (np.uint8 if kind == "q4" else np.int8)
+    np.testing.assert_array_equal(ours.dequantize(), ref)  # bit for bit
+
+
+def test_unpermute_inverts_the_converter():
+    w = np.arange(4 * 16 * 3, dtype=np.float32).reshape(4 * 16, 3)
+    np.testing.assert_array_equal(permute(w, 4)[unpermute_rows(64, 4)], w)
+    assert not np.array_equal(permute(w, 4), w)
+
+
+# -- tiny models against transformers ------------------------------------------------------------
+def _hf_model(arch: str, **overrides):
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch]
+    config = cls(**{**SMALL, "tie_word_embeddings": False, **overrides})
+    config.architectures = [cls.__name__.replace("Config", "ForCausalLM")]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                             attn_implementation="eager").eval()
+    randomize_(model)
+    return model
+
+
+def _reference(hf_model, path):
+    """transformers' own GGUF loading of ``path`` (dequantized to float32) into a model of the
+    same config: the reference for the file's values."""
+    ref = AutoModelForCausalLM.from_config(hf_model.config, dtype=torch.float32,
+                                           attn_implementation="eager").eval()
+    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=ref)["tensors"]
+    missing, unexpected = ref.load_state_dict(tensors, strict=False)
+    assert not unexpected and all("lm_head" in m for m in missing), (missing, unexpected)
+    if hf_model.config.tie_word_embeddings:
+        ref.tie_weights()
+    return ref
+
+
+def _check_greedy_and_logprobs(model, ref) -> None:
+    """Greedy decoding through the paged KV cache (prefill, then one token per step) gives
+    transformers' greedy ids, and every position's log-probs agree within TOL."""
+    prompt = torch.randint(0, 512, (12,), generator=torch.Generator().manual_seed(3)).tolist()
+    runner = PagedRunner(model, block_size=4)
+    ours = [runner.step([("A", prompt)])["A"]]
+    ids = list(prompt)
+    for _ in range(8):
+        ids.append(int(ours[-1][-1].argmax()))
+        ours.append(runner.step([("A", ids[-1:])])["A"])
+    ref_lp = hf_log_probs(ref, ids)
+    ours_lp = torch.cat(ours)[:len(ids)]
+    assert ref_lp[len(prompt) - 1:-1].argmax(-1).tolist() == ids[len(prompt):]
+    diff = (ours_lp - ref_lp).abs().max().item()
+    assert diff < TOL, f"max log-prob diff {diff:.2e}"
+
+
+def _types(spec: str):
+    def pick(name: str, shape: tuple) -> int:
+        if len(shape) == 1:
+            return T.F32  # norms and biases: float, as llama.cpp writes them
+        if spec == "f16":
+            return T.F16
+        if spec == "q8_0":
+            return T.Q8_0
+        if spec == "q4_0_q4_1":
+            return T.Q4_1 if "ffn" in name else T.Q4_0
+        # Q4_K_M-like: Q4_K, with Q6_K for attn_v, ffn_down and the head, Q5_K for attn_k
+        # (fused q/k/v then holds three formats), the embedding Q8_0
+        if "attn_v" in name or "ffn_down" in name or name == "output.weight":
+            return T.Q6_K
+        if "attn_k" in name:
+            return T.Q5_K
+        return T.Q8_0 if name == "token_embd.weight" else T.Q4_K
+    return None if spec == "f32" else pick
+
+
+CASES = [("llama", "f32", {}), ("llama", "f16", {"tie_word_embeddings": True}),
+         ("llama", "q8_0", {}), ("llama", "k_quants", {}), ("qwen2", "q4_0_q4_1", {}),
+         ("qwen3", "k_quants", {"head_dim": 64})]
+
+
+@pytest.mark.parametrize("arch,spec,overrides", CASES, ids=[f"{a}-{s}" for a, s, _ in CASES])
+def test_gguf_matches_transformers(arch, spec, overrides, tmp_path):
+    hf_model = _hf_model(arch, **overrides)
+    path = write_gguf(tmp_path / "model.gguf", hf_model, arch, _types(spec))
+    model, config = load_model(str(path), torch.float32, CPU)
+    assert config["architectures"] == hf_model.config.architectures
+    assert config["tie_word_embeddings"] == hf_model.config.tie_word_embeddings
+    _check_greedy_and_logprobs(model, _reference(hf_model, path))
+    linears = [m for name, m in model.named_modules() if name.endswith(("_proj", "lm_head"))]
+    if spec in ("f32", "f16"):
+        assert all(getattr(m, "qweight", None) is None for m in linears)
+    else:  # every linear holds its quantized weight only
+        assert linears and all(m.qweight is not None and m.weight is None for m in linears)
+
+
+def test_split_file_loads_like_one(tmp_path):
+    hf_model = _hf_model("llama")
+    (tmp_path / "one").mkdir()
+    one = write_gguf(tmp_path / "one" / "m.gguf", hf_model, "llama", _types("q8_0"))
+    first = write_gguf(tmp_path / "m.gguf", hf_model, "llama", _types("q8_0"), split=3)
+    assert first.name == "m-00001-of-00003.gguf"
+    ids = list(range(3, 40))
+    logits = []
+    for path in (one, first, first.with_name("m-00002-of-00003.gguf")):  # any shard names them all
+        model, _ = load_model(str(path), torch.float32, CPU)
+        logits.append(PagedRunner(model, block_size=4).step([("A", ids)])["A"])
+    assert torch.equal(logits[0], logits[1]) and torch.equal(logits[0], logits[2])
+    first.with_name("m-00003-of-00003.gguf").unlink()
+    with pytest.raises(ModelLoadError, match="m-00003-of-00003.gguf is missing"):
+        load_model(str(first), torch.float32, CPU)
+
+
+def test_config_from_metadata(tmp_path):
+    hf_model = _hf_model("qwen2", num_hidden_layers=1, tie_word_embeddings=True, rms_norm_eps=1e-5)
+    uint32, string = gguf.GGUFValueType.UINT32, gguf.GGUFValueType.STRING
+    meta = {"tokenizer.ggml.eos_token_id": (2, uint32), "tokenizer.ggml.eot_token_id": (7, uint32),
+            "tokenizer.ggml.bos_token_id": (1, uint32), "qwen2.rope.scaling.type": ("linear", string),
+            "qwen2.rope.scaling.factor": (4.0, gguf.GGUFValueType.FLOAT32)}
+    path = write_gguf(tmp_path / "m.gguf", hf_model, "qwen2", with_tokenizer=False, metadata=meta)
+    config = read_gguf_config(path)
+    assert config == {**config, "architectures": ["Qwen2ForCausalLM"], "vocab_size": 512,
+                      "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 1,
+                      "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+                      "max_position_embeddings": 256, "tie_word_embeddings": True,
+                      "bos_token_id": 1, "eos_token_id": [2, 7],
+                      "rope_scaling": {"rope_type": "linear", "factor": 4.0}}
+    assert config["rms_norm_eps"] == pytest.approx(1e-5)
+    assert config["rope_theta"] == hf_model.config.rope_parameters["rope_theta"]
+    from pagedllm.engine.model_info import ModelInfo
+
+    info = ModelInfo.from_folder(path)
+    assert (info.vocab_size, info.max_position_embeddings, info.eos_token_ids, info.bos_token_id) == (
+        512, 256, frozenset({2, 7}), 1)
+    meta["qwen2.rope.scaling.type"] = ("yarn", string)
+    path = write_gguf(tmp_path / "yarn.gguf", hf_model, "qwen2", with_tokenizer=False, metadata=meta)
+    with pytest.raises(UnsupportedModelError,
+                       match="rope scaling 'yarn' is not supported; supported: none, linear"):
+        read_gguf_config(path)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (STORIES / "hf").is_dir(), reason="demo model not found")
+def test_demo_model_q8_0_under_tensor_parallelism(tmp_path):
+    """Two ranks (worker processes): each holds its rows of the column-parallel layers and its
+    input groups of the row-parallel ones, still quantized."""
+    from pagedllm import LLM, SamplingParams
+
+    cases = json.loads((STORIES / "golden_greedy.json").read_text())["cases"]
+    llm = LLM(str(_stories_q8_0(tmp_path)), tensor_parallel_size=2,
+              distributed_executor_backend="mp", max_num_seqs=8)
+    outputs = llm.generate([{"prompt_token_ids": c["prompt_ids"]} for c in cases],
+                           [SamplingParams(temperature=0.0, max_tokens=c["max_new_tokens"],
+                                           ignore_eos=True) for c in cases])
+    assert [list(o.outputs[0].token_ids) for o in outputs] == [c["greedy_ids"] for c in cases]
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def test_llama3_rope_from_rope_freqs(tmp_path):
+    """Llama 3.1+ files carry llama3 rope scaling as the ``rope_freqs`` tensor alone."""
+    hf_model = _hf_model("llama", rope_parameters=LLAMA3_ROPE, max_position_embeddings=256)
+    head_dim = SMALL["hidden_size"] // SMALL["num_attention_heads"]
+    # llama.cpp's converter: the divisor of each frequency (1 short, factor long, smooth between)
+    inv_freq = 1.0 / 10000.0 ** (np.arange(0, head_dim, 2) / head_dim)
+    wavelen = 2 * np.pi / inv_freq
+    smooth = (8192 / wavelen - 1.0) / (4.0 - 1.0)
+    factors = np.where(wavelen < 8192 / 4, 1.0, np.where(wavelen > 8192, 8.0,
+                                                         1 / ((1 - smooth) / 8.0 + smooth)))
+    path = write_gguf(tmp_path / "m.gguf", hf_model, "llama",
+                      extra_tensors={"rope_freqs.weight": factors.astype(np.float32)})
+    config = read_gguf_config(path)
+    assert config["rope_scaling"] == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    model, _ = load_model(str(path), torch.float32, CPU)
+    # A head_dim of 64 at theta 1e4 puts frequencies in all three llama3 bands.
+    assert (factors == 1).any() and (factors == 8).any() and ((factors > 1) & (factors < 8)).any()
+    _check_greedy_and_logprobs(model, hf_model)
+
+
+# -- the engine: tokenizer, config, the demo model ---------------------------------------------
+def _stories_q8_0(tmp_path):
+    hf_model = AutoModelForCausalLM.from_pretrained(STORIES / "hf", dtype=torch.float32).eval()
+    # Q8_0 where rows are whole blocks of 32 (llama.cpp falls back to float for the others:
+    # ffn_down's 172 inputs)
+    return write_gguf(tmp_path / "stories260K-Q8_0.gguf", hf_model, "llama",
+                      lambda name, shape: T.Q8_0 if len(shape) == 2 and shape[1] % 32 == 0 else T.F32)
+
+
+@pytest.mark.skipif(not (STORIES / "hf").is_dir(), reason="demo model not found")
+def test_demo_model_as_q8_0_gives_the_golden_stories(tmp_path):
+    from pagedllm import LLM, SamplingParams
+
+    path = _stories_q8_0(tmp_path)
+    cases = json.loads((STORIES / "golden_greedy.json").read_text())["cases"]
+    llm = LLM(str(path), max_num_seqs=8, max_model_len=512)
+    assert llm.llm_engine.model_info.eos_token_ids == frozenset({2})
+    prompts = [{"prompt_token_ids": case["prompt_ids"]} for case in cases]
+    params = [SamplingParams(temperature=0.0, max_tokens=c["max_new_tokens"], ignore_eos=True)
+              for c in cases]
+    outputs = llm.generate(prompts, params)
+    for case, out in zip(cases, outputs):
+        assert list(out.outputs[0].token_ids) == case["greedy_ids"], case["prompt"]
+    # the file's tokenizer encodes as the folder's does (BOS added), and carries the template
+    from transformers import AutoTokenizer
+
+    folder_tok = AutoTokenizer.from_pretrained(STORIES / "hf")
+    tok = llm.get_tokenizer()
+    for case in cases:
+        assert tok(case["prompt"]).input_ids == folder_tok(case["prompt"]).input_ids == case["prompt_ids"]
+    assert tok.chat_template == (STORIES / "chat_template.jinja").read_text()
+    text = llm.generate(["Once upon a time"], SamplingParams(temperature=0.0, max_tokens=8))[0]
+    assert text.outputs[0].text == folder_tok.decode(cases[1]["greedy_ids"][:8])
+
+
+# -- bad files ------------------------------------------------------------------------------------
+@pytest.fixture
+def small_gguf(tmp_path):
+    return write_gguf(tmp_path / "m.gguf", _hf_model("llama", num_hidden_layers=1), "llama",
+                      _types("q8_0"), with_tokenizer=False)
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.99, 20 / 10 ** 6])
+def test_truncated_file_is_a_clear_error(small_gguf, keep):
+    data = small_gguf.read_bytes()
+    small_gguf.write_bytes(data[:max(24, int(len(data) * keep))])
+    with pytest.raises(ModelLoadError, match="m.gguf"):
+        load_model(str(small_gguf), torch.float32, CPU)
+
+
+def test_wrong_magic_is_a_clear_error(small_gguf):
+    small_gguf.write_bytes(b"GGML" + small_gguf.read_bytes()[4:])
+    with pytest.raises(ModelLoadError, match="not a GGUF file"):
+        load_model(str(small_gguf), torch.float32, CPU)
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        load_model(str(small_gguf.with_name("nothing.gguf")), torch.float32, CPU)
+
+
+def test_unsupported_tensor_type_names_it_and_the_supported(tmp_path):
+    hf_model = _hf_model("llama", num_hidden_layers=1)
+
+    def types(name, shape):
+        return T.IQ2_XXS if name == "blk.0.ffn_up.weight" else T.F32
+
+    import gguf_helpers
+    original = gguf_helpers._add_tensor
+
+    def add(writer, name, w, t):
+        if t == T.IQ2_XXS:  # random bytes: the loader must refuse before reading them
+            blocks = np.zeros((w.shape[0], w.shape[1] // 256 * 66), np.uint8)
+            return writer.add_tensor(name, blocks, raw_dtype=t)
+        return original(writer, name, w, t)
+
+    gguf_helpers._add_tensor = add
+    try:
+        path = write_gguf(tmp_path / "m.gguf", hf_model, "llama", types, with_tokenizer=False)
+    finally:
+        gguf_helpers._add_tensor = original
+    with pytest.raises(UnsupportedModelError, match=r"blk.0.ffn_up.weight has GGUF type IQ2_XXS.*"
+                                                    r"supported types: F32, .*Q4_K"):
+        load_model(str(path), torch.float32, CPU)
+
+
+def test_unsupported_architecture_names_the_supported(tmp_path):
+    path = write_gguf(tmp_path / "m.gguf", _hf_model("llama", num_hidden_layers=1), "gemma",
+                      with_tokenizer=False)
+    with pytest.raises(UnsupportedModelError,
+                       match="'gemma' is not supported; supported: llama, qwen2, qwen3"):
+        load_model(str(path), torch.float32, CPU)
+    with pytest.raises(UnsupportedModelError, match="gemma"):
+        read_gguf_config(path)

@@ -1,0 +1,215 @@
+"""Weights in other formats than float32 (layers/quantization/, csrc/quant_gemm.cpp): bf16, fp16,
+q8 and q4 panels against float64 on the dequantized weight at every tile's row counts, ragged
+shapes, with and without bias, on every x86 level this CPU runs (and the AVX-512 build at least
+compiles); a row's bits do not depend on its batch; the packing is exact; load-time
+quantization equals llama.cpp's reference quantizers (gguf's numpy port); a quantized Linear
+and a bfloat16 model's layers go through ``linear`` unchanged."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedllm.errors import ModelLoadError, ValidationError
+from pagedllm.layers import Linear, ParallelLMHead, VocabParallelEmbedding
+from pagedllm.layers import linear_kernel
+from pagedllm.layers.cpu_extension import CSRC, can_run, compile_sources, load_cpu_ops, native_isa
+from pagedllm.layers.linear import linear
+from pagedllm.layers.quantization import QuantizedWeight, quantize_linear, set_quantized_weight
+
+pytestmark = pytest.mark.skipif(load_cpu_ops() is None, reason="no C++ compiler: no CPU kernels")
+
+ISAS = [pytest.param(isa, marks=pytest.mark.skipif(not can_run(isa), reason=f"this CPU cannot run {isa}"))
+        for isa in ("native", "v3")]
+# Every tile on both levels (AVX2: 1 x 8 vectors up to 4 rows, 6 x 2 above; AVX-512: 12 x 2 up
+# to 64 rows, 6 x 4 above), several chunks of rows (257).
+ROWS = (1, 2, 5, 8, 33, 72, 257)
+# (format, out, in, group size, offsets): out not a multiple of the 64-column panel, in not one
+# of the 64-k block, groups of GGUF's sizes (16: Q6_K, 32) and AWQ/GPTQ's (128).
+CASES = [("bf16", 100, 96, 0, False), ("fp16", 5, 37, 0, False), ("q8", 130, 320, 32, False),
+         ("q8", 33, 48, 16, True), ("q4", 70, 256, 128, True), ("q4", 100, 96, 32, False),
+         ("q4", 64, 160, 32, True)]
+
+
+def _weight(fmt: str, n: int, k: int, group: int, offsets: bool, gen: torch.Generator) -> QuantizedWeight:
+    if fmt in ("bf16", "fp16"):
+        return QuantizedWeight.from_half(
+            torch.randn(n, k, generator=gen).to(torch.bfloat16 if fmt == "bf16" else torch.float16))
+    scales = torch.rand(n, k // group, generator=gen) + 0.01
+    offs = torch.randn(n, k // group, generator=gen) if offsets else None
+    if fmt == "q8":
+        codes = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+        return QuantizedWeight.from_q8(codes, scales, offs, group)
+    codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    return QuantizedWeight.from_q4(codes, scales, offs, group)
+
+
+def _run(ops, x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    return ops.quant_linear(x, qw.codes, qw.scales, qw.offsets, qw.group_size, qw.out_features, bias)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt,n,k,group,offsets", CASES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_kernel_matches_float64_of_the_dequantized_weight(isa, fmt, n, k, group, offsets, with_bias):
+    ops = load_cpu_ops(isa)
+    assert ops is not None, f"the {isa} build failed"
+    gen = torch.Generator().manual_seed(n * 1000 + k)
+    qw = _weight(fmt, n, k, group, offsets, gen)
+    w64 = qw.dequantize(torch.float64)
+    b = torch.randn(n, generator=gen) if with_bias else None
+    for rows in ROWS:
+        x = torch.randn(rows, k, generator=gen)
+        y = _run(ops, x, qw, b)
+        assert y.shape == (rows, n) and y.dtype == torch.float32
+        ref = F.linear(x.double(), w64, None if b is None else b.double())
+        # float32 rounding of the sums (the same bound as the float32 kernel's test)
+        scale = (x.double().abs() @ w64.abs().T).amax()
+        assert (y.double() - ref).abs().max() <= 2e-6 * scale, rows
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt", ["bf16", "fp16", "q8", "q4"])
+def test_a_rows_result_does_not_depend_on_its_batch(isa, fmt):
+    ops = load_cpu_ops(isa)
+    gen = torch.Generator().manual_seed(3)
+    qw = _weight(fmt, 200, 512, 32, True, gen)
+    x = torch.randn(300, 512, generator=gen)  # several chunks of the many-rows tile
+    full = _run(ops, x, qw, None)
+    for rows in (1, 3, 4, 5, 7, 12, 13, 33, 64, 65, 72, 130):
+        for start in (0, 5, 300 - rows):
+            part = _run(ops, x[start:start + rows], qw, None)
+            assert torch.equal(part, full[start:start + rows]), (rows, start)
+
+
+@pytest.mark.slow
+def test_the_avx512_build_compiles(tmp_path):
+    """This CPU may not run x86-64-v4; its build of the linear kernels must still compile."""
+    compile_sources("v4", tmp_path, [CSRC / "skinny_gemm.cpp", CSRC / "quant_gemm.cpp"])
+    assert (tmp_path / "quant_gemm.o").stat().st_size > 0
+
+
+def test_packing_holds_the_arrays_exactly():
+    """from_q8/from_q4 take plain [out, in] arrays (what a GGUF/AWQ loader has); dequantize gives
+    back code * scale + offset for every element, the panels' padding dropped."""
+    gen = torch.Generator().manual_seed(5)
+    n, k, g = 70, 64, 16
+    scales = torch.rand(n, k // g, generator=gen).numpy()
+    offsets = torch.randn(n, k // g, generator=gen).numpy()
+    codes4 = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8).numpy()
+    codes8 = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8).numpy()
+    per_k = lambda a: torch.as_tensor(a).double().repeat_interleave(g, dim=1)  # noqa: E731
+    q4 = QuantizedWeight.from_q4(codes4, scales, offsets, g)
+    assert q4.codes.shape == (2, k, 32) and q4.scales.shape == (2, k // g, 64)
+    assert torch.equal(q4.dequantize(torch.float64),
+                       torch.as_tensor(codes4).double() * per_k(scales) + per_k(offsets))
+    q8 = QuantizedWeight.from_q8(codes8, scales, None, g)
+    assert torch.equal(q8.dequantize(torch.float64), torch.as_tensor(codes8).double() * per_k(scales))
+    # q4 with offsets: half a byte + 8 bytes per 16 weights; the last panel's padding included
+    assert q4.nbytes == 2 * 64 * (k // 2 + 2 * 4 * k // g)
+
+
+def test_bad_arrays_are_refused_with_what_is_supported():
+    codes = torch.zeros(4, 64, dtype=torch.uint8)
+    with pytest.raises(ModelLoadError, match="0..15"):
+        QuantizedWeight.from_q4(codes + 16, torch.ones(4, 2), None, 32)
+    with pytest.raises(ModelLoadError, match="group size 48"):
+        QuantizedWeight.from_q4(codes, torch.ones(4, 1), None, 48)
+    with pytest.raises(ModelLoadError, match="scales must be floats shaped"):
+        QuantizedWeight.from_q8(codes.to(torch.int8), torch.ones(4, 3), None, 32)
+    with pytest.raises(ModelLoadError, match="int8"):
+        QuantizedWeight.from_q8(codes, torch.ones(4, 2), None, 32)
+    with pytest.raises(ValidationError, match="supported: q8_0, q4_0"):
+        quantize_linear(torch.ones(4, 64), "q3_k")
+    with pytest.raises(ValidationError, match="blocks of 32"):
+        quantize_linear(torch.ones(4, 40), "q8_0")
+
+
+@pytest.mark.parametrize("scheme", ["q8_0", "q4_0"])
+def test_load_time_quantization_is_llama_cpps(scheme):
+    gguf = pytest.importorskip("gguf")
+    gen = torch.Generator().manual_seed(6)
+    w = torch.randn(70, 256, generator=gen)
+    w[3, :32] = 0  # an all-zero block: scale 0, no division by zero
+    w[4, :32] = 1  # ties of the largest magnitude
+    qtype = getattr(gguf.GGMLQuantizationType, scheme.upper())
+    ref = gguf.quants.dequantize(gguf.quants.quantize(w.numpy(), qtype), qtype)
+    assert torch.equal(quantize_linear(w, scheme).dequantize(), torch.as_tensor(ref))
+
+
+def test_a_quantized_linear_goes_through_linear():
+    """A Linear holding a q4 weight (ragged 100 x 96) runs the kernel from forward and from
+    ``linear``, on 3-D inputs, holding only the quantized weight."""
+    gen = torch.Generator().manual_seed(7)
+    layer = Linear(96, 100)
+    layer.bias.data.normal_(generator=gen)
+    qw = quantize_linear(torch.randn(100, 96, generator=gen), "q4_0")
+    set_quantized_weight(layer, qw)
+    assert layer.weight is None and layer.qweight is qw
+    assert qw.nbytes < 100 * 96 * 4 / 4  # a quarter of float32's bytes, with the panels' padding
+    x = torch.randn(2, 3, 96, generator=gen)
+    ref = F.linear(x.double(), qw.dequantize(torch.float64), layer.bias.double())
+    for y in (layer(x), linear(layer, x, layer.bias)):
+        assert y.shape == (2, 3, 100)
+        assert (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+    with pytest.raises(ModelLoadError, match="does not fit"):
+        set_quantized_weight(Linear(64, 100), qw)
+    head = ParallelLMHead(96, 100)  # an lm_head (GGUF's output.weight) takes one the same way
+    set_quantized_weight(head, qw)
+    logits = head(x)
+    assert logits.dtype == torch.float32
+    assert (logits.double() - (ref - layer.bias.double())).abs().max() <= 1e-5 * ref.abs().max()
+
+
+@pytest.mark.skipif(native_isa() is None, reason="no tuned kernel for this CPU")
+def test_a_bfloat16_models_linears_hold_half_panels(monkeypatch):
+    """The runner's conversion (choose_linear_kernels) holds bf16 layers as half panels, the
+    tied embedding reading its rows from the head's panels: one copy, the same values."""
+    monkeypatch.setenv("PAGEDLLM_CPU_KERNELS", "auto")
+    model = torch.nn.Module()
+    model.a = Linear(32, 100)
+    model.embed = VocabParallelEmbedding(100, 32)
+    model.head = ParallelLMHead(32, 100)
+    model.head.tie_to(model.embed)
+    gen = torch.Generator().manual_seed(8)
+    for p in model.parameters():
+        p.data.normal_(generator=gen)
+    model.to(torch.bfloat16)
+    weights = {name: m.weight.detach().clone() for name, m in (("a", model.a), ("head", model.head))}
+    ids = torch.tensor([0, 63, 64, 99])
+    want_embed = model.embed(ids)
+    monkeypatch.setattr(linear_kernel, "_MEASURED", {})
+    linear_kernel.choose_linear_kernels(model)
+    assert model.a.weight is None and model.a.qweight.format == "bf16"
+    assert model.head.weight is None and model.embed.weight is None
+    assert torch.equal(model.embed(ids), want_embed)
+    x = torch.randn(5, 32, generator=gen).to(torch.bfloat16)
+    for name, y in (("a", model.a(x)), ("head", model.head(x))):
+        ref = F.linear(x.double(), weights[name].double(),
+                       model.a.bias.double() if name == "a" else None)
+        assert y.dtype in (torch.bfloat16, torch.float32)
+        # the sums in float32, the result rounded once to bfloat16 (8 bits)
+        assert (y.double() - ref).abs().max() <= 2 ** -7 * ref.abs().max()
+
+
+@pytest.mark.parametrize("name", ["qwen2_bias", "qwen3_qknorm_tied"])
+def test_a_q8_model_matches_transformers_on_the_dequantized_weights(name, tmp_path):
+    """Every projection quantized to q8_0 at load (the lm_head kept): the paged model's log
+    probs match transformers running the same weights dequantized (q8_0 round-trips exactly:
+    quantizing a dequantized block gives back its codes and scale)."""
+    from test_model_parity import CONFIGS, check_mixed_batch, make_hf_model, save
+
+    from pagedllm.models import load_model
+    from paged_helpers import PagedRunner
+
+    hf_model = make_hf_model(CONFIGS[name]())
+    with torch.no_grad():
+        for module_name, module in hf_model.named_modules():
+            if isinstance(module, torch.nn.Linear) and module_name != "lm_head":
+                module.weight.copy_(quantize_linear(module.weight, "q8_0").dequantize())
+    model, _ = load_model(save(hf_model, tmp_path), torch.float32, torch.device("cpu"))
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    for layer in linears:
+        set_quantized_weight(layer, quantize_linear(layer.weight, "q8_0"))
+    assert all(layer.weight is None and layer.qweight.format == "q8" for layer in linears)
+    check_mixed_batch(model, hf_model, PagedRunner(model, block_size=4))
