@@ -15,7 +15,10 @@ deleted decode store did, without the cost of keeping the copy).
 
     python benchmarks/decode_attention.py [--requests 64] [--context 1024] [--heads 32]
         [--kv-heads 8] [--head-dim 128] [--block-size 16] [--dtype float32] [--rounds 5]
-        [--isa native v3 v4]
+        [--isa native v3 v4] [--kv-cache-dtype auto|bfloat16|float16|fp8|fp8_e4m3|fp8_e5m2]
+
+``--kv-cache-dtype`` stores the paged cache narrower than the query (the engine's flag); the
+dense candidate keeps ``--dtype``. GB/s of K/V count the bytes the cache holds.
 """
 from __future__ import annotations
 
@@ -29,6 +32,8 @@ import torch.nn.functional as F
 
 from pagedllm.layers import (Attention, bind_kv_caches, build_attention_metadata,
                              get_attn_backend, kv_cache_shape, set_forward_context)
+from pagedllm.config import KV_CACHE_DTYPES
+from pagedllm.layers.attention.kv_cache_dtype import resolve_kv_cache_dtype, to_cache_dtype
 from pagedllm.layers.cpu_extension import can_run, cpu_description, load_cpu_ops
 
 
@@ -50,6 +55,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES))
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--iters", type=int, default=5, help="calls per candidate per round")
     p.add_argument("--copy-mib", type=int, default=256, help="least size of the copied tensor")
@@ -64,7 +70,8 @@ def main(argv: list[str] | None = None) -> None:
     # A paged cache with shuffled (non-contiguous) blocks, every request at position L - 1.
     blocks_per_req = -(-L // bs)
     num_blocks = B * blocks_per_req + 1
-    cache = torch.randn(kv_cache_shape(num_blocks, bs, Hkv, D)).to(dtype)
+    cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype)
+    cache = to_cache_dtype(torch.randn(kv_cache_shape(num_blocks, bs, Hkv, D)), cache_dtype)
     ids = list(range(1, num_blocks))
     random.Random(0).shuffle(ids)
     tables = [ids[i * blocks_per_req:(i + 1) * blocks_per_req] for i in range(B)]
@@ -117,7 +124,8 @@ def main(argv: list[str] | None = None) -> None:
     med = {name: statistics.median(ts) for name, ts in times.items()}
     bandwidth = 2 * src.numel() * src.element_size() / med["copy"]
     print(f"decode attention: {B} requests x {L} context, {H} heads / {Hkv} kv heads x {D}, "
-          f"block_size {bs}, {args.dtype}, {torch.get_num_threads()} threads; "
+          f"block_size {bs}, {args.dtype}, KV {str(cache_dtype).removeprefix('torch.')}, "
+          f"{torch.get_num_threads()} threads; "
           f"{kv_bytes / 2**20:.0f} MiB of K/V per call; medians of {args.rounds} interleaved rounds; "
           f"{cpu_description()}")
     print(f"  memory bandwidth (tensor copy, read + write): {bandwidth / 1e9:.1f} GB/s")

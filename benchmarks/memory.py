@@ -29,6 +29,7 @@ from pathlib import Path
 
 from benchmarks.common import (WORKLOADS, Workload, add_model_args, engine_args, log,
                                         make_workload, model_stats, resolve_model, write_json)
+from pagedllm.config import KV_CACHE_DTYPES
 
 
 def _add_requests(llm, workload: Workload) -> None:
@@ -105,8 +106,8 @@ def _rss_bytes(field: str = "VmHWM") -> int:
 
 def _kv_bytes_allocated(llm) -> dict:
     """The runner's KV cache bytes, its weights' bytes (parameters, buffers, and the layers held
-    as packed panels: one copy each), and the bytes of every other live tensor (None with an
-    out-of-process executor)."""
+    as packed panels or quantized: one copy each), and the bytes of every other live tensor
+    (None with an out-of-process executor)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensor
 
@@ -117,6 +118,9 @@ def _kv_bytes_allocated(llm) -> dict:
     weights = list(runner.model.state_dict().values())
     weights += [m.packed_weight for m in runner.model.modules()
                 if getattr(m, "packed_weight", None) is not None]
+    # quantized layers (AWQ, GPTQ, GGUF, q8_0/q4_0 at load): codes, scales and offsets
+    weights += [t for m in runner.model.modules() if getattr(m, "qweight", None) is not None
+                for t in (m.qweight.codes, m.qweight.scales, m.qweight.offsets) if t is not None]
     weight_storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in weights}
     seen = set(kv) | set(weight_storages)
     gc.collect()
@@ -190,17 +194,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-model-len", type=int, default=2048,
                         help="what a contiguous cache reserves per request")
     parser.add_argument("--kv-budget-mib", type=float, default=64.0, help="KV budget of part 2")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                        help="the engine's KV cache dtype (auto: the model's)")
     args = parser.parse_args(argv)
 
     model = resolve_model(args)
     stats = model_stats(model)
     workload = make_workload(args.workload, stats.vocab_size, seed=0, num_requests=args.num_requests)
-    kwargs = engine_args(args)
+    kwargs = engine_args(args, kv_cache_dtype=args.kv_cache_dtype)
     elem = 2 if args.dtype in ("bfloat16", "float16", "half", "bf16", "fp16") else 4
+    if args.kv_cache_dtype != "auto":  # narrower than the model's (the engine refuses wider)
+        elem = 1 if args.kv_cache_dtype.startswith("fp8") else 2
     bytes_per_token = stats.kv_bytes_per_token(elem)
     budget = int(args.kv_budget_mib * 2**20)
     log(f"memory: workload {workload.name} ({workload.num_requests} requests), block_size "
-        f"{args.block_size}, max_model_len {args.max_model_len}, {bytes_per_token} KV bytes/token")
+        f"{args.block_size}, max_model_len {args.max_model_len}, KV dtype {args.kv_cache_dtype}, "
+        f"{bytes_per_token} KV bytes/token")
 
     waste = measure_waste(model, workload, kwargs, args.block_size, args.max_model_len)
     batch = measure_batch(model, workload, kwargs, args.block_size, args.max_model_len, budget)
@@ -209,13 +218,16 @@ def main(argv: list[str] | None = None) -> None:
     result = {"benchmark": "memory", "model": model, "workload": workload.name,
               "num_requests": workload.num_requests, "block_size": args.block_size,
               "max_model_len": args.max_model_len, "kv_bytes_per_token": bytes_per_token,
+              "kv_cache_dtype": args.kv_cache_dtype,
+              "kv_budget_tokens": batch["num_gpu_blocks"] * args.block_size,
               "waste": waste, "kv_budget_bytes": budget, "paged_batch": batch,
               "contiguous_batch": contiguous_batch,
               "batch_ratio": (batch["mean_running_under_load"] / contiguous_batch
                               if contiguous_batch else float("inf"))}
     print(f"memory {workload.name}: busiest step holds {b['tokens']} tokens in {b['slots']} slots, "
           f"waste {b['waste']:.1%} (mean {waste['mean_waste']:.1%}) vs {b['contiguous_waste']:.1%} "
-          f"contiguous at max_model_len {args.max_model_len} | {args.kv_budget_mib:g} MiB KV: "
+          f"contiguous at max_model_len {args.max_model_len} | {args.kv_budget_mib:g} MiB KV "
+          f"({args.kv_cache_dtype}: {result['kv_budget_tokens']} tokens): "
           f"{batch['mean_running_under_load']:.1f} running under load (peak {batch['peak_running']}, "
           f"{batch['num_preemptions']} preemptions) vs {contiguous_batch} contiguous "
           f"({result['batch_ratio']:.1f}x) | {_memory_truth(batch, budget)}", flush=True)

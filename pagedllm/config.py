@@ -19,6 +19,13 @@ DEFAULT_MODEL_DIR = _REPO_ROOT.parent / "shared" / "models" / "stories260K" / "h
 
 # The values of ModelConfig.attention_backend (the backends live in pagedllm/layers/attention/).
 ATTENTION_BACKENDS = ("auto", "torch", "cpu_paged")
+# The values of CacheConfig.kv_cache_dtype, vLLM's names: auto = the model's dtype; fp8 =
+# fp8_e4m3 (pagedllm/layers/attention/kv_cache_dtype.py).
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
+# The values of ModelConfig.quantization: vLLM's names for quantized checkpoints, and pagedllm's
+# round-to-nearest formats for quantizing a full-precision one at load
+# (pagedllm/layers/quantization/).
+QUANTIZATION_METHODS = ("awq", "gptq", "gguf", "q8_0", "q4_0")
 
 
 def default_model() -> str:
@@ -55,6 +62,10 @@ class ModelConfig:
         "True: run the model eagerly, never through torch.compile; False or unset (auto): "
         "compile it wherever a compiler exists (unset and PAGEDLLM_ENFORCE_EAGER=1 in the "
         "environment: eager; see pagedllm/runner/compile.py).", default=None)
+    quantization: str | None = _doc(
+        "Linear weight format: awq, gptq or gguf (must match the checkpoint), q8_0 or q4_0 "
+        "(a full-precision checkpoint quantized at load; CPU); unset: what the checkpoint is.",
+        default=None)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16", "half", "float", "fp32", "bf16", "fp16"):
@@ -67,6 +78,9 @@ class ModelConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValidationError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}; "
                                   f"got {self.attention_backend!r}", "attention_backend")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValidationError(f"quantization {self.quantization!r} is not supported; "
+                                  f"supported: {', '.join(QUANTIZATION_METHODS)}", "quantization")
 
 
 @dataclass(frozen=True)
@@ -79,8 +93,14 @@ class CacheConfig:
         "Share of GPU memory the engine may use, KV cache included (CUDA only).", default=0.9)
     num_gpu_blocks_override: int | None = _doc(
         "Force this many KV blocks, whatever the memory budget says (tests use tiny caches).", default=None)
+    kv_cache_dtype: str = _doc(
+        "KV cache dtype: auto (the model's), bfloat16, float16, fp8 (= fp8_e4m3) or fp8_e5m2; "
+        "a narrower one holds 2x (16-bit) or 4x (fp8) the tokens of float32.", default="auto")
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValidationError(f"kv_cache_dtype {self.kv_cache_dtype!r} is unsupported; supported: "
+                                  f"{', '.join(KV_CACHE_DTYPES)}", "kv_cache_dtype")
         if self.block_size < 1 or self.block_size > 1024:
             raise ValidationError(f"block_size must be in [1, 1024], got {self.block_size}", "block_size")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

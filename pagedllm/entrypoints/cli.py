@@ -33,7 +33,7 @@ ENGINE_CONFIGS = tuple(c for c in (ModelConfig, CacheConfig, SchedulerConfig,
                                    getattr(_config, "ParallelConfig", None), ObservabilityConfig)
                        if c is not None)
 # vLLM's short spellings of engine flags
-_SHORT_FLAGS = {"tensor_parallel_size": "-tp", "data_parallel_size": "-dp"}
+_SHORT_FLAGS = {"tensor_parallel_size": "-tp", "data_parallel_size": "-dp", "quantization": "-q"}
 
 
 def engine_field_names() -> set[str]:

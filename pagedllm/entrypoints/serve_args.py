@@ -3,9 +3,9 @@ and the vLLM flags that pagedllm accepts for launch-line compatibility.
 
 A vLLM flag does what vLLM's does, or, where pagedllm has no such thing, either is accepted and
 ignored with a log line (it changes nothing a client can see: ``--trust-remote-code``,
-``--disable-log-stats``) or fails with one line that says so (it would change results:
-``--quantization``, ``--kv-cache-dtype`` other than auto). Engine flags (``-tp``,
-``--enforce-eager``, ...) come from the engine's config fields (cli.py).
+``--disable-log-stats``) or fails with one line that says so (it would change results).
+Engine flags (``-tp``, ``-q``/``--quantization``, ``--kv-cache-dtype``, ``--enforce-eager``,
+...) come from the engine's config fields (cli.py).
 """
 from __future__ import annotations
 
@@ -101,19 +101,10 @@ def add_serve_args(p: argparse.ArgumentParser, engine_fields: set[str]) -> None:
                             "reads its calls out of the text")
     tools.add_argument("--tool-call-parser", default=None,
                        help="the model family's tool-call format: hermes, llama3_json, llama4_json")
-    compat = p.add_argument_group("vLLM engine flags pagedllm has no counterpart for")
-    compat.add_argument("--kv-cache-dtype", default="auto", help="auto only (the model's dtype)")
-    compat.add_argument("--quantization", "-q", default=None, help="not available in pagedllm")
 
 
 def check_compat_flags(args: argparse.Namespace, engine_fields: set[str]) -> None:
     """Fail in one line for what pagedllm cannot do; log what it ignores."""
-    if args.quantization not in (None, "none", "None"):
-        raise PagedLLMError(f"--quantization {args.quantization}: pagedllm has no quantization; "
-                            "serve an unquantized model")
-    if args.kv_cache_dtype != "auto":
-        raise PagedLLMError(f"--kv-cache-dtype {args.kv_cache_dtype}: only 'auto' (the model's dtype) "
-                            "is available in pagedllm")
     if not 0 <= args.max_logprobs <= 20:
         raise PagedLLMError(f"--max-logprobs {args.max_logprobs}: pagedllm returns 0 to 20 "
                             "logprobs per token")

@@ -6,11 +6,12 @@ q/k rows put back in HF order, and each is placed where the safetensors loader w
 (``expected_tensors``: fused q/k/v and gate/up parts, this rank's rows under tensor
 parallelism). A parameter no tensor fills is an error, as for safetensors.
 
-Block-quantized linear weights stay quantized (quantized_linears.py: the layer's float weight
-is never allocated; its ``QuantizedWeight`` is built from the unpacked parts). Everything else
-is loaded as float in the model's dtype, one tensor at a time: norms (small) and the token
-embedding, dequantized when the file holds it quantized (a lookup reads a few rows, but a tied
-head multiplies by all of them, and the float embedding is what the layers take today).
+Block-quantized linear weights stay quantized (layers/quantization/quantized_layers.py: the
+layer's float weight is never allocated; its ``QuantizedWeight`` is built from the unpacked
+parts). Everything else is loaded as float in the model's dtype, one tensor at a time: norms
+(small) and the token embedding, dequantized when the file holds it quantized (a lookup reads
+a few rows, but a tied head multiplies by all of them, and the float embedding is what the
+layers take today).
 ``keep_quantized=False`` (or a non-CPU device, where the quantized kernels do not run)
 dequantizes every weight instead: the reference the tests compare with.
 """
@@ -28,10 +29,11 @@ from pagedllm.errors import ModelLoadError
 from pagedllm.gguf.config import hf_config
 from pagedllm.gguf.names import CONFIG_TENSORS, hf_name, is_permuted, unpermute_rows
 from pagedllm.gguf.quant_types import FLOAT_TYPES, GroupQuant, unpack
-from pagedllm.gguf.quantized_linears import (Part, QuantizedAttacher, combine, drop_float_weights,
-                                             plan_quantized_layers, quantized_kernels_available,
-                                             this_rank)
 from pagedllm.gguf.reader import GGUFCheckpoint, GGUFTensor, open_gguf
+from pagedllm.layers.quantization.quantized_layers import (Part, QuantizedAttacher, combine,
+                                                           drop_float_weights,
+                                                           plan_quantized_layers,
+                                                           quantized_kernels_available, this_rank)
 from pagedllm.layers import WeightSlice
 from pagedllm.models.registry import get_model_class
 

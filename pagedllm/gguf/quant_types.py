@@ -20,9 +20,10 @@ All unpacking is vectorised numpy over whole tensors (no Python loop per block).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
+
+# the unpacked form, shared with the AWQ/GPTQ loaders (layers/quantization/)
+from pagedllm.layers.quantization.quantized_layers import GroupQuant
 
 # ggml type ids (ggml.h's enum ggml_type), the ones pagedllm reads.
 F32, F16, Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 3, 8, 12, 13, 14, 30
@@ -42,40 +43,6 @@ def type_name(type_id: int) -> str:
 
 def supported_type_names() -> list[str]:
     return [info[0] for info in TYPE_INFO.values()]
-
-
-@dataclass
-class GroupQuant:
-    """Codes of a ``[rows, cols]`` matrix with a scale (and optional offset) per group of
-    ``group_size`` columns: ``value[r, c] = codes[r, c] * scales[r, c // G] + offsets[r, c // G]``.
-
-    ``kind`` "q4": uint8 codes 0..15; "q8": int8 codes."""
-
-    kind: str
-    codes: np.ndarray                 # [rows, cols] uint8 (q4) or int8 (q8)
-    scales: np.ndarray                # [rows, cols // G] float32
-    offsets: np.ndarray | None        # [rows, cols // G] float32, or None (zero)
-    group_size: int
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return tuple(self.codes.shape)  # type: ignore[return-value]
-
-    def dequantize(self) -> np.ndarray:
-        """float32 ``[rows, cols]`` (reference and fallback path; never the whole model at once)."""
-        rows, cols = self.codes.shape
-        groups = cols // self.group_size
-        # [rows, groups, G]: one scale broadcast over each group
-        out = self.codes.reshape(rows, groups, self.group_size).astype(np.float32)
-        out *= self.scales[:, :, None]
-        if self.offsets is not None:
-            out += self.offsets[:, :, None]
-        return out.reshape(rows, cols)
-
-    def rows(self, index: np.ndarray | slice) -> GroupQuant:
-        """The same format for a subset (or reordering) of the rows."""
-        offsets = None if self.offsets is None else self.offsets[index]
-        return GroupQuant(self.kind, self.codes[index], self.scales[index], offsets, self.group_size)
 
 
 def unpack(type_id: int, data: np.ndarray, shape: tuple[int, ...]) -> GroupQuant | np.ndarray:

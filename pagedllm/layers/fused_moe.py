@@ -5,7 +5,13 @@ Weights: ``gate_up_proj`` ``[E, 2 * I, H]`` (each expert's gate rows, then its u
 spellings: one tensor per expert and projection (``experts.N.gate_proj.weight``, what
 transformers 5 writes for these families and what the Hub holds; Mixtral's ``w1``/``w3``/``w2``)
 or the fused tensors themselves (``experts.gate_up_proj``, ``experts.down_proj``); the loader
-takes either (``checkpoint_tensors``, ``fused_checkpoint_tensors``).
+takes either (``checkpoint_tensors``, ``fused_checkpoint_tensors``). GPT-OSS stores the fused
+tensors transposed with gate and up columns alternating (``ExpertLayout.TRANSPOSED_INTERLEAVED``:
+``gate_up_proj [E, H, 2I]``, ``down_proj [E, I, H]``), with per-expert biases, or as MXFP4
+blocks and scales (layers/quantization/mxfp4.py) in the rows' orientation; whatever the spelling,
+after ``process_weights_after_loading`` the layer holds the layout above (gate rows then up rows)
+in the model dtype, so one compute path serves every family. The activation is a module taking
+``[..., 2I]`` (gate half, up half): SwiGLU by name, or a family's own (GPT-OSS's clamped one).
 
 Tensor parallelism splits every expert's intermediate dimension: a rank holds ``I / tp`` rows of
 each expert's gate and up and the matching columns of its down, so each rank's result is a
@@ -25,16 +31,19 @@ op per layer, ``pagedllm::fused_moe_experts``, found by number like attention's
 from __future__ import annotations
 
 import os
+from enum import Enum
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.distributed.parallel_state import get_tp_group
+from pagedllm.errors import UnsupportedModelError
 from pagedllm.layers.activation import GatedActivation
 from pagedllm.layers.linear import WeightSlice, pack_weight
 from pagedllm.layers.moe_router import RoutingOrder, check_routing, select_experts
 from pagedllm.layers.op_registry import LayerRegistry
+from pagedllm.layers.quantization.mxfp4 import BLOCK_SIZE, dequantize_mxfp4
 
 
 def kernel_wanted() -> bool:
@@ -42,18 +51,35 @@ def kernel_wanted() -> bool:
     return os.environ.get("PAGEDLLM_CPU_KERNELS", "auto") != "torch"
 
 
+class ExpertLayout(str, Enum):
+    """How the fused checkpoint tensors lie (the per-expert spelling is nn.Linear's)."""
+
+    STACKED = "stacked"  # gate_up_proj [E, 2I, H], gate rows then up rows; down_proj [E, H, I]
+    # GPT-OSS: gate_up_proj [E, H, 2I] with column 2i gate unit i and 2i + 1 up unit i;
+    # down_proj [E, I, H]. No per-expert spelling.
+    TRANSPOSED_INTERLEAVED = "transposed_interleaved"
+
+
+WEIGHT_FORMATS = ("mxfp4",)  # besides the model dtype (None)
+
+
 class FusedMoE(nn.Module):
     """``forward(hidden [T, H], router_logits [T, E]) -> [T, H]``: each token's top-k experts'
-    SwiGLU MLPs, weighted by the router. With ``reduce_results`` False the result is this rank's
+    gated MLPs, weighted by the router. With ``reduce_results`` False the result is this rank's
     partial sum (the caller adds to it and all-reduces once)."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                  hidden_act: str, renormalize: bool,
                  order: RoutingOrder = RoutingOrder.SOFTMAX_TOPK,
                  expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
-                 reduce_results: bool = True) -> None:
+                 reduce_results: bool = True, activation: nn.Module | None = None,
+                 bias: bool = False, layout: ExpertLayout = ExpertLayout.STACKED,
+                 weight_format: str | None = None) -> None:
         super().__init__()
         check_routing(num_experts, top_k)
+        if weight_format is not None and weight_format not in WEIGHT_FORMATS:
+            raise UnsupportedModelError(f"expert weight format {weight_format!r} is not supported; "
+                                        f"supported: the model dtype, {', '.join(WEIGHT_FORMATS)}")
         self.tp = get_tp_group()
         if intermediate_size % self.tp.world_size:
             raise ValueError(f"expert intermediate size {intermediate_size} does not split over "
@@ -65,33 +91,76 @@ class FusedMoE(nn.Module):
         self.renormalize, self.order = renormalize, RoutingOrder(order)
         self.expert_names = expert_names
         self.reduce_results = reduce_results
-        self.act = GatedActivation(hidden_act)
-        self.gate_up_proj = nn.Parameter(
-            torch.empty(num_experts, 2 * self.intermediate_size, hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, self.intermediate_size))
+        self.act = GatedActivation(hidden_act) if activation is None else activation
+        self.layout, self.weight_format = ExpertLayout(layout), weight_format
+        inter = self.intermediate_size
+        # Until process_weights_after_loading: gate_up rows alternate gate and up units.
+        self._rows_interleaved = self.layout == ExpertLayout.TRANSPOSED_INTERLEAVED
+        if weight_format == "mxfp4":
+            self._init_mxfp4(num_experts, hidden_size, inter)
+        else:
+            self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden_size))
+            self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, inter))
+        self.gate_up_proj_bias = self.down_proj_bias = None
+        if bias:  # down's is added once, on rank 0: the ranks' partial sums are all-reduced
+            self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * inter))
+            self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden_size))
         # The weights as skinny_gemm panels per expert, [E, panels, in, 64], in place of the
         # parameters (then None): set by process_weights_after_loading. One copy either way.
         self.packed_gate_up: torch.Tensor | None = None
         self.packed_down: torch.Tensor | None = None
         self._op_id = _layers_by_op_id.register(self)  # how a compiled graph names this layer
 
+    def _init_mxfp4(self, num_experts: int, hidden: int, inter: int) -> None:
+        """uint8 blocks and scales in the checkpoint's row orientation, [E, rows, in / 32(, 16)];
+        the float weights appear at process_weights_after_loading."""
+        if self.layout != ExpertLayout.TRANSPOSED_INTERLEAVED:
+            raise UnsupportedModelError(
+                f"MXFP4 experts in the {self.layout.value} layout are not supported; supported: "
+                "GPT-OSS's (transposed_interleaved)")
+        if hidden % BLOCK_SIZE or inter % BLOCK_SIZE:
+            raise UnsupportedModelError(
+                f"MXFP4 experts with hidden size {hidden} and intermediate size {inter} per rank "
+                f"are not supported; supported: both multiples of {BLOCK_SIZE}")
+        def packed(*shape: int) -> nn.Parameter:
+            return nn.Parameter(torch.empty(*shape, dtype=torch.uint8), requires_grad=False)
+        g_in, g_inter = hidden // BLOCK_SIZE, inter // BLOCK_SIZE
+        self.gate_up_proj_blocks = packed(num_experts, 2 * inter, g_in, BLOCK_SIZE // 2)
+        self.gate_up_proj_scales = packed(num_experts, 2 * inter, g_in)
+        self.down_proj_blocks = packed(num_experts, hidden, g_inter, BLOCK_SIZE // 2)
+        self.down_proj_scales = packed(num_experts, hidden, g_inter)
+        self.register_parameter("gate_up_proj", None)
+        self.register_parameter("down_proj", None)
+        # model.to(dtype) casts float buffers: this empty one carries the model dtype to the
+        # dequantization (uint8 parameters keep theirs).
+        self.register_buffer("_dtype_probe", torch.empty(0), persistent=False)
+
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, top_k={self.top_k}, hidden={self.hidden_size}, "
                 f"intermediate={self.intermediate_size}, order={self.order.value}, "
-                f"renormalize={self.renormalize}, packed={self.packed_down is not None}")
+                f"renormalize={self.renormalize}, bias={self.down_proj_bias is not None}, "
+                f"layout={self.layout.value}, format={self.weight_format}, "
+                f"packed={self.packed_down is not None}")
 
     # -- loading -------------------------------------------------------------------------------
     def checkpoint_tensors(self, attr: str, param: torch.Tensor) -> dict[str, WeightSlice]:
-        """Per-expert spelling: checkpoint name (relative to this module) -> where it goes."""
+        """Per-expert spelling: checkpoint name (relative to this module) -> where it goes.
+        A layout without one names its fused tensor, so a missing one is reported by name."""
+        if self.layout != ExpertLayout.STACKED:  # one piece each (fused_checkpoint_tensors)
+            (piece,) = self.fused_checkpoint_tensors(attr, param)
+            return {attr: piece}
         gate, up, down = self.expert_names
+        kind = "bias" if attr.endswith("_bias") else "weight"
         size, rank_start = self.intermediate_size, self.tp.rank * self.intermediate_size
         full = self.full_intermediate_size
         names: dict[str, WeightSlice] = {}
         for e in range(self.num_experts):
-            if attr == "gate_up_proj":
-                names[f"{e}.{gate}.weight"] = WeightSlice(param[e, :size], None, 0, rank_start,
+            if attr.startswith("gate_up_proj"):
+                names[f"{e}.{gate}.{kind}"] = WeightSlice(param[e, :size], None, 0, rank_start,
                                                           full)
-                names[f"{e}.{up}.weight"] = WeightSlice(param[e, size:], None, 0, rank_start, full)
+                names[f"{e}.{up}.{kind}"] = WeightSlice(param[e, size:], None, 0, rank_start, full)
+            elif attr == "down_proj_bias":  # replicated: every rank holds all H
+                names[f"{e}.{down}.bias"] = WeightSlice(param[e])
             else:
                 names[f"{e}.{down}.weight"] = WeightSlice(param[e], None, 1, rank_start, full)
         return names
@@ -102,14 +171,46 @@ class FusedMoE(nn.Module):
         or its columns of every down."""
         size, rank_start = self.intermediate_size, self.tp.rank * self.intermediate_size
         full = self.full_intermediate_size
-        if attr == "gate_up_proj":
-            return [WeightSlice(param[:, :size], None, 1, rank_start, 2 * full),
-                    WeightSlice(param[:, size:], None, 1, full + rank_start, 2 * full)]
-        return [WeightSlice(param, None, 2, rank_start, full)]
+        if attr == "down_proj_bias":
+            return [WeightSlice(param)]
+        transposed = self.layout == ExpertLayout.TRANSPOSED_INTERLEAVED
+        if attr.startswith("down_proj"):
+            if attr != "down_proj":  # MXFP4 blocks/scales [E, H, I / 32(, 16)]: whole blocks
+                return [WeightSlice(param, None, 2, rank_start // BLOCK_SIZE, full // BLOCK_SIZE)]
+            if transposed:  # [E, I, H] in the checkpoint
+                return [WeightSlice(param.transpose(1, 2), None, 1, rank_start, full)]
+            return [WeightSlice(param, None, 2, rank_start, full)]
+        # gate_up: weight, bias, MXFP4 blocks or scales; the units run along dim 1 (rows)
+        # except for the transposed weight.
+        if transposed:
+            dest, dim = (param.transpose(1, 2), 2) if attr == "gate_up_proj" else (param, 1)
+            # Interleaved, a rank's units [start, start + size) are the 2 * size consecutive
+            # columns from 2 * start: one slice (de-interleaved after loading).
+            return [WeightSlice(dest, None, dim, 2 * rank_start, 2 * full)]
+        return [WeightSlice(param[:, :size], None, 1, rank_start, 2 * full),
+                WeightSlice(param[:, size:], None, 1, full + rank_start, 2 * full)]
 
     @torch.no_grad()
     def process_weights_after_loading(self) -> None:
-        """Hold the experts as skinny_gemm panels where the kernel runs (see the module doc)."""
+        """Dequantize, de-interleave, then hold the experts as skinny_gemm panels where the
+        kernel runs (see the module doc). Each step runs once."""
+        if hasattr(self, "down_proj_blocks"):  # MXFP4, not yet dequantized
+            dtype = self._dtype_probe.dtype
+            for name in ("gate_up_proj", "down_proj"):
+                weight = dequantize_mxfp4(getattr(self, f"{name}_blocks"),
+                                          getattr(self, f"{name}_scales"), dtype)
+                setattr(self, name, nn.Parameter(weight, requires_grad=False))  # [E, rows, in]
+                delattr(self, f"{name}_blocks")
+                delattr(self, f"{name}_scales")
+        if self._rows_interleaved:
+            # [g0, u0, g1, u1, ...] -> [g0, g1, ..., u0, u1, ...]: GatedActivation's halves.
+            rows = 2 * self.intermediate_size
+            order = torch.cat((torch.arange(0, rows, 2), torch.arange(1, rows, 2)))
+            order = order.to(self.gate_up_proj.device)
+            self.gate_up_proj.data = self.gate_up_proj.data[:, order].contiguous()
+            if self.gate_up_proj_bias is not None:
+                self.gate_up_proj_bias.data = self.gate_up_proj_bias.data[:, order].contiguous()
+            self._rows_interleaved = False
         if not kernel_wanted():
             return
         for name in ("gate_up_proj", "down_proj"):
@@ -167,16 +268,20 @@ class FusedMoE(nn.Module):
         return out
 
     def _expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
-        """One expert's SwiGLU MLP on its tokens: ``[n, H] -> [n, H]`` (a partial sum under TP)."""
+        """One expert's gated MLP on its tokens: ``[n, H] -> [n, H]`` (a partial sum under TP)."""
+        assert not self._rows_interleaved, "process_weights_after_loading was not run"
+        bias_1 = None if self.gate_up_proj_bias is None else self.gate_up_proj_bias[expert]
+        bias_2 = (self.down_proj_bias[expert]
+                  if self.down_proj_bias is not None and self.tp.rank == 0 else None)
         if self.packed_gate_up is not None:
             gate_up = torch.ops.pagedllm.packed_linear(x, self.packed_gate_up[expert],
-                                                       2 * self.intermediate_size, None)
+                                                       2 * self.intermediate_size, bias_1)
         else:
-            gate_up = F.linear(x, self.gate_up_proj[expert])
+            gate_up = F.linear(x, self.gate_up_proj[expert], bias_1)
         if self.packed_down is not None:
             return torch.ops.pagedllm.packed_linear(self.act(gate_up), self.packed_down[expert],
-                                                    self.hidden_size, None)
-        return F.linear(self.act(gate_up), self.down_proj[expert])
+                                                    self.hidden_size, bias_2)
+        return F.linear(self.act(gate_up), self.down_proj[expert], bias_2)
 
 
 _layers_by_op_id: LayerRegistry[FusedMoE] = LayerRegistry()

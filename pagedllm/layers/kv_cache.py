@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from pagedllm.layers.attention import Attention
+from pagedllm.layers.attention.kv_cache_dtype import storage
 
 
 def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
@@ -40,5 +41,6 @@ def copy_blocks(kv_caches: list[torch.Tensor], block_copies: list[tuple[int, int
     src = torch.tensor([s for s, _ in block_copies], dtype=torch.long, device=device)
     dst = torch.tensor([d for _, d in block_copies], dtype=torch.long, device=device)
     for cache in kv_caches:
-        # Advanced indexing reads every src block before any dst is written.
-        cache[:, dst] = cache[:, src]
+        # Advanced indexing reads every src block before any dst is written; bytes for fp8.
+        data = storage(cache)
+        data[:, dst] = data[:, src]

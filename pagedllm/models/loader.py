@@ -28,21 +28,40 @@ logger = logging.getLogger(__name__)
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def load_model(model_path: str, dtype: torch.dtype, device: torch.device) -> tuple[nn.Module, dict]:
-    """Return ``(model in eval mode with weights loaded, the parsed config.json)``."""
+def load_model(model_path: str, dtype: torch.dtype, device: torch.device,
+               quantization: str | None = None) -> tuple[nn.Module, dict]:
+    """Return ``(model in eval mode with weights loaded, the parsed config.json)``.
+    ``quantization``: ModelConfig's (None: what the checkpoint is; see
+    layers/quantization/checkpoint_formats.py)."""
+    from pagedllm.layers.quantization.checkpoint_formats import resolve_quantization
+
     if str(model_path).lower().endswith(".gguf"):  # llama.cpp's single-file checkpoints
+        resolve_quantization(quantization, None, is_gguf=True)
         from pagedllm.gguf.model_loader import load_gguf_model
 
         return load_gguf_model(model_path, dtype, device, expected_tensors)
     folder = Path(model_path)
     config = read_config(folder)
+    method = resolve_quantization(quantization, config, is_gguf=False)
     model_cls = get_model_class(config)
     with torch.device("meta"):
         model = model_cls(config)
+    files = weight_files(folder)
+    quantized = None
+    if method in ("awq", "gptq"):  # their linears stay 4-bit: the float matrix never exists
+        from pagedllm.models.quantized_checkpoint import QuantizedCheckpointLoader
+
+        quantized = QuantizedCheckpointLoader(model, config, files, device, expected_tensors)
     model = model.to(dtype=dtype).to_empty(device=device)
     if hasattr(model, "tie_weights"):
         model.tie_weights()  # moving a module breaks parameter sharing; restore it
-    load_weights(model, weight_files(folder))
+    load_weights(model, files, ignored=quantized.ignored if quantized else ())
+    if quantized is not None:
+        quantized.load(model)
+    if method in ("q8_0", "q4_0"):  # round-to-nearest at load; each float matrix freed as it goes
+        from pagedllm.models.quantized_checkpoint import quantize_linears
+
+        quantize_linears(model, method)
     for module in model.modules():
         if hasattr(module, "process_weights_after_loading"):
             module.process_weights_after_loading()  # e.g. MoE experts into the kernel's layout
@@ -140,10 +159,11 @@ def _renamed(name: str, renames: dict[str, str]) -> str:
 
 
 @torch.no_grad()
-def load_weights(model: nn.Module, files: list[Path]) -> None:
+def load_weights(model: nn.Module, files: list[Path], ignored=()) -> None:
     """Copy this rank's part of every checkpoint tensor into its place, reading only that part
     from the file (safetensors slices); raise ModelLoadError on missing tensors or shape
-    mismatches. Unknown tensors are logged and skipped."""
+    mismatches. Unknown tensors are logged and skipped; ``ignored`` names are read elsewhere
+    (an AWQ/GPTQ layer's packed tensors)."""
     expected = expected_tensors(model)
     fused = fused_tensors(model)
     renames = getattr(model, "checkpoint_renames", {})
@@ -163,7 +183,8 @@ def load_weights(model: nn.Module, files: list[Path]) -> None:
                         for per_expert in replaced:
                             expected.pop(per_expert, None)
                     if targets is None:
-                        if not (name.endswith(_IGNORED_SUFFIXES) or name.startswith(skipped)
+                        if not (file_name in ignored or name.endswith(_IGNORED_SUFFIXES)
+                                or name.startswith(skipped)
                                 or (tied and name == "lm_head.weight")):
                             unexpected.append(name)
                         continue

@@ -9,6 +9,7 @@ Mixtral's checkpoint names); module names follow the HF checkpoints (``mlp.gate`
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -16,7 +17,7 @@ from torch import nn
 from pagedllm.errors import ModelLoadError
 from pagedllm.layers import Linear, MergedColumnParallelLinear, RowParallelLinear, pack_linear
 from pagedllm.layers.activation import GatedActivation
-from pagedllm.layers.fused_moe import FusedMoE, kernel_wanted
+from pagedllm.layers.fused_moe import ExpertLayout, FusedMoE, kernel_wanted
 from pagedllm.layers.moe_router import RoutingOrder
 from pagedllm.hf_config import text_config
 from pagedllm.models.decoder_args import DecoderArgs
@@ -37,6 +38,11 @@ class MoEArgs:
     expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     decoder_sparse_step: int = 1         # Qwen-MoE: every n-th layer is sparse...
     mlp_only_layers: tuple[int, ...] = ()  # ...except these, which keep a dense MLP
+    expert_bias: bool = False            # GPT-OSS: biases on every expert's projections
+    expert_layout: ExpertLayout = ExpertLayout.STACKED  # how the fused checkpoint tensors lie
+    weight_format: str | None = None     # "mxfp4": the experts ship quantized (dequantized at load)
+    # A module ``[..., 2I] -> [..., I]`` (gate half, up half); None: SwiGLU with hidden_act.
+    make_activation: Callable[[], nn.Module] | None = None
 
     @classmethod
     def from_hf(cls, config: dict, **overrides) -> MoEArgs:
@@ -83,7 +89,10 @@ class SparseMoeBlock(nn.Module):
         self.gate = Linear(args.hidden_size, moe.num_experts, bias=moe.router_bias)
         self.experts = FusedMoE(moe.num_experts, moe.top_k, args.hidden_size,
                                 moe.intermediate_size, args.hidden_act, moe.renormalize,
-                                moe.order, moe.expert_names, reduce_results=False)
+                                moe.order, moe.expert_names, reduce_results=False,
+                                activation=moe.make_activation() if moe.make_activation else None,
+                                bias=moe.expert_bias, layout=moe.expert_layout,
+                                weight_format=moe.weight_format)
         self.shared_expert = None
         if moe.shared_expert_intermediate_size:
             self.shared_expert = SharedExpert(args.hidden_size, moe.shared_expert_intermediate_size,

@@ -6,6 +6,7 @@ from torch import nn
 from pagedllm.errors import UnsupportedModelError
 from pagedllm.models.gemma2 import Gemma2ForCausalLM
 from pagedllm.models.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
+from pagedllm.models.gpt_oss import GptOssForCausalLM
 from pagedllm.models.granite import GraniteForCausalLM
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.olmo2 import Olmo2ForCausalLM
@@ -33,6 +34,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,  # mixture-of-experts families (models/moe.py)
+    "GptOssForCausalLM": GptOssForCausalLM,
     "OlmoeForCausalLM": OlmoeForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,

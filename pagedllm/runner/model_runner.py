@@ -17,6 +17,7 @@ from pagedllm.layers.attention import Attention, get_attn_backend
 from pagedllm.layers.attention.choice import choose_cpu_attention
 from pagedllm.layers.attention_metadata import build_attention_metadata
 from pagedllm.layers.forward_context import set_forward_context
+from pagedllm.layers.attention.kv_cache_dtype import resolve_kv_cache_dtype
 from pagedllm.layers.kv_cache import bind_kv_caches, copy_blocks, kv_cache_shape
 from pagedllm.layers.linear_kernel import choose_linear_kernels
 from pagedllm.models.loader import load_model
@@ -50,8 +51,11 @@ class ModelRunner:
         self.config = config
         self.device = resolve_device(mc.device)
         self.dtype = resolve_dtype(mc.dtype, self.device)
+        # The KV cache's dtype: the model's (auto) or a narrower one the backends cast K/V to
+        # (checked before the weights load).
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache_config.kv_cache_dtype, self.dtype)
         torch.manual_seed(mc.seed)
-        self.model, self.hf_config = load_model(mc.model, self.dtype, self.device)
+        self.model, self.hf_config = load_model(mc.model, self.dtype, self.device, mc.quantization)
         if self.device.type == "cpu":
             # Each layer's weight in the layout of the faster kernel on this CPU, one copy
             # (layers/linear_kernel.py); before the allocator keeps what is freed.
@@ -74,7 +78,7 @@ class ModelRunner:
     # -- KV cache ----------------------------------------------------------------------------
     def bytes_per_block(self, block_size: int) -> int:
         m = self.model
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = self.kv_cache_dtype.itemsize
         return 2 * m.num_layers * block_size * m.num_kv_heads * m.head_dim * elem
 
     def determine_num_blocks(self, block_size: int) -> int:
@@ -101,7 +105,7 @@ class ModelRunner:
         m = self.model
         shape = kv_cache_shape(num_blocks, block_size, m.num_kv_heads, m.head_dim)
         # Zeros, not empty: masked-out slots are multiplied by zero weights, and 0 * NaN = NaN.
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_caches = [torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
                           for _ in range(m.num_layers)]
         bind_kv_caches(m, self.kv_caches)
         self.block_size = block_size

@@ -4,12 +4,10 @@ padding, and each rank's logits equal the unsharded model's within 1e-5; each ra
 parameters hold only its share (what the loader read through safetensors slices)."""
 from __future__ import annotations
 
-import multiprocessing
-
 import pytest
 import torch
 
-from pagedllm.distributed.launch import get_open_port
+from rank_processes import run_on_ranks
 
 TOKENS = [1, 5, 36, 0, 17, 35, 2, 18, 9]  # ids on both sides of the split (19 rows per rank)
 
@@ -55,23 +53,10 @@ def test_two_gloo_ranks_compute_the_unsharded_logits(tmp_path):
         _save(arch, tmp_path / arch)
         folders.append(str(tmp_path / arch))
     want = [_logits(f) for f in folders]
-    ctx = multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    port = get_open_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, folders, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        results = dict(queue.get(timeout=120) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
+    results = run_on_ranks(_rank, (folders,), timeout=120)
     for rank in (0, 1):
         for (got, got_params), (ref, ref_params) in zip(results[rank], want):
             got = torch.tensor(got)
             assert got.shape == ref.shape == (len(TOKENS), 37)
             torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
             assert got_params < 0.7 * ref_params  # a shard, not a replica (norms stay whole)
-    assert all(p.exitcode == 0 for p in procs)

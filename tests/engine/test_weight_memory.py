@@ -4,6 +4,7 @@ both), a tied embedding reads its rows from its head's panels, and the process's
 loading is the checkpoint's size, not twice it."""
 from __future__ import annotations
 
+import gc
 import json
 import subprocess
 import sys
@@ -26,10 +27,14 @@ needs_kernels = pytest.mark.skipif(native_isa() is None or load_cpu_ops() is Non
 
 
 def _held_bytes(model: torch.nn.Module) -> int:
+    """Every tensor the model holds once: parameters, buffers, packed panels and the codes,
+    scales and offsets of quantized weights (layers/quantization/)."""
     storages = {}
     for module in model.modules():
+        qweight = getattr(module, "qweight", None)
+        quantized = [] if qweight is None else [qweight.codes, qweight.scales, qweight.offsets]
         for t in [*module.parameters(recurse=False), *module.buffers(recurse=False),
-                  getattr(module, "packed_weight", None)]:
+                  getattr(module, "packed_weight", None), *quantized]:
             if t is not None:
                 storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     return sum(storages.values())
@@ -104,3 +109,49 @@ def test_process_memory_after_loading_is_the_checkpoint_size(tmp_path):
     # allocator's slack. Measured (AMD EPYC, AVX2): one copy 1.36x; two copies (the commit
     # before this test) 2.3x.
     assert added <= 1.5 * checkpoint, (added / 2**20, checkpoint / 2**20)
+
+
+@needs_kernels
+@pytest.mark.parametrize("scheme,bytes_per_weight", [("q8_0", 1 + 4 / 32),        # code, scale
+                                                     ("q4_0", 0.5 + 8 / 32)])     # + offset
+def test_load_time_quantization_holds_the_format_size(tmp_path, scheme, bytes_per_weight):
+    """quantization=q8_0|q4_0: every decoder linear holds its codes and per-32 scales (panels
+    of 64 rows), no float matrix left beside them; embeddings, norms and the lm_head stay
+    float32."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    # vocab 1000: no float matrix of the model shares a quantized layer's shape
+    config = LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=512,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         tie_word_embeddings=False, max_position_embeddings=256)
+    folder = tmp_path / "model"
+    LlamaForCausalLM(config).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).write_bytes((STORIES_HF / name).read_bytes())
+    llm = LLM(str(folder), device="cpu", enforce_eager=True, kv_cache_memory_bytes=1 << 20,
+              quantization=scheme)
+    model = llm.llm_engine.executor.runner.model
+    linears = [m for name, m in model.named_modules()
+               if isinstance(m, Linear) and name.startswith("model.layers.")]
+    assert linears and all(m.weight is None and m.qweight is not None for m in linears)
+    checkpoint = sum(f.stat().st_size for f in folder.glob("*.safetensors"))  # all float32
+    float_linears = sum(m.out_features * m.in_features * 4 for m in linears)
+    quantized = sum(-(-m.out_features // 64) * 64 * m.in_features * bytes_per_weight
+                    for m in linears)
+    # the float lm_head's panels (when the kernel wins there) pad 1000 rows to 1024
+    head_padding = 24 * 256 * 4 if model.lm_head.packed_weight is not None else 0
+    expected = checkpoint - float_linears + quantized + head_padding
+    assert _held_bytes(model) == pytest.approx(expected, abs=4096)
+    # The float matrices are gone, not just unbound: no live tensor of a quantized shape.
+    gc.collect()
+    shapes = {(m.out_features, m.in_features) for m in linears}
+    live = [o for o in gc.get_objects() if issubclass(type(o), torch.Tensor)
+            and not o.is_meta and o.dtype == torch.float32 and o.dim() == 2
+            and any(tuple(o.shape) == (n, k) for n, k in shapes)]
+    assert not live, [tuple(t.shape) for t in live]
+    # against the float32 layers: q8_0 about 0.28x, q4_0 about 0.19x
+    assert quantized < (0.3 if scheme == "q8_0" else 0.2) * float_linears
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": [1, 5, 9, 14]}], params, use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4

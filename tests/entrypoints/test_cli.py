@@ -153,8 +153,8 @@ def test_serve_api_key_and_clean_sigint_shutdown(cli_server):
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--quantization", "fp8"], "pagedllm has no quantization"),
-    (["--kv-cache-dtype", "fp8"], "only 'auto'"),
+    (["--quantization", "fp8"], "quantization 'fp8' is not supported; supported: awq, gptq"),
+    (["--kv-cache-dtype", "fp4"], "kv_cache_dtype 'fp4' is unsupported; supported: auto, bfloat16"),
     (["-tp", "3"], "valid sizes: 1, 2, 4"),  # the demo model: 8 heads, 4 KV heads, 172 MLP units
     (["--max-logprobs", "50"], "0 to 20 logprobs"),
 ])

@@ -192,27 +192,14 @@ def _tp_rank(rank: int, port: int, folders: list[str], queue) -> None:
 def test_two_ranks_compute_the_unsharded_logits(tmp_path):
     """Phi-3's fused tensors split per rank, Gemma's per-head norms and soft caps, Granite's
     multipliers and SmolLM3's NoPE layers all give the unsharded logits at tensor_parallel 2."""
-    import multiprocessing
-
-    from pagedllm.distributed.launch import get_open_port
+    from rank_processes import run_on_ranks
 
     folders = []
     for name in TP_FAMILIES:
         config, architecture = CONFIGS[name]()
         folders.append(save(make_model(config, architecture), tmp_path / name))
     want = [_tp_logits(f) for f in folders]
-    ctx = multiprocessing.get_context("spawn")
-    queue, port = ctx.Queue(), get_open_port()
-    procs = [ctx.Process(target=_tp_rank, args=(r, port, folders, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        results = dict(queue.get(timeout=300) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
+    results = run_on_ranks(_tp_rank, (folders,), timeout=300)
     for rank in (0, 1):
         for name, got, ref in zip(TP_FAMILIES, results[rank], want):
             torch.testing.assert_close(torch.tensor(got), ref, rtol=1e-5, atol=1e-5, msg=name)

@@ -134,12 +134,17 @@ def test_unsupported_rope_type():
         RopeConfig.from_hf({"rope_parameters": {"rope_type": "mrope", "rope_theta": 1e4, "factor": 4.0}})
 
 
-def test_sliding_window_caps_context():
+def test_sliding_window_is_per_layer_and_leaves_the_context():
+    """An active window goes to the layers (exact windowed attention); the context stays the
+    model's max_position_embeddings. Qwen2's flag off: no window at all."""
     from pagedllm.models.llama import DecoderArgs
     mistral = dict(TINY, max_position_embeddings=32768, sliding_window=4096)
-    assert DecoderArgs.from_hf(mistral).max_position_embeddings == 4096
-    qwen = dict(mistral, use_sliding_window=False)
-    assert DecoderArgs.from_hf(qwen).max_position_embeddings == 32768
+    args = DecoderArgs.from_hf(mistral)
+    assert args.max_position_embeddings == 32768
+    assert [spec.sliding_window for spec in args.layers] == [4096] * args.num_layers
+    qwen = DecoderArgs.from_hf(dict(mistral, model_type="qwen2", use_sliding_window=False))
+    assert qwen.max_position_embeddings == 32768
+    assert [spec.sliding_window for spec in qwen.layers] == [None] * qwen.num_layers
 
 
 def test_corrupt_weight_file(tmp_path):

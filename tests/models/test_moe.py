@@ -246,32 +246,17 @@ def test_two_tensor_parallel_ranks_compute_the_unsharded_logits(tmp_path):
     """Each expert's intermediate dimension split over two gloo ranks (Qwen2-MoE's shared
     expert too), one all-reduce per layer; OLMoE's q/k norms gathered over the ranks' heads:
     every rank's logits equal the unsharded model's."""
-    import multiprocessing
-
-    from pagedllm.distributed.launch import get_open_port
+    from rank_processes import run_on_ranks
 
     # OLMoE with one KV head: q's norm gathers split heads, k's the head both ranks replicate.
     folders = [save(make_moe_model(name, **overrides), tmp_path / name) for name, overrides in
                (("qwen2_moe", {}), ("mixtral", {}), ("olmoe", {"num_key_value_heads": 1}))]
     want = [_tp_logits(f) for f in folders]
-    ctx = multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    port = get_open_port()
-    procs = [ctx.Process(target=_tp_rank, args=(r, port, folders, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        results = dict(queue.get(timeout=300) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
+    results = run_on_ranks(_tp_rank, (folders,), timeout=300)
     for rank in (0, 1):
         for (got, got_experts), (ref, ref_experts) in zip(results[rank], want):
             torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-5, atol=1e-5)
             assert 2 * got_experts <= ref_experts + 64 * 64  # half of each expert (+ padding)
-    assert all(p.exitcode == 0 for p in procs)
 
 
 @pytest.mark.slow  # inductor compiles a graph (~10-60 s on a small shared machine)

@@ -19,6 +19,7 @@ from typing import ClassVar, Protocol
 
 import torch
 
+from pagedllm.layers.attention.kv_cache_dtype import storage, to_cache_dtype
 
 class AttentionLayer(Protocol):
     """What a backend reads from the layer it attends for (``layer.Attention`` is one)."""
@@ -100,11 +101,13 @@ class AttentionBackend(ABC):
     def write_kv(self, layer: AttentionLayer, k: torch.Tensor, v: torch.Tensor,
                  md: AttentionMetadata) -> None:
         """Store this step's ``k/v [T, Hkv, D]`` in ``layer.kv_cache`` at the flat slots
-        ``md.slot_mapping``: torch's index_copy_ into a slot-indexed view, on any device."""
-        _, num_blocks, block_size, num_kv_heads, head_dim = layer.kv_cache.shape
-        flat = layer.kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
-        flat[0].index_copy_(0, md.slot_mapping, k)
-        flat[1].index_copy_(0, md.slot_mapping, v)
+        ``md.slot_mapping``: torch's index_copy_ into a slot-indexed view, on any device, in the
+        cache's dtype (kv_cache_dtype.py)."""
+        cache = layer.kv_cache
+        _, num_blocks, block_size, num_kv_heads, head_dim = cache.shape
+        flat = storage(cache).view(2, num_blocks * block_size, num_kv_heads, head_dim)
+        flat[0].index_copy_(0, md.slot_mapping, storage(to_cache_dtype(k, cache.dtype)))
+        flat[1].index_copy_(0, md.slot_mapping, storage(to_cache_dtype(v, cache.dtype)))
 
     @abstractmethod
     def forward(self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -8,6 +8,9 @@ Prompts without a cached prefix need nothing from the cache: their own K/V (just
 torch's SDPA, whose GEMM-based flash kernel is 1.5-3x faster than ours at prefill shapes (many
 query rows per key); the kernel skips them (sequence length 0 in its view of the batch).
 
+The cache may be narrower than the model (kv_cache_dtype.py): K/V are cast when written, and the
+kernel widens them to float32 as it reads; fresh prompts attend their K/V rounded the same way.
+
 A layer with a sliding window, logit soft-capping or attention sinks runs every row in the
 kernel, fresh prompts included: SDPA has no soft cap or sinks, and a window would need a dense
 ``[n, n]`` mask there, where the kernel reads only each row's window (``O(n * window)``).
@@ -20,6 +23,7 @@ import torch
 
 from pagedllm.layers.attention.backend import (AttentionBackend, AttentionLayer, AttentionMetadata,
                                                is_plain)
+from pagedllm.layers.attention.kv_cache_dtype import as_stored, to_cache_dtype
 from pagedllm.layers.attention.torch_backend import attend_causal
 from pagedllm.layers.cpu_extension import load_cpu_ops, load_paged_attention_op
 
@@ -38,8 +42,10 @@ class CpuPagedBackend(AttentionBackend):
 
     def write_kv(self, layer: AttentionLayer, k: torch.Tensor, v: torch.Tensor,
                  md: AttentionMetadata) -> None:
-        # Two memcpy per token (csrc/write_kv.cpp): index_copy_ was 3% of a decode step.
-        self._write_kv(layer.kv_cache, k, v, md.slot_mapping)
+        # Two memcpy per token (csrc/write_kv.cpp): index_copy_ was 3% of a decode step. A
+        # narrower cache dtype is cast first (one pass over the step's K/V).
+        dtype = layer.kv_cache.dtype
+        self._write_kv(layer.kv_cache, to_cache_dtype(k, dtype), to_cache_dtype(v, dtype), md.slot_mapping)
 
     def prepare(self, md: AttentionMetadata) -> _Plan:
         qsl, computed = md.query_start_loc, md.num_computed_tokens
@@ -68,8 +74,11 @@ class CpuPagedBackend(AttentionBackend):
         else:
             out = self._op(q, layer.kv_cache, md.block_tables, md.query_start_loc_tensor,
                            plan.seq_lens, layer.scale)
+        # Fresh prompts attend their K/V rounded as stored, as every later read of them will.
+        dtype = layer.kv_cache.dtype
         for rows in plan.fresh_rows:
-            out[rows] = attend_causal(q[rows], k[rows], v[rows], layer.scale)
+            out[rows] = attend_causal(q[rows], as_stored(k[rows], dtype), as_stored(v[rows], dtype),
+                                      layer.scale)
         return out
 
 

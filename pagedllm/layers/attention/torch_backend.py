@@ -1,8 +1,9 @@
 """The reference backend, in plain torch (CPU and CUDA): gather each request's blocks, then SDPA.
 
 Readable rather than fast: decode gathers every decoding request's whole context from the paged
-cache into a padded ``[B, Hkv, L, D]`` tensor in every layer at every step. It is the numerical
-reference the other backends are tested against.
+cache into a padded ``[B, Hkv, L, D]`` tensor in every layer at every step (widened to the
+model's dtype when the cache is narrower). It is the numerical reference the other backends are
+tested against.
 
 A layer with a sliding window masks the keys before it (SDPA with a boolean mask); one with
 logit soft-capping or attention sinks, which SDPA cannot express, takes the same steps written
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 
 from pagedllm.layers.attention.backend import (AttentionBackend, AttentionLayer, AttentionMetadata,
                                                DecodeBatch, PrefillChunk, is_plain)
+from pagedllm.layers.attention.kv_cache_dtype import as_stored, read_blocks
 
 
 def attend_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -105,8 +107,9 @@ class TorchBackend(AttentionBackend):
         # index_select copies whole blocks (memcpy); advanced indexing is several times slower.
         # [Bd * nb, block_size, Hkv, D] -> [Bd, L, Hkv, D] -> [Bd, Hkv, L, D]
         shape = (num_reqs, num_blocks * cache.shape[2], layer.num_kv_heads, layer.head_dim)
-        keys = cache[0].index_select(0, ids).view(shape).transpose(1, 2)
-        values = cache[1].index_select(0, ids).view(shape).transpose(1, 2)
+        # A narrower cache dtype is widened to the query's here.
+        keys = read_blocks(cache[0], ids, q.dtype).view(shape).transpose(1, 2)
+        values = read_blocks(cache[1], ids, q.dtype).view(shape).transpose(1, 2)
         # GQA without copying K/V: the num_groups query heads that share a kv head become that
         # head's "query positions": [Bd, H, D] -> [Bd, Hkv, groups, D]. The mask [Bd, 1, 1, L]
         # broadcasts over both.
@@ -128,11 +131,13 @@ class TorchBackend(AttentionBackend):
     def _prefill(self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  chunk: PrefillChunk) -> torch.Tensor:
         """``q [n, H, D]`` of one request -> ``[n, H, D]``, causal over prefix + chunk."""
+        cache = layer.kv_cache
         if chunk.num_computed_tokens == 0:
-            # No prefix: the chunk's own K/V (just written, bit-identical to the cache) suffice.
-            return attend_sequence(layer, q, k, v)
+            # No prefix: the chunk's own K/V (just written; as_stored rounds them as the cache
+            # did when its dtype is narrower) suffice.
+            return attend_sequence(layer, q, as_stored(k, cache.dtype), as_stored(v, cache.dtype))
         seq_len = chunk.num_computed_tokens + q.shape[0]
         # [nb, block_size, Hkv, D] -> [seq_len, Hkv, D]
-        keys = layer.kv_cache[0][chunk.block_ids].flatten(0, 1)[:seq_len]
-        values = layer.kv_cache[1][chunk.block_ids].flatten(0, 1)[:seq_len]
+        keys = read_blocks(cache[0], chunk.block_ids, q.dtype).flatten(0, 1)[:seq_len]
+        values = read_blocks(cache[1], chunk.block_ids, q.dtype).flatten(0, 1)[:seq_len]
         return attend_sequence(layer, q, keys, values, mask=chunk.mask)

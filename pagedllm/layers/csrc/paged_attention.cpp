@@ -33,6 +33,7 @@
 #include <cstdint>
 #include <limits>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #include "isa.h"
@@ -156,7 +157,9 @@ inline void prefetch_heads(const T* slot, int64_t head0, int64_t head1, int64_t 
   for (const char* p = first; p < end; p += 64) __builtin_prefetch(p, 0, LOCALITY);
 }
 
-template <typename T, bool kFeatures>
+// Q: the query and output dtype (the model's); C: the cache's, Q itself or narrower (widened on
+// load, see paged_attention_math.h).
+template <typename Q, typename C, bool kFeatures>
 void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
          const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
          const Features& features, at::Tensor& out) {
@@ -169,9 +172,9 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
   // kv_cache is contiguous [2, num_blocks, block_size, Hkv, D]: slot s of kv head h starts at
   // (s * Hkv + h) * D; values sit one half of the tensor further.
   const int64_t value_offset = kv_cache.stride(0), slot_stride = num_kv_heads * head_dim;
-  const T* cache = kv_cache.const_data_ptr<T>();
-  const T* q_ptr = query.const_data_ptr<T>();
-  T* o_ptr = out.data_ptr<T>();
+  const C* cache = static_cast<const C*>(kv_cache.const_data_ptr());
+  const Q* q_ptr = query.const_data_ptr<Q>();
+  Q* o_ptr = out.data_ptr<Q>();
   const int64_t* tables = block_tables.const_data_ptr<int64_t>();
   const int64_t* qsl = query_start_loc.const_data_ptr<int64_t>();
   const int64_t* lens = seq_lens.const_data_ptr<int64_t>();
@@ -187,8 +190,8 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
     const int64_t max_rows = std::max({kMaxRows, kPrefillRows, group});
     std::vector<float> qs(max_rows * head_dim), acc(max_rows * head_dim), kt(head_dim * kKeyTile);
     std::vector<float> scores(max_rows * kKeyTile), row_max(max_rows), row_sum(max_rows);
-    std::vector<const T*> slot_of;  // the item's slots in its read order (at their kv head 0)
-    const T* ptrs[kKeyTile];
+    std::vector<const C*> slot_of;  // the item's slots in its read order (at their kv head 0)
+    const C* ptrs[kKeyTile];
     // The first element (kv head 0) of the slot holding position pos of a request's table.
     auto slot_at = [&](const int64_t* tbl, int64_t pos) {
       return cache + (tbl[pos / block_size] * block_size + pos % block_size) * slot_stride;
@@ -213,7 +216,7 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
       auto query_row = [&](int64_t r) { return item.row0 + (r / group) % item_rows; };
       auto query_head = [&](int64_t r) { return (item.head0 + r / group_rows) * group + r % group; };
       for (int64_t r = 0; r < rows; ++r) {
-        const T* src = q_ptr + (qsl[item.req] + query_row(r)) * q_tok + query_head(r) * q_head;
+        const Q* src = q_ptr + (qsl[item.req] + query_row(r)) * q_tok + query_head(r) * q_head;
         for (int64_t d = 0; d < head_dim; ++d) qs[r * head_dim + d] = static_cast<float>(src[d]) * scale;
       }
       std::fill(acc.begin(), acc.begin() + rows * head_dim, 0.f);
@@ -236,7 +239,7 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
       // computed. Large slots are a page or more each, which the hardware streams; there the
       // extra requests only cost (measured: +7-12% at 1 KiB slots, -18% at 4 KiB).
       const bool prefetch_next =
-          kKeyTile * item_heads * head_dim * static_cast<int64_t>(sizeof(T)) <= kPrefetchTileBytes;
+          kKeyTile * item_heads * head_dim * static_cast<int64_t>(sizeof(C)) <= kPrefetchTileBytes;
       // Padded by 7 copies of the last slot: an 8-key block may run past the end, and must read
       // (and ignore) valid memory there.
       slot_of.clear();
@@ -249,7 +252,7 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
 
       for (int64_t k0 = 0; k0 < num_read; k0 += kKeyTile) {
         const int64_t tile = std::min(kKeyTile, num_read - k0);
-        const T* const* slots = &slot_of[k0];
+        const C* const* slots = &slot_of[k0];
         // The tile's values (read by P @ V below) are requested now, so that their cache
         // misses overlap this tile's arithmetic: read head by head, a tile's values are a 1 KiB
         // stride the hardware prefetcher does not follow across pages, and decode was bound by
@@ -275,7 +278,7 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
           const int64_t nx_keys = lens[nx.req] - (qsl[nx.req + 1] - qsl[nx.req]) + nx.row1;
           const int64_t* nx_table = tables + nx.req * max_blocks;
           auto prefetch_slot = [&](int64_t pos) {
-            const T* slot = slot_at(nx_table, pos);
+            const C* slot = slot_at(nx_table, pos);
             prefetch_heads<2>(slot, nx.head0, nx.head1, head_dim);
             prefetch_heads<2>(slot + value_offset, nx.head0, nx.head1, head_dim);
           };
@@ -313,7 +316,7 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
         for (int64_t jb = 0; jb < tile_visible && !transposed; jb += 8) {
           for (int64_t h = 0; h < item_heads; ++h) {
             const int64_t off = (item.head0 + h) * head_dim;
-            const T* k8[8];
+            const C* k8[8];
             for (int j = 0; j < 8; ++j) k8[j] = slots[jb + j] + off;
             prefetch_next_keys(h, jb, jb + 8);
             score_group(&qs[h * group_rows * head_dim], k8, group_rows, head_dim,
@@ -362,22 +365,44 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
         }
       }
       for (int64_t r = 0; r < rows; ++r) {
-        T* dst = o_ptr + (qsl[item.req] + query_row(r)) * o_tok + query_head(r) * o_head;
+        Q* dst = o_ptr + (qsl[item.req] + query_row(r)) * o_tok + query_head(r) * o_head;
         const float inv = 1.f / row_sum[r];
-        for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<T>(acc[r * head_dim + d] * inv);
+        for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<Q>(acc[r * head_dim + d] * inv);
       }
     }
   });
 }
 
-template <typename T>
+template <typename Q, typename C>
 void dispatch(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
               const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
               const Features& features, at::Tensor& out) {
   if (features.window > 0 || features.soft_cap > 0.f || features.sinks != nullptr)
-    run<T, true>(query, kv_cache, block_tables, query_start_loc, seq_lens, scale, features, out);
+    run<Q, C, true>(query, kv_cache, block_tables, query_start_loc, seq_lens, scale, features, out);
   else
-    run<T, false>(query, kv_cache, block_tables, query_start_loc, seq_lens, scale, features, out);
+    run<Q, C, false>(query, kv_cache, block_tables, query_start_loc, seq_lens, scale, features, out);
+}
+
+// The cache dtypes a query dtype reads (--kv-cache-dtype): its own, and the narrower ones. A
+// 16-bit model's cache is never float32 (no gain), nor the other 16-bit type (a lossy swap).
+template <typename Q>
+void dispatch_cache(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
+                    const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
+                    const Features& features, at::Tensor& out) {
+  const at::ScalarType c = kv_cache.scalar_type();
+  if (c == query.scalar_type())
+    return dispatch<Q, Q>(query, kv_cache, block_tables, query_start_loc, seq_lens, scale, features, out);
+  if constexpr (std::is_same_v<Q, float>) {
+    if (c == at::kBFloat16)
+      return dispatch<Q, c10::BFloat16>(query, kv_cache, block_tables, query_start_loc, seq_lens, scale, features, out);
+    if (c == at::kHalf)
+      return dispatch<Q, c10::Half>(query, kv_cache, block_tables, query_start_loc, seq_lens, scale, features, out);
+  }
+  if (c == at::kFloat8_e4m3fn)
+    return dispatch<Q, Fp8E4M3>(query, kv_cache, block_tables, query_start_loc, seq_lens, scale, features, out);
+  if (c == at::kFloat8_e5m2)
+    return dispatch<Q, Fp8E5M2>(query, kv_cache, block_tables, query_start_loc, seq_lens, scale, features, out);
+  TORCH_CHECK(false, "paged_attention: a ", query.scalar_type(), " query cannot read a ", c, " kv_cache");
 }
 
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
@@ -387,7 +412,6 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "query must be [T, H, D], D contiguous");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
               "kv_cache must be a contiguous [2, blocks, block_size, Hkv, D]");
-  TORCH_CHECK(kv_cache.scalar_type() == query.scalar_type(), "query and kv_cache dtypes differ");
   TORCH_CHECK(kv_cache.size(4) == query.size(2), "head_dim of query and kv_cache differ");
   TORCH_CHECK(query.size(1) % kv_cache.size(3) == 0, "heads must be a multiple of kv heads");
   for (const at::Tensor* t : {&block_tables, &query_start_loc, &seq_lens})
@@ -405,9 +429,9 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
                           sinks.has_value() ? sinks->const_data_ptr<float>() : nullptr};
   at::Tensor out = at::empty_like(query, at::MemoryFormat::Contiguous);
   switch (query.scalar_type()) {
-    case at::kFloat: dispatch<float>(query, kv_cache, block_tables, query_start_loc, seq_lens, scale, features, out); break;
-    case at::kBFloat16: dispatch<c10::BFloat16>(query, kv_cache, block_tables, query_start_loc, seq_lens, scale, features, out); break;
-    case at::kHalf: dispatch<c10::Half>(query, kv_cache, block_tables, query_start_loc, seq_lens, scale, features, out); break;
+    case at::kFloat: dispatch_cache<float>(query, kv_cache, block_tables, query_start_loc, seq_lens, scale, features, out); break;
+    case at::kBFloat16: dispatch_cache<c10::BFloat16>(query, kv_cache, block_tables, query_start_loc, seq_lens, scale, features, out); break;
+    case at::kHalf: dispatch_cache<c10::Half>(query, kv_cache, block_tables, query_start_loc, seq_lens, scale, features, out); break;
     default: TORCH_CHECK(false, "paged_attention: unsupported dtype ", query.scalar_type());
   }
   return out;

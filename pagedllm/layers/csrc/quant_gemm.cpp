@@ -204,22 +204,13 @@ at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& codes,
                       const std::optional<at::Tensor>& scales,
                       const std::optional<at::Tensor>& offsets, int64_t group_size,
                       int64_t out_features) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be a 2-D float32 tensor");
   const auto dtype = codes.scalar_type();
-  const int64_t width = dtype == at::kByte ? kPanel / 2 : kPanel;
-  TORCH_CHECK(codes.dim() == 3 && codes.is_contiguous() && codes.size(2) == width,
-              "codes must be contiguous [P, K, ", width, "] panels");
-  TORCH_CHECK(codes.size(1) == x.size(1), "x has ", x.size(1), " columns, the weight ",
-              codes.size(1));
-  TORCH_CHECK(out_features > (codes.size(0) - 1) * kPanel && out_features <= codes.size(0) * kPanel,
-              "out_features does not match the number of panels");
-  const at::Tensor xc = x.contiguous();
-  const int64_t M = xc.size(0), K = xc.size(1), N = out_features, P = codes.size(0);
-  at::Tensor y = at::empty({M, N}, xc.options());
-  if (M == 0 || N == 0) return y;
-  if (K == 0) return y.zero_();
-  const float* xp = xc.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
+  const skinny::PanelCall call =
+      skinny::begin_panel_call(x, codes, dtype == at::kByte ? kPanel / 2 : kPanel, out_features);
+  if (call.done) return call.y;
+  const int64_t M = call.M, K = call.K, N = call.N, P = call.P;
+  const float* xp = call.x.data_ptr<float>();
+  float* yp = call.y.data_ptr<float>();
   const void* cp = codes.data_ptr();
   switch (dtype) {
     case at::kBFloat16:
@@ -250,7 +241,7 @@ at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& codes,
       TORCH_CHECK(false, "codes of dtype ", dtype, " are not a weight format (bfloat16, float16, "
                   "int8 q8, uint8 q4)");
   }
-  return y;
+  return call.y;
 }
 
 // x W^T (+ bias) for x of any number of leading dims (flattened to rows), like packed_linear.

@@ -47,24 +47,12 @@ struct F32Panels {
 };
 
 at::Tensor skinny_gemm(const at::Tensor& x, const at::Tensor& panels, int64_t out_features) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be a 2-D float32 tensor");
-  TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == at::kFloat && panels.is_contiguous() &&
-                  panels.size(2) == kPanel,
-              "panels must be a contiguous float32 [P, K, ", kPanel, "] tensor");
-  TORCH_CHECK(panels.size(1) == x.size(1), "x has ", x.size(1), " columns, the weight ",
-              panels.size(1));
-  TORCH_CHECK(out_features > (panels.size(0) - 1) * kPanel && out_features <= panels.size(0) * kPanel,
-              "out_features does not match the number of panels");
-  const at::Tensor xc = x.contiguous();
-  const int64_t M = xc.size(0), K = xc.size(1), N = out_features, P = panels.size(0);
-  at::Tensor y = at::empty({M, N}, xc.options());
-  if (M == 0 || N == 0) return y;
-  if (K == 0) return y.zero_();
-  const float* xp = xc.data_ptr<float>();
-  const float* wp = panels.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  skinny::panels_gemm(xp, M, K, F32Panels{wp, K}, N, P, yp);
-  return y;
+  TORCH_CHECK(panels.scalar_type() == at::kFloat, "panels must be float32");
+  const skinny::PanelCall c = skinny::begin_panel_call(x, panels, kPanel, out_features);
+  if (c.done) return c.y;
+  skinny::panels_gemm(c.x.data_ptr<float>(), c.M, c.K, F32Panels{panels.data_ptr<float>(), c.K},
+                      c.N, c.P, c.y.data_ptr<float>());
+  return c.y;
 }
 
 // x W^T (+ bias) for a layer whose weight is held as panels only (x of any number of leading

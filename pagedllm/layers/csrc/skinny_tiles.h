@@ -14,6 +14,8 @@
 #pragma once
 
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -263,6 +265,37 @@ void panels_gemm(const float* xp, int64_t M, int64_t K, const Source& src, int64
     else
       panels_times_x<kManyV, kManyChunkRows>(xp, M, K, src, N, yp, p0, p1);
   });
+}
+
+// The checks and the output every panel GEMM shares: x [M, K] float32 against a weight of P
+// panels [P, K, width] holding out_features rows (width: 64 values, or 32 bytes of q4 pairs).
+// ``done`` when there is nothing left to compute: y is then the answer already (empty, or
+// zeros when K == 0).
+struct PanelCall {
+  at::Tensor x, y;  // x made contiguous; y [M, N] float32
+  int64_t M, K, N, P;
+  bool done;
+};
+
+inline PanelCall begin_panel_call(const at::Tensor& x, const at::Tensor& panels, int64_t width,
+                                  int64_t out_features) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be a 2-D float32 tensor");
+  TORCH_CHECK(panels.dim() == 3 && panels.is_contiguous() && panels.size(2) == width,
+              "the weight must be contiguous [P, K, ", width, "] panels");
+  TORCH_CHECK(panels.size(1) == x.size(1), "x has ", x.size(1), " columns, the weight ",
+              panels.size(1));
+  TORCH_CHECK(out_features > (panels.size(0) - 1) * kPanel && out_features <= panels.size(0) * kPanel,
+              "out_features does not match the number of panels");
+  PanelCall call{x.contiguous(), at::Tensor(), x.size(0), x.size(1), out_features, panels.size(0),
+                 false};
+  call.y = at::empty({call.M, call.N}, call.x.options());
+  if (call.M == 0 || call.N == 0) {
+    call.done = true;
+  } else if (call.K == 0) {
+    call.y.zero_();
+    call.done = true;
+  }
+  return call;
 }
 
 }  // namespace skinny

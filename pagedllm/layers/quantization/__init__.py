@@ -6,6 +6,12 @@ kept in that format in memory and multiplied by pagedllm's CPU kernel (csrc/quan
                        the table of GGUF/AWQ/GPTQ types and the layout each maps to
 - linear_method.py     one ``LinearMethod`` per format, ``set_quantized_weight(layer, qweight)``
 - round_to_nearest.py  ``quantize_linear(weight, "q8_0" | "q4_0")``: quantization at load
+- quantized_layers.py  ``GroupQuant`` (a loader's unpacked tensor) and the loaders' shared
+                       mechanism: plan the layers that stay quantized, drop their float
+                       parameter before allocation, build and bind each ``QuantizedWeight``
+- checkpoint_formats.py  AWQ / GPTQ checkpoints: ``quantization_config`` checked, packed
+                       tensors unpacked to q4; ``resolve_quantization`` (the flag vs the
+                       checkpoint). The loading itself: models/quantized_checkpoint.py
 """
 from __future__ import annotations
 

@@ -1,16 +1,18 @@
-"""Keep a GGUF file's block-quantized linear weights quantized: which layers can, and the
-``QuantizedWeight`` (layers/quantization/) each gets from its checkpoint parts.
+"""Linear layers that hold their checkpoint's quantized weights (GGUF block types, AWQ, GPTQ):
+``GroupQuant``, the unpacked form every loader reads a quantized tensor into; which layers can
+stay quantized; and the ``QuantizedWeight`` each gets from its checkpoint parts.
 
 A layer holds its weight quantized when every checkpoint tensor it is built from (q, k and v
-for ``qkv_proj``; gate and up for ``gate_up_proj``) is a block type, and the model runs on CPU
+for ``qkv_proj``; gate and up for ``gate_up_proj``) is quantized, and the model runs on CPU
 (the kernels are CPU kernels). Its float parameter is dropped on the meta device before the
 model is materialised, so the float32 matrix is never allocated.
 
-The parts of a fused layer may come in different formats: Q4_K_M files hold ``attn_v`` (and
-some ``ffn_down``) as Q6_K beside Q4_K for the rest. The layer then takes the smallest format
-that holds every part exactly: q4 parts widen to q8 (codes 0..15 fit int8), groups split to the
-smallest group size (a scale repeated), a missing offset is zero. Those layers cost more memory
-than their parts did (a q4 part held as q8 doubles its code bytes); the values are the same.
+The parts of a fused layer may come in different formats: GGUF Q4_K_M files hold ``attn_v``
+(and some ``ffn_down``) as Q6_K beside Q4_K for the rest. The layer then takes the smallest
+format that holds every part exactly: q4 parts widen to q8 (codes 0..15 fit int8), groups split
+to the smallest group size (a scale repeated), a missing offset is zero. Those layers cost more
+memory than their parts did (a q4 part held as q8 doubles its code bytes); the values are the
+same.
 """
 from __future__ import annotations
 
@@ -22,11 +24,44 @@ import torch
 from torch import nn
 
 from pagedllm.errors import ModelLoadError
-from pagedllm.gguf.quant_types import GroupQuant
 
 
 _PANEL = 64  # output rows per panel of the quantized kernel (QuantizedWeight's PANEL)
 _CHECK_ROWS = 3 * _PANEL  # layers up to this size are checked whole
+
+
+@dataclass
+class GroupQuant:
+    """Codes of a ``[rows, cols]`` matrix with a scale (and optional offset) per group of
+    ``group_size`` columns: ``value[r, c] = codes[r, c] * scales[r, c // G] + offsets[r, c // G]``.
+
+    ``kind`` "q4": uint8 codes 0..15; "q8": int8 codes."""
+
+    kind: str
+    codes: np.ndarray                 # [rows, cols] uint8 (q4) or int8 (q8)
+    scales: np.ndarray                # [rows, cols // G] float32
+    offsets: np.ndarray | None        # [rows, cols // G] float32, or None (zero)
+    group_size: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)  # type: ignore[return-value]
+
+    def dequantize(self) -> np.ndarray:
+        """float32 ``[rows, cols]`` (reference and fallback path; never the whole model at once)."""
+        rows, cols = self.codes.shape
+        groups = cols // self.group_size
+        # [rows, groups, G]: one scale broadcast over each group
+        out = self.codes.reshape(rows, groups, self.group_size).astype(np.float32)
+        out *= self.scales[:, :, None]
+        if self.offsets is not None:
+            out += self.offsets[:, :, None]
+        return out.reshape(rows, cols)
+
+    def rows(self, index: np.ndarray | slice) -> GroupQuant:
+        """The same format for a subset (or reordering) of the rows."""
+        offsets = None if self.offsets is None else self.offsets[index]
+        return GroupQuant(self.kind, self.codes[index], self.scales[index], offsets, self.group_size)
 
 
 @dataclass(frozen=True)

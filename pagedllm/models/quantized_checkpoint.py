@@ -1,0 +1,116 @@
+"""Quantized linears of a Hugging Face folder: AWQ/GPTQ checkpoints read into the q4 layout,
+and full-precision checkpoints quantized at load (``quantization="q8_0" | "q4_0"``).
+
+AWQ/GPTQ use the GGUF loader's mechanism (layers/quantization/quantized_layers.py): plan
+which layers every part of which is quantized, drop their float parameter on the meta device before the
+model is materialised (the float matrix is never allocated), then build each layer's
+``QuantizedWeight`` from its parts (q, k, v stacked for ``qkv_proj``) and bind it after the
+rest of the weights (biases included) are loaded.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from pagedllm.errors import ModelLoadError, UnsupportedModelError
+from pagedllm.layers import Linear
+from pagedllm.layers.quantization import quantize_linear, set_quantized_weight
+from pagedllm.layers.quantization.checkpoint_formats import checkpoint_quant
+from pagedllm.layers.quantization.quantized_layers import (GroupQuant, QuantizedAttacher, combine,
+                                                           drop_float_weights,
+                                                           plan_quantized_layers,
+                                                           quantized_kernels_available, this_rank)
+from pagedllm.layers.quantization.round_to_nearest import BLOCK
+from pagedllm.models.loader import _renamed
+
+logger = logging.getLogger(__name__)
+
+_PACKED = ("qweight", "qzeros", "scales", "g_idx")  # a quantized linear's tensors
+
+
+class QuantizedCheckpointLoader:
+    """Built on the still-meta model (drops the float weights it will fill); ``ignored``: the
+    checkpoint names the safetensors loader must skip; ``load(model)`` after that loader ran."""
+
+    def __init__(self, model: nn.Module, config: dict, files: list[Path],
+                 device: torch.device, expected_tensors: Callable) -> None:
+        self.quant = checkpoint_quant(config)
+        if not quantized_kernels_available(device):
+            raise UnsupportedModelError(
+                f"{self.quant.method} checkpoints run on pagedllm's CPU kernels; device "
+                f"{device.type} (or a CPU without the C++ extension) is not supported; "
+                "supported: device cpu")
+        self.where: dict[str, Path] = {}  # checkpoint name -> its file
+        for path in files:
+            with safe_open(str(path), framework="np") as f:
+                self.where.update({name: path for name in f.keys()})
+        bases = [name[:-len(".qweight")] for name in self.where if name.endswith(".qweight")]
+        renames = getattr(model, "checkpoint_renames", {})
+        self.bases = {_renamed(base, renames) + ".weight": base for base in bases}
+        self.plan = plan_quantized_layers(model, expected_tensors(model), set(self.bases))
+        unplanned = sorted(set(self.bases) - set(self.plan))
+        if unplanned:
+            raise UnsupportedModelError(
+                f"{self.quant.method} tensors for {', '.join(unplanned[:3])} fill no whole "
+                "linear layer of this model (a fused or unknown layer); supported: quantized "
+                "linears the model holds as separate or stacked parts")
+        drop_float_weights(model, self.plan)
+        self.ignored = {f"{base}.{suffix}" for base in bases for suffix in _PACKED}
+
+    @torch.no_grad()
+    def load(self, model: nn.Module) -> None:
+        pending: dict[str, dict[int, GroupQuant]] = {}
+        for name, part in self.plan.items():
+            base = self.bases[name]
+            tensors = {}
+            for suffix in _PACKED:
+                path = self.where.get(f"{base}.{suffix}")
+                if path is None:
+                    if suffix == "g_idx":
+                        continue
+                    raise ModelLoadError(f"checkpoint is missing {base}.{suffix}")
+                with safe_open(str(path), framework="np") as f:
+                    tensors[suffix] = f.get_tensor(f"{base}.{suffix}")
+            codes, scales, offsets = self.quant.unpack(base, tensors)
+            value = GroupQuant("q4", codes, scales, offsets, self.quant.group_size)
+            if value.shape != part.checkpoint_shape:
+                raise ModelLoadError(f"{self.quant.method} layer {base} unpacks to {value.shape}, "
+                                     f"the model expects {part.checkpoint_shape}")
+            pending.setdefault(part.module_name, {})[part.index] = this_rank(value, part)
+        modules = dict(model.named_modules())
+        attacher = QuantizedAttacher()
+        for module_name, parts in pending.items():
+            attacher.attach(modules[module_name], combine([parts[i] for i in sorted(parts)]))
+
+
+@torch.no_grad()
+def quantize_linears(model: nn.Module, scheme: str) -> None:
+    """Every linear of the decoder layers (not the embedding, norms or lm_head) quantized by
+    ``scheme`` ("q8_0" | "q4_0", llama.cpp's round-to-nearest); the float weight is freed as
+    each layer is converted. Layers whose input is not whole blocks of 32 stay float (as
+    llama.cpp keeps them), with a log line."""
+    if not quantized_kernels_available(next(model.parameters()).device):
+        raise UnsupportedModelError(f"quantization {scheme} runs on pagedllm's CPU kernels; "
+                                    "supported: device cpu with the C++ extension built")
+    checked: set[tuple] = set()
+    kept: list[str] = []
+    count = 0
+    for name, layer in model.named_modules():
+        if not isinstance(layer, Linear) or layer.weight is None:
+            continue
+        if layer.in_features % BLOCK:
+            kept.append(name)
+            continue
+        qweight = quantize_linear(layer.weight, scheme)
+        key = (*layer.weight.shape, getattr(layer, "bias", None) is None)
+        set_quantized_weight(layer, qweight, check=key not in checked)  # once per shape
+        checked.add(key)
+        count += 1
+    why = f"; kept float (input not a multiple of {BLOCK}): {', '.join(kept)}" if kept else ""
+    logger.info("quantization %s: %d linear layers quantized at load%s", scheme, count, why)
+
