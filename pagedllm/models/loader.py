@@ -20,6 +20,7 @@ from torch import nn
 
 from pagedllm.errors import ModelLoadError
 from pagedllm.layers import WeightSlice
+from pagedllm.models.checkpoint_names import renamed
 from pagedllm.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -151,13 +152,6 @@ def fused_tensors(model: nn.Module) -> dict[str, tuple[list[tuple[WeightSlice, s
     return fused
 
 
-def _renamed(name: str, renames: dict[str, str]) -> str:
-    """A checkpoint name in the model's spelling (Mixtral's ``.block_sparse_moe.`` -> ``.mlp.``)."""
-    for old, new in renames.items():
-        name = name.replace(old, new)
-    return name
-
-
 @torch.no_grad()
 def load_weights(model: nn.Module, files: list[Path], ignored=()) -> None:
     """Copy this rank's part of every checkpoint tensor into its place, reading only that part
@@ -176,7 +170,7 @@ def load_weights(model: nn.Module, files: list[Path], ignored=()) -> None:
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 for file_name in f.keys():
-                    name = _renamed(file_name, renames)
+                    name = renamed(file_name, renames)
                     targets = expected.pop(name, None)
                     if targets is None and name in fused:  # the experts' fused spelling
                         targets, replaced = fused.pop(name)

@@ -26,7 +26,7 @@ from pagedllm.layers.quantization.quantized_layers import (GroupQuant, Quantized
                                                            plan_quantized_layers,
                                                            quantized_kernels_available, this_rank)
 from pagedllm.layers.quantization.round_to_nearest import BLOCK
-from pagedllm.models.loader import _renamed
+from pagedllm.models.checkpoint_names import renamed
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ class QuantizedCheckpointLoader:
                 self.where.update({name: path for name in f.keys()})
         bases = [name[:-len(".qweight")] for name in self.where if name.endswith(".qweight")]
         renames = getattr(model, "checkpoint_renames", {})
-        self.bases = {_renamed(base, renames) + ".weight": base for base in bases}
+        self.bases = {renamed(base, renames) + ".weight": base for base in bases}
         self.plan = plan_quantized_layers(model, expected_tensors(model), set(self.bases))
         unplanned = sorted(set(self.bases) - set(self.plan))
         if unplanned:
