@@ -249,14 +249,9 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes,
                         const std::optional<at::Tensor>& scales,
                         const std::optional<at::Tensor>& offsets, int64_t group_size,
                         int64_t out_features, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() >= 1, "x must have at least one dimension");
-  at::Tensor y = quant_gemm(x.reshape({-1, x.size(-1)}), codes, scales, offsets, group_size,
-                            out_features);
-  if (bias) y.add_(*bias);  // y is the kernel's own new tensor
-  if (x.dim() == 2) return y;
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = out_features;
-  return y.view(shape);
+  return skinny::linear_over_rows(x, out_features, bias, [&](const at::Tensor& rows) {
+    return quant_gemm(rows, codes, scales, offsets, group_size, out_features);
+  });
 }
 
 }  // namespace

@@ -61,13 +61,9 @@ at::Tensor skinny_gemm(const at::Tensor& x, const at::Tensor& panels, int64_t ou
 // the 58M model.
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& panels, int64_t out_features,
                          const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() >= 1, "x must have at least one dimension");
-  at::Tensor y = skinny_gemm(x.reshape({-1, x.size(-1)}), panels, out_features);
-  if (bias) y.add_(*bias);  // y is the kernel's own new tensor
-  if (x.dim() == 2) return y;
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = out_features;
-  return y.view(shape);
+  return skinny::linear_over_rows(x, out_features, bias, [&](const at::Tensor& rows) {
+    return skinny_gemm(rows, panels, out_features);
+  });
 }
 
 }  // namespace

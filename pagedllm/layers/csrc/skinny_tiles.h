@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <vector>
 
 #include "isa.h"
@@ -296,6 +297,21 @@ inline PanelCall begin_panel_call(const at::Tensor& x, const at::Tensor& panels,
     call.done = true;
   }
   return call;
+}
+
+// A linear layer's op around a panel GEMM: x of any number of leading dims flattened to rows,
+// ``gemm(rows)`` -> [rows, out_features], the bias added in place (the GEMM's own new tensor),
+// the leading dims restored.
+template <class Gemm>
+at::Tensor linear_over_rows(const at::Tensor& x, int64_t out_features,
+                            const std::optional<at::Tensor>& bias, Gemm gemm) {
+  TORCH_CHECK(x.dim() >= 1, "x must have at least one dimension");
+  at::Tensor y = gemm(x.reshape({-1, x.size(-1)}));
+  if (bias) y.add_(*bias);
+  if (x.dim() == 2) return y;
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = out_features;
+  return y.view(shape);
 }
 
 }  // namespace skinny
