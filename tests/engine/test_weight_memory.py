@@ -146,7 +146,9 @@ def test_load_time_quantization_holds_the_format_size(tmp_path, scheme, bytes_pe
     # The float matrices are gone, not just unbound: no live tensor of a quantized shape.
     gc.collect()
     shapes = {(m.out_features, m.in_features) for m in linears}
-    live = [o for o in gc.get_objects() if issubclass(type(o), torch.Tensor)
+    # Plain tensors only: fake tensors an earlier test's torch.compile left alive carry
+    # symbolic shapes that cannot be compared.
+    live = [o for o in gc.get_objects() if type(o) in (torch.Tensor, torch.nn.Parameter)
             and not o.is_meta and o.dtype == torch.float32 and o.dim() == 2
             and any(tuple(o.shape) == (n, k) for n, k in shapes)]
     assert not live, [tuple(t.shape) for t in live]
