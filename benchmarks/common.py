@@ -32,6 +32,15 @@ MODEL_CONFIGS: dict[str, dict] = {
     # ~58M parameters (2 x 16.4M embedding/head + 8 x 3.15M layers): fast enough for 2 CPU cores.
     "qwen3-58m": dict(_COMMON, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
                       num_attention_heads=8, num_key_value_heads=4, head_dim=64),
+    # A small Qwen3-MoE (~0.51B: 16 layers of 16 experts x 512, top-2; ~125M active per token
+    # with the head): issue 31's MoE throughput shape, Qwen3MoeConfig fields.
+    "qwen3-moe-0.5b": dict(_COMMON, hidden_size=1024, intermediate_size=3072, num_hidden_layers=16,
+                           num_attention_heads=16, num_key_value_heads=4, head_dim=64,
+                           num_experts=16, num_experts_per_tok=2, moe_intermediate_size=512,
+                           norm_topk_prob=True),
+    "tiny-moe": dict(_COMMON, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=4,
+                     num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
     # For smoke tests: builds and runs in well under a second.
     "tiny": dict(_COMMON, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=16),
@@ -125,11 +134,13 @@ def build_model(name: str = "qwen3-58m", folder: str | Path | None = None) -> Pa
         raise SystemExit(f"the benchmark tokenizer is missing: {TOKENIZER_DIR}")
     log(f"building the random {name} model into {folder} ...")
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    import transformers
 
+    # Configs with experts are Qwen3-MoE, the others dense Qwen3.
+    kind = "Qwen3Moe" if "num_experts" in spec else "Qwen3"
     torch.manual_seed(0)
-    config = Qwen3Config(**spec, dtype="float32")
-    model = Qwen3ForCausalLM(config).eval()
+    config = getattr(transformers, f"{kind}Config")(**spec, dtype="float32")
+    model = getattr(transformers, f"{kind}ForCausalLM")(config).eval()
     # Build beside the target and rename, so an interrupted build never leaves a half folder.
     tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -244,11 +255,14 @@ class ModelStats:
     num_params: int  # every tensor in the checkpoint
     num_embedding_params: int  # the input embedding table (a lookup, no FLOPs)
     num_head_params: int  # lm_head (0 when tied to the embedding)
+    num_idle_expert_params: int = 0  # expert weights a token does not use (MoE: all but top-k)
 
     @property
     def num_body_params(self) -> int:
-        """Parameters that every processed token multiplies (layers and norms)."""
-        return self.num_params - self.num_embedding_params - self.num_head_params
+        """Parameters that every processed token multiplies (layers and norms; of a MoE's
+        experts only the top-k a token is routed to)."""
+        return (self.num_params - self.num_embedding_params - self.num_head_params
+                - self.num_idle_expert_params)
 
     def kv_bytes_per_token(self, elem_bytes: int = 4) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem_bytes
@@ -282,13 +296,16 @@ def model_stats(folder: str | Path) -> ModelStats:
         return total
 
     heads = cfg["num_attention_heads"]
+    num_experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+    experts = count(lambda n: ".experts." in n)
+    idle = experts - experts * cfg.get("num_experts_per_tok", 0) // num_experts if num_experts else 0
     return ModelStats(
         num_layers=cfg["num_hidden_layers"], hidden_size=cfg["hidden_size"], num_heads=heads,
         num_kv_heads=cfg.get("num_key_value_heads", heads),
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
         vocab_size=cfg["vocab_size"], max_position_embeddings=cfg.get("max_position_embeddings", 2048),
         num_params=count(lambda n: True), num_embedding_params=count(lambda n: "embed_tokens" in n),
-        num_head_params=count(lambda n: n.startswith("lm_head")))
+        num_head_params=count(lambda n: n.startswith("lm_head")), num_idle_expert_params=idle)
 
 
 def workload_flops(stats: ModelStats, workload: Workload) -> float:

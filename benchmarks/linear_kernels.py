@@ -4,7 +4,9 @@ the engine's native build and, with ``--isa v3 v4``, built for x86-64-v3 (AVX2) 
 ``F.linear`` (MKL sgemm), on the benchmark model's shapes, at decode and prefill row counts,
 calls interleaved. ``--formats`` adds the kernel over weights held in other formats
 (layers/quantization/: bf16, fp16 panels; q8_0, q4_0 quantized at load), each timed against the
-float32 panels' kernel too; their GB/s count the bytes the format holds.
+float32 panels' kernel too; their GB/s count the bytes the format holds. ``--int8`` adds q8_0/q4_0
+with int8-quantized activations (csrc/int8_gemm.h), each timed against the same weight's exact
+(float32-activation) path too.
 
 Before every timed call the caches are flushed (a pass over a buffer larger than the last-level
 cache), as in the engine, where a step reads ~170 MB of weights and KV and nothing stays cached
@@ -13,7 +15,8 @@ rate (what bounds a decode step's linears), each kernel's GFLOP/s (what bounds a
 the faster library's time over each skinny build's (> 1: the kernel is faster).
 
     python -m benchmarks.linear_kernels [--rows 1 8 16 32 64 256 2048] [--rounds 7] [--isa native v3 v4]
-        [--formats bf16 fp16 q8_0 q4_0] [--shapes 4864x896 896x4864] [--threads N]
+        [--formats bf16 fp16 q8_0 q4_0] [--int8] [--shapes 4864x896 896x4864] [--threads N]
+        [--cpu-time]
 """
 from __future__ import annotations
 
@@ -57,10 +60,11 @@ def linear_candidates(n: int, k: int, isas: list[str], seed: int = 0) -> dict[st
     return out
 
 
-def format_candidates(n: int, k: int, formats: list[str], isas: list[str],
-                      seed: int = 0) -> tuple[dict[str, Callable], dict[str, int]]:
+def format_candidates(n: int, k: int, formats: list[str], isas: list[str], seed: int = 0,
+                      int8: bool = False) -> tuple[dict[str, Callable], dict[str, int]]:
     """name -> x -> x W^T for one random [n, k] weight held in each of ``formats`` ("bf16",
-    "fp16", "q8_0", "q4_0"), per build in ``isas``; and name -> the bytes each reads."""
+    "fp16", "q8_0", "q4_0"), per build in ``isas`` ("q8_0 int8 v3": with int8 activations,
+    when ``int8``); and name -> the bytes each reads."""
     import torch
 
     from pagedllm.layers.cpu_extension import can_run, load_cpu_ops
@@ -76,23 +80,27 @@ def format_candidates(n: int, k: int, formats: list[str], isas: list[str],
             ops = load_cpu_ops(isa) if can_run(isa) else None
             if ops is not None:
                 name = f"{fmt} {isa}"
-                out[name] = lambda x, op=ops.quant_linear, qw=qw: op(
-                    x, qw.codes, qw.scales, qw.offsets, qw.group_size, n, None)
-                nbytes[name] = qw.nbytes
+                for act in (False, True) if int8 and fmt.startswith("q") else (False,):
+                    name = f"{fmt} int8 {isa}" if act else f"{fmt} {isa}"
+                    out[name] = lambda x, op=ops.quant_linear, qw=qw, act=act: op(
+                        x, qw.codes, qw.scales, qw.offsets, qw.group_size, n, None, act)
+                    nbytes[name] = qw.nbytes
     return out, nbytes
 
 
-def time_interleaved(kernels: dict[str, Callable], x, rounds: int, flush) -> dict[str, float]:
+def time_interleaved(kernels: dict[str, Callable], x, rounds: int, flush,
+                     clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
     """Median seconds per call of each kernel on ``x``, caches flushed before every call, the
-    order reversed every other round."""
+    order reversed every other round; ``clock``: wall time, or the thread's CPU time (on a
+    shared machine, with one thread)."""
     times: dict[str, list[float]] = {key: [] for key in kernels}
     for r in range(rounds + 1):  # round 0 warms up
         for key in (list(kernels) if r % 2 == 0 else list(reversed(kernels))):
             flush.sum()
-            t0 = time.perf_counter()
+            t0 = clock()
             kernels[key](x)
             if r:
-                times[key].append(time.perf_counter() - t0)
+                times[key].append(clock() - t0)
     return {key: statistics.median(v) for key, v in times.items()}
 
 
@@ -105,9 +113,14 @@ def main(argv: list[str] | None = None) -> None:
                         help="builds of the skinny kernel to measure (those this CPU can run)")
     parser.add_argument("--formats", nargs="*", default=[], choices=["bf16", "fp16", "q8_0", "q4_0"],
                         help="weight formats to time beside float32 (layers/quantization/)")
+    parser.add_argument("--int8", action="store_true",
+                        help="time q8_0/q4_0 with int8 activations too (against their exact path)")
     parser.add_argument("--shapes", nargs="*", default=[],
                         help="OUTxIN layer shapes in place of the model config's")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="time the calling thread's CPU time, not wall time (with --threads 1 "
+                             "on a machine others share: their load then does not count)")
     args = parser.parse_args(argv)
 
     import torch
@@ -127,19 +140,23 @@ def main(argv: list[str] | None = None) -> None:
     for name, (n, k) in shapes.items():
         kernels = linear_candidates(n, k, args.isa)
         mine = [key for key in kernels if key.startswith("skinny")]
-        formats, nbytes = format_candidates(n, k, args.formats, args.isa)
+        formats, nbytes = format_candidates(n, k, args.formats, args.isa, int8=args.int8)
         kernels.update(formats)
         gen = torch.Generator().manual_seed(1)
         for rows in args.rows:
-            med = time_interleaved(kernels, torch.randn(rows, k, generator=gen), args.rounds, flush)
+            med = time_interleaved(kernels, torch.randn(rows, k, generator=gen), args.rounds, flush,
+                                   time.thread_time if args.cpu_time else time.perf_counter)
             best_lib = min(med["onednn"], med["f_linear"])
             cells = [f"{key} {med[key] * 1e6:7.0f} us "
                      f"{nbytes.get(key, 4 * n * k) / med[key] / 1e9:5.1f} GB/s "
                      f"{2 * rows * n * k / med[key] / 1e9:5.0f} GF/s" for key in kernels]
             ratios = " ".join(f"{key}: {best_lib / med[key]:.2f}x" for key in mine)
             # each format against the float32 panels of its own build
-            ratios += "".join(f" {key} vs f32: {med['skinny ' + key.split()[1]] / med[key]:.2f}x"
-                              for key in formats if "skinny " + key.split()[1] in med)
+            ratios += "".join(f" {key} vs f32: {med['skinny ' + key.split()[-1]] / med[key]:.2f}x"
+                              for key in formats if "skinny " + key.split()[-1] in med)
+            # int8 activations against the same weight's exact path
+            ratios += "".join(f" {key} vs exact: {med[key.replace(' int8', '')] / med[key]:.2f}x"
+                              for key in formats if " int8 " in key)
             print(f"{name:12s} {rows:4d} | " + " | ".join(cells) + f" | {ratios}", flush=True)
 
 

@@ -25,7 +25,7 @@ KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
 # The values of ModelConfig.quantization: vLLM's names for quantized checkpoints, and pagedllm's
 # round-to-nearest formats for quantizing a full-precision one at load
 # (pagedllm/layers/quantization/).
-QUANTIZATION_METHODS = ("awq", "gptq", "gguf", "q8_0", "q4_0")
+QUANTIZATION_METHODS = ("awq", "gptq", "gguf", "mxfp4", "q8_0", "q4_0")
 
 
 def default_model() -> str:
@@ -63,9 +63,14 @@ class ModelConfig:
         "compile it wherever a compiler exists (unset and PAGEDLLM_ENFORCE_EAGER=1 in the "
         "environment: eager; see pagedllm/runner/compile.py).", default=None)
     quantization: str | None = _doc(
-        "Linear weight format: awq, gptq or gguf (must match the checkpoint), q8_0 or q4_0 "
+        "Linear weight format: awq, gptq, gguf or mxfp4 (must match the checkpoint), q8_0 or q4_0 "
         "(a full-precision checkpoint quantized at load; CPU); unset: what the checkpoint is.",
         default=None)
+    quantization_activations: str = _doc(
+        "Activations of the q8/q4 (GGUF, AWQ/GPTQ, q8_0/q4_0) linears on CPU: float32 (exact: "
+        "the dequantized model's numbers) or int8 (quantized per row in blocks of 32, integer "
+        "dot products as llama.cpp: 1.2-2.8x faster at one row; docs/quantization.md).",
+        default="float32")
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16", "half", "float", "fp32", "bf16", "fp16"):
@@ -81,6 +86,9 @@ class ModelConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ValidationError(f"quantization {self.quantization!r} is not supported; "
                                   f"supported: {', '.join(QUANTIZATION_METHODS)}", "quantization")
+        if self.quantization_activations not in ("float32", "int8"):
+            raise ValidationError(f"quantization_activations must be float32 or int8, got "
+                                  f"{self.quantization_activations!r}", "quantization_activations")
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,12 @@ block that nobody uses. It is evicted lazily, only when ``get_new_blocks`` hands
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
+
+# What a block is published under: its hash chain (block_hash.py) in the first KV cache group,
+# (hash, group id) in the others, since each group holds its own copy of a prefix's KV.
+BlockHashKey = Hashable
 
 
 class KVCacheBlock:
@@ -16,13 +20,22 @@ class KVCacheBlock:
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
-        self.block_hash: int | None = None
+        self.block_hash: BlockHashKey | None = None
         # Links of the intrusive doubly linked free queue (None when not in the queue).
         self.prev_free: KVCacheBlock | None = None
         self.next_free: KVCacheBlock | None = None
 
     def __repr__(self) -> str:
         return f"KVCacheBlock(id={self.block_id}, ref_cnt={self.ref_cnt}, hash={self.block_hash})"
+
+
+# The null block: what a sliding-window group's table holds at the positions that fell out of
+# the window (and at a prefix hit's positions before the window). Never in a pool: it is never
+# allocated, freed, ref-counted or published, and nothing reads it, since every attention
+# backend masks the positions outside the window. Its id is -1; the runner maps it to a valid
+# block id before indexing the KV tensors.
+NULL_BLOCK = KVCacheBlock(-1)
+NULL_BLOCK_ID = -1
 
 
 class FreeKVCacheBlockQueue:
@@ -93,7 +106,7 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
-        self.cached_block_hash_to_block: dict[int, KVCacheBlock] = {}
+        self.cached_block_hash_to_block: dict[BlockHashKey, KVCacheBlock] = {}
         self.events = BlockEvents()
 
     # -- queries -----------------------------------------------------------------------------
@@ -104,7 +117,7 @@ class BlockPool:
         """Share of blocks in use by some request (cached-but-free blocks count as free)."""
         return 1.0 - self.get_num_free_blocks() / self.num_blocks
 
-    def get_cached_block(self, block_hash: int) -> KVCacheBlock | None:
+    def get_cached_block(self, block_hash: BlockHashKey) -> KVCacheBlock | None:
         return self.cached_block_hash_to_block.get(block_hash)
 
     # -- allocation --------------------------------------------------------------------------
@@ -150,7 +163,7 @@ class BlockPool:
         return events
 
     # -- prefix cache ------------------------------------------------------------------------
-    def cache_block(self, block: KVCacheBlock, block_hash: int) -> None:
+    def cache_block(self, block: KVCacheBlock, block_hash: BlockHashKey) -> None:
         """Publish a full block under its hash (no-op when caching is off or the hash is taken:
         the first block stays canonical, the duplicate simply stays unpublished)."""
         if not self.enable_caching or block.block_hash is not None:

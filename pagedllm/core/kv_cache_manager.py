@@ -1,25 +1,38 @@
-"""KVCacheManager: per-request block tables on top of the BlockPool.
+"""KVCacheManager: per-request block tables on top of the BlockPool, one table per KV cache group.
 
 It answers the scheduler's questions: which prompt blocks are already cached
 (``get_computed_blocks``), can this request get slots for N more tokens (``allocate_slots``,
 all-or-nothing), and give everything back (``free``). Sharing lives here too: ``fork`` gives a
 new sequence every block of the one it continues, and the first write into a shared block
 copies it (copy-on-write), the copy reported to the runner through ``take_block_copies``.
+
+KV cache groups (vLLM V1's hybrid allocator): the model's layers are grouped by attention type,
+full attention or a sliding window of w tokens (the runner decides the groups, see
+runner/kv_cache_groups.py, and hands over each group's window). Every group has its own block
+table per request, all drawn from one BlockPool: a block id costs the same bytes in every group
+because the runner lets group g's i-th layer use KV tensor i. A full-attention group
+(full_attention_manager.py) keeps every position; a window group (sliding_window_manager.py)
+gives back the blocks that fell out of the window. Everything per request is therefore a tuple
+with one entry per group (``KVCacheBlocks``); with one group this is exactly the plain paged
+cache, same blocks, same order.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pagedllm.core.block_hash import extend_block_hashes
-from pagedllm.core.block_pool import BlockPool, KVCacheBlock
+from pagedllm.core.block_pool import NULL_BLOCK, BlockPool, KVCacheBlock
+from pagedllm.core.full_attention_manager import NO_BLOCKS, FullAttentionManager, cdiv
 from pagedllm.core.request import Request
+from pagedllm.core.sliding_window_manager import SlidingWindowManager
 
+# Per KV cache group, some blocks of one request (hits, new blocks).
+KVCacheBlocks = tuple[list[KVCacheBlock], ...]
+# The shared "nothing new in any group" result of allocate_slots; callers never mutate it.
+NO_NEW_BLOCKS: KVCacheBlocks = ()
 
-NO_NEW_BLOCKS: list[KVCacheBlock] = []  # shared "nothing new" result; callers never mutate it
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+__all__ = ["KVCacheBlocks", "KVCacheManager", "NO_NEW_BLOCKS", "PrefixCacheStats", "cdiv"]
 
 
 @dataclass(slots=True)
@@ -30,16 +43,31 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 sliding_windows: Sequence[int | None] = (None,), max_chunk_tokens: int = 0) -> None:
+        """``sliding_windows``: each KV cache group's window (None: full attention), in the
+        runner's group order; ``max_chunk_tokens``: the most tokens one step computes for a
+        request (bounds what a window group holds, for admission)."""
+        if not sliding_windows:
+            raise ValueError("a KV cache needs at least one group")
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.max_chunk_tokens = max_chunk_tokens
         self.block_pool = BlockPool(num_blocks, block_size, enable_caching)
-        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
-        # How many leading blocks of each request are already published in the prefix cache.
-        self.num_cached_blocks: dict[str, int] = {}
-        self.prefix_cache_stats = PrefixCacheStats()
         self._block_copies: list[tuple[int, int]] = []
         self._replaced_tables: set[str] = set()
+        self.managers: list[FullAttentionManager] = [
+            FullAttentionManager(self.block_pool, block_size, enable_caching, g, self._block_copies,
+                                 self._replaced_tables) if w is None else
+            SlidingWindowManager(self.block_pool, block_size, enable_caching, g, self._block_copies,
+                                 self._replaced_tables, w)
+            for g, w in enumerate(sliding_windows)]
+        self.num_groups = len(self.managers)
+        self.sliding_windows = tuple(sliding_windows)
+        self._full = [m for m in self.managers if m.sliding_window is None]
+        self._windowed = [m for m in self.managers if m.sliding_window is not None]
+        self._no_hits: KVCacheBlocks = tuple(NO_BLOCKS for _ in self.managers)
+        self.prefix_cache_stats = PrefixCacheStats()
 
     @property
     def num_blocks(self) -> int:
@@ -49,8 +77,24 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.block_pool.get_usage()
 
-    def get_block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+    @property
+    def req_to_blocks(self) -> dict[str, list[KVCacheBlock]]:
+        """The first group's block tables (the step trace and the explain tools draw one table
+        per request)."""
+        return self.managers[0].req_to_blocks
+
+    def get_block_ids(self, request_id: str) -> list[list[int]]:
+        """The request's block table in each group (the null block as -1)."""
+        return [[b.block_id for b in m.req_to_blocks.get(request_id, NO_BLOCKS)] for m in self.managers]
+
+    def get_blocks(self, request_id: str) -> KVCacheBlocks:
+        return tuple(m.req_to_blocks.get(request_id, NO_BLOCKS) for m in self.managers)
+
+    def num_blocks_needed(self, num_tokens: int) -> int:
+        """The most blocks (all groups together) one request of ``num_tokens`` tokens holds at
+        once: what admission checks against the whole cache."""
+        chunk = self.max_chunk_tokens or num_tokens
+        return sum(m.max_num_blocks(num_tokens, chunk) for m in self.managers)
 
     # -- prefix cache lookup -----------------------------------------------------------------
     def update_block_hashes(self, request: Request) -> None:
@@ -58,26 +102,39 @@ class KVCacheManager:
             extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size,
                                 request.cache_salt)
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        """The longest run of cached full blocks at the start of the request's tokens.
+    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
+        """The longest prefix of the request's tokens that every group has cached: the leading
+        run of full blocks for full attention, a run ending at the hit point that covers the
+        window for a window group.
 
         Never covers the last token: its logits are needed to sample the next one. Requests that
         want prompt logprobs skip the cache, since every prompt position must be computed.
         """
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
-            return [], 0
+            return self._no_hits, 0
         self.update_block_hashes(request)
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        hits: list[KVCacheBlock] = []
-        for block_hash in request.block_hashes[:max_blocks]:
-            block = self.block_pool.get_cached_block(block_hash)
-            if block is None:
+        hashes = request.block_hashes
+        num_hit_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[list[KVCacheBlock]] = [NO_BLOCKS] * self.num_groups
+        # Full attention: a prefix property, so a shorter agreement just truncates its run.
+        for m in self._full:
+            hits[m.group_id] = m.find_hits(hashes, num_hit_blocks)
+            num_hit_blocks = len(hits[m.group_id])
+        # Window groups: each finds its rightmost hit within the current bound; repeat until
+        # they all agree (the bound only shrinks).
+        while self._windowed:
+            agreed = num_hit_blocks
+            for m in self._windowed:
+                hits[m.group_id] = m.find_hits(hashes, num_hit_blocks)
+                agreed = min(agreed, len(hits[m.group_id]))
+            if all(len(hits[m.group_id]) == agreed for m in self._windowed):
                 break
-            hits.append(block)
-        num_hit = len(hits) * self.block_size
+            num_hit_blocks = agreed
+        num_hit_blocks = min(len(h) for h in hits)
+        num_hit = num_hit_blocks * self.block_size
         self.prefix_cache_stats.queries += request.num_tokens
         self.prefix_cache_stats.hits += num_hit
-        return hits, num_hit
+        return tuple(h[:num_hit_blocks] for h in hits), num_hit
 
     def make_prefix_cache_stats(self) -> PrefixCacheStats:
         """The lookups since the last call (for the step's SchedulerStats), and start afresh."""
@@ -86,115 +143,84 @@ class KVCacheManager:
 
     # -- allocation --------------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int = 0,
-                       new_computed_blocks: list[KVCacheBlock] | None = None) -> list[KVCacheBlock] | None:
+                       new_computed_blocks: KVCacheBlocks | None = None) -> KVCacheBlocks | None:
         """Make room for ``num_new_tokens`` more tokens after the computed ones (after the prefix
-        hit ``new_computed_blocks``, on admission). Returns the newly allocated blocks, or None,
-        changing nothing, when the pool cannot supply them."""
-        bs = self.block_size
+        hit ``new_computed_blocks``, on admission) in every group. Returns the newly allocated
+        blocks per group (``NO_NEW_BLOCKS`` when there are none), or None, allocating nothing,
+        when the pool cannot supply them all."""
         rid = request.request_id
-        blocks = self.req_to_blocks.get(rid)
         start = request.num_computed_tokens + num_new_computed_tokens
-        # The usual decode step, decided from the last block in O(1) (this runs for every running
-        # request every step): the new tokens land inside the request's own last block without
-        # filling it, so there is nothing to allocate, copy or publish.
-        if blocks and not new_computed_blocks and blocks[-1].ref_cnt == 1:
-            if 0 <= start - (len(blocks) - 1) * bs < bs - num_new_tokens:
-                return NO_NEW_BLOCKS
+        managers = self.managers
+        # The usual decode step (this runs for every running request every step): in every group
+        # the new tokens land inside the request's own last block. A window group first gives
+        # back what fell out of the window: always right, whatever happens to this step.
+        if not new_computed_blocks:
+            if self.num_groups == 1:
+                if managers[0].fits_in_last_block(rid, start, num_new_tokens):
+                    return NO_NEW_BLOCKS
+            elif all([m.fits_in_last_block(rid, start, num_new_tokens) for m in managers]):
+                return NO_NEW_BLOCKS  # (a list, not a generator: every group frees its skipped)
         end = start + num_new_tokens
-
-        table = blocks if blocks is not None else []
-        hits = new_computed_blocks or NO_NEW_BLOCKS  # only at admission, into an empty table
-        num_required = cdiv(end, bs)
-        num_new_blocks = max(num_required - len(table) - len(hits), 0)
-        # Blocks already in the table that this step writes into: copy them first if shared
-        # (prefix hits are full and computed: nothing is written into them).
-        cow = [i for i in range(start // bs, min(len(table), num_required))
-               if table[i].ref_cnt > 1] if num_new_tokens and table else NO_NEW_BLOCKS
-        # Hit blocks that sit in the free queue (cached, unused) are taken from it too.
-        num_hits_free = sum(1 for b in hits if b.ref_cnt == 0) if hits else 0
-        if num_new_blocks + len(cow) + num_hits_free > self.block_pool.get_num_free_blocks():
+        hits = new_computed_blocks or self._no_hits
+        needed = 0
+        for m, group_hits in zip(managers, hits):
+            needed += m.num_blocks_needed(rid, start, end, group_hits)
+        if needed > self.block_pool.get_num_free_blocks():
             return None
-
-        if hits:
-            assert not table, "prefix hits go into an empty table (a request being admitted)"
-            self.block_pool.touch(hits)
-            table.extend(hits)
-        if cow:
-            self._copy_on_write(rid, table, cow)
-        new_blocks = self.block_pool.get_new_blocks(num_new_blocks) if num_new_blocks else NO_NEW_BLOCKS
-        if new_blocks:
-            table.extend(new_blocks)
-        if blocks is None:
-            self.req_to_blocks[rid] = table
-        if self.enable_caching:
-            # Publish blocks as soon as they are allocated, so that identical prompts scheduled
-            # in the same step share them (the runner writes a layer's new K/V before that layer
-            # reads the cache). Drafts are not part of the sequence: never publish them.
-            num_cached = self.num_cached_blocks.get(rid, 0) + len(hits)
-            num_full = min(end, request.num_tokens) // bs
-            if num_full > num_cached:
-                self.update_block_hashes(request)
-                for i in range(num_cached, num_full):
-                    self.block_pool.cache_block(table[i], request.block_hashes[i])
-                num_cached = num_full
-            self.num_cached_blocks[rid] = num_cached
-        return new_blocks
-
-    def _copy_on_write(self, rid: str, table: list[KVCacheBlock], indices: list[int]) -> None:
-        for i, new in zip(indices, self.block_pool.get_new_blocks(len(indices))):
-            old = table[i]
-            self._block_copies.append((old.block_id, new.block_id))
-            table[i] = new
-            self.block_pool.free_blocks([old])  # drops our reference; the others keep it
-        self._replaced_tables.add(rid)
+        if self.enable_caching and min(end, request.num_tokens) // self.block_size > len(
+                request.block_hashes):
+            self.update_block_hashes(request)  # the blocks this step fills get published
+        if new_computed_blocks:
+            for m, group_hits in zip(managers, hits):
+                m.add_hits(rid, group_hits)
+        num_hits = len(hits[0])  # the same in every group
+        new_blocks = tuple([m.allocate(request, start, end, num_hits) for m in managers])
+        return new_blocks if any(new_blocks) else NO_NEW_BLOCKS
 
     def take_block_copies(self) -> tuple[list[tuple[int, int]], set[str]]:
-        """The (src, dst) copies made since the last call, and the requests whose tables changed."""
-        copies, replaced = self._block_copies, self._replaced_tables
-        self._block_copies, self._replaced_tables = [], set()
+        """The (src, dst) copies made since the last call (block ids of the one pool, whatever
+        the group), and the requests whose tables changed."""
+        copies, replaced = self._block_copies[:], set(self._replaced_tables)
+        self._block_copies.clear()
+        self._replaced_tables.clear()
         return copies, replaced
 
     # -- sharing -----------------------------------------------------------------------------
     def fork(self, parent: Request, child: Request) -> int:
         """Share with ``child`` every block of ``parent`` that holds the child's computed tokens
-        (the partial last one included) and return how many tokens that is.
+        (the partial last one included) in every group, and return how many tokens that is (0:
+        nothing shared, the child recomputes).
 
         The child's tokens continue a prefix of the parent's: a parallel sample starts from the
         prompt (it recomputes only the last prompt token, to sample its own first token), a beam
         from the parent's whole sequence plus one token. The last token is never counted, so
-        the child always has something to compute.
+        the child always has something to compute. A window group whose parent has already
+        freed what the child's first step reads shares nothing (and neither does any group).
         """
-        parent_blocks = self.req_to_blocks.get(parent.request_id, [])
+        pid = parent.request_id
         num_computed = min(parent.num_computed_tokens, child.num_tokens - 1,
-                           len(parent_blocks) * self.block_size)
-        shared = parent_blocks[:cdiv(num_computed, self.block_size)]
-        self.block_pool.touch(shared)
-        self.req_to_blocks[child.request_id] = list(shared)
-        num_full = num_computed // self.block_size
-        self.num_cached_blocks[child.request_id] = min(
-            self.num_cached_blocks.get(parent.request_id, 0), num_full)
+                           *(len(m.req_to_blocks.get(pid, NO_BLOCKS)) * self.block_size
+                             for m in self.managers))
+        if num_computed <= 0 or not all(m.can_fork(pid, num_computed) for m in self.managers):
+            return 0
+        for m in self.managers:
+            m.fork(pid, child.request_id, num_computed)
         child.block_hashes = parent.block_hashes[:min(len(parent.block_hashes),
                                                       child.num_tokens // self.block_size)]
         return num_computed
 
     # -- release -----------------------------------------------------------------------------
     def free(self, request: Request, num_valid_tokens: int | None = None) -> None:
-        """Give back every block of the request, last block first (so its tail is evicted first).
+        """Give back every block of the request in every group, last block first (so its tail is
+        evicted first).
 
         ``num_valid_tokens``: blocks past this many tokens were published but their KV will never
         be computed (a victim preempted in the step that scheduled it); unpublish those.
         """
         rid = request.request_id
-        blocks = self.req_to_blocks.pop(rid, None)
-        self.num_cached_blocks.pop(rid, None)
         self._replaced_tables.discard(rid)
-        if not blocks:
-            return
-        if num_valid_tokens is not None:
-            for block in blocks[num_valid_tokens // self.block_size:]:
-                if block.ref_cnt == 1:
-                    self.block_pool.uncache_block(block)
-        self.block_pool.free_blocks(reversed(blocks))
+        for m in self.managers:
+            m.free(rid, num_valid_tokens)
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()
@@ -202,9 +228,16 @@ class KVCacheManager:
     def check_integrity(self) -> None:
         self.block_pool.check_integrity()
         refs: dict[int, int] = {}
-        for blocks in self.req_to_blocks.values():
-            for b in blocks:
-                refs[b.block_id] = refs.get(b.block_id, 0) + 1
+        for m in self.managers:
+            for blocks in m.req_to_blocks.values():
+                for b in blocks:
+                    if b is NULL_BLOCK:
+                        assert m.sliding_window is not None, "a null block in a full-attention table"
+                        continue
+                    refs[b.block_id] = refs.get(b.block_id, 0) + 1
+        assert NULL_BLOCK.ref_cnt == 0 and NULL_BLOCK.block_hash is None, "the null block was used"
         for b in self.block_pool.blocks:
             assert b.ref_cnt == refs.get(b.block_id, 0), \
                 f"block {b.block_id}: ref_cnt {b.ref_cnt} but {refs.get(b.block_id, 0)} tables hold it"
+        tables = [set(m.req_to_blocks) for m in self.managers]
+        assert all(t == tables[0] for t in tables), "a request has a table in some groups only"

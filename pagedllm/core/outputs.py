@@ -43,7 +43,7 @@ class NewRequestData:
     prompt_token_ids: list[int]
     output_token_ids: list[int]  # non-empty only when resumed after preemption (recompute)
     sampling_params: SamplingParams
-    block_ids: list[int]
+    block_ids: list[list[int]]  # its block table in each KV cache group (-1: the null block)
     num_computed_tokens: int  # tokens already in the cache (prefix-cache hit) before this step
     eos_token_ids: frozenset[int] = frozenset()
 
@@ -52,7 +52,9 @@ class NewRequestData:
 class CachedRequestData:
     """Requests the runner already holds, as diffs (parallel lists)."""
     req_ids: list[str] = field(default_factory=list)
-    new_block_ids: list[list[int]] = field(default_factory=list)  # appended to the block table
+    # Per request, per KV cache group: appended to that group's block table ([] when no group
+    # got a block, the usual decode step).
+    new_block_ids: list[list[list[int]]] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)  # before this step
     # Tokens appended since the runner last saw the request (the sampled token, accepted drafts,
     # a beam's chosen token): the scheduler is the single source of truth for token ids.
@@ -67,8 +69,10 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     # Copy-on-write: copy block src into dst (every layer) before the forward pass ...
     block_copies: list[tuple[int, int]] = field(default_factory=list)
-    # ... and these requests' block tables changed beyond appending: full table to use.
-    replaced_block_tables: dict[str, list[int]] = field(default_factory=dict)
+    # ... and these requests' block tables changed beyond appending: full tables to use (per
+    # group). A window group's slots that fell out of the window are not reported: the runner's
+    # stale ids there are never read, like the null block.
+    replaced_block_tables: dict[str, list[list[int]]] = field(default_factory=dict)
     # Draft tokens to verify this step (speculative decoding): req_id -> draft ids.
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     finished_req_ids: set[str] = field(default_factory=set)  # runner drops their state

@@ -23,12 +23,16 @@ from pagedllm.core.request_queue import create_request_queue
 from pagedllm.core.scheduler_stats import SchedulerStats
 from pagedllm.errors import ValidationError
 
-_NO_IDS: list[int] = []  # shared "no new blocks" entry; the runner only reads it
+# The shared "no new block in any group" entry (the usual decode step); the runner only reads it.
+_NO_IDS: list[list[int]] = []
 
 
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, num_blocks: int, block_size: int,
-                 max_model_len: int, enable_caching: bool = True) -> None:
+                 max_model_len: int, enable_caching: bool = True,
+                 sliding_windows: tuple[int | None, ...] = (None,)) -> None:
+        """``sliding_windows``: each KV cache group's window (None: full attention), as the
+        runner grouped the model's layers; one full-attention group by default."""
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.long_prefill_token_threshold = scheduler_config.long_prefill_token_threshold
@@ -37,7 +41,8 @@ class Scheduler:
         self.async_scheduling = scheduler_config.async_scheduling
         self.max_model_len = max_model_len
         self.block_size = block_size
-        self.kv_cache_manager = KVCacheManager(num_blocks, block_size, enable_caching)
+        self.kv_cache_manager = KVCacheManager(num_blocks, block_size, enable_caching, sliding_windows,
+                                               self.max_num_batched_tokens)
 
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(self.policy)
@@ -57,7 +62,7 @@ class Scheduler:
     def _register(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValidationError(f"request id {request.request_id!r} is already in use", "request_id")
-        validate_request(request, self.max_model_len, self.kv_cache_manager.num_blocks, self.block_size)
+        validate_request(request, self.max_model_len, self.kv_cache_manager)
         request.set_limits(self.max_model_len, self._stop_id_sets)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
@@ -107,7 +112,7 @@ class Scheduler:
         kv = self.kv_cache_manager
         budget = self.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
-        new_block_ids: dict[str, list[int]] = {}
+        new_block_ids: dict[str, list[list[int]]] = {}  # per request, per KV cache group
         preempted: dict[str, str] = {}  # victim -> the running request that needed its blocks
 
         # 1. Running requests first, in order. One that cannot get a block preempts a victim,
@@ -140,8 +145,8 @@ class Scheduler:
                     break
             else:
                 num_scheduled[req.request_id] = n
-                new_block_ids[req.request_id] = (
-                    _NO_IDS if new_blocks is NO_NEW_BLOCKS else [b.block_id for b in new_blocks])
+                new_block_ids[req.request_id] = (_NO_IDS if new_blocks is NO_NEW_BLOCKS else
+                                                 [[b.block_id for b in g] for g in new_blocks])
                 budget -= n
 
         # 2. Then waiting requests, unless this step had to preempt (memory is tight).
@@ -221,7 +226,8 @@ class Scheduler:
             if req is not None and req.status == RequestStatus.RUNNING:
                 self._preempt(req)
 
-    def _update_after_schedule(self, num_scheduled: dict[str, int], new_block_ids: dict[str, list[int]],
+    def _update_after_schedule(self, num_scheduled: dict[str, int],
+                               new_block_ids: dict[str, list[list[int]]],
                                preempted: dict[str, str], skipped: list[str]) -> SchedulerOutput:
         """Write the step's work order and advance every scheduled request (the one place that
         does): the next schedule() sees these tokens as computed (the runner computes them

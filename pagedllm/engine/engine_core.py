@@ -46,8 +46,10 @@ class EngineCore:
         self.num_blocks = num_blocks
         logger.info("KV cache: %d blocks of %d tokens (%d tokens); max_model_len %d",
                     num_blocks, cc.block_size, num_blocks * cc.block_size, max_model_len)
+        # The KV cache groups (a window per group; one full-attention group for most models).
+        self.kv_cache_groups = tuple(self.executor.get_kv_cache_groups())
         self.scheduler = Scheduler(config.scheduler_config, num_blocks, cc.block_size,
-                                   max_model_len, cc.enable_prefix_caching)
+                                   max_model_len, cc.enable_prefix_caching, self.kv_cache_groups)
         # Sharing, at its own level above the scheduler's one rule.
         self.parallel_sampling = ParallelSampling(self.scheduler)
         self.beam_search = BeamSearch(self.scheduler)
@@ -103,8 +105,7 @@ class EngineCore:
                                   "request's next bitmask needs its last token; turn one off",
                                   "structured_outputs")
         # Admission's own check now, while the caller can still get its ValidationError.
-        validate_request(samples[0], self.scheduler.max_model_len, self.num_blocks,
-                         self.config.cache_config.block_size)
+        validate_request(samples[0], self.scheduler.max_model_len, self.scheduler.kv_cache_manager)
         self.structured_output.add(request.request_id, params.structured_outputs,
                                    [s.request_id for s in samples], request.eos_token_ids,
                                    lambda: self.parallel_sampling.add(samples[0], samples[1:]))

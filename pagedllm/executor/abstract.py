@@ -29,6 +29,10 @@ class Executor(ABC):
         """How many KV blocks of ``block_size`` tokens fit on every rank."""
 
     @abstractmethod
+    def get_kv_cache_groups(self) -> list[int | None]:
+        """Each KV cache group's sliding window (None: full attention); the same on every rank."""
+
+    @abstractmethod
     def initialize(self, num_blocks: int, block_size: int) -> None:
         """Allocate every rank's KV cache (the blocks the scheduler hands out)."""
 
@@ -69,6 +73,9 @@ class RankGroupExecutor(Executor):
 
     def determine_num_blocks(self, block_size: int) -> int:
         return min(self._call("determine_num_blocks", block_size))
+
+    def get_kv_cache_groups(self) -> list[int | None]:
+        return self._call("get_kv_cache_groups")[0]
 
     def initialize(self, num_blocks: int, block_size: int) -> None:
         self._call("initialize_kv_cache", num_blocks, block_size)

@@ -15,6 +15,9 @@ class UniProcExecutor(Executor):
     def determine_num_blocks(self, block_size: int) -> int:
         return self.runner.determine_num_blocks(block_size)
 
+    def get_kv_cache_groups(self) -> list[int | None]:
+        return self.runner.get_kv_cache_groups()
+
     def initialize(self, num_blocks: int, block_size: int) -> None:
         self.runner.initialize_kv_cache(num_blocks, block_size)
 

@@ -26,7 +26,8 @@ from pagedllm.executor.process import parent_process
 from pagedllm.executor.wire import Codec
 
 # What the executor may call on the runner (the Runner protocol of pagedllm/runner/base.py).
-CALLS = frozenset({"determine_num_blocks", "initialize_kv_cache", "execute_model"})
+CALLS = frozenset({"determine_num_blocks", "get_kv_cache_groups", "initialize_kv_cache",
+                   "execute_model"})
 
 
 def error_info(exc: BaseException) -> dict[str, Any]:

@@ -112,7 +112,8 @@ def _blocks_table(bm: Record) -> Table:
     t.add_column("blocks")
     refs = bm["ref_cnt"]
     for rid, table in bm["tables"].items():
-        cells = [f"{b}*{refs[b]}" if refs[b] > 1 else str(b) for b in table]
+        # -1: a sliding-window group's null block (a slot that left the window).
+        cells = [f"{b}*{refs[b]}" if b >= 0 and refs[b] > 1 else str(b) for b in table]
         t.add_row(rid, " ".join(cells) or "-")
     free = [i for i, r in enumerate(refs) if r == 0]
     cached = set(bm["cached_free"])

@@ -3,9 +3,11 @@
 llama.cpp names its hyperparameters ``<arch>.<key>`` (``llama.block_count``,
 ``qwen2.attention.head_count_kv``...); the vocabulary size is the embedding's row count (the
 token list can be shorter or longer by padding); the head is tied when the file has no
-``output.weight``. Rope scaling: ``<arch>.rope.scaling.*`` keys for linear scaling; Llama 3.1+
-files carry their llama3 scaling as a ``rope_freqs.weight`` tensor of per-frequency divisors,
-from which the llama3 parameters are recovered (and checked to reproduce it exactly).
+``output.weight``. What one architecture adds (experts, Gemma's soft-caps and windows,
+Granite's multipliers, Phi-3's partial and long rope) is families.py's. Rope scaling:
+``<arch>.rope.scaling.*`` keys for linear scaling; Llama 3.1+ files carry their llama3 scaling
+as a ``rope_freqs.weight`` tensor of per-frequency divisors, from which the llama3 parameters
+are recovered (and checked to reproduce it exactly).
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from pagedllm.errors import ModelLoadError, UnsupportedModelError
+from pagedllm.gguf.families import family_fields
 from pagedllm.gguf.quant_types import F32, unpack
 from pagedllm.gguf.reader import ARCHITECTURES, GGUFCheckpoint, open_gguf
 
@@ -68,6 +71,7 @@ def hf_config(ckpt: GGUFCheckpoint) -> dict:
     rope_scaling = _rope_scaling(ckpt, arch, config)
     if rope_scaling is not None:
         config["rope_scaling"] = rope_scaling
+    config.update(family_fields(ckpt, key, config))  # experts, soft-caps, windows, multipliers
     return config
 
 

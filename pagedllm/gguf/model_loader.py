@@ -2,13 +2,16 @@
 
 The model is the same class a Hugging Face folder of that architecture gets (built on the meta
 device, materialised uninitialised); the GGUF tensors are renamed to HF names (names.py), Llama's
-q/k rows put back in HF order, and each is placed where the safetensors loader would place it
+q/k rows put back in HF order, Gemma's norm shift taken off, stacked experts split into the
+per-expert names, and each is placed where the safetensors loader would place it
 (``expected_tensors``: fused q/k/v and gate/up parts, this rank's rows under tensor
-parallelism). A parameter no tensor fills is an error, as for safetensors.
+parallelism). A parameter no tensor fills is an error, as for safetensors. Then modules that
+convert what they loaded do so (``process_weights_after_loading``: the MoE experts' layout).
 
 Block-quantized linear weights stay quantized (layers/quantization/quantized_layers.py: the
 layer's float weight is never allocated; its ``QuantizedWeight`` is built from the unpacked
-parts). Everything else is loaded as float in the model's dtype, one tensor at a time: norms
+parts); stacked experts, routers and tensors the model splits (Phi-3's fused qkv) are
+dequantized. Everything else is loaded as float in the model's dtype, one tensor at a time: norms
 (small) and the token embedding, dequantized when the file holds it quantized (a lookup reads
 a few rows, but a tied head multiplies by all of them, and the float embedding is what the
 layers take today).
@@ -27,7 +30,8 @@ from torch import nn
 
 from pagedllm.errors import ModelLoadError
 from pagedllm.gguf.config import hf_config
-from pagedllm.gguf.names import CONFIG_TENSORS, hf_name, is_permuted, unpermute_rows
+from pagedllm.gguf.names import (CONFIG_TENSORS, expert_names, hf_name, is_expert_stack,
+                                 is_permuted, norm_shift, unpermute_rows)
 from pagedllm.gguf.quant_types import FLOAT_TYPES, GroupQuant, unpack
 from pagedllm.gguf.reader import GGUFCheckpoint, GGUFTensor, open_gguf
 from pagedllm.layers.quantization.quantized_layers import (Part, QuantizedAttacher, combine,
@@ -53,7 +57,10 @@ def load_gguf_model(model_path: str | Path, dtype: torch.dtype, device: torch.de
         model = model_cls(config)
     plan: dict[str, Part] = {}
     if keep_quantized and quantized_kernels_available(device):
-        quantized = {hf_name(t.name) for t in ckpt.tensors.values() if t.type_id not in FLOAT_TYPES}
+        # Routers stay float even when the file quantized them (llama.cpp never does): the MoE
+        # block packs its router for the batch-independent kernel (models/moe.py).
+        quantized = {hf_name(t.name, ckpt.architecture) for t in ckpt.tensors.values()
+                     if t.type_id not in FLOAT_TYPES and ".ffn_gate_inp" not in t.name}
         plan = plan_quantized_layers(model, _expected(model, expected_tensors), quantized)
         drop_float_weights(model, plan)
     elif keep_quantized and any(t.type_id not in FLOAT_TYPES for t in ckpt.tensors.values()):
@@ -63,6 +70,9 @@ def load_gguf_model(model_path: str | Path, dtype: torch.dtype, device: torch.de
     if hasattr(model, "tie_weights"):
         model.tie_weights()
     load_gguf_weights(model, ckpt, config, plan, expected_tensors)
+    for module in model.modules():
+        if hasattr(module, "process_weights_after_loading"):
+            module.process_weights_after_loading()  # the MoE experts into the kernel's layout
     model.requires_grad_(False)
     return model.eval(), config
 
@@ -80,29 +90,39 @@ def load_gguf_weights(model: nn.Module, ckpt: GGUFCheckpoint, config: dict,
     _zero_uncovered(model, expected)
     pending: dict[str, dict[int, GroupQuant]] = {}
     unexpected: list[str] = []
+    arch = ckpt.architecture
     for tensor in ckpt.tensors.values():
         if tensor.name in CONFIG_TENSORS:
             continue
-        name = hf_name(tensor.name)
+        name = hf_name(tensor.name, arch)
         if name in plan:
             part = plan.pop(name)
-            value = _read(tensor, ckpt.architecture, config)
+            value = _read(tensor, arch, config)
             assert isinstance(value, GroupQuant)  # planned from the file's types
             if value.shape != part.checkpoint_shape:
                 raise ModelLoadError(f"GGUF tensor {tensor.name} has shape {value.shape}, the "
                                      f"model expects {part.checkpoint_shape} ({part.module_name})")
             pending.setdefault(part.module_name, {})[part.index] = this_rank(value, part)
             continue
-        targets = expected.pop(name, None) if name is not None else None
-        if targets is None:
+        if name is not None and is_expert_stack(tensor.name):
+            pieces = _experts(model, tensor, name, _read(tensor, arch, config))
+        elif name in expected:
+            pieces = [(name, None)]  # read once it is known to be wanted
+        else:
             unexpected.append(tensor.name)
             continue
-        value = _read(tensor, ckpt.architecture, config)
-        for piece, param_name in targets:
-            if tuple(value.shape) != piece.checkpoint_shape():
-                raise ModelLoadError(f"GGUF tensor {tensor.name} has shape {tuple(value.shape)}, "
-                                     f"the model expects {piece.checkpoint_shape()} (for {param_name})")
-            _copy(value, piece)
+        for piece_name, value in pieces:
+            targets = expected.pop(piece_name, None)
+            if targets is None:
+                unexpected.append(f"{tensor.name} ({piece_name})")
+                continue
+            if value is None:
+                value = _read(tensor, arch, config)
+            for piece, param_name in targets:
+                if tuple(value.shape) != piece.checkpoint_shape():
+                    raise ModelLoadError(f"GGUF tensor {tensor.name} has shape {tuple(value.shape)}, "
+                                         f"the model expects {piece.checkpoint_shape()} (for {param_name})")
+                _copy(value, piece)
     missing = sorted(expected) + sorted(plan)
     if missing:
         more = f" and {len(missing) - 10} more" if len(missing) > 10 else ""
@@ -118,16 +138,38 @@ def load_gguf_weights(model: nn.Module, ckpt: GGUFCheckpoint, config: dict,
 
 
 def _read(tensor: GGUFTensor, architecture: str, config: dict) -> GroupQuant | np.ndarray:
-    """The tensor unpacked (GroupQuant or a float array), rows in HF order."""
+    """The tensor unpacked (GroupQuant or a float array), in HF's row order and values. A stack
+    of experts ``[E, out, in]`` in a block type comes back as ``[E * out, in]`` (block types are
+    rows of groups)."""
+    shape = tensor.shape
+    if len(shape) == 3 and tensor.type_id not in FLOAT_TYPES:
+        shape = (shape[0] * shape[1], shape[2])
     try:
-        value = unpack(tensor.type_id, tensor.data, tensor.shape)
+        value = unpack(tensor.type_id, tensor.data, shape)
     except ValueError as e:
         raise ModelLoadError(f"GGUF tensor {tensor.name}: {e}") from e
     if is_permuted(tensor.name, architecture):
         heads = config["num_attention_heads" if ".attn_q." in tensor.name else "num_key_value_heads"]
         perm = unpermute_rows(tensor.shape[0], heads)
         value = value.rows(perm) if isinstance(value, GroupQuant) else value[perm]
+    shift = norm_shift(tensor.name, architecture)
+    if shift:
+        value = value.astype(np.float32) - np.float32(shift)
     return value
+
+
+def _experts(model: nn.Module, tensor: GGUFTensor, stacked_name: str,
+             value: GroupQuant | np.ndarray) -> list[tuple[str, GroupQuant | np.ndarray]]:
+    """A stacked-experts tensor as (per-expert HF name, that expert's ``[out, in]``) pairs."""
+    moe_args = getattr(model, "moe_args", None)
+    if moe_args is None or len(tensor.shape) != 3:
+        raise ModelLoadError(f"GGUF tensor {tensor.name} (shape {tensor.shape}) stacks experts, "
+                             "but the model built from the file's metadata has none")
+    num_experts, rows = tensor.shape[0], tensor.shape[1]
+    names = expert_names(stacked_name, num_experts, moe_args.expert_names)
+    if isinstance(value, GroupQuant):
+        return [(n, value.rows(slice(e * rows, (e + 1) * rows))) for e, n in enumerate(names)]
+    return [(n, value[e]) for e, n in enumerate(names)]
 
 
 def _copy(value: GroupQuant | np.ndarray, piece: WeightSlice) -> None:

@@ -18,9 +18,14 @@ import numpy as np
 from pagedllm.errors import ModelLoadError, UnsupportedModelError
 from pagedllm.gguf.quant_types import TYPE_INFO, supported_type_names, type_name
 
-# llama.cpp's general.architecture -> the transformers architecture pagedllm runs it as.
+# llama.cpp's general.architecture -> the transformers architecture pagedllm runs it as
+# (``llama`` with experts is Mixtral: families.py decides from the metadata).
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM"}
+                 "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                 "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
+                 "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM",
+                 "olmoe": "OlmoeForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
+                 "qwen3moe": "Qwen3MoeForCausalLM"}
 
 # gguf-split's shard names: ``<stem>-00001-of-00003.gguf``
 _SHARD = re.compile(r"^(?P<stem>.*)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")

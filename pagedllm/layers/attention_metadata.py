@@ -26,13 +26,16 @@ ToDevice = Callable[[torch.Tensor], torch.Tensor]
 def build_attention_metadata(query_lens: list[int], num_computed_tokens: list[int],
                              block_tables: list[list[int]], block_size: int,
                              device: torch.device | str = "cpu",
-                             backend: AttentionBackend | None = None) -> AttentionMetadata:
+                             backend: AttentionBackend | None = None,
+                             has_null_blocks: bool = False) -> AttentionMetadata:
     """Per-step metadata for requests ``i`` advancing by ``query_lens[i]`` tokens, for
     ``backend`` (default: the device's, see ``get_attn_backend``).
 
     Built in plain Python (runs per block, not per token) and turned into one tensor per field:
     a decode step has a single token per request, and a dozen small torch ops would cost more.
     Raises ValueError when a block table is too short for its request (a runner bug).
+    ``has_null_blocks``: the tables are a sliding-window group's, whose slots outside the window
+    may hold the null block (-1); it becomes block 0, a valid id that nobody reads (masked).
     """
     num_reqs = len(query_lens)
     if not (len(num_computed_tokens) == len(block_tables) == num_reqs):
@@ -59,6 +62,8 @@ def build_attention_metadata(query_lens: list[int], num_computed_tokens: list[in
     # Padded with block 0, which is never read: keys past a request's length are masked.
     tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in block_tables], dtype=torch.long)
     tables = tables.view(num_reqs, max_blocks)
+    if has_null_blocks:
+        tables.clamp_(min=0)
 
     def longs(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)

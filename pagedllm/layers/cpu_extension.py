@@ -175,7 +175,7 @@ def _packed_linear_fake(x: torch.Tensor, panels: torch.Tensor, out_features: int
 
 def _quant_linear_fake(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor | None,
                        offsets: torch.Tensor | None, group_size: int, out_features: int,
-                       bias: torch.Tensor | None) -> torch.Tensor:
+                       bias: torch.Tensor | None, int8_activations: bool = False) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], out_features))
 
 

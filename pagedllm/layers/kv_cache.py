@@ -20,17 +20,27 @@ def attention_layers(model: nn.Module) -> list[Attention]:
                   key=lambda m: m.layer_idx)
 
 
-def bind_kv_caches(model: nn.Module, kv_caches: list[torch.Tensor]) -> None:
-    """Give attention layer i the cache ``kv_caches[i]`` (shape from ``kv_cache_shape``)."""
+def bind_kv_caches(model: nn.Module, kv_caches: list[torch.Tensor],
+                   placement: list[tuple[int, int]] | None = None) -> None:
+    """Give attention layer i the cache ``kv_caches[i]`` (shape from ``kv_cache_shape``), or,
+    with KV cache groups, ``placement[i] = (group, tensor)``: the layer reads its group's block
+    tables and stores into ``kv_caches[tensor]``, which layers of other groups share (a block
+    belongs to one group at a time; runner/kv_cache_groups.py)."""
     layers = attention_layers(model)
-    if len(layers) != len(kv_caches):
-        raise ValueError(f"model has {len(layers)} attention layers, got {len(kv_caches)} caches")
-    for layer, cache in zip(layers, kv_caches):
+    if placement is None:
+        if len(layers) != len(kv_caches):
+            raise ValueError(f"model has {len(layers)} attention layers, got {len(kv_caches)} caches")
+        placement = [(0, i) for i in range(len(layers))]
+    if len(placement) != len(layers):
+        raise ValueError(f"model has {len(layers)} attention layers, got {len(placement)} placements")
+    for layer, (group, index) in zip(layers, placement):
+        cache = kv_caches[index]
         if cache.dim() != 5 or cache.shape[0] != 2 or tuple(cache.shape[3:]) != (
                 layer.num_kv_heads, layer.head_dim):
             raise ValueError(f"layer {layer.layer_idx}: cache shape {tuple(cache.shape)} is not "
                              f"[2, blocks, block_size, {layer.num_kv_heads}, {layer.head_dim}]")
         layer.kv_cache = cache
+        layer.kv_cache_group = group
 
 
 def copy_blocks(kv_caches: list[torch.Tensor], block_copies: list[tuple[int, int]]) -> None:

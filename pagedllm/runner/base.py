@@ -12,6 +12,11 @@ class Runner(Protocol):
         """How many KV blocks of ``block_size`` tokens fit the memory budget."""
         ...
 
+    def get_kv_cache_groups(self) -> list[int | None]:
+        """The KV cache groups the model's layers form, each as its sliding window (None: full
+        attention); a block costs the same bytes in every group (runner/kv_cache_groups.py)."""
+        ...
+
     def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
         """Allocate the KV cache the scheduler will hand out, block by block."""
         ...

@@ -54,9 +54,13 @@ class KVMismatchError(AssertionError):
 
 
 class FakeRunner:
-    def __init__(self, vocab_size: int = 1000, verify_kv: bool = True) -> None:
+    def __init__(self, vocab_size: int = 1000, verify_kv: bool = True,
+                 sliding_windows: tuple[int | None, ...] = (None,)) -> None:
+        """``sliding_windows``: the fake model's KV cache groups, each with its window (None:
+        full attention); a window group's check reads only the positions its window sees."""
         self.vocab_size = vocab_size
         self.verify_kv = verify_kv
+        self.sliding_windows = tuple(sliding_windows)
         self.block_size = 0
         self.cache: list[list[int]] = []
         self.input_batch = InputBatch()
@@ -69,6 +73,9 @@ class FakeRunner:
 
     def determine_num_blocks(self, block_size: int) -> int:
         return 1024
+
+    def get_kv_cache_groups(self) -> list[int | None]:
+        return list(self.sliding_windows)
 
     def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
         self.block_size = block_size
@@ -83,17 +90,19 @@ class FakeRunner:
 
         # Write every new token first (like each layer writes its K/V before attending), so a
         # request may read blocks that another request fills in this same step.
+        # One pool of blocks for every KV cache group: a block id belongs to one group at a time.
         bs = self.block_size
         for s in scheduled:
-            for pos, tok in enumerate(s.input_ids, s.start):
-                self.cache[s.state.block_ids[pos // bs]][pos % bs] = tok
+            for table in s.state.block_ids:
+                for pos, tok in enumerate(s.input_ids, s.start):
+                    self.cache[table[pos // bs]][pos % bs] = tok
 
         sampled: list[list[int]] = []
         logprobs: list[list[TokenLogprobs] | None] | None = None
         for s in scheduled:
             state = s.state
             if self.verify_kv:
-                self._verify(state, s.start + s.num_tokens - len(s.drafts))
+                self._verify(state, s.start, s.start + s.num_tokens - len(s.drafts))
             if not s.samples:
                 sampled.append([])  # partial prefill: nothing to sample
                 continue
@@ -125,11 +134,17 @@ class FakeRunner:
         return TokenLogprobs([token, *top[:k]], [-0.5, *(-0.5 - i for i in range(k))],
                              [1, *range(1, k + 1)])
 
-    def _verify(self, state: CachedRequestState, end: int) -> None:
+    def _verify(self, state: CachedRequestState, start: int, end: int) -> None:
+        """Read back what queries [start, end) attend to, group by group: every position before
+        ``end`` for full attention, (start - window, end) for a window group, which must never
+        reach a null block (-1) or a block that was handed to someone else."""
         bs = self.block_size
-        for pos in range(end):
-            got = self.cache[state.block_ids[pos // bs]][pos % bs]
-            if got != state.token_ids[pos]:
-                raise KVMismatchError(
-                    f"{state.req_id}: position {pos} (block {state.block_ids[pos // bs]}) holds "
-                    f"{got}, expected {state.token_ids[pos]}")
+        for window, table in zip(self.sliding_windows, state.block_ids):
+            first = 0 if window is None else max(start - window + 1, 0)
+            for pos in range(first, end):
+                block_id = table[pos // bs]
+                got = self.cache[block_id][pos % bs] if block_id >= 0 else None
+                if got != state.token_ids[pos]:
+                    raise KVMismatchError(
+                        f"{state.req_id}: position {pos} (block {block_id}, window {window}) "
+                        f"holds {got}, expected {state.token_ids[pos]}")

@@ -26,7 +26,7 @@ class CachedRequestState:
     token_ids: list[int]
     num_prompt_tokens: int
     params: SamplingParams
-    block_ids: list[int]
+    block_ids: list[list[int]]  # the block table of each KV cache group
     num_computed_tokens: int
     eos_token_ids: frozenset[int]
     num_unconfirmed: int = 0
@@ -69,13 +69,16 @@ class InputBatch:
         for new in so.scheduled_new_reqs:  # first admission, resume after preemption, or fork
             requests[new.req_id] = CachedRequestState(
                 new.req_id, new.prompt_token_ids + new.output_token_ids, len(new.prompt_token_ids),
-                new.sampling_params, list(new.block_ids), new.num_computed_tokens, new.eos_token_ids)
+                new.sampling_params, [list(t) for t in new.block_ids], new.num_computed_tokens,
+                new.eos_token_ids)
         cached = so.scheduled_cached_reqs
         for rid, blocks, num_computed, new_ids in zip(cached.req_ids, cached.new_block_ids,
                                                       cached.num_computed_tokens, cached.new_token_ids):
             state = requests[rid]
-            if blocks:
-                state.block_ids.extend(blocks)
+            if blocks:  # per group; [] when no group got a block
+                for table, group_blocks in zip(state.block_ids, blocks):
+                    if group_blocks:
+                        table.extend(group_blocks)
             if new_ids:
                 _confirm(state, new_ids)
             if num_computed > state.num_computed_tokens:
@@ -83,7 +86,7 @@ class InputBatch:
                                          f"tokens, the scheduler says {num_computed}")
             state.num_computed_tokens = num_computed  # lower after rejected drafts
         for rid, table in so.replaced_block_tables.items():
-            requests[rid].block_ids = list(table)
+            requests[rid].block_ids = [list(t) for t in table]
 
         scheduled = []
         spec = so.scheduled_spec_decode_tokens

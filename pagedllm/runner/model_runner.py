@@ -12,18 +12,22 @@ import platform
 import torch
 
 from pagedllm.config import EngineConfig
+from pagedllm.errors import ModelLoadError
 from pagedllm.core.outputs import PromptLogprobsChunk, RunnerOutput, SchedulerOutput, TokenLogprobs
-from pagedllm.layers.attention import Attention, get_attn_backend
+from pagedllm.layers.attention import get_attn_backend
 from pagedllm.layers.attention.choice import choose_cpu_attention
-from pagedllm.layers.attention_metadata import build_attention_metadata
+from pagedllm.layers.attention_metadata import AttentionMetadata, build_attention_metadata
 from pagedllm.layers.forward_context import set_forward_context
 from pagedllm.layers.attention.kv_cache_dtype import resolve_kv_cache_dtype
-from pagedllm.layers.kv_cache import bind_kv_caches, copy_blocks, kv_cache_shape
+from pagedllm.layers.kv_cache import attention_layers, bind_kv_caches, copy_blocks, kv_cache_shape
 from pagedllm.layers.linear_kernel import choose_linear_kernels
+from pagedllm.layers.quantization import set_quantization_activations
 from pagedllm.models.loader import load_model
 from pagedllm.runner.compile import maybe_compile
 from pagedllm.runner.grammar_bitmask import apply_grammar_bitmask
 from pagedllm.runner.input_batch import CachedRequestState, InputBatch, ScheduledRequest
+from pagedllm.runner.kv_cache_groups import (group_layers, layer_placement, max_blocks_per_request,
+                                             num_kv_tensors)
 from pagedllm.runner.sampler import Sampler, SamplingMetadata, compute_topk_logprobs
 from pagedllm.runner.spec_decode import verify_drafts
 
@@ -56,6 +60,14 @@ class ModelRunner:
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache_config.kv_cache_dtype, self.dtype)
         torch.manual_seed(mc.seed)
         self.model, self.hf_config = load_model(mc.model, self.dtype, self.device, mc.quantization)
+        if mc.quantization_activations != "float32":
+            # Before the kernels are chosen and the forward compiled: the q8/q4 layers' method.
+            if self.device.type != "cpu" or not set_quantization_activations(
+                    self.model, mc.quantization_activations):
+                raise ModelLoadError(
+                    f"quantization_activations={mc.quantization_activations} applies to q8/q4 "
+                    f"weights on CPU (GGUF, AWQ/GPTQ, quantization=q8_0/q4_0); this model on "
+                    f"{self.device.type} has none: leave it at float32")
         if self.device.type == "cpu":
             # Each layer's weight in the layout of the faster kernel on this CPU, one copy
             # (layers/linear_kernel.py); before the allocator keeps what is freed.
@@ -70,16 +82,26 @@ class ModelRunner:
         self.attn_backend = get_attn_backend(mc.attention_backend, self.device.type)
         if mc.attention_backend == "auto" and self.attn_backend.name == "cpu_paged":
             # The kernel against the torch backend on this model's heads (the safety net).
-            self.attn_backend = choose_cpu_attention(
-                next(m for m in self.model.modules() if isinstance(m, Attention)))
+            self.attn_backend = choose_cpu_attention(attention_layers(self.model),
+                                                     self.kv_cache_dtype, self.dtype)
         self.block_size = 0
         self.max_model_len = max_model_len
+        # Layers grouped by attention type (full, each window), read from the layers themselves.
+        self.kv_cache_groups = group_layers(
+            [layer.sliding_window for layer in attention_layers(self.model)], max_model_len)
+        self._windowed_groups = [g.sliding_window is not None for g in self.kv_cache_groups]
 
     # -- KV cache ----------------------------------------------------------------------------
+    def get_kv_cache_groups(self) -> list[int | None]:
+        return [g.sliding_window for g in self.kv_cache_groups]
+
     def bytes_per_block(self, block_size: int) -> int:
+        """What one block id of the pool costs: a block in each of the KV tensors the groups
+        share (every layer's with one group)."""
         m = self.model
         elem = self.kv_cache_dtype.itemsize
-        return 2 * m.num_layers * block_size * m.num_kv_heads * m.head_dim * elem
+        num_tensors = num_kv_tensors(self.kv_cache_groups)
+        return 2 * num_tensors * block_size * m.num_kv_heads * m.head_dim * elem
 
     def determine_num_blocks(self, block_size: int) -> int:
         cc = self.config.cache_config
@@ -94,7 +116,10 @@ class ModelRunner:
             budget = min(_CPU_DEFAULT_KV_BYTES, _total_ram_bytes() // 4)
         num_blocks = max(budget // self.bytes_per_block(block_size), 0)
         # Never more than every running request could fill at full length.
-        useful = self.config.scheduler_config.max_num_seqs * (-(-self.max_model_len // block_size))
+        sc = self.config.scheduler_config
+        useful = sc.max_num_seqs * sum(
+            max_blocks_per_request(g, self.max_model_len, sc.max_num_batched_tokens, block_size)
+            for g in self.kv_cache_groups)
         if cc.kv_cache_memory_bytes is None:
             num_blocks = min(num_blocks, useful)
         if num_blocks < 1:
@@ -105,9 +130,10 @@ class ModelRunner:
         m = self.model
         shape = kv_cache_shape(num_blocks, block_size, m.num_kv_heads, m.head_dim)
         # Zeros, not empty: masked-out slots are multiplied by zero weights, and 0 * NaN = NaN.
+        # One tensor per layer of the largest group; group g's i-th layer uses tensor i.
         self.kv_caches = [torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
-                          for _ in range(m.num_layers)]
-        bind_kv_caches(m, self.kv_caches)
+                          for _ in range(num_kv_tensors(self.kv_cache_groups))]
+        bind_kv_caches(m, self.kv_caches, layer_placement(self.kv_cache_groups))
         self.block_size = block_size
 
     # -- one step ----------------------------------------------------------------------------
@@ -134,7 +160,7 @@ class ModelRunner:
             positions.extend(range(start, start + n))
             query_lens.append(n)
             num_computed.append(start)
-            block_tables.append(state.block_ids)
+            block_tables.append(state.block_ids)  # one table per KV cache group
             if state.params.prompt_logprobs is not None and start < state.num_prompt_tokens - 1:
                 # Logits at position p score prompt token p + 1.
                 count = min(start + n_real, state.num_prompt_tokens - 1) - start
@@ -145,8 +171,7 @@ class ModelRunner:
         device = self.device
         ids_t = torch.tensor(input_ids, dtype=torch.long, device=device)
         pos_t = torch.tensor(positions, dtype=torch.long, device=device)
-        attn_md = build_attention_metadata(query_lens, num_computed, block_tables, self.block_size,
-                                           device, backend=self.attn_backend)
+        attn_md = self._attention_metadata(query_lens, num_computed, block_tables)
         with set_forward_context(attn_md):
             hidden = (self.compiled or self.model)(ids_t, pos_t)
 
@@ -158,6 +183,22 @@ class ModelRunner:
         if samplers:
             self._sample(hidden, samplers, out, so.grammar_bitmask)
         return out
+
+    def _attention_metadata(self, query_lens: list[int], num_computed: list[int],
+                            block_tables: list[list[list[int]]]) -> AttentionMetadata:
+        """The step's attention metadata; with several KV cache groups, one per group (the
+        first carries them all, each layer picks its group's)."""
+        windowed = self._windowed_groups
+        if len(windowed) == 1:
+            return build_attention_metadata(query_lens, num_computed, [t[0] for t in block_tables],
+                                            self.block_size, self.device, self.attn_backend,
+                                            has_null_blocks=windowed[0])
+        mds = [build_attention_metadata(query_lens, num_computed, [t[g] for t in block_tables],
+                                        self.block_size, self.device, self.attn_backend,
+                                        has_null_blocks=windowed[g])
+               for g in range(len(windowed))]
+        mds[0].group_metadata = mds
+        return mds[0]
 
     def _sample(self, hidden: torch.Tensor, samplers: list[tuple[ScheduledRequest, int]],
                 out: RunnerOutput, grammar_bitmask: dict[str, bytes] | None = None) -> None:

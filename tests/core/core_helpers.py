@@ -27,14 +27,17 @@ def make_request(rid: str, prompt: list[int], max_tokens: int | None = 8, *,
 
 
 def make_scheduler(num_blocks: int = 10, block_size: int = BLOCK_SIZE, max_model_len: int = 64,
-                   enable_caching: bool = True, **sched_kwargs) -> Scheduler:
+                   enable_caching: bool = True, sliding_windows: tuple[int | None, ...] = (None,),
+                   **sched_kwargs) -> Scheduler:
     sched_kwargs.setdefault("max_num_batched_tokens", 64)
     return Scheduler(SchedulerConfig(**sched_kwargs), num_blocks, block_size, max_model_len,
-                     enable_caching)
+                     enable_caching, sliding_windows)
 
 
 def make_runner(sched: Scheduler, vocab_size: int = VOCAB) -> FakeRunner:
-    runner = FakeRunner(vocab_size=vocab_size, verify_kv=True)
+    """A FakeRunner checking every read against the scheduler's KV cache groups."""
+    runner = FakeRunner(vocab_size=vocab_size, verify_kv=True,
+                        sliding_windows=sched.kv_cache_manager.sliding_windows)
     kv = sched.kv_cache_manager
     runner.initialize_kv_cache(kv.num_blocks, kv.block_size)
     return runner
@@ -89,5 +92,5 @@ def assert_all_free(sched: Scheduler) -> None:
     sched.check_integrity()
     assert kv.block_pool.get_num_free_blocks() == kv.num_blocks
     assert all(b.ref_cnt == 0 for b in kv.block_pool.blocks)
-    assert kv.req_to_blocks == {}
+    assert all(m.req_to_blocks == {} for m in kv.managers)
     assert kv.usage == 0.0

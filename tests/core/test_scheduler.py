@@ -39,7 +39,7 @@ def test_running_first_then_waiting():
     assert [r.req_id for r in so.scheduled_new_reqs] == ["b"]
     assert so.scheduled_cached_reqs.req_ids == ["a"]
     assert so.scheduled_cached_reqs.num_computed_tokens == [4]
-    assert so.scheduled_cached_reqs.new_block_ids == [[1]]  # a's token 4 starts block 1
+    assert so.scheduled_cached_reqs.new_block_ids == [[[1]]]  # a's token 4 starts block 1
     assert so.total_num_scheduled_tokens == 6
     assert [o.request_id for o in outs] == ["a"]  # b is a partial prefill
 
@@ -125,12 +125,12 @@ def test_fcfs_preempts_most_recent_and_resumes_from_head():
     results: dict[str, list[int]] = {}
     so, outs = step(sched, runner)
     collect(results, outs)
-    assert (kv.get_block_ids("a"), kv.get_block_ids("b")) == ([0], [1])
+    assert (kv.get_block_ids("a")[0], kv.get_block_ids("b")[0]) == ([0], [1])
     for _ in range(4):  # steps 2..5: decode; the second block of each fills up
         so, outs = step(sched, runner)
         collect(results, outs)
         assert so.num_scheduled_tokens == {"a": 1, "b": 1}
-    assert (kv.get_block_ids("a"), kv.get_block_ids("b")) == ([0, 2], [1, 3])
+    assert (kv.get_block_ids("a")[0], kv.get_block_ids("b")[0]) == ([0, 2], [1, 3])
     assert free_ids(sched) == []
     c = make_request("c", [9, 9, 9, 9], 1)
     sched.add_request(c)
@@ -142,7 +142,7 @@ def test_fcfs_preempts_most_recent_and_resumes_from_head():
     assert so.preempted_req_ids == {"b"}
     assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
     assert b.num_preemptions == 1 and a.num_preemptions == 0
-    assert kv.get_block_ids("a") == [0, 2, 3]  # b's blocks, its tail first
+    assert kv.get_block_ids("a")[0] == [0, 2, 3]  # b's blocks, its tail first
     assert free_ids(sched) == [1]
     assert [r.request_id for r in sched.waiting] == ["b", "c"]  # b at the head
     assert [r.request_id for r in sched.running] == ["a"]
@@ -162,10 +162,10 @@ def test_fcfs_preempts_most_recent_and_resumes_from_head():
     assert so.num_scheduled_tokens == {"b": 5, "c": 4}
     new_b, new_c = so.scheduled_new_reqs
     assert new_b.req_id == "b" and new_b.num_computed_tokens == 4
-    assert new_b.block_ids == [1, 3, 2]
+    assert new_b.block_ids == [[1, 3, 2]]
     assert len(new_b.output_token_ids) == 5  # sampled in steps 1..5, before the preemption
     assert new_b.output_token_ids == results["b"][:5]
-    assert new_c.block_ids == [0]
+    assert new_c.block_ids == [[0]]
     run_to_completion(sched, runner, results=results)
     for r in (a, b, c):
         assert results[r.request_id] == expected_tokens(r) == r.output_token_ids
@@ -271,12 +271,12 @@ def test_victim_preempted_in_step_that_scheduled_it_unpublishes_uncomputed_block
     sched.add_request(hi)
     so, _ = step(sched, runner)
     assert so.num_scheduled_tokens == {"lo": 8, "hi": 4}
-    assert kv.get_block_ids("lo") == [0, 1, 2, 3] and kv.get_block_ids("hi") == [4]
+    assert kv.get_block_ids("lo")[0] == [0, 1, 2, 3] and kv.get_block_ids("hi")[0] == [4]
     # Step 3: lo's last chunk gets blocks 5 6 (published at allocation), then hi needs a block.
     so, _ = step(sched, runner)
     assert so.preempted_req_ids == {"lo"}
     assert so.num_scheduled_tokens == {"hi": 1}
-    assert kv.get_block_ids("hi") == [4, 6]
+    assert kv.get_block_ids("hi")[0] == [4, 6]
     assert free_ids(sched) == [5, 3, 2, 1, 0]
     assert pool.blocks[5].block_hash is None
     assert set(pool.cached_block_hash_to_block) == set(lo.block_hashes[:4]) | {hi.block_hashes[0]}
@@ -485,10 +485,10 @@ def test_abort_running_frees_at_once_and_reaches_runner():
     sched.add_request(a)
     sched.add_request(b)
     step(sched, runner)
-    assert sched.kv_cache_manager.get_block_ids("a") == [0, 1, 2]
+    assert sched.kv_cache_manager.get_block_ids("a")[0] == [0, 1, 2]
     assert sched.finish_requests(["a", "unknown"]) == [a]
     assert sched.finish_requests(["a"]) == []  # idempotent
-    assert sched.kv_cache_manager.get_block_ids("a") == []
+    assert sched.kv_cache_manager.get_block_ids("a")[0] == []
     assert free_ids(sched) == [5, 6, 7, 8, 9, 2, 1, 0]
     sched.check_integrity()
     so, _ = step(sched, runner)
@@ -599,7 +599,7 @@ def test_forked_samples_share_prompt_blocks_then_copy_on_write():
     assert [o.request_id for o in outs] == ["p"]
     # The prompt is computed: the samples fork, sharing every block, the partial one included.
     sched.fork([("p", c1), ("p", c2)])
-    assert [kv.get_block_ids(r) for r in ("p", "c1", "c2")] == [[0, 1]] * 3
+    assert [kv.get_block_ids(r)[0] for r in ("p", "c1", "c2")] == [[0, 1]] * 3
     assert [b.ref_cnt for b in kv.block_pool.blocks[:3]] == [3, 3, 0]
     assert [r.request_id for r in sched.running] == ["p", "c1", "c2"]
     assert (c1.num_computed_tokens, c2.num_computed_tokens) == (5, 5)
@@ -609,11 +609,11 @@ def test_forked_samples_share_prompt_blocks_then_copy_on_write():
     so, _ = step(sched, runner)
     assert so.num_scheduled_tokens == {"p": 1, "c1": 1, "c2": 1}
     assert so.block_copies == [(1, 2), (1, 3)]
-    assert [kv.get_block_ids(r) for r in ("p", "c1", "c2")] == [[0, 2], [0, 3], [0, 1]]
+    assert [kv.get_block_ids(r)[0] for r in ("p", "c1", "c2")] == [[0, 2], [0, 3], [0, 1]]
     assert [b.ref_cnt for b in kv.block_pool.blocks[:4]] == [3, 1, 1, 1]
-    assert so.replaced_block_tables == {"p": [0, 2]}
+    assert so.replaced_block_tables == {"p": [[0, 2]]}
     assert {r.req_id: (r.block_ids, r.num_computed_tokens) for r in so.scheduled_new_reqs} == {
-        "c1": ([0, 3], 5), "c2": ([0, 1], 5)}
+        "c1": ([[0, 3]], 5), "c2": ([[0, 1]], 5)}
     run_to_completion(sched, runner)
     for r in (p, c1, c2):
         assert r.output_token_ids == expected_tokens(r)
@@ -629,7 +629,7 @@ def test_fork_without_a_free_slot_or_parent_kv_waits_and_recomputes():
     sched.fork([("p", c1), ("p", c2)])
     assert [r.request_id for r in sched.running] == ["p", "c1"]
     assert list(sched.waiting) == [c2] and c2.num_computed_tokens == 0
-    assert sched.kv_cache_manager.get_block_ids("c2") == []
+    assert sched.kv_cache_manager.get_block_ids("c2")[0] == []
     ghost = make_request("g", [1, 2, 3, 4, 5, 6], 3)
     sched.fork([("gone", ghost)])  # the parent no longer exists: a plain waiting request
     assert list(sched.waiting) == [ghost, c2]
@@ -654,7 +654,7 @@ def test_fork_then_finish_replaces_sequences_like_a_beam_step():
     assert "a" not in sched.requests and "a" in sched.finished_req_ids
     assert [r.request_id for r in sched.running] == ["x", "y"]
     assert x.num_computed_tokens == y.num_computed_tokens == 6
-    assert kv.get_block_ids("x") == kv.get_block_ids("y") == [0, 1]
+    assert kv.get_block_ids("x")[0] == kv.get_block_ids("y")[0] == [0, 1]
     run_to_completion(sched, runner)
     for r in (x, y):
         assert r.output_token_ids[2:] == fake_generate(r.all_token_ids[:7], 4, VOCAB)

@@ -4,7 +4,8 @@ Arrivals (shared prefixes, salts, priorities, min_tokens, stop ids, n > 1 groups
 ParallelSampling, as the engine runs them), aborts of whole groups in every state (leader
 waiting with its samples not forked yet, forked, preempted, between the runner and
 update_from_output) and steps, under both policies, with and without n-gram speculative
-decoding, with a cache small enough to force preemption. FakeRunner(verify_kv=True) reads every
+decoding, with one full-attention KV cache group, a sliding window only, or hybrids of full and
+window groups, with a cache small enough to force preemption. FakeRunner(verify_kv=True) reads every
 context back through its block table, so a wrong block id, a bad prefix hit or a stale published
 block raises KVMismatchError. After every step every request the scheduler holds is in exactly
 one queue; at the end every request that was not aborted produced exactly what it produces
@@ -62,14 +63,19 @@ class SchedulerMachine(RuleBasedStateMachine):
         caching=st.sampled_from([True, True, False]),
         spec_k=st.sampled_from([0, 0, 2]),
         async_scheduling=st.booleans(),
+        # KV cache groups: full attention, a window only (Mistral), hybrids (Gemma 2, two windows).
+        windows=st.sampled_from([(None,), (None,), (6,), (None, 6), (None, 3, 9)]),
     )
     def setup(self, policy, budget, threshold, max_num_seqs, max_skip_ahead, caching, spec_k,
-              async_scheduling):
+              async_scheduling, windows):
+        # Every group may need all 8 blocks of the longest request: a cache as tight per group.
+        self.num_blocks = NUM_BLOCKS * len(windows)
         self.sched = make_scheduler(
-            num_blocks=NUM_BLOCKS, block_size=BS, max_model_len=MAX_MODEL_LEN,
+            num_blocks=self.num_blocks, block_size=BS, max_model_len=MAX_MODEL_LEN,
             enable_caching=caching, scheduling_policy=policy, max_num_batched_tokens=budget,
             long_prefill_token_threshold=threshold, max_num_seqs=max_num_seqs,
-            max_skip_ahead=max_skip_ahead, async_scheduling=async_scheduling)
+            max_skip_ahead=max_skip_ahead, async_scheduling=async_scheduling,
+            sliding_windows=windows)
         # Async scheduling: step N+1 is scheduled and executed before step N's output is applied
         # (the delayed output), as the engine pipelines them. Drafts need the previous token.
         self.in_flight = None
@@ -81,8 +87,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.num_accepted = 0
         self.any_prefix_hit = False
         self.budget, self.max_num_seqs, self.threshold = budget, max_num_seqs, threshold
-        self.runner = FakeRunner(vocab_size=VOCAB, verify_kv=True)
-        self.runner.initialize_kv_cache(NUM_BLOCKS, BS)
+        self.runner = FakeRunner(vocab_size=VOCAB, verify_kv=True, sliding_windows=windows)
+        self.runner.initialize_kv_cache(self.num_blocks, BS)
         self.reqs = {}
         self.outputs: dict[str, list[int]] = {}
         self.finish_reasons: dict[str, str] = {}
@@ -228,6 +234,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         event(f"prefix hits: {self.any_prefix_hit}")
         event(f"forked: {any('_' in r for r in self.reqs)}")
         event(f"drafts accepted: {self.num_accepted > 0}")
+        event(f"KV cache groups: {self.sched.kv_cache_manager.sliding_windows}")
         for rid, req in self.reqs.items():
             sp = req.sampling_params
             expected = fake_generate(req.prompt_token_ids, req.max_tokens, VOCAB, EOS,
@@ -245,8 +252,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert self.finish_reasons[rid] == want, rid
         kv = self.sched.kv_cache_manager
         kv.check_integrity()
-        assert kv.block_pool.get_num_free_blocks() == NUM_BLOCKS
-        assert kv.req_to_blocks == {}
+        assert kv.block_pool.get_num_free_blocks() == self.num_blocks
+        assert all(m.req_to_blocks == {} for m in kv.managers)
         assert self.sched.requests == {} and not self.sched.running and not self.sched.waiting
 
 

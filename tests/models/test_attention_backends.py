@@ -238,6 +238,9 @@ def test_auto_is_the_torch_backend_on_a_cpu_nobody_tuned_for(monkeypatch):
         selector.get_attn_backend.cache_clear()
 
 
+MODEL_WINDOW = 200  # a model's sliding window, shorter than the startup check's contexts
+
+
 def test_the_startup_check_measures_the_kernel_against_the_torch_backend(monkeypatch, caplog):
     from pagedllm.layers.attention import choice
 
@@ -247,15 +250,52 @@ def test_the_startup_check_measures_the_kernel_against_the_torch_backend(monkeyp
     with caplog.at_level(logging.INFO, logger="pagedllm.layers.attention.choice"):
         backend = choice.choose_cpu_attention(layer)
     (line,) = [r.getMessage() for r in caplog.records if "attention on" in r.getMessage()]
-    speedup = choice._MEASURED[(8, 2, 32)]
+    ((key, speedup),) = choice._MEASURED.items()
+    assert key == (8, 2, 32, torch.float32, torch.float32, (((None, None, False), 1),))
     assert speedup > 0 and f"{speedup:.2f}x" in line and backend.name in line
     assert backend.name == ("cpu_paged" if speedup * choice.TORCH_MARGIN >= 1 else "torch")
-    monkeypatch.setattr(choice, "_MEASURED", {(8, 2, 32): 0.5})  # torch clearly faster
+    monkeypatch.setattr(choice, "_MEASURED", {key: 0.5})  # torch clearly faster
     assert choice.choose_cpu_attention(layer).name == "torch"
-    monkeypatch.setattr(choice, "_MEASURED", {(8, 2, 32): 0.9})  # a near tie: the kernel
+    monkeypatch.setattr(choice, "_MEASURED", {key: 0.9})  # a near tie: the kernel
     assert choice.choose_cpu_attention(layer).name == "cpu_paged"
     monkeypatch.setenv("PAGEDLLM_CPU_KERNELS", "torch")
     assert choice.choose_cpu_attention(layer).name == "torch"
     monkeypatch.setenv("PAGEDLLM_CPU_KERNELS", "pagedllm")
-    monkeypatch.setattr(choice, "_MEASURED", {(8, 2, 32): 0.1})  # not consulted when forced
+    monkeypatch.setattr(choice, "_MEASURED", {key: 0.1})  # not consulted when forced
     assert choice.choose_cpu_attention(layer).name == "cpu_paged"
+
+
+def test_the_startup_check_times_the_models_own_layers_and_cache(monkeypatch):
+    """Each kind of layer the model has (window, soft-cap, sinks) is timed over a cache of its
+    KV dtype, and the kinds weigh by their layer counts; the features run in both backends."""
+    from pagedllm.layers.attention import choice
+
+    layers = [Attention(8, 2, 32, 32 ** -0.5, i, sliding_window=MODEL_WINDOW if i % 2 == 0 else None,
+                        logits_soft_cap=30.0, has_sinks=True) for i in range(3)]
+    timed = []
+    real_time = choice._time
+
+    def spy(layer, batch, dtype, cache_dtype, *rest):
+        ratio = real_time(layer, batch, dtype, cache_dtype, *rest)  # the real thing runs
+        timed.append((layer.sliding_window, layer.logits_soft_cap, layer.sinks is not None,
+                      layer.kv_cache.dtype, q_len := sum(n for _, n in batch),
+                      max(c + n for c, n in batch)))
+        assert ratio > 0 and q_len > 0
+        return {MODEL_WINDOW: 4.0, None: 0.25}[layer.sliding_window]  # kernel 4x faster on windows
+
+    monkeypatch.setattr(choice, "_time", spy)
+    monkeypatch.setattr(choice, "_MEASURED", {})
+    monkeypatch.setenv("PAGEDLLM_CPU_KERNELS", "auto")
+    backend = choice.choose_cpu_attention(layers, kv_cache_dtype=torch.float8_e4m3fn)
+    assert {t[:4] for t in timed} == {(MODEL_WINDOW, 30.0, True, torch.float8_e4m3fn),
+                                      (None, 30.0, True, torch.float8_e4m3fn)}
+    # a windowed layer is timed past its window; a full one over the usual context
+    assert {t[5] for t in timed if t[0]} == {MODEL_WINDOW + choice._CHUNK}
+    assert {t[5] for t in timed if not t[0]} == {choice._CONTEXT}
+    # two windowed layers at 4x, one full at 1/4x: the geometric mean leans to the kernel
+    (speedup,) = choice._MEASURED.values()
+    assert speedup == pytest.approx(4.0 ** (1 / 3))
+    assert backend.name == "cpu_paged"
+    timed.clear()  # measured once per model shape and cache: not again
+    choice.choose_cpu_attention(layers, kv_cache_dtype=torch.float8_e4m3fn)
+    assert not timed

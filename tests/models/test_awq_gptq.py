@@ -198,7 +198,7 @@ def test_bad_quantization_config(tmp_path, changes, message):
 def test_quantization_flag_must_match_the_checkpoint(tmp_path):
     _, folder = build_quantized("awq", 32, tmp_path / "awq")
     with pytest.raises(ValidationError, match="quantization gptq does not match the checkpoint "
-                                              r"\(awq\); supported: awq, gptq, gguf, q8_0, q4_0"):
+                                              r"\(awq\); supported: awq, gptq, gguf, mxfp4, q8_0, q4_0"):
         load_model(str(folder), torch.float32, torch.device("cpu"), "gptq")
     with pytest.raises(ValidationError, match="already awq"):
         load_model(str(folder), torch.float32, torch.device("cpu"), "q8_0")

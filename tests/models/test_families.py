@@ -11,7 +11,6 @@ from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3Config,
                           Gemma3ForConditionalGeneration, Gemma3TextConfig, GraniteConfig, MinistralConfig, MistralConfig,
                           Olmo2Config, Phi3Config, SiglipVisionConfig, SmolLM3Config)
 
-from pagedllm.errors import ValidationError
 from pagedllm.models import load_model
 from pagedllm.models.registry import get_model_class
 
@@ -49,6 +48,9 @@ CONFIGS = {
         attention_multiplier=0.3, logits_scaling=2.5, tie_word_embeddings=False), "GraniteForCausalLM"),
     "olmo2": lambda: (Olmo2Config(**SMALL, num_key_value_heads=2, tie_word_embeddings=False),
                       "Olmo2ForCausalLM"),
+    # one KV head: at tensor_parallel 2 both ranks hold it (its k norm must count it once)
+    "olmo2_one_kv_head": lambda: (Olmo2Config(**SMALL, num_key_value_heads=1,
+                                              tie_word_embeddings=False), "Olmo2ForCausalLM"),
     "smollm3_nope": lambda: (SmolLM3Config(**dict(SMALL, num_hidden_layers=3), num_key_value_heads=2,
                                            pad_token_id=0,
                                            no_rope_layers=[1, 0, 1], tie_word_embeddings=True),
@@ -161,14 +163,8 @@ def test_phi3_fused_checkpoint_splits_over_ranks(tmp_path, monkeypatch):
         assert torch.equal(layer.mlp.gate_up_proj.weight, torch.cat(mine))
 
 
-def test_olmo2_refuses_tensor_parallelism(monkeypatch):
-    import pagedllm.models.olmo2 as olmo2
-    monkeypatch.setattr(olmo2, "get_tp_group", lambda: type("G", (), {"world_size": 2, "rank": 0})())
-    with pytest.raises(ValidationError, match="OLMo 2.*use 1"):
-        olmo2.Olmo2ForCausalLM(Olmo2Config(**SMALL).to_dict())
-
-
-TP_FAMILIES = ("gemma2", "gemma3_text", "granite", "phi3_longrope_partial", "phi3_window", "smollm3_nope")
+TP_FAMILIES = ("gemma2", "gemma3_text", "granite", "olmo2", "olmo2_one_kv_head",
+               "phi3_longrope_partial", "phi3_window", "smollm3_nope")
 TP_TOKENS = [1, 5, 95, 0, 17, 48, 2, 18, 9, 60, 33]
 
 
@@ -188,10 +184,12 @@ def _tp_rank(rank: int, port: int, folders: list[str], queue) -> None:
     destroy_distributed()
 
 
-@pytest.mark.slow  # two spawned ranks import torch and transformers, then load six models
+@pytest.mark.slow  # two spawned ranks import torch and transformers, then load eight models
 def test_two_ranks_compute_the_unsharded_logits(tmp_path):
     """Phi-3's fused tensors split per rank, Gemma's per-head norms and soft caps, Granite's
-    multipliers and SmolLM3's NoPE layers all give the unsharded logits at tensor_parallel 2."""
+    multipliers, OLMo 2's whole-projection q/k norms (sums of squares all-reduced; a replicated
+    KV head counted once) and SmolLM3's NoPE layers all give the unsharded logits at
+    tensor_parallel 2."""
     from rank_processes import run_on_ranks
 
     folders = []

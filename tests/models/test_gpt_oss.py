@@ -166,6 +166,25 @@ def test_mxfp4_checkpoint_loads_as_the_dequantized_model(tmp_path):
     check_mixed_batch(model, hf_model, PagedRunner(model, block_size=4))
 
 
+def test_quantization_mxfp4_is_accepted_for_mxfp4_checkpoints_only(tmp_path):
+    """``quantization="mxfp4"`` (``-q mxfp4``) names what an MXFP4 checkpoint is: accepted for
+    one (the same model as leaving it unset), refused in one line for a float checkpoint."""
+    from pagedllm.config import ModelConfig
+    from pagedllm.entrypoints.cli import engine_kwargs, make_parser
+
+    hf_model = make_gpt_oss()
+    folder = save_mxfp4(hf_model, tmp_path / "mxfp4")
+    model, _ = load_model(folder, torch.float32, torch.device("cpu"), quantization="mxfp4")
+    check_mixed_batch(model, hf_model, PagedRunner(model, block_size=4))
+    assert ModelConfig(model=folder, quantization="mxfp4").quantization == "mxfp4"
+    args = make_parser().parse_args(["serve", folder, "-q", "mxfp4"])
+    assert engine_kwargs(args)["quantization"] == "mxfp4"
+    with pytest.raises(ValidationError, match=r"quantization mxfp4 does not match the checkpoint "
+                                              r"\(not quantized\)"):
+        load_model(save(make_gpt_oss(), tmp_path / "float"), torch.float32, torch.device("cpu"),
+                   quantization="mxfp4")
+
+
 TP_TOKENS = [1, 5, 36, 0, 17, 35, 2, 18, 9, 77, 50, 3, 4]
 
 

@@ -100,11 +100,19 @@ def test_packing_holds_the_arrays_exactly():
     codes8 = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8).numpy()
     per_k = lambda a: torch.as_tensor(a).double().repeat_interleave(g, dim=1)  # noqa: E731
     q4 = QuantizedWeight.from_q4(codes4, scales, offsets, g)
-    assert q4.codes.shape == (2, k, 32) and q4.scales.shape == (2, k // g, 64)
+    # quads of 4 k per column (the int8-activation path's dot products read them as they lie)
+    assert q4.codes.shape == (2, k // 4, 32 * 4) and q4.scales.shape == (2, k // g, 64)
     assert torch.equal(q4.dequantize(torch.float64),
                        torch.as_tensor(codes4).double() * per_k(scales) + per_k(offsets))
     q8 = QuantizedWeight.from_q8(codes8, scales, None, g)
+    assert q8.codes.shape == (2, k // 4, 64 * 4)
     assert torch.equal(q8.dequantize(torch.float64), torch.as_tensor(codes8).double() * per_k(scales))
+    # in not a multiple of 4: the last quad padded with zero codes, dropped by dequantize
+    scales7 = torch.rand(n, 7, generator=gen)
+    odd = QuantizedWeight.from_q4(codes4[:, :42], scales7, None, 6)
+    assert odd.codes.shape == (2, 11, 128)
+    assert torch.equal(odd.dequantize(torch.float64), torch.as_tensor(codes4[:, :42]).double()
+                       * scales7.double().repeat_interleave(6, dim=1))
     # q4 with offsets: half a byte + 8 bytes per 16 weights; the last panel's padding included
     assert q4.nbytes == 2 * 64 * (k // 2 + 2 * 4 * k // g)
 

@@ -81,6 +81,9 @@ class AttentionMetadata:
     decode: DecodeBatch | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
     backend_data: object = None       # whatever else the backend prepared (backend.prepare)
+    # With several KV cache groups: one metadata per group (its block tables and slots), and a
+    # layer reads its own group's (``Attention.kv_cache_group``); None with one group.
+    group_metadata: list[AttentionMetadata] | None = None
 
     @property
     def num_tokens(self) -> int:

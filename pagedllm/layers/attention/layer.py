@@ -63,6 +63,8 @@ class Attention(nn.Module):
         # A plain attribute (not a buffer): the runner owns the cache memory, and model.to() or
         # state_dict() must not copy or save it. Empty until bound.
         self.kv_cache: torch.Tensor = torch.empty(0, device="cpu")
+        # Its KV cache group: whose block tables it reads (set by bind_kv_caches).
+        self.kv_cache_group = 0
         # How the compiled graph names this layer (layers/op_registry.py).
         self._op_id = _layers_by_op_id.register(self)
 
@@ -88,6 +90,8 @@ class Attention(nn.Module):
         if self.kv_cache.dim() != 5:
             raise RuntimeError(f"attention layer {self.layer_idx} has no KV cache bound; "
                                "call bind_kv_caches(model, kv_caches) first")
+        if md.group_metadata is not None:  # several KV cache groups: read this layer's own
+            md = md.group_metadata[self.kv_cache_group]
         md.backend.write_kv(self, k, v, md)
         return md.backend.forward(self, q, k, v, md).reshape(num_tokens, -1)  # [T, H * D]
 

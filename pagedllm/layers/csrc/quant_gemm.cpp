@@ -5,28 +5,52 @@
 //   codes dtype  layout             value of W[p * 64 + c][k]
 //   bfloat16     [P, K, 64]         the bf16 widened (its bits are a float's high half)
 //   float16      [P, K, 64]         the fp16 widened (F16C's vcvtph2ps)
-//   int8  (q8)   [P, K, 64]         code * scale (+ offset), per group of G k
-//   uint8 (q4)   [P, K, 32]         code * scale (+ offset); byte j of a k holds column j in its
-//                                   low nibble and column j + 32 in its high one
+//   int8  (q8)   [P, K/4, 64 x 4]   code * scale (+ offset), per group of G k; column c's k =
+//                                   4q + i at byte 4c + i of quad q
+//   uint8 (q4)   [P, K/4, 32 x 4]   code * scale (+ offset); byte 4j + i of quad q holds column
+//                                   j (k = 4q + i) in its low nibble and column j + 32 in its
+//                                   high one
 //
-// scales (and the optional offsets) are float32 [P, K / G, 64]: one per group of G consecutive
-// k of an output row (layers/quantization/ maps GGUF's block types and AWQ/GPTQ groups to these
-// two layouts). Activations and sums are float32.
+// (K/4 rounded up, zero codes padding the last quad.) scales (and the optional offsets) are
+// float32 [P, K / G, 64]: one per group of G consecutive k of an output row
+// (layers/quantization/ maps GGUF's block types and AWQ/GPTQ groups to these two layouts).
+// q8/q4 keep a column's 4 consecutive k together for the int8-activation path (int8_gemm.h:
+// integer dot products of 4 k per 32-bit lane, the codes used as they lie); the float path
+// below reads the same bytes, one quad load giving 4 k of kW columns. One copy of the weights
+// serves both.
 //
-// How: each k block of a panel (64 k x 64 columns) is converted into a float32 block on the
-// stack (16 KiB, in L1) and the float32 kernel's register tiles run over it unchanged, so every
-// row tile of a chunk reuses one conversion; a single row (a decode step of one sequence)
+// The float path (the default: "exact", the dequantized model's numbers): activations and sums
+// are float32. Each k block of a panel (64 k x 64 columns) is converted into a float32 block on
+// the stack (16 KiB, in L1) and the float32 kernel's register tiles run over it unchanged, so
+// every row tile of a chunk reuses one conversion; a single row (a decode step of one sequence)
 // converts straight into registers instead (each value is used once). The arithmetic is the
 // float32 kernel's on the converted weights: the same order of sums for every row count (a
 // row's result does not depend on its batch), within float32 rounding of x times the
 // dequantized weight (a value is code * scale + offset in one fused multiply-add, the same
-// ``row`` function on both paths). A row is widened kW floats at a time with the level's
-// intrinsics (v3: 8, v4: 16), the tiles are skinny_tiles.h's for the level.
+// ``value`` on both paths). A row is widened kW floats at a time with the level's intrinsics
+// (v3: 8, v4: 16), the tiles are skinny_tiles.h's for the level.
 // Measured (CPU time of one thread, cold caches, on a 2-core AMD EPYC Zen 3 VM busy with other
 // work, so +-20%; 896x4864 and 2048x8192): against the float32 panels, q8 and q4 are 1.6-2.5x
 // faster at 1 row, bf16/fp16 1.4-1.9x; 1.1-1.9x at 8 rows; 0.9-1.4x at 32-256 rows. At one row
 // the conversion, not the memory stream, is the limit (q4 streams 3.3-4.5 GB/s of its bytes per
-// thread, q8 5-8, float32 9-11).
+// thread, q8 5-8, float32 9-11). The quad layout left these as they were (new over old exact
+// path, same machine, medians of 5 interleaved cold calls, two runs: 0.89-1.3x at 1-256 rows).
+//
+// The int8-activation path (``int8_activations``, the engine's quantization_activations=int8;
+// int8_gemm.h): x quantized per row in blocks of 32 k, integer dot products, one float step
+// per block. Same machine (AMD EPYC Zen 3, AVX2 build, shared: noisy), one thread, CPU time,
+// weights quantized q8_0 / q4_0 at load, medians of 7 interleaved cold calls
+// (benchmarks/linear_kernels.py --int8 --threads 1 --cpu-time), exact -> int8:
+//                 1 row (GB/s of the weight)   8 rows        32 rows        256 rows
+//   896x4864  q8   8.8 -> 10.9 GB/s         2304 -> 1371 us  5224 -> 3814   28338 -> 27625
+//             q4   4.2 ->  9.4              2475 -> 1157     5152 -> 3338   29460 -> 21851
+//   2048x8192 q8   7.8 -> 11.8              6081 -> 4015    15631 -> 12622 106332 -> 98295
+//             q4   5.0 -> 13.3              6350 -> 3299    16220 -> 10034 109025 -> 77743
+// Over four such runs int8 / exact: 1 row q8 1.2-1.8x, q4 2.1-2.8x; 8 rows q8 1.2-1.7x, q4
+// 1.2-2.1x; 32 rows q8 1.0-1.4x, q4 1.1-1.6x; 256 rows q8 0.92-1.08x (a tie: AVX2's sign
+// trick costs as many instructions per weight as a float FMA once many rows share the
+// conversion), q4 1.2-1.5x. So the engine uses it at every row count when asked, and a row's
+// bits still never depend on its batch.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Half.h>
@@ -41,6 +65,7 @@
 #include <immintrin.h>
 #endif
 
+#include "int8_gemm.h"
 #include "skinny_tiles.h"
 
 namespace {
@@ -54,16 +79,30 @@ using skinny::vfloat;
 // kW codes widened to a vector of floats. Intrinsics, not __builtin_convertvector: GCC 12
 // converts a byte vector to floats one element at a time (measured 3x slower at one row).
 #if defined(__AVX512F__)
-inline __m512i widen_u8(const uint8_t* c) {
-  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));
-}
 inline vfloat as_floats(__m512i i) { return (vfloat)_mm512_cvtepi32_ps(i); }
-inline vfloat widen_i8(const int8_t* c) {
-  return as_floats(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c))));
+// kW columns of a quad block (kW lanes of 4 bytes, one per k): byte j of each lane.
+inline vfloat quad_i8(const void* q, int j) {
+  const __m512i w = _mm512_loadu_si512(q);
+  return as_floats(_mm512_srai_epi32(_mm512_slli_epi32(w, 24 - 8 * j), 24));
 }
-inline vfloat widen_nibbles(const uint8_t* c, bool high) {
-  const __m512i b = widen_u8(c);
-  return as_floats(high ? _mm512_srli_epi32(b, 4) : _mm512_and_si512(b, _mm512_set1_epi32(15)));
+inline vfloat quad_nibbles(const void* q, int shift) {
+  const __m512i w = _mm512_loadu_si512(q);
+  return as_floats(_mm512_and_si512(_mm512_srli_epi32(w, shift), _mm512_set1_epi32(15)));
+}
+inline void quad_i8_4(const void* q, vfloat f[4]) {
+  const __m512i w = _mm512_loadu_si512(q);
+  f[0] = as_floats(_mm512_srai_epi32(_mm512_slli_epi32(w, 24), 24));
+  f[1] = as_floats(_mm512_srai_epi32(_mm512_slli_epi32(w, 16), 24));
+  f[2] = as_floats(_mm512_srai_epi32(_mm512_slli_epi32(w, 8), 24));
+  f[3] = as_floats(_mm512_srai_epi32(w, 24));
+}
+template <int HIGH>
+inline void quad_nibbles_4(const void* q, vfloat f[4]) {
+  const __m512i w = _mm512_loadu_si512(q), m = _mm512_set1_epi32(15);
+  f[0] = as_floats(_mm512_and_si512(_mm512_srli_epi32(w, HIGH), m));
+  f[1] = as_floats(_mm512_and_si512(_mm512_srli_epi32(w, 8 + HIGH), m));
+  f[2] = as_floats(_mm512_and_si512(_mm512_srli_epi32(w, 16 + HIGH), m));
+  f[3] = as_floats(_mm512_and_si512(_mm512_srli_epi32(w, 24 + HIGH), m));
 }
 inline vfloat widen_bf16(const uint16_t* h) {
   const __m512i i = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
@@ -73,16 +112,29 @@ inline vfloat widen_fp16(const uint16_t* h) {
   return (vfloat)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
 }
 #elif defined(__AVX2__) && defined(__F16C__)
-inline __m256i widen_u8(const uint8_t* c) {
-  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c)));
-}
 inline vfloat as_floats(__m256i i) { return (vfloat)_mm256_cvtepi32_ps(i); }
-inline vfloat widen_i8(const int8_t* c) {
-  return as_floats(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c))));
+inline vfloat quad_i8(const void* q, int j) {
+  const __m256i w = _mm256_loadu_si256(static_cast<const __m256i*>(q));
+  return as_floats(_mm256_srai_epi32(_mm256_slli_epi32(w, 24 - 8 * j), 24));
 }
-inline vfloat widen_nibbles(const uint8_t* c, bool high) {
-  const __m256i b = widen_u8(c);
-  return as_floats(high ? _mm256_srli_epi32(b, 4) : _mm256_and_si256(b, _mm256_set1_epi32(15)));
+inline vfloat quad_nibbles(const void* q, int shift) {
+  const __m256i w = _mm256_loadu_si256(static_cast<const __m256i*>(q));
+  return as_floats(_mm256_and_si256(_mm256_srli_epi32(w, shift), _mm256_set1_epi32(15)));
+}
+inline void quad_i8_4(const void* q, vfloat f[4]) {
+  const __m256i w = _mm256_loadu_si256(static_cast<const __m256i*>(q));
+  f[0] = as_floats(_mm256_srai_epi32(_mm256_slli_epi32(w, 24), 24));
+  f[1] = as_floats(_mm256_srai_epi32(_mm256_slli_epi32(w, 16), 24));
+  f[2] = as_floats(_mm256_srai_epi32(_mm256_slli_epi32(w, 8), 24));
+  f[3] = as_floats(_mm256_srai_epi32(w, 24));
+}
+template <int HIGH>
+inline void quad_nibbles_4(const void* q, vfloat f[4]) {
+  const __m256i w = _mm256_loadu_si256(static_cast<const __m256i*>(q)), m = _mm256_set1_epi32(15);
+  f[0] = as_floats(_mm256_and_si256(_mm256_srli_epi32(w, HIGH), m));
+  f[1] = as_floats(_mm256_and_si256(_mm256_srli_epi32(w, 8 + HIGH), m));
+  f[2] = as_floats(_mm256_and_si256(_mm256_srli_epi32(w, 16 + HIGH), m));
+  f[3] = as_floats(_mm256_and_si256(_mm256_srli_epi32(w, 24 + HIGH), m));
 }
 inline vfloat widen_bf16(const uint16_t* h) {
   const __m256i i = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
@@ -98,9 +150,20 @@ inline vfloat widen(F f) {
   for (int64_t j = 0; j < kW; ++j) out[j] = f(j);
   return load(out);
 }
-inline vfloat widen_i8(const int8_t* c) { return widen([&](int64_t j) { return float(c[j]); }); }
-inline vfloat widen_nibbles(const uint8_t* c, bool high) {
-  return widen([&](int64_t j) { return float(high ? c[j] >> 4 : c[j] & 15); });
+inline vfloat quad_i8(const void* q, int j) {
+  const auto* c = static_cast<const int8_t*>(q);
+  return widen([&](int64_t i) { return float(c[4 * i + j]); });
+}
+inline vfloat quad_nibbles(const void* q, int shift) {
+  const auto* c = static_cast<const uint8_t*>(q);
+  return widen([&](int64_t i) { return float((c[4 * i + shift / 8] >> (shift % 8)) & 15); });
+}
+inline void quad_i8_4(const void* q, vfloat f[4]) {
+  for (int j = 0; j < 4; ++j) f[j] = quad_i8(q, j);
+}
+template <int HIGH>
+inline void quad_nibbles_4(const void* q, vfloat f[4]) {
+  for (int j = 0; j < 4; ++j) f[j] = quad_nibbles(q, 8 * j + HIGH);
 }
 inline vfloat widen_bf16(const uint16_t* h) {
   return widen([&](int64_t j) {
@@ -118,7 +181,7 @@ inline vfloat widen_fp16(const uint16_t* h) {
 // bf16 and fp16 panels [P, K, 64] of 16-bit values.
 template <bool BF16>
 struct HalfPanels {
-  static constexpr bool kInPlace = false, kScaled = false, kOffset = false;
+  static constexpr bool kInPlace = false, kScaled = false, kOffset = false, kQuads = false;
   static constexpr int64_t kRowBytes = kPanel * 2;
   const uint16_t* w;
   int64_t K;
@@ -142,46 +205,60 @@ struct Groups {
   int64_t row_of(int64_t p, int64_t k) const { return (p * num_groups + k / group_size) * kPanel; }
 };
 
-// q8: int8 codes [P, K, 64].
+// q8 and q4 codes in quad blocks, [P, K / 4, quad bytes] (K rounded up to 4 with zero codes):
+// a column's 4 consecutive k lie in one 32-bit lane, so int8_gemm.h's integer dot products take
+// them as they lie; here a row k is byte k % 4 of each lane.
+// q8: [P, K / 4, 64 x 4] int8, column j's k = 4q + i at byte 4j + i.
 template <bool OFFSET>
 struct Q8Panels {
-  static constexpr bool kInPlace = false, kScaled = true, kOffset = OFFSET;
-  static constexpr int64_t kRowBytes = kPanel;
-  const int8_t* codes;
-  int64_t K;
-  Groups g;
-  const char* row_bytes(int64_t p, int64_t k) const {
-    return reinterpret_cast<const char*>(codes + (p * K + k) * kPanel);
-  }
-  vfloat code(int64_t p, int64_t k, int v) const { return widen_i8(codes + (p * K + k) * kPanel + v * kW); }
-  const float* scale_row(int64_t p, int64_t k) const { return g.scales + g.row_of(p, k); }
-  const float* offset_row(int64_t p, int64_t k) const { return g.offsets + g.row_of(p, k); }
-  int64_t group_size() const { return g.group_size; }
-};
-
-// q4: two 4-bit codes per byte, [P, K, 32] (column j low, column j + 32 high).
-template <bool OFFSET>
-struct Q4Panels {
-  static constexpr bool kInPlace = false, kScaled = true, kOffset = OFFSET;
-  static constexpr int64_t kRowBytes = kPanel / 2;
+  static constexpr bool kInPlace = false, kScaled = true, kOffset = OFFSET, kQuads = true;
+  static constexpr int64_t kRowBytes = kPanel;  // a k's share of the stream (a quarter quad)
   const uint8_t* codes;
-  int64_t K;
+  int64_t K4;
   Groups g;
   const char* row_bytes(int64_t p, int64_t k) const {
-    return reinterpret_cast<const char*>(codes + (p * K + k) * kRowBytes);
+    return reinterpret_cast<const char*>(codes + p * K4 * 4 * kRowBytes + k * kRowBytes);
   }
   vfloat code(int64_t p, int64_t k, int v) const {
-    const int64_t col = v * kW;  // columns col.. are the nibbles of bytes col % 32..
-    return widen_nibbles(codes + (p * K + k) * kRowBytes + col % kRowBytes, col >= kRowBytes);
+    return quad_i8(codes + ((p * K4 + k / 4) * kPanel + v * kW) * 4, int(k % 4));
+  }
+  void quad(int64_t p, int64_t q, int v, vfloat f[4]) const {
+    quad_i8_4(codes + ((p * K4 + q) * kPanel + v * kW) * 4, f);
   }
   const float* scale_row(int64_t p, int64_t k) const { return g.scales + g.row_of(p, k); }
   const float* offset_row(int64_t p, int64_t k) const { return g.offsets + g.row_of(p, k); }
   int64_t group_size() const { return g.group_size; }
 };
 
-Groups check_groups(const at::Tensor& codes, const std::optional<at::Tensor>& scales,
+// q4: [P, K / 4, 32 x 4] bytes, byte 4j + i holding column j's k = 4q + i in its low nibble and
+// column j + 32's in its high one.
+template <bool OFFSET>
+struct Q4Panels {
+  static constexpr bool kInPlace = false, kScaled = true, kOffset = OFFSET, kQuads = true;
+  static constexpr int64_t kRowBytes = kPanel / 2;
+  const uint8_t* codes;
+  int64_t K4;
+  Groups g;
+  const char* row_bytes(int64_t p, int64_t k) const {
+    return reinterpret_cast<const char*>(codes + p * K4 * 4 * kRowBytes + k * kRowBytes);
+  }
+  vfloat code(int64_t p, int64_t k, int v) const {
+    const int64_t col = v * kW;  // columns col.. are nibbles of bytes 4 (col % 32)..
+    return quad_nibbles(codes + ((p * K4 + k / 4) * kRowBytes + col % kRowBytes) * 4,
+                        int(8 * (k % 4) + (col >= kRowBytes ? 4 : 0)));
+  }
+  void quad(int64_t p, int64_t q, int v, vfloat f[4]) const {
+    const int64_t col = v * kW;
+    const uint8_t* c = codes + ((p * K4 + q) * kRowBytes + col % kRowBytes) * 4;
+    col >= kRowBytes ? quad_nibbles_4<4>(c, f) : quad_nibbles_4<0>(c, f);
+  }
+  const float* scale_row(int64_t p, int64_t k) const { return g.scales + g.row_of(p, k); }
+  const float* offset_row(int64_t p, int64_t k) const { return g.offsets + g.row_of(p, k); }
+  int64_t group_size() const { return g.group_size; }
+};
+
+Groups check_groups(int64_t P, int64_t K, const std::optional<at::Tensor>& scales,
                     const std::optional<at::Tensor>& offsets, int64_t group_size) {
-  const int64_t P = codes.size(0), K = codes.size(1);
   TORCH_CHECK(scales.has_value(), "q8/q4 codes need scales");
   TORCH_CHECK(group_size > 0 && K % group_size == 0, "group_size ", group_size,
               " must divide in_features ", K);
@@ -199,14 +276,36 @@ Groups check_groups(const at::Tensor& codes, const std::optional<at::Tensor>& sc
                 group_size, G};
 }
 
+// The float path over q8/q4 quad panels, or with ``int8`` (and a group size of a multiple of 4
+// on an AVX2/AVX-512 build) int8_gemm.h's path over the same panels.
+template <bool Q4, bool OFFSET>
+void quad_panels_gemm(const float* xp, int64_t M, int64_t K, const uint8_t* codes, const Groups& g,
+                      int64_t N, int64_t P, bool int8, float* yp) {
+  const int64_t K4 = (K + 3) / 4;
+#if defined(__AVX2__) || defined(__AVX512F__)
+  const int64_t B = int8gemm::block_size(g.group_size);
+  if (int8 && B > 0) {
+    const int8gemm::QuantizedRows xq = int8gemm::quantize_rows(xp, M, K, B);
+    const int8gemm::Panels w{codes, g.scales, g.offsets, K4, g.group_size, g.num_groups};
+    return int8gemm::panels_gemm<Q4, OFFSET>(w, xq, M, N, P, yp);
+  }
+#endif
+  if constexpr (Q4)
+    skinny::panels_gemm(xp, M, K, Q4Panels<OFFSET>{codes, K4, g}, N, P, yp);
+  else
+    skinny::panels_gemm(xp, M, K, Q8Panels<OFFSET>{codes, K4, g}, N, P, yp);
+}
+
 // x [M, K] float32 times the weight held as ``codes`` (+ scales, offsets): [M, N] float32.
 at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& codes,
                       const std::optional<at::Tensor>& scales,
                       const std::optional<at::Tensor>& offsets, int64_t group_size,
-                      int64_t out_features) {
+                      int64_t out_features, bool int8) {
   const auto dtype = codes.scalar_type();
-  const skinny::PanelCall call =
-      skinny::begin_panel_call(x, codes, dtype == at::kByte ? kPanel / 2 : kPanel, out_features);
+  const bool quads = dtype == at::kChar || dtype == at::kByte;
+  const skinny::PanelCall call = skinny::begin_panel_call(
+      x, codes, dtype == at::kByte ? kPanel * 2 : dtype == at::kChar ? kPanel * 4 : kPanel,
+      out_features, quads ? 4 : 1);
   if (call.done) return call.y;
   const int64_t M = call.M, K = call.K, N = call.N, P = call.P;
   const float* xp = call.x.data_ptr<float>();
@@ -219,22 +318,15 @@ at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& codes,
     case at::kHalf:
       skinny::panels_gemm(xp, M, K, HalfPanels<false>{static_cast<const uint16_t*>(cp), K}, N, P, yp);
       break;
-    case at::kChar: {
-      const Groups g = check_groups(codes, scales, offsets, group_size);
-      const auto* c = static_cast<const int8_t*>(cp);
-      if (offsets)
-        skinny::panels_gemm(xp, M, K, Q8Panels<true>{c, K, g}, N, P, yp);
-      else
-        skinny::panels_gemm(xp, M, K, Q8Panels<false>{c, K, g}, N, P, yp);
-      break;
-    }
+    case at::kChar:
     case at::kByte: {
-      const Groups g = check_groups(codes, scales, offsets, group_size);
+      const Groups g = check_groups(P, K, scales, offsets, group_size);
       const auto* c = static_cast<const uint8_t*>(cp);
-      if (offsets)
-        skinny::panels_gemm(xp, M, K, Q4Panels<true>{c, K, g}, N, P, yp);
-      else
-        skinny::panels_gemm(xp, M, K, Q4Panels<false>{c, K, g}, N, P, yp);
+      const bool q4 = dtype == at::kByte;
+      if (q4 && offsets) quad_panels_gemm<true, true>(xp, M, K, c, g, N, P, int8, yp);
+      else if (q4) quad_panels_gemm<true, false>(xp, M, K, c, g, N, P, int8, yp);
+      else if (offsets) quad_panels_gemm<false, true>(xp, M, K, c, g, N, P, int8, yp);
+      else quad_panels_gemm<false, false>(xp, M, K, c, g, N, P, int8, yp);
       break;
     }
     default:
@@ -248,9 +340,10 @@ at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& codes,
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes,
                         const std::optional<at::Tensor>& scales,
                         const std::optional<at::Tensor>& offsets, int64_t group_size,
-                        int64_t out_features, const std::optional<at::Tensor>& bias) {
+                        int64_t out_features, const std::optional<at::Tensor>& bias,
+                        bool int8_activations) {
   return skinny::linear_over_rows(x, out_features, bias, [&](const at::Tensor& rows) {
-    return quant_gemm(rows, codes, scales, offsets, group_size, out_features);
+    return quant_gemm(rows, codes, scales, offsets, group_size, out_features, int8_activations);
   });
 }
 
@@ -258,7 +351,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes,
 
 TORCH_LIBRARY_FRAGMENT(PAGEDLLM_NS, m) {
   m.def("quant_linear(Tensor x, Tensor codes, Tensor? scales, Tensor? offsets, int group_size, "
-        "int out_features, Tensor? bias) -> Tensor");
+        "int out_features, Tensor? bias, bool int8_activations=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(PAGEDLLM_NS, CPU, m) { m.impl("quant_linear", &quant_linear); }

@@ -8,9 +8,11 @@
 // of row k of panel p widened to floats, with (kScaled, kOffset) ``scale_row(p, k)`` /
 // ``offset_row(p, k)`` and ``group_size()``, and ``row_bytes(p, k)``, where the row lies
 // (kRowBytes long): a k block is converted into an L1 buffer (kBlockK x kPanel floats) that
-// every row tile of the chunk reads, or, for a single row, straight into registers. Both
-// compute a weight by ``value``, so it is the same float whatever the row count, and every path
-// sums in the same order: a row's result does not depend on its batch in any format.
+// every row tile of the chunk reads, or, for a single row, straight into registers. Formats
+// whose codes lie in quads of 4 k (kQuads: q8/q4) also give ``quad(p, k / 4, v, f)``, the 4
+// rows' vectors v from one load, which both conversions use. Both compute a weight by
+// ``value_of``, so it is the same float whatever the row count, and every path sums in the
+// same order: a row's result does not depend on its batch in any format.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -143,12 +145,15 @@ constexpr int64_t kRowVecs = kPanel / kW;  // vectors per panel row (one k)
 // group's scale, plus its offset, in one fused multiply-add (the formats without them: the
 // code itself). ``s`` and ``o`` point at the group's scales and offsets for the row's column 0.
 template <class Source>
-inline vfloat value(const Source& src, int64_t p, int64_t k, int v, const vfloat& s,
-                    const vfloat& o) {
-  const vfloat f = src.code(p, k, v);
+inline vfloat value_of(const vfloat& f, const vfloat& s, const vfloat& o) {
   if constexpr (Source::kOffset) return f * s + o;
   if constexpr (Source::kScaled) return f * s;
   return f;
+}
+template <class Source>
+inline vfloat value(const Source& src, int64_t p, int64_t k, int v, const vfloat& s,
+                    const vfloat& o) {
+  return value_of<Source>(src.code(p, k, v), s, o);
 }
 
 template <class Source>
@@ -159,9 +164,36 @@ inline void prefetch_next_block(const Source& src, int64_t p, int64_t k) {
 
 // Rows k0..k0+kl of panel p converted by ``src`` into ``buf`` ([kl][kPanel] floats), the
 // source's stream prefetched one block ahead (as the float32 tiles prefetch their panels).
+// Sources whose codes lie in quads of 4 k (kQuads: q8/q4) give the 4 rows' vectors from one
+// load (``quad(p, k / 4, v, f)``); k0 is then a multiple of 4.
 template <class Source>
 inline const float* convert_block(const Source& src, int64_t p, int64_t k0, int64_t kl,
                                   float* __restrict buf) {
+  if constexpr (Source::kQuads) {
+    for (int64_t k = k0; k < k0 + kl; k += 4) {
+      const int rows = int(std::min<int64_t>(4, k0 + kl - k));  // < 4: the end of K
+      const float* s[4] = {};
+      const float* o[4] = {};
+      for (int j = 0; j < rows; ++j) {
+        prefetch_next_block(src, p, k + j);
+        if constexpr (Source::kScaled) s[j] = src.scale_row(p, k + j);
+        if constexpr (Source::kOffset) o[j] = src.offset_row(p, k + j);
+      }
+#pragma GCC unroll 8
+      for (int v = 0; v < kRowVecs; ++v) {
+        vfloat f[4];
+        src.quad(p, k / 4, v, f);
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j) {
+          if (j >= rows) break;
+          const vfloat sv = Source::kScaled ? load(s[j] + v * kW) : vfloat{};
+          const vfloat ov = Source::kOffset ? load(o[j] + v * kW) : vfloat{};
+          store(buf + (k + j - k0) * kPanel + v * kW, value_of<Source>(f[j], sv, ov));
+        }
+      }
+    }
+    return buf;
+  }
   for (int64_t k = k0; k < k0 + kl; ++k) {
     prefetch_next_block(src, p, k);
     const float* s = Source::kScaled ? src.scale_row(p, k) : nullptr;
@@ -190,6 +222,42 @@ inline void row_times_block(const float* __restrict x, const Source& src, int64_
     vfloat acc[kPart], s[kPart], o[kPart];
 #pragma GCC unroll 4
     for (int v = 0; v < kPart; ++v) acc[v] = s[v] = o[v] = vfloat{};
+    if constexpr (Source::kQuads) {
+      // A quad's 4 k from one load, in the same k order per column; groups start at quads
+      // (a multiple of 4 k; others take the row-by-row loop below).
+      if (src.group_size() % 4 == 0) {
+        for (int64_t k = k0; k < k0 + kl; k += 4) {
+          const int rows = int(std::min<int64_t>(4, k0 + kl - k));  // < 4: the end of K
+          if (v0 == 0)
+            for (int j = 0; j < rows; ++j) prefetch_next_block(src, p, k + j);
+          if (k == k0 || k % src.group_size() == 0) {
+#pragma GCC unroll 4
+            for (int v = 0; v < kPart; ++v) {
+              s[v] = load(src.scale_row(p, k) + (v0 + v) * kW);
+              if constexpr (Source::kOffset) o[v] = load(src.offset_row(p, k) + (v0 + v) * kW);
+            }
+          }
+          const float* a = x + (k - k0);
+#pragma GCC unroll 4
+          for (int v = 0; v < kPart; ++v) {
+            vfloat f[4];
+            src.quad(p, k / 4, v0 + v, f);
+            if (rows == 4) {
+#pragma GCC unroll 4
+              for (int j = 0; j < 4; ++j) acc[v] += a[j] * value_of<Source>(f[j], s[v], o[v]);
+            } else {
+              for (int j = 0; j < rows; ++j) acc[v] += a[j] * value_of<Source>(f[j], s[v], o[v]);
+            }
+          }
+        }
+#pragma GCC unroll 4
+        for (int v = 0; v < kPart; ++v) {
+          float* dst = c + (v0 + v) * kW;
+          store(dst, k0 == 0 ? acc[v] : load(dst) + acc[v]);
+        }
+        continue;
+      }
+    }
     for (int64_t k = k0; k < k0 + kl; ++k) {
       if (v0 == 0) prefetch_next_block(src, p, k);
       if constexpr (Source::kScaled) {
@@ -269,7 +337,8 @@ void panels_gemm(const float* xp, int64_t M, int64_t K, const Source& src, int64
 }
 
 // The checks and the output every panel GEMM shares: x [M, K] float32 against a weight of P
-// panels [P, K, width] holding out_features rows (width: 64 values, or 32 bytes of q4 pairs).
+// panels [P, ceil(K / k_per_row), width] holding out_features rows (width: 64 values; the
+// quad blocks of q8/q4: k_per_row 4, 256 or 128 bytes).
 // ``done`` when there is nothing left to compute: y is then the answer already (empty, or
 // zeros when K == 0).
 struct PanelCall {
@@ -279,12 +348,12 @@ struct PanelCall {
 };
 
 inline PanelCall begin_panel_call(const at::Tensor& x, const at::Tensor& panels, int64_t width,
-                                  int64_t out_features) {
+                                  int64_t out_features, int64_t k_per_row = 1) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be a 2-D float32 tensor");
   TORCH_CHECK(panels.dim() == 3 && panels.is_contiguous() && panels.size(2) == width,
               "the weight must be contiguous [P, K, ", width, "] panels");
-  TORCH_CHECK(panels.size(1) == x.size(1), "x has ", x.size(1), " columns, the weight ",
-              panels.size(1));
+  TORCH_CHECK(panels.size(1) == (x.size(1) + k_per_row - 1) / k_per_row, "x has ", x.size(1),
+              " columns, the weight ", panels.size(1), " rows of ", k_per_row, " k");
   TORCH_CHECK(out_features > (panels.size(0) - 1) * kPanel && out_features <= panels.size(0) * kPanel,
               "out_features does not match the number of panels");
   PanelCall call{x.contiguous(), at::Tensor(), x.size(0), x.size(1), out_features, panels.size(0),

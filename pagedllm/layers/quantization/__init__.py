@@ -4,7 +4,8 @@ kept in that format in memory and multiplied by pagedllm's CPU kernel (csrc/quan
 - quantized_weight.py  ``QuantizedWeight``: the packed weight, built from plain arrays
                        (``from_half``, ``from_q8``, ``from_q4``), ``dequantize()``, ``nbytes``;
                        the table of GGUF/AWQ/GPTQ types and the layout each maps to
-- linear_method.py     one ``LinearMethod`` per format, ``set_quantized_weight(layer, qweight)``
+- linear_method.py     one ``LinearMethod`` per format, ``set_quantized_weight(layer, qweight)``,
+                       ``set_quantization_activations(model, "int8")`` (csrc/int8_gemm.h)
 - round_to_nearest.py  ``quantize_linear(weight, "q8_0" | "q4_0")``: quantization at load
 - quantized_layers.py  ``GroupQuant`` (a loader's unpacked tensor) and the loaders' shared
                        mechanism: plan the layers that stay quantized, drop their float
@@ -18,10 +19,11 @@ from __future__ import annotations
 from pagedllm.layers.quantization.linear_method import (HalfLinearMethod, LinearMethod,
                                                         Q4LinearMethod, Q8LinearMethod,
                                                         kernel_matches_float64,
+                                                        set_quantization_activations,
                                                         set_quantized_weight)
 from pagedllm.layers.quantization.quantized_weight import FORMATS, QuantizedWeight
 from pagedllm.layers.quantization.round_to_nearest import SCHEMES, quantize_linear
 
 __all__ = ["FORMATS", "SCHEMES", "HalfLinearMethod", "LinearMethod", "Q4LinearMethod",
            "Q8LinearMethod", "QuantizedWeight", "kernel_matches_float64", "quantize_linear",
-           "set_quantized_weight"]
+           "set_quantization_activations", "set_quantized_weight"]

@@ -14,6 +14,9 @@ the weight (``weight`` is then None), and ``layers/linear.linear`` calls
 
 Every method runs ``pagedllm::quant_linear`` (csrc/quant_gemm.cpp): float32 activations and
 sums whatever the weight's format (x of another dtype is widened, the result narrowed back).
+The q8/q4 methods can instead quantize the activations to int8 (``activations="int8"``, the
+engine's ``quantization_activations``; csrc/int8_gemm.h): llama.cpp's integer dot products, on
+the same panels, at every row count (so a row's bits still never depend on its batch).
 """
 from __future__ import annotations
 
@@ -26,12 +29,21 @@ from pagedllm.layers.cpu_extension import load_cpu_ops
 from pagedllm.layers.quantization.quantized_weight import QuantizedWeight
 from pagedllm.layers.quantization.round_to_nearest import quantize_linear
 
+ACTIVATIONS = ("float32", "int8")  # ModelConfig.quantization_activations
+
 
 class LinearMethod:
     """The base: ``apply`` through the kernel on ``layer.qweight``; subclasses say how a loaded
     float weight becomes one."""
 
     formats: tuple[str, ...] = ()
+    activations = "float32"  # "int8": int8-quantized activations (q8/q4 methods only)
+
+    def __init__(self, activations: str = "float32") -> None:
+        if activations not in ACTIVATIONS:
+            raise ModelLoadError(f"quantization activations {activations!r} are not supported; "
+                                 f"supported: {', '.join(ACTIVATIONS)}")
+        self.activations = activations
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Convert ``layer.weight`` (loaded) into ``layer.qweight``; nothing when the loader
@@ -47,7 +59,7 @@ class LinearMethod:
         qw: QuantizedWeight = layer.qweight
         y = torch.ops.pagedllm.quant_linear(
             x.float(), qw.codes, qw.scales, qw.offsets, qw.group_size, qw.out_features,
-            None if bias is None else bias.float())
+            None if bias is None else bias.float(), self.activations == "int8")
         return y.to(x.dtype)
 
 
@@ -83,6 +95,22 @@ class Q4LinearMethod(LinearMethod):
 
 _METHODS = {fmt: cls for cls in (HalfLinearMethod, Q8LinearMethod, Q4LinearMethod)
             for fmt in cls.formats}
+
+
+def set_quantization_activations(model: nn.Module, activations: str) -> int:
+    """Run every q8/q4 layer of ``model`` (after loading) with ``activations`` ("float32": the
+    exact path, "int8": int8-quantized activations); returns how many layers that is. bf16/fp16
+    and float32 layers are left as they are (their activations stay float32)."""
+    if activations not in ACTIVATIONS:
+        raise ModelLoadError(f"quantization activations {activations!r} are not supported; "
+                             f"supported: {', '.join(ACTIVATIONS)}")
+    count = 0
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if isinstance(method, (Q8LinearMethod, Q4LinearMethod)):
+            module.quant_method = type(method)(activations)
+            count += 1
+    return count
 
 
 def set_quantized_weight(layer: nn.Module, qweight: QuantizedWeight, check: bool = True) -> None:

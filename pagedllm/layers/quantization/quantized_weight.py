@@ -48,10 +48,13 @@ _HALF_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 @dataclass(frozen=True)
 class QuantizedWeight:
-    """A weight [out_features, in_features] as panels: ``codes`` [P, in, 64] (q4: [P, in, 32],
-    byte j of a k holding column j low and column j + 32 high), ``scales`` and ``offsets``
+    """A weight [out_features, in_features] as panels: bf16/fp16 ``codes`` [P, in, 64]; q8/q4
+    codes in quad blocks, a column's 4 consecutive k in adjacent bytes (the int8-activation
+    path's integer dot products read them as they lie, the float path picks one byte of four):
+    q8 [P, ceil(in / 4), 64 x 4] int8, q4 [P, ceil(in / 4), 32 x 4] bytes, byte 4j + i of a
+    quad holding column j (k = 4q + i) low and column j + 32 high. ``scales`` and ``offsets``
     float32 [P, in / group_size, 64] (None for bf16/fp16; offsets None: no offset). Zero rows
-    pad the last panel."""
+    pad the last panel, zero codes the last quad."""
 
     format: str
     out_features: int
@@ -80,7 +83,7 @@ class QuantizedWeight:
         if codes_t.dtype != torch.int8:
             raise ModelLoadError(f"q8 codes must be int8, got {codes_t.dtype}")
         scales_t, offsets_t = _check_groups("q8", codes_t, scales, offsets, group_size)
-        return cls("q8", *codes_t.shape, _to_panels(codes_t), _to_panels(scales_t),
+        return cls("q8", *codes_t.shape, _to_quads(_to_panels(codes_t)), _to_panels(scales_t),
                    None if offsets_t is None else _to_panels(offsets_t), group_size)
 
     @classmethod
@@ -97,7 +100,7 @@ class QuantizedWeight:
         panels = _to_panels(codes_t.to(torch.uint8))  # [P, in, 64]
         half = PANEL // 2
         packed = panels[..., :half] | (panels[..., half:] << 4)  # [P, in, 32]
-        return cls("q4", *codes_t.shape, packed.contiguous(), _to_panels(scales_t),
+        return cls("q4", *codes_t.shape, _to_quads(packed), _to_panels(scales_t),
                    None if offsets_t is None else _to_panels(offsets_t), group_size)
 
     # -- reading -------------------------------------------------------------------------------
@@ -113,7 +116,7 @@ class QuantizedWeight:
         if self.format in ("bf16", "fp16"):
             values = self.codes.double()  # [P, in, 64]
         else:
-            codes = self.codes
+            codes = _from_quads(self.codes, self.in_features)  # [P, in, 64 or 32]
             if self.format == "q4":
                 codes = torch.cat((codes & 15, codes >> 4), dim=-1)  # [P, in, 64]
             # [P, in / G, 64] -> [P, in, 64]: each group's row repeated over its G inputs.
@@ -131,6 +134,22 @@ def _to_panels(matrix: torch.Tensor) -> torch.Tensor:
     out_features, cols = matrix.shape
     padded = torch.cat((matrix, matrix.new_zeros(-out_features % PANEL, cols)))
     return padded.view(-1, PANEL, cols).transpose(1, 2).contiguous()
+
+
+def _to_quads(panels: torch.Tensor) -> torch.Tensor:
+    """[P, in, width] -> [P, ceil(in / 4), width * 4]: each column's 4 consecutive k adjacent,
+    zero k padding the last quad."""
+    num_panels, cols, width = panels.shape
+    padded = torch.cat((panels, panels.new_zeros(num_panels, -cols % 4, width)), dim=1)
+    # [P, in / 4, 4 (k), width] -> [P, in / 4, width, 4 (k)]
+    return padded.view(num_panels, -1, 4, width).transpose(2, 3).reshape(num_panels, -1, width * 4)
+
+
+def _from_quads(quads: torch.Tensor, cols: int) -> torch.Tensor:
+    """_to_quads undone: [P, in / 4, width * 4] -> [P, in, width]."""
+    num_panels, num_quads, quad_bytes = quads.shape
+    per_k = quads.view(num_panels, num_quads, quad_bytes // 4, 4).transpose(2, 3)
+    return per_k.reshape(num_panels, num_quads * 4, quad_bytes // 4)[:, :cols]
 
 
 def _check_groups(fmt: str, codes: torch.Tensor, scales: np.ndarray | torch.Tensor,

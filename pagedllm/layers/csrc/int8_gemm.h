@@ -1,0 +1,292 @@
+// The q8/q4 panels times activations quantized to int8 (llama.cpp's strategy for its quantized
+// matmuls; the float path is quant_gemm.cpp's, on the same panels). Why a second path: with
+// float32 activations every code is widened to a float before its multiply-add, and at a few
+// rows that conversion, not the memory stream, bounds the kernel. Here each x row is quantized
+// once per call, and a column's codes meet it in integer dot products of 4 k at a time, the
+// codes used as they lie in memory:
+//
+//   q8 quad block [64 columns][4 k] int8: one vector = kW columns x 4 k;
+//   q4 quad block [32 bytes][4 k]: byte (j, i) holds column j, k = 4q + i in its low nibble and
+//   column j + 32 in its high one, so one vector gives the low columns j.. and the high j + 32..
+//
+// AVX2: _mm256_maddubs_epi16 (unsigned x signed bytes, pairs summed to int16) then
+// _mm256_madd_epi16 by ones (the two pairs to int32); AVX-512: the same on 512 bits, or one
+// _mm512_dpbusd_epi32 with VNNI. maddubs wants one unsigned operand: q4 codes are (0..15); q8
+// codes are signed, so they enter as |w| with w's sign moved onto x (llama.cpp's sign trick).
+// Nothing saturates: x is in -127..127 (never -128, so its negation fits); q8's pair sums are at
+// most 2 x 128 x 127 = 32512, and q4 sums its pairs in int16 over a block of at most 8 quads
+// (8 x 2 x 15 x 127 = 30480) before widening them once.
+//
+// Activation blocks: x is quantized per row in blocks of B k, B = 32 where the weight's group
+// size G is a multiple of 32 (Q8_0, Q4_0/1, Q4_K, Q5_K, AWQ/GPTQ's 64/128), else the largest of
+// 16/8/4 dividing G (Q6_K: 16). B divides G, so a block's integer sum has one weight scale per
+// column and the float step is one multiply-add per block: y += S * (w_scale * x_scale) +
+// offset * (x_scale * sum of the block's codes), the offset being q4's mins / Q4_0's -8d / AWQ's
+// zeros. Not per weight group: blocks of 128 (AWQ) would give one outlier 128 activations'
+// worth of lost precision; not per row: worse still. A block's scale is amax / 127, its codes
+// round(x / scale) (half to even): tests/models/test_int8_activations.py rebuilds them.
+//
+// A row's result does not depend on its batch: its integer sums are exact and its float steps
+// run per block in k order whatever tile holds it. It differs from the float path's by the
+// activations' rounding: at most scale / 2 per activation, so |dy| <= sum over blocks of
+// (amax_b / 254) * sum_(k in b) |w_k| (plus float32 rounding).
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include "skinny_tiles.h"
+
+namespace int8gemm {
+
+using skinny::kPanel;
+using skinny::kW;
+using skinny::load;
+using skinny::store;
+using skinny::vfloat;
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+constexpr bool kAvailable = true;
+using ivec = __m512i;
+inline ivec iload(const void* p) { return _mm512_loadu_si512(p); }
+inline ivec bcast(int32_t v) { return _mm512_set1_epi32(v); }
+inline ivec izero() { return _mm512_setzero_si512(); }
+inline ivec low_nibbles(ivec b) { return _mm512_and_si512(b, _mm512_set1_epi8(15)); }
+inline ivec high_nibbles(ivec b) {
+  return _mm512_and_si512(_mm512_srli_epi16(b, 4), _mm512_set1_epi8(15));
+}
+inline ivec abs8(ivec w) { return _mm512_abs_epi8(w); }
+// x where w >= 0, -x where w < 0 (AVX-512 has no vpsignb; w == 0 meets |w| = 0 anyway)
+inline ivec sign8(ivec x, ivec w) {
+  return _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
+}
+inline ivec add16(ivec a, ivec b) { return _mm512_add_epi16(a, b); }
+inline ivec add32(ivec a, ivec b) { return _mm512_add_epi32(a, b); }
+inline ivec pairs(ivec u, ivec s) { return _mm512_maddubs_epi16(u, s); }
+inline ivec widen_pairs(ivec p) { return _mm512_madd_epi16(p, _mm512_set1_epi16(1)); }
+inline vfloat to_floats(ivec i) { return (vfloat)_mm512_cvtepi32_ps(i); }
+#if defined(__AVX512VNNI__)
+constexpr bool kVnni = true;
+inline ivec dpbusd(ivec acc, ivec u, ivec s) { return _mm512_dpbusd_epi32(acc, u, s); }
+#endif
+#elif defined(__AVX2__)
+constexpr bool kAvailable = true;
+using ivec = __m256i;
+inline ivec iload(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+inline ivec bcast(int32_t v) { return _mm256_set1_epi32(v); }
+inline ivec izero() { return _mm256_setzero_si256(); }
+inline ivec low_nibbles(ivec b) { return _mm256_and_si256(b, _mm256_set1_epi8(15)); }
+inline ivec high_nibbles(ivec b) {
+  return _mm256_and_si256(_mm256_srli_epi16(b, 4), _mm256_set1_epi8(15));
+}
+inline ivec abs8(ivec w) { return _mm256_abs_epi8(w); }
+inline ivec sign8(ivec x, ivec w) { return _mm256_sign_epi8(x, w); }
+inline ivec add16(ivec a, ivec b) { return _mm256_add_epi16(a, b); }
+inline ivec add32(ivec a, ivec b) { return _mm256_add_epi32(a, b); }
+inline ivec pairs(ivec u, ivec s) { return _mm256_maddubs_epi16(u, s); }
+inline ivec widen_pairs(ivec p) { return _mm256_madd_epi16(p, _mm256_set1_epi16(1)); }
+inline vfloat to_floats(ivec i) { return (vfloat)_mm256_cvtepi32_ps(i); }
+#else
+// Any other CPU: no int8 path (quant_gemm.cpp runs the float one; the engine uses torch there).
+constexpr bool kAvailable = false;
+#endif
+
+#if !defined(__AVX512VNNI__) || !defined(__AVX512F__)
+constexpr bool kVnni = false;
+#endif
+
+// x's rows quantized: codes q [M, K], per block of B k a scale and scale * (sum of its codes).
+struct QuantizedRows {
+  std::vector<int8_t> q;
+  std::vector<float> scale, sum;
+  int64_t K, B, num_blocks;
+};
+
+// B for a weight group size G (a multiple of 4): see the top of this file.
+inline int64_t block_size(int64_t group_size) {
+  for (int64_t b : {32, 16, 8, 4})
+    if (group_size % b == 0) return b;
+  return 0;
+}
+
+inline QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K, int64_t B) {
+  QuantizedRows r{std::vector<int8_t>(M * K), std::vector<float>(M * (K / B)),
+                  std::vector<float>(M * (K / B)), K, B, K / B};
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      for (int64_t b = 0; b < r.num_blocks; ++b) {
+        const float* xb = x + m * K + b * B;
+        float amax = 0.f;
+        for (int64_t k = 0; k < B; ++k) amax = std::max(amax, std::fabs(xb[k]));
+        const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+        int32_t sum = 0;
+        for (int64_t k = 0; k < B; ++k) {
+          const float v = std::clamp(std::nearbyint(xb[k] * id), -127.f, 127.f);
+          r.q[m * K + b * B + k] = static_cast<int8_t>(v);
+          sum += static_cast<int32_t>(v);
+        }
+        r.scale[m * r.num_blocks + b] = d;
+        r.sum[m * r.num_blocks + b] = d * static_cast<float>(sum);
+      }
+  });
+  return r;
+}
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+
+// Output columns in "units": unit u is one code vector of a quad block for q4 (its low nibbles
+// columns u * kW.., its high ones 32 + u * kW..), two for q8 (the same columns); kUnits of them
+// cover a panel.
+constexpr int kUnits = int(kPanel / 2 / kW);
+// Tiles (R rows x U units = 2RU accumulators): one row takes the whole panel row; more rows go
+// 4 at a time over U units (AVX2: 8 accumulators + 2 code vectors + |codes|; AVX-512: 16).
+#if defined(__AVX512F__)
+constexpr int kManyR = 4, kManyU = 2;
+#else
+constexpr int kManyR = 4, kManyU = 1;
+#endif
+constexpr int64_t kBlockK = 256;       // k per block: its codes (<= 16 KiB) stay in L1 across tiles
+constexpr int64_t kChunkRows = 64;     // rows per chunk: their codes stay in L2 across panels
+constexpr int64_t kPrefetchQuads = 16; // the first tile prefetches the stream this far ahead
+
+// The weight: codes [P, K / 4, quad bytes] (q8: 256, q4: 128), scales/offsets [P, K / G, 64].
+struct Panels {
+  const uint8_t* codes;
+  const float* scales;
+  const float* offsets;
+  int64_t K4, group_size, num_groups;
+};
+
+// acc += per column, the dot product of its 4 codes (unsigned bytes u) with x's 4 (signed s).
+template <bool Q4>
+inline ivec dot(ivec acc, ivec u, ivec s) {
+  if constexpr (kVnni) {
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+    return dpbusd(acc, u, s);
+#endif
+  } else if constexpr (Q4) {
+    return add16(acc, pairs(u, s));
+  } else {
+    return add32(acc, widen_pairs(pairs(u, s)));
+  }
+}
+template <bool Q4>
+inline ivec finish(ivec acc) {
+  if constexpr (Q4 && !kVnni) return widen_pairs(acc);
+  return acc;
+}
+
+// c[R rows][columns of units u0..u0+U) += rows m.. of x times the panel's k in [k0, k0 + kl),
+// block by block (kl a multiple of B).
+template <bool Q4, bool OFFSET, int R, int U>
+inline void tile(const Panels& w, const QuantizedRows& x, int64_t m, int64_t p, int u0, int64_t k0,
+                 int64_t kl, float* __restrict c, bool prefetch) {
+  constexpr int64_t kQuadBytes = Q4 ? kPanel * 2 : kPanel * 4;
+  const int64_t B = x.B;
+  for (int64_t b0 = k0; b0 < k0 + kl; b0 += B) {
+    ivec acc[R][U][2];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int u = 0; u < U; ++u) acc[r][u][0] = acc[r][u][1] = izero();
+    for (int64_t k = b0; k < b0 + B; k += 4) {
+      const uint8_t* quad = w.codes + (p * w.K4 + k / 4) * kQuadBytes;
+      if (prefetch) {
+        for (int64_t l = 0; l < kQuadBytes; l += 64)
+          __builtin_prefetch(quad + kPrefetchQuads * kQuadBytes + l);
+      }
+      ivec raw[U][2], wu[U][2];
+#pragma GCC unroll 4
+      for (int u = 0; u < U; ++u) {
+        if constexpr (Q4) {
+          const ivec bytes = iload(quad + (u0 + u) * kW * 4);
+          wu[u][0] = low_nibbles(bytes);
+          wu[u][1] = high_nibbles(bytes);
+        } else {
+          for (int h = 0; h < 2; ++h) {
+            raw[u][h] = iload(quad + ((u0 + u) + h * kUnits) * kW * 4);
+            wu[u][h] = abs8(raw[u][h]);
+          }
+        }
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        int32_t four;
+        std::memcpy(&four, x.q.data() + (m + r) * x.K + k, 4);
+        const ivec xb = bcast(four);
+#pragma GCC unroll 4
+        for (int u = 0; u < U; ++u)
+          for (int h = 0; h < 2; ++h)
+            acc[r][u][h] = dot<Q4>(acc[r][u][h], wu[u][h], Q4 ? xb : sign8(xb, raw[u][h]));
+      }
+    }
+    const int64_t group = (p * w.num_groups + b0 / w.group_size) * kPanel;
+    const int64_t block = b0 / B;
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const float xs = x.scale[(m + r) * x.num_blocks + block];
+      const float xsum = x.sum[(m + r) * x.num_blocks + block];
+#pragma GCC unroll 4
+      for (int u = 0; u < U; ++u)
+        for (int h = 0; h < 2; ++h) {
+          const int64_t col = (u0 + u) * kW + h * (kPanel / 2);
+          float* dst = c + r * kPanel + col;
+          vfloat v = load(dst) + to_floats(finish<Q4>(acc[r][u][h])) * (load(w.scales + group + col) * xs);
+          if constexpr (OFFSET) v += load(w.offsets + group + col) * xsum;
+          store(dst, v);
+        }
+    }
+  }
+}
+
+// 1..R rows of the many-rows tile (the row count a compile-time constant, as skinny::tile_rows).
+template <bool Q4, bool OFFSET, int R = kManyR>
+inline void tile_rows(int64_t rows, const Panels& w, const QuantizedRows& x, int64_t m, int64_t p,
+                      int u0, int64_t k0, int64_t kl, float* c, bool prefetch) {
+  if constexpr (R > 1) {
+    if (rows < R) return tile_rows<Q4, OFFSET, R - 1>(rows, w, x, m, p, u0, k0, kl, c, prefetch);
+  }
+  tile<Q4, OFFSET, R, kManyU>(w, x, m, p, u0, k0, kl, c, prefetch);
+}
+
+// y [M, N] = x W^T for x quantized into ``x``: threads take runs of panels, rows go in chunks.
+template <bool Q4, bool OFFSET>
+void panels_gemm(const Panels& w, const QuantizedRows& x, int64_t M, int64_t N, int64_t P,
+                 float* yp) {
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<float> c(std::min(M, kChunkRows) * kPanel);
+    for (int64_t r0 = 0; r0 < M; r0 += kChunkRows) {
+      const int64_t rows = std::min(kChunkRows, M - r0);
+      for (int64_t p = p0; p < p1; ++p) {
+        std::fill(c.begin(), c.begin() + rows * kPanel, 0.f);
+        for (int64_t k0 = 0; k0 < x.K; k0 += kBlockK) {
+          const int64_t kl = std::min(kBlockK, x.K - k0);
+          if (rows == 1) {
+            tile<Q4, OFFSET, 1, kUnits>(w, x, r0, p, 0, k0, kl, c.data(), true);
+            continue;
+          }
+          for (int u0 = 0; u0 < kUnits; u0 += kManyU)
+            for (int64_t m0 = 0; m0 < rows; m0 += kManyR)
+              tile_rows<Q4, OFFSET>(std::min<int64_t>(kManyR, rows - m0), w, x, r0 + m0, p, u0,
+                                    k0, kl, c.data() + m0 * kPanel, m0 == 0 && u0 == 0);
+        }
+        const int64_t cols = std::min(kPanel, N - p * kPanel);
+        for (int64_t m = 0; m < rows; ++m)
+          std::memcpy(yp + (r0 + m) * N + p * kPanel, c.data() + m * kPanel, cols * sizeof(float));
+      }
+    }
+  });
+}
+
+#endif  // AVX2 or AVX-512
+
+}  // namespace int8gemm
