@@ -16,7 +16,7 @@ pagedllm's peak RSS is reported against the file size plus its KV budget.
 
     bash benchmarks/setup_llama_cpp.sh      # once: llama.cpp for this CPU, and its converter
     python -m benchmarks.gguf [--shape qwen2.5-0.5b llama-3.2-1b] [--type Q4_K_M Q8_0 Q4_0]
-                              [--rounds 3] [--no-llama-cpp] [--skip batch]
+                              [--rounds 3] [--no-llama-cpp] [--skip batch] [--activations int8]
 Prints one line per (shape, type) with both engines' medians and the ratios.
 """
 from __future__ import annotations
@@ -120,13 +120,14 @@ def read_bandwidth() -> float:
 class PagedLLM:
     """pagedllm on one GGUF file, answering the same jobs as the llama.cpp peer."""
 
-    def __init__(self, path: Path, threads: int) -> None:
+    def __init__(self, path: Path, threads: int, activations: str = "float32") -> None:
         from pagedllm import LLM
 
         import torch
         torch.set_num_threads(threads)
         self.llm = LLM(str(path), max_model_len=2048, kv_cache_memory_bytes=KV_BUDGET,
-                       enable_prefix_caching=False, max_num_seqs=64, seed=0)
+                       enable_prefix_caching=False, max_num_seqs=64, seed=0,
+                       quantization_activations=activations)
 
     def _generate(self, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
         from pagedllm import SamplingParams
@@ -183,7 +184,7 @@ def _rate(name: str, job: dict, r: dict) -> float:
 
 def bench_file(path: Path, args: argparse.Namespace, bandwidth: float) -> dict:
     jobs = _jobs(set(args.skip))
-    engines: dict[str, object] = {"pagedllm": PagedLLM(path, args.threads)}
+    engines: dict[str, object] = {"pagedllm": PagedLLM(path, args.threads, args.activations)}
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     if args.llama_cpp:
         n_ctx = 32 * 1024
@@ -236,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--no-llama-cpp", dest="llama_cpp", action="store_false")
     p.add_argument("--skip", nargs="*", default=[], choices=["decode", "prefill", "batch"])
+    p.add_argument("--activations", choices=["float32", "int8"], default="float32",
+                   help="pagedllm's quantization_activations (int8: llama.cpp's strategy)")
     p.add_argument("--json", metavar="FILE")
     args = p.parse_args(argv)
     from pagedllm.layers.cpu_extension import cpu_description
@@ -251,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
                 with tempfile.NamedTemporaryFile(suffix=".json") as out:
                     subprocess.run([sys.executable, "-m", "benchmarks.gguf", "--shape", shape,
                                     "--type", type_name, "--rounds", str(args.rounds),
-                                    "--threads", str(args.threads), "--json", out.name]
+                                    "--threads", str(args.threads), "--json", out.name,
+                                    "--activations", args.activations]
                                    + ([] if args.llama_cpp else ["--no-llama-cpp"])
                                    + (["--skip", *args.skip] if args.skip else []),
                                    check=True, stdout=subprocess.DEVNULL, cwd=REPO_ROOT)
@@ -259,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 result = bench_file(path, args, bandwidth)
             result["shape"], result["type"] = shape, type_name
+            result["activations"] = args.activations
             results.append(result)
             print(_line(result), flush=True)
     write_json(args.json, {"cpu": cpu_description(), "results": results})
@@ -267,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _line(r: dict) -> str:
     m = r["medians"]
-    parts = [f"{r['shape']} {r['type']}:"]
+    parts = [f"{r['shape']} {r['type']} ({r.get('activations', 'float32')} activations):"]
     for name in m["pagedllm"]:
         text = f"{name} {m['pagedllm'][name]:.1f} tok/s"
         if "llama.cpp" in m:

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 
 from pagedllm.errors import ModelLoadError
 from pagedllm.layers.cpu_extension import can_run, load_cpu_ops, native_isa
-from pagedllm.layers.quantization import (Q8LinearMethod, QuantizedWeight,
-                                          set_quantization_activations)
+from pagedllm.layers.quantization import Q8LinearMethod, set_quantization_activations
+from test_quant_kernels import _weight  # the random q8/q4 weights both kernel tests use
 
 pytestmark = pytest.mark.skipif(load_cpu_ops() is None or native_isa() is None,
                                 reason="no AVX2/AVX-512 CPU kernels here")
@@ -29,16 +29,6 @@ ROWS = (1, 2, 3, 4, 5, 8, 33, 72, 257)
 CASES = [("q8", 130, 320, 32, False), ("q8", 33, 48, 16, True), ("q8", 70, 256, 128, True),
          ("q8", 100, 96, 48, False), ("q4", 70, 256, 128, True), ("q4", 100, 96, 32, False),
          ("q4", 64, 160, 16, True), ("q4", 129, 384, 32, True)]
-
-
-def _weight(fmt: str, n: int, k: int, group: int, offsets: bool, gen: torch.Generator) -> QuantizedWeight:
-    scales = torch.rand(n, k // group, generator=gen) + 0.01
-    offs = torch.randn(n, k // group, generator=gen) if offsets else None
-    if fmt == "q8":
-        codes = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
-        return QuantizedWeight.from_q8(codes, scales, offs, group)
-    codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
-    return QuantizedWeight.from_q4(codes, scales, offs, group)
 
 
 def _block(group: int) -> int:
