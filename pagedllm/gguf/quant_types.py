@@ -8,6 +8,8 @@ offset) per group of G consecutive input elements of a row: ``value = code * sca
     Q8_0   32 x int8        q8  G=32  codes -128..127   d              none
     Q4_0   32 x 4 bit       q4  G=32  codes 0..15       d              -8 d
     Q4_1   32 x 4 bit       q4  G=32  codes 0..15       d              m
+    Q5_0   32 x 5 bit       q8  G=32  codes 0..31       d              -16 d
+    Q5_1   32 x 5 bit       q8  G=32  codes 0..31       d              m
     Q4_K   256 = 8 x 32     q4  G=32  codes 0..15       d * sc[j]      -dmin * m[j]
     Q5_K   256 = 8 x 32     q8  G=32  codes 0..31       d * sc[j]      -dmin * m[j]
     Q6_K   256 = 16 x 16    q8  G=16  codes -32..31     d * sc[j]      none
@@ -26,12 +28,13 @@ import numpy as np
 from pagedllm.layers.quantization.quantized_layers import GroupQuant
 
 # ggml type ids (ggml.h's enum ggml_type), the ones pagedllm reads.
-F32, F16, Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 3, 8, 12, 13, 14, 30
+F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 30
 
 # type id -> (name, elements per block, bytes per block)
 TYPE_INFO: dict[int, tuple[str, int, int]] = {
     F32: ("F32", 1, 4), F16: ("F16", 1, 2), BF16: ("BF16", 1, 2),
     Q8_0: ("Q8_0", 32, 34), Q4_0: ("Q4_0", 32, 18), Q4_1: ("Q4_1", 32, 20),
+    Q5_0: ("Q5_0", 32, 22), Q5_1: ("Q5_1", 32, 24),
     Q4_K: ("Q4_K", 256, 144), Q5_K: ("Q5_K", 256, 176), Q6_K: ("Q6_K", 256, 210),
 }
 FLOAT_TYPES = frozenset({F32, F16, BF16})
@@ -103,6 +106,24 @@ def _q4_1(blocks):
     return "q4", _nibbles(blocks[:, 4:], 16), d, m, 32
 
 
+def _five_bit(blocks, start: int) -> np.ndarray:
+    """Q5_0/Q5_1 codes 0..31: 4 bytes of fifth bits at ``start`` (bit j of the little-endian
+    word belongs to element j), then 16 bytes of low nibbles (elements 0-15 low, 16-31 high)."""
+    low = _nibbles(blocks[:, start + 4:start + 20], 16).reshape(-1, 32)
+    high = np.unpackbits(blocks[:, start:start + 4], axis=1, bitorder="little")
+    return (low | (high << 4)).astype(np.int8)
+
+
+def _q5_0(blocks):
+    d = _f16(blocks, 0)
+    return "q8", _five_bit(blocks, 2), d, d * np.float32(-16), 32
+
+
+def _q5_1(blocks):
+    d, m = _f16(blocks, 0), _f16(blocks, 2)
+    return "q8", _five_bit(blocks, 4), d, m, 32
+
+
 def _k_scales_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The 8 six-bit scales and 8 six-bit mins of a Q4_K/Q5_K super-block from its 12 bytes:
     bytes 0-3 hold scales 0-3 (low 6 bits) and the top 2 bits of scales 4-7; bytes 4-7 the same
@@ -150,4 +171,5 @@ def _q6_k(blocks):
     return "q8", codes, scales, None, 16
 
 
-_UNPACKERS = {Q8_0: _q8_0, Q4_0: _q4_0, Q4_1: _q4_1, Q4_K: _q4_k, Q5_K: _q5_k, Q6_K: _q6_k}
+_UNPACKERS = {Q8_0: _q8_0, Q4_0: _q4_0, Q4_1: _q4_1, Q5_0: _q5_0, Q5_1: _q5_1, Q4_K: _q4_k,
+               Q5_K: _q5_k, Q6_K: _q6_k}

@@ -40,8 +40,8 @@ def _encoded(type_id: int, rows: int, cols: int) -> np.ndarray:
     return gguf.quants.quantize(w, type_id)
 
 
-@pytest.mark.parametrize("type_id", [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K,
-                                     T.Q5_K, T.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("type_id", [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0,
+                                     T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K], ids=lambda t: t.name)
 def test_unpack_is_bit_exact(type_id):
     rows, cols = 5, 768
     data = _encoded(type_id, rows, cols)
@@ -52,6 +52,7 @@ def test_unpack_is_bit_exact(type_id):
         return
     kind, group, low, high = {T.Q8_0: ("q8", 32, -128, 127), T.Q4_0: ("q4", 32, 0, 15),
                               T.Q4_1: ("q4", 32, 0, 15), T.Q4_K: ("q4", 32, 0, 15),
+                              T.Q5_0: ("q8", 32, 0, 31), T.Q5_1: ("q8", 32, 0, 31),
                               T.Q5_K: ("q8", 32, 0, 31), T.Q6_K: ("q8", 16, -32, 31)}[type_id]
     assert (ours.kind, ours.group_size, ours.scales.shape) == (kind, group, (rows, cols // group))
     assert low <= ours.codes.min() and ours.codes.max() <= high
@@ -116,6 +117,10 @@ def _types(spec: str):
         if spec == "q8_0":
             return T.Q8_0
         if spec == "q4_0_q4_1":
+            # and the 5-bit types llama.cpp's k-quant mixes fall back to on rows that are
+            # not whole 256-blocks (Qwen2.5-0.5B's 896)
+            if "attn_k" in name or "attn_v" in name:
+                return T.Q5_0 if "attn_k" in name else T.Q5_1
             return T.Q4_1 if "ffn" in name else T.Q4_0
         # Q4_K_M-like: Q4_K, with Q6_K for attn_v, ffn_down and the head, Q5_K for attn_k
         # (fused q/k/v then holds three formats), the embedding Q8_0
