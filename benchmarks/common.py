@@ -127,19 +127,26 @@ def build_model(name: str = "qwen3-58m", folder: str | Path | None = None) -> Pa
     """Build (once) the random model ``name`` into ``folder`` and return the folder."""
     spec = MODEL_CONFIGS[name]
     folder = Path(folder) if folder is not None else CACHE_DIR / f"bench-{name}"
-    stamp = folder / "pagedllm_bench.json"
-    if stamp.is_file() and json.loads(stamp.read_text()) == spec:
+    # Configs with experts are Qwen3-MoE, the others dense Qwen3.
+    return build_random_model("Qwen3Moe" if "num_experts" in spec else "Qwen3", spec, folder,
+                              stamp=spec)
+
+
+def build_random_model(kind: str, fields: dict, folder: Path, stamp: object) -> Path:
+    """Build (once: ``stamp`` is compared with the one the folder holds) transformers'
+    ``{kind}ForCausalLM`` with random weights (seed 0) from the config ``fields`` into
+    ``folder``, with the benchmark tokenizer; return the folder."""
+    stamp_file = folder / "pagedllm_bench.json"
+    if stamp_file.is_file() and json.loads(stamp_file.read_text()) == stamp:
         return folder
     if not (TOKENIZER_DIR / "tokenizer.json").is_file():
         raise SystemExit(f"the benchmark tokenizer is missing: {TOKENIZER_DIR}")
-    log(f"building the random {name} model into {folder} ...")
+    log(f"building the random {kind} model into {folder} ...")
     import torch
     import transformers
 
-    # Configs with experts are Qwen3-MoE, the others dense Qwen3.
-    kind = "Qwen3Moe" if "num_experts" in spec else "Qwen3"
     torch.manual_seed(0)
-    config = getattr(transformers, f"{kind}Config")(**spec, dtype="float32")
+    config = getattr(transformers, f"{kind}Config")(**fields, dtype="float32")
     model = getattr(transformers, f"{kind}ForCausalLM")(config).eval()
     # Build beside the target and rename, so an interrupted build never leaves a half folder.
     tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
@@ -148,7 +155,7 @@ def build_model(name: str = "qwen3-58m", folder: str | Path | None = None) -> Pa
     for f in TOKENIZER_DIR.iterdir():
         if f.is_file():
             shutil.copy(f, tmp / f.name)
-    (tmp / "pagedllm_bench.json").write_text(json.dumps(spec))
+    (tmp / "pagedllm_bench.json").write_text(json.dumps(stamp))
     shutil.rmtree(folder, ignore_errors=True)
     folder.parent.mkdir(parents=True, exist_ok=True)
     os.replace(tmp, folder)
@@ -161,11 +168,16 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--model-config", default="qwen3-58m", choices=sorted(MODEL_CONFIGS),
                    help="which random model to build when --model is not given")
     g.add_argument("--model-dir", help="where to build it (default: ~/.cache/pagedllm/bench-NAME)")
-    g.add_argument("--device", default="auto", help="cpu, cuda or auto")
-    g.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
-    g.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
-                   help="an extra pagedllm engine argument, e.g. max_num_seqs=64 (repeatable)")
+    add_engine_args(g)
     parser.add_argument("--json", metavar="FILE", help="also write the results to this JSON file")
+
+
+def add_engine_args(group: argparse._ActionsContainer) -> None:
+    """--device, --dtype and --engine-arg: what ``engine_args`` reads."""
+    group.add_argument("--device", default="auto", help="cpu, cuda or auto")
+    group.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+    group.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
+                       help="an extra pagedllm engine argument, e.g. max_num_seqs=64 (repeatable)")
 
 
 def resolve_model(args: argparse.Namespace) -> str:

@@ -158,7 +158,3 @@ class FullAttentionManager:
                 if block.ref_cnt == 1:
                     self.block_pool.uncache_block(block)
         self.block_pool.free_blocks([b for b in reversed(blocks) if b is not NULL_BLOCK])
-
-    def max_num_blocks(self, num_tokens: int, max_chunk: int) -> int:
-        """The most blocks one request of ``num_tokens`` tokens ever holds in this group."""
-        return cdiv(num_tokens, self.block_size)

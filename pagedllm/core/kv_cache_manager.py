@@ -25,14 +25,15 @@ from pagedllm.core.block_hash import extend_block_hashes
 from pagedllm.core.block_pool import NULL_BLOCK, BlockPool, KVCacheBlock
 from pagedllm.core.full_attention_manager import NO_BLOCKS, FullAttentionManager, cdiv
 from pagedllm.core.request import Request
-from pagedllm.core.sliding_window_manager import SlidingWindowManager
+from pagedllm.core.sliding_window_manager import SlidingWindowManager, max_window_blocks
 
 # Per KV cache group, some blocks of one request (hits, new blocks).
 KVCacheBlocks = tuple[list[KVCacheBlock], ...]
 # The shared "nothing new in any group" result of allocate_slots; callers never mutate it.
 NO_NEW_BLOCKS: KVCacheBlocks = ()
 
-__all__ = ["KVCacheBlocks", "KVCacheManager", "NO_NEW_BLOCKS", "PrefixCacheStats", "cdiv"]
+__all__ = ["KVCacheBlocks", "KVCacheManager", "NO_NEW_BLOCKS", "PrefixCacheStats", "cdiv",
+           "max_blocks_per_request"]
 
 
 @dataclass(slots=True)
@@ -79,8 +80,9 @@ class KVCacheManager:
 
     @property
     def req_to_blocks(self) -> dict[str, list[KVCacheBlock]]:
-        """The first group's block tables (the step trace and the explain tools draw one table
-        per request)."""
+        """Group 0's block tables only: its keys are every request that holds blocks (each
+        request has a table in every group or none), its values are the whole story only for a
+        single-group cache. For every group's blocks use ``get_block_ids``."""
         return self.managers[0].req_to_blocks
 
     def get_block_ids(self, request_id: str) -> list[list[int]]:
@@ -93,8 +95,8 @@ class KVCacheManager:
     def num_blocks_needed(self, num_tokens: int) -> int:
         """The most blocks (all groups together) one request of ``num_tokens`` tokens holds at
         once: what admission checks against the whole cache."""
-        chunk = self.max_chunk_tokens or num_tokens
-        return sum(m.max_num_blocks(num_tokens, chunk) for m in self.managers)
+        return max_blocks_per_request(self.sliding_windows, num_tokens, self.max_chunk_tokens,
+                                      self.block_size)
 
     # -- prefix cache lookup -----------------------------------------------------------------
     def update_block_hashes(self, request: Request) -> None:
@@ -241,3 +243,13 @@ class KVCacheManager:
                 f"block {b.block_id}: ref_cnt {b.ref_cnt} but {refs.get(b.block_id, 0)} tables hold it"
         tables = [set(m.req_to_blocks) for m in self.managers]
         assert all(t == tables[0] for t in tables), "a request has a table in some groups only"
+
+
+def max_blocks_per_request(sliding_windows: Sequence[int | None], num_tokens: int,
+                           max_chunk_tokens: int, block_size: int) -> int:
+    """The most blocks (all groups together) a request of ``num_tokens`` tokens holds at once
+    when a step computes at most ``max_chunk_tokens`` of them (0: no limit): what admission
+    checks, and what sizing the cache for every running request at full length counts."""
+    chunk = max_chunk_tokens or num_tokens
+    return sum(cdiv(num_tokens, block_size) if w is None else
+               max_window_blocks(w, num_tokens, chunk, block_size) for w in sliding_windows)

@@ -105,8 +105,10 @@ class SlidingWindowManager(FullAttentionManager):
         self.num_skipped_blocks.pop(request_id, None)
         super().free(request_id, num_valid_tokens)
 
-    def max_num_blocks(self, num_tokens: int, max_chunk: int) -> int:
-        """A step of n tokens from s holds blocks (s - window + 1) // bs .. (s + n - 1) // bs,
-        at most cdiv(window - 2 + n, bs) + 1 of them."""
-        bs = self.block_size
-        return min(cdiv(num_tokens, bs), cdiv(self.sliding_window - 2 + max_chunk, bs) + 1)
+
+
+def max_window_blocks(window: int, num_tokens: int, max_chunk: int, block_size: int) -> int:
+    """The most blocks a request of ``num_tokens`` holds in a group of window ``window`` when a
+    step computes at most ``max_chunk`` of its tokens: a step of n tokens from s holds blocks
+    (s - window + 1) // bs .. (s + n - 1) // bs, at most cdiv(window - 2 + n, bs) + 1 of them."""
+    return min(cdiv(num_tokens, block_size), cdiv(window - 2 + max_chunk, block_size) + 1)

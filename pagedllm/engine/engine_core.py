@@ -19,6 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.admission import validate_request
+from pagedllm.core.kv_cache_manager import max_blocks_per_request
 from pagedllm.core.ngram_proposer import NgramProposer
 from pagedllm.core.outputs import EngineCoreOutputs, EngineCoreRequest, SchedulerOutput
 from pagedllm.core.request import Request, RequestStatus
@@ -41,13 +42,19 @@ class EngineCore:
         cc = config.cache_config
         self.config = config
         self.executor = create_executor(config, runner, max_model_len)
+        # The KV cache groups (a window per group; one full-attention group for most models).
+        self.kv_cache_groups = tuple(self.executor.get_kv_cache_groups())
         num_blocks = cc.num_gpu_blocks_override or self.executor.determine_num_blocks(cc.block_size)
+        if cc.num_gpu_blocks_override is None and cc.kv_cache_memory_bytes is None:
+            # A default budget never holds more than every running request could fill at full
+            # length (a window group holds only its window's blocks).
+            sc = config.scheduler_config
+            num_blocks = min(num_blocks, sc.max_num_seqs * max_blocks_per_request(
+                self.kv_cache_groups, max_model_len, sc.max_num_batched_tokens, cc.block_size))
         self.executor.initialize(num_blocks, cc.block_size)
         self.num_blocks = num_blocks
         logger.info("KV cache: %d blocks of %d tokens (%d tokens); max_model_len %d",
                     num_blocks, cc.block_size, num_blocks * cc.block_size, max_model_len)
-        # The KV cache groups (a window per group; one full-attention group for most models).
-        self.kv_cache_groups = tuple(self.executor.get_kv_cache_groups())
         self.scheduler = Scheduler(config.scheduler_config, num_blocks, cc.block_size,
                                    max_model_len, cc.enable_prefix_caching, self.kv_cache_groups)
         # Sharing, at its own level above the scheduler's one rule.

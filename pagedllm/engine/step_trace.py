@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 from pagedllm.config import EngineConfig
+from pagedllm.core.block_pool import NULL_BLOCK_ID
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.outputs import EngineCoreOutputs, SchedulerOutput
 from pagedllm.core.scheduler import Scheduler
@@ -38,16 +39,28 @@ class _Known:
 
 
 def block_map(kv: KVCacheManager) -> dict[str, Any]:
-    """A snapshot of the KV cache, read-only: every block's ref count, each request's block
-    table, and the free blocks that still hold a prefix-cache hash (reusable until evicted)."""
+    """A snapshot of the KV cache, read-only: every block's ref count, the blocks each request
+    holds, and the free blocks that still hold a prefix-cache hash (reusable until evicted).
+
+    ``tables`` lists every block a request holds over all KV cache groups (group order, null
+    slots left out), so every block with ref_cnt > 0 has an owner; with one group it is that
+    group's block table. With several groups (or one sliding-window group, whose table has null
+    slots), ``group_tables`` keeps each group's table as the runner sees it (-1: a slot that left
+    the window) and ``sliding_windows`` says which group is which."""
     blocks = kv.block_pool.blocks
-    return {
+    group_tables = {rid: kv.get_block_ids(rid) for rid in kv.req_to_blocks}
+    snapshot: dict[str, Any] = {
         "num_blocks": len(blocks),
         "block_size": kv.block_size,
         "ref_cnt": [b.ref_cnt for b in blocks],
-        "tables": {rid: [b.block_id for b in table] for rid, table in kv.req_to_blocks.items()},
+        "tables": {rid: [b for table in tables for b in table if b != NULL_BLOCK_ID]
+                   for rid, tables in group_tables.items()},
         "cached_free": [b.block_id for b in blocks if b.ref_cnt == 0 and b.block_hash is not None],
     }
+    if kv.sliding_windows != (None,):  # otherwise ``tables`` is the one table, exactly
+        snapshot["group_tables"] = group_tables
+        snapshot["sliding_windows"] = list(kv.sliding_windows)
+    return snapshot
 
 
 class StepRecorder:

@@ -109,15 +109,30 @@ def _scheduled_table(rec: Record) -> Table:
 def _blocks_table(bm: Record) -> Table:
     t = Table(box=box.SIMPLE_HEAD, title="block tables", title_justify="left", pad_edge=False)
     t.add_column("request")
-    t.add_column("blocks")
     refs = bm["ref_cnt"]
-    for rid, table in bm["tables"].items():
+
+    def cells(table: list[int]) -> str:
         # -1: a sliding-window group's null block (a slot that left the window).
-        cells = [f"{b}*{refs[b]}" if b >= 0 and refs[b] > 1 else str(b) for b in table]
-        t.add_row(rid, " ".join(cells) or "-")
+        return " ".join("_" if b < 0 else f"{b}*{refs[b]}" if refs[b] > 1 else str(b)
+                        for b in table) or "-"
+
+    group_tables = bm.get("group_tables")
+    if group_tables is None:  # one KV cache group: its table is everything the request holds
+        t.add_column("blocks")
+        for rid, table in bm["tables"].items():
+            t.add_row(rid, cells(table))
+        free_row = ["(free)"]
+    else:  # one row per group (full attention, or a sliding window of w tokens)
+        t.add_column("group")
+        t.add_column("blocks")
+        names = ["full" if w is None else f"window {w}" for w in bm["sliding_windows"]]
+        for rid, tables in group_tables.items():
+            for g, table in enumerate(tables):
+                t.add_row(rid if g == 0 else "", names[g], cells(table))
+        free_row = ["(free)", ""]
     free = [i for i, r in enumerate(refs) if r == 0]
     cached = set(bm["cached_free"])
-    t.add_row("(free)", " ".join(f"{b}c" if b in cached else str(b) for b in free) or "-")
+    t.add_row(*free_row, " ".join(f"{b}c" if b in cached else str(b) for b in free) or "-")
     return t
 
 
@@ -163,6 +178,8 @@ def render_blocks(console: Console, bm: Record, memo: dict[str, str] | None = No
                   f"in use{'  (' + legend + ')' if legend else ''}")
     if bm["cached_free"] or any(r > 1 for r in bm["ref_cnt"]):
         console.print("(b*r: block b in r block tables, + in the map; bc, c: free, still cached)")
+    if "group_tables" in bm:
+        console.print("(_: a slot that left the sliding window, its block given back)")
 
 
 def is_plain(rec: Record) -> bool:

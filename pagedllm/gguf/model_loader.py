@@ -10,11 +10,12 @@ convert what they loaded do so (``process_weights_after_loading``: the MoE exper
 
 Block-quantized linear weights stay quantized (layers/quantization/quantized_layers.py: the
 layer's float weight is never allocated; its ``QuantizedWeight`` is built from the unpacked
-parts); stacked experts, routers and tensors the model splits (Phi-3's fused qkv) are
-dequantized. Everything else is loaded as float in the model's dtype, one tensor at a time: norms
-(small) and the token embedding, dequantized when the file holds it quantized (a lookup reads
-a few rows, but a tied head multiplies by all of them, and the float embedding is what the
-layers take today).
+parts), the lm_head too, tied or not: a tied embedding then reads its rows from the head's
+quantized weight (most small models tie them, and the head is read whole every decode step).
+Stacked experts, routers and tensors the model splits (Phi-3's fused qkv) are dequantized.
+Everything else is loaded as float in the model's dtype, one tensor at a time: norms (small)
+and an untied token embedding, dequantized when the file holds it quantized (a lookup reads a
+few rows).
 ``keep_quantized=False`` (or a non-CPU device, where the quantized kernels do not run)
 dequantizes every weight instead: the reference the tests compare with.
 """
@@ -37,7 +38,9 @@ from pagedllm.gguf.reader import GGUFCheckpoint, GGUFTensor, open_gguf
 from pagedllm.layers.quantization.quantized_layers import (Part, QuantizedAttacher, combine,
                                                            drop_float_weights,
                                                            plan_quantized_layers,
-                                                           quantized_kernels_available, this_rank)
+                                                           quantized_kernels_available,
+                                                           share_tied_heads, this_rank,
+                                                           tied_heads)
 from pagedllm.layers import WeightSlice
 from pagedllm.models.registry import get_model_class
 
@@ -56,6 +59,7 @@ def load_gguf_model(model_path: str | Path, dtype: torch.dtype, device: torch.de
     with torch.device("meta"):
         model = model_cls(config)
     plan: dict[str, Part] = {}
+    heads = tied_heads(model)
     if keep_quantized and quantized_kernels_available(device):
         # Routers stay float even when the file quantized them (llama.cpp never does): the MoE
         # block packs its router for the batch-independent kernel (models/moe.py).
@@ -70,6 +74,7 @@ def load_gguf_model(model_path: str | Path, dtype: torch.dtype, device: torch.de
     if hasattr(model, "tie_weights"):
         model.tie_weights()
     load_gguf_weights(model, ckpt, config, plan, expected_tensors)
+    share_tied_heads(model, heads)
     for module in model.modules():
         if hasattr(module, "process_weights_after_loading"):
             module.process_weights_after_loading()  # the MoE experts into the kernel's layout

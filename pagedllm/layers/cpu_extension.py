@@ -3,7 +3,8 @@
 - ``pagedllm::paged_attention`` and ``pagedllm::write_kv`` (csrc/paged_attention.cpp,
   csrc/write_kv.cpp): the cpu_paged attention backend, and its store of each step's K/V;
 - ``pagedllm::packed_linear`` and ``pagedllm::skinny_gemm`` (csrc/skinny_gemm.cpp): the linears
-  of packed layers, in pagedllm's own kernel (layers/linear.py);
+  of packed layers, in pagedllm's own kernel (layers/linear.py); ``grouped_packed_linear``, the
+  same kernel over a mixture-of-experts layer's experts at once (layers/fused_moe.py);
 - ``pagedllm::quant_linear`` (csrc/quant_gemm.cpp): the same kernel over weights held as bf16,
   fp16 or block-quantized panels (layers/quantization/).
 
@@ -37,7 +38,8 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / "paged_attention.cpp", CSRC / "skinny_gemm.cpp", CSRC / "quant_gemm.cpp",
            CSRC / "write_kv.cpp"]  # + the headers
-OPS = ("paged_attention", "skinny_gemm", "packed_linear", "quant_linear", "write_kv")
+OPS = ("paged_attention", "skinny_gemm", "packed_linear", "grouped_packed_linear", "quant_linear",
+       "write_kv")
 # The x86 levels the kernels are tuned for (csrc/isa.h): their -march, and the CPU flags a CPU
 # needs to run a build of that level (the Linux /proc/cpuinfo names).
 ISA_MARCH = {"v3": "x86-64-v3", "v4": "x86-64-v4"}

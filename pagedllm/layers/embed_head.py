@@ -20,9 +20,12 @@ from pagedllm.layers.linear import WeightSlice, linear, rows_of_packed
 class VocabParallelEmbedding(nn.Embedding):
     """``[T] token ids -> [T, hidden]``."""
 
-    # A tied embedding whose head holds the shared weight as panels reads its rows from them
-    # (``weight`` is then None): one copy of the matrix (layers/linear_kernel.py sets it).
+    # A tied embedding whose head holds the shared weight as float32 panels, or in another
+    # format (a QuantizedWeight: bf16/fp16 panels, GGUF's q8/q4 blocks), reads its rows from
+    # there (``weight`` is then None): one copy of the matrix (set by layers/linear_kernel.py
+    # and the GGUF loader).
     packed_weight: torch.Tensor | None = None
+    qweight = None  # QuantizedWeight | None
 
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         tp = get_tp_group()
@@ -42,6 +45,8 @@ class VocabParallelEmbedding(nn.Embedding):
         return self.tp.all_reduce(out)
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.qweight is not None:
+            return self.qweight.rows(ids)
         if self.packed_weight is None:
             return F.embedding(ids, self.weight)
         return rows_of_packed(self.packed_weight, ids)

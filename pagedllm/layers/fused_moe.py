@@ -18,11 +18,13 @@ each expert's gate and up and the matching columns of its down, so each rank's r
 partial sum of the layer's output, all-reduced once per layer (after the shared expert's partial
 sum, where the family has one) -- the row-parallel path of the dense MLP.
 
-On CPU the tokens are grouped by expert and each active expert runs once over its tokens. Each
-product is ``pagedllm::packed_linear`` (the skinny kernel, layers/linear.py) whenever it can run:
-its sums run in the same order whatever the number of rows, so a token's output does not depend
-on which other tokens share its step or its expert (torch's matmul picks kernels by the row
-count). Elsewhere (GPU, half precision, no kernel for this CPU) each expert is an ``F.linear``.
+On CPU the tokens are grouped by expert and each active expert runs once over its tokens. Where
+the skinny kernel runs (layers/linear.py), each projection is one ``pagedllm::
+grouped_packed_linear`` over every active expert's tokens (one parallel region streaming the
+experts' weights, csrc/skinny_gemm.cpp); a row's sums run in the same order whatever the number
+of rows, so a token's output does not depend on which other tokens share its step or its expert
+(torch's matmul picks kernels by the row count). Elsewhere (GPU, half precision, no kernel for
+this CPU) each expert is an ``F.linear``.
 
 Under torch.compile the expert loop (its trip count depends on the routing) is one opaque custom
 op per layer, ``pagedllm::fused_moe_experts``, found by number like attention's
@@ -250,13 +252,17 @@ class FusedMoE(nn.Module):
         order = torch.argsort(flat_ids, stable=True)
         counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
         x_sorted = x[order // top_k]  # [T * k, H], expert 0's tokens first
-        y_sorted = torch.empty_like(x_sorted)
-        start = 0
-        for expert, count in enumerate(counts):
-            if count:
-                rows = slice(start, start + count)
-                y_sorted[rows] = self._expert(expert, x_sorted[rows])
-                start += count
+        if self.packed_gate_up is not None and self.packed_down is not None:
+            biased = self.gate_up_proj_bias is not None or self.down_proj_bias is not None
+            y_sorted = self._grouped_experts(x_sorted, counts, flat_ids[order] if biased else None)
+        else:
+            y_sorted = torch.empty_like(x_sorted)
+            start = 0
+            for expert, count in enumerate(counts):
+                if count:
+                    rows = slice(start, start + count)
+                    y_sorted[rows] = self._expert(expert, x_sorted[rows])
+                    start += count
         y = torch.empty_like(y_sorted)
         y[order] = y_sorted  # back to token order: [T * k, H] -> [T, k, H]
         y = y.view(num_tokens, top_k, self.hidden_size)
@@ -266,6 +272,21 @@ class FusedMoE(nn.Module):
         for j in range(1, top_k):
             out = torch.addcmul(out, y[:, j], weights[:, j:j + 1])
         return out
+
+    def _grouped_experts(self, x_sorted: torch.Tensor, counts: list[int],
+                         sorted_ids: torch.Tensor | None) -> torch.Tensor:
+        """Every active expert's gated MLP over its rows of ``x_sorted`` (``counts[e]`` rows
+        for expert e, in order), each projection one kernel call over all of them.
+        ``sorted_ids``: each row's expert (where the experts have biases; else None)."""
+        gate_up = torch.ops.pagedllm.grouped_packed_linear(x_sorted, self.packed_gate_up, counts,
+                                                           2 * self.intermediate_size)
+        if self.gate_up_proj_bias is not None:
+            gate_up.add_(self.gate_up_proj_bias[sorted_ids])
+        y = torch.ops.pagedllm.grouped_packed_linear(self.act(gate_up), self.packed_down, counts,
+                                                     self.hidden_size)
+        if self.down_proj_bias is not None and self.tp.rank == 0:
+            y.add_(self.down_proj_bias[sorted_ids])
+        return y
 
     def _expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         """One expert's gated MLP on its tokens: ``[n, H] -> [n, H]`` (a partial sum under TP)."""

@@ -64,8 +64,8 @@ def linear(layer: Linear | nn.Module, x: torch.Tensor, bias: torch.Tensor | None
 
 
 def rows_of_packed(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Rows ``ids`` of the weight held as panels ``packed`` (an embedding lookup for a tied
-    embedding whose head holds the panels, float32 or bf16/fp16): ``[T] -> [T, in]``."""
+    """Rows ``ids`` of the weight held as float32 panels ``packed`` (an embedding lookup for a
+    tied embedding whose head holds the panels): ``[T] -> [T, in]``."""
     return packed[ids // _PANEL, :, ids % _PANEL]
 
 

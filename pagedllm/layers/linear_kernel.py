@@ -134,7 +134,7 @@ def _convert_half_layers(model: nn.Module, layers: list[nn.Module]) -> None:
         embedding = tied.get(id(layer.weight))
         layer.quant_method, layer.qweight, layer.weight = method, qweight, None
         if embedding is not None:
-            embedding.packed_weight, embedding.weight = qweight.codes, None
+            embedding.qweight, embedding.weight = qweight, None
     kept = [f"{n}x{k} {dtype}" for (n, k, dtype), ok in checked.items() if not ok]
     logger.info("linears on %s: %d bfloat16/float16 layers as half panels in the skinny kernel%s",
                 cpu_description(), sum(getattr(m, "quant_method", None) is not None for m in layers),

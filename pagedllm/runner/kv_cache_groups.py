@@ -54,13 +54,3 @@ def layer_placement(groups: Sequence[KVCacheGroup]) -> list[tuple[int, int]]:
         for i, layer in enumerate(group.layer_indices):
             placement[layer] = (g, i)
     return [placement[layer] for layer in sorted(placement)]
-
-
-def max_blocks_per_request(group: KVCacheGroup, max_model_len: int, max_chunk: int,
-                           block_size: int) -> int:
-    """The most blocks a request ever holds in ``group`` (core/sliding_window_manager.py says why
-    a window group holds at most cdiv(window - 2 + chunk, block_size) + 1)."""
-    full = -(-max_model_len // block_size)
-    if group.sliding_window is None:
-        return full
-    return min(full, -(-(group.sliding_window - 2 + max_chunk) // block_size) + 1)

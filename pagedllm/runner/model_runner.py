@@ -26,8 +26,7 @@ from pagedllm.models.loader import load_model
 from pagedllm.runner.compile import maybe_compile
 from pagedllm.runner.grammar_bitmask import apply_grammar_bitmask
 from pagedllm.runner.input_batch import CachedRequestState, InputBatch, ScheduledRequest
-from pagedllm.runner.kv_cache_groups import (group_layers, layer_placement, max_blocks_per_request,
-                                             num_kv_tensors)
+from pagedllm.runner.kv_cache_groups import group_layers, layer_placement, num_kv_tensors
 from pagedllm.runner.sampler import Sampler, SamplingMetadata, compute_topk_logprobs
 from pagedllm.runner.spec_decode import verify_drafts
 
@@ -114,14 +113,9 @@ class ModelRunner:
             budget = int(total * cc.gpu_memory_utilization) - (total - free) - reserve
         else:
             budget = min(_CPU_DEFAULT_KV_BYTES, _total_ram_bytes() // 4)
+        # What the budget holds; the engine caps a default budget at what the running requests
+        # can use (engine/engine_core.py).
         num_blocks = max(budget // self.bytes_per_block(block_size), 0)
-        # Never more than every running request could fill at full length.
-        sc = self.config.scheduler_config
-        useful = sc.max_num_seqs * sum(
-            max_blocks_per_request(g, self.max_model_len, sc.max_num_batched_tokens, block_size)
-            for g in self.kv_cache_groups)
-        if cc.kv_cache_memory_bytes is None:
-            num_blocks = min(num_blocks, useful)
         if num_blocks < 1:
             raise ValueError("the KV cache budget does not hold a single block; give it more memory")
         return int(num_blocks)

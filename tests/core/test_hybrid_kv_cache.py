@@ -11,10 +11,11 @@ from core_helpers import (assert_all_free, expected_tokens, make_request, make_r
                           make_scheduler, run_to_completion, step)
 
 from pagedllm.core.block_pool import NULL_BLOCK, NULL_BLOCK_ID
-from pagedllm.core.kv_cache_manager import NO_NEW_BLOCKS, KVCacheManager, cdiv
+from pagedllm.core.kv_cache_manager import (NO_NEW_BLOCKS, KVCacheManager, cdiv,
+                                            max_blocks_per_request)
 from pagedllm.errors import ValidationError
 from pagedllm.runner.kv_cache_groups import (KVCacheGroup, group_layers, layer_placement,
-                                             max_blocks_per_request, num_kv_tensors)
+                                             num_kv_tensors)
 
 BS = 4
 W = 8
@@ -60,7 +61,9 @@ def test_group_layers_rule():
     g3 = group_layers([8, 8, 8, 8, 8, None] * 2, 64)
     assert [g.sliding_window for g in g3] == [None] + [8] * 5
     assert num_kv_tensors(g3) == 2 and g3[0].layer_indices == (5, 11)
-    assert max_blocks_per_request(g3[1], 64, 8, BS) == cdiv(W - 2 + 8, BS) + 1 == 5
+    windows = [g.sliding_window for g in g3]
+    assert max_blocks_per_request(windows[1:2], 64, 8, BS) == cdiv(W - 2 + 8, BS) + 1 == 5
+    assert max_blocks_per_request(windows, 64, 8, BS) == 64 // BS + 5 * 5
 
 
 # -- freeing and null slots ---------------------------------------------------------------------

@@ -17,7 +17,7 @@ from pagedllm.config import (CacheConfig, EngineConfig, ModelConfig, Observabili
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.model_info import ModelInfo
 from pagedllm.entrypoints.cli import main as cli_main
-from pagedllm.explain.render import make_console
+from pagedllm.explain.render import make_console, render_blocks
 from pagedllm.explain.replay import Replay, tokens
 from pagedllm.explain.scenarios import SCENARIOS, run_scenario
 from pagedllm.explain.two_phase import two_phase_step
@@ -92,3 +92,17 @@ def test_from_trace_renders_every_step(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "step 1" in out and "a: prefill chunk, prompt tokens 0..7 of 11" in out
     assert "a finished (length)" in out
+
+
+def test_block_tables_show_each_kv_cache_group():
+    # A two-group block map (docs/trace_schema.md): one row per group, null slots as "_".
+    bm = {"num_blocks": 8, "block_size": 4, "ref_cnt": [1, 1, 0, 0, 1, 1, 1, 0],
+          "tables": {"a": [0, 1, 4, 5, 6]}, "cached_free": [2],
+          "group_tables": {"a": [[0, 1, 4], [-1, 5, 6]]}, "sliding_windows": [None, 8]}
+    buf = io.StringIO()
+    render_blocks(make_console(width=WIDTH, file=buf), bm)
+    rows = [line.split() for line in buf.getvalue().splitlines()]
+    assert ["a", "full", "0", "1", "4"] in rows
+    assert ["window", "8", "_", "5", "6"] in rows
+    assert ["(free)", "2c", "3", "7"] in rows
+    assert any(line.startswith("block map [aac.aaa.]") for line in buf.getvalue().splitlines())

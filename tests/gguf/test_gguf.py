@@ -52,7 +52,7 @@ def test_unpack_is_bit_exact(type_id):
         return
     kind, group, low, high = {T.Q8_0: ("q8", 32, -128, 127), T.Q4_0: ("q4", 32, 0, 15),
                               T.Q4_1: ("q4", 32, 0, 15), T.Q4_K: ("q4", 32, 0, 15),
-                              T.Q5_0: ("q8", 32, 0, 31), T.Q5_1: ("q8", 32, 0, 31),
+                              T.Q5_0: ("q8", 32, -16, 15), T.Q5_1: ("q8", 32, 0, 31),
                               T.Q5_K: ("q8", 32, 0, 31), T.Q6_K: ("q8", 16, -32, 31)}[type_id]
     assert (ours.kind, ours.group_size, ours.scales.shape) == (kind, group, (rows, cols // group))
     assert low <= ours.codes.min() and ours.codes.max() <= high
@@ -132,12 +132,15 @@ def _types(spec: str):
     return None if spec == "f32" else pick
 
 
-CASES = [("llama", "f32", {}), ("llama", "f16", {"tie_word_embeddings": True}),
-         ("llama", "q8_0", {}), ("llama", "k_quants", {}), ("qwen2", "q4_0_q4_1", {}),
-         ("qwen3", "k_quants", {"head_dim": 64})]
+TIED = {"tie_word_embeddings": True}
+CASES = [("llama", "f32", {}), ("llama", "f16", TIED), ("llama", "q8_0", {}),
+         ("llama", "k_quants", {}), ("qwen2", "q4_0_q4_1", {}), ("qwen2", "q4_0_q4_1", TIED),
+         ("qwen3", "k_quants", {"head_dim": 64}), ("qwen3", "q8_0", {"head_dim": 64, **TIED})]
 
 
-@pytest.mark.parametrize("arch,spec,overrides", CASES, ids=[f"{a}-{s}" for a, s, _ in CASES])
+@pytest.mark.parametrize("arch,spec,overrides", CASES,
+                         ids=[f"{a}-{s}{'-tied' if o.get('tie_word_embeddings') else ''}"
+                              for a, s, o in CASES])
 def test_gguf_matches_transformers(arch, spec, overrides, tmp_path):
     hf_model = _hf_model(arch, **overrides)
     path = write_gguf(tmp_path / "model.gguf", hf_model, arch, _types(spec))
@@ -150,6 +153,10 @@ def test_gguf_matches_transformers(arch, spec, overrides, tmp_path):
         assert all(getattr(m, "qweight", None) is None for m in linears)
     else:  # every linear holds its quantized weight only
         assert linears and all(m.qweight is not None and m.weight is None for m in linears)
+    if spec not in ("f32", "f16") and hf_model.config.tie_word_embeddings:
+        # one copy of the tied matrix, in the file's format: the embedding reads the head's
+        embedding = model.decoder.embed_tokens
+        assert embedding.weight is None and embedding.qweight is model.lm_head.qweight
 
 
 def test_split_file_loads_like_one(tmp_path):

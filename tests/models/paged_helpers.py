@@ -5,16 +5,21 @@ with other test folders' conftest modules."""
 from __future__ import annotations
 
 import random
+import shutil
+import subprocess
+import sysconfig
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from pagedllm.layers import (bind_kv_caches, build_attention_metadata, kv_cache_shape,
-                             set_forward_context)
+from pagedllm.layers import (bind_kv_caches, build_attention_metadata, cpu_extension,
+                             kv_cache_shape, set_forward_context)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 STORIES_DIR = REPO_ROOT / ".." / "shared" / "models" / "stories260K"
+SYNTHETIC_TOKENIZER_DIR = REPO_ROOT.parent / "shared" / "models" / "synthetic-tokenizer-32k"
 
 
 class PagedRunner:
@@ -79,3 +84,57 @@ def hf_log_probs(hf_model: nn.Module, token_ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         logits = hf_model(input_ids=torch.tensor([token_ids])).logits[0]
     return torch.log_softmax(logits.float(), dim=-1)
+
+
+def check_greedy_logprobs(hf_model: nn.Module, prompts: Sequence[list[int]], outputs,
+                          atol: float = 1e-4) -> None:
+    """Every sampled token of ``outputs`` (LLM.generate with temperature 0 and ``logprobs=0``)
+    is transformers' argmax after the prompt and the tokens before it, with its log-prob."""
+    for prompt, out in zip(prompts, outputs):
+        ids = list(prompt)
+        for token, entry in zip(out.outputs[0].token_ids, out.outputs[0].logprobs):
+            row = hf_log_probs(hf_model, ids)[-1]
+            assert token == int(row.argmax())
+            assert abs(entry[token].logprob - float(row[token])) < atol
+            ids.append(token)
+
+
+def check_llm_greedy_with_prefix_hit(hf_model: nn.Module, folder: Path, last_prompt_len: int) -> None:
+    """The whole engine on a checkpoint saved in ``folder`` (32k vocabulary; the synthetic
+    tokenizer is copied in): prefills chunked by a 16-token budget, a prompt that reuses another's
+    cached 16-token prefix (a prefix-cache hit), and every greedy continuation equal to
+    transformers' generate. ``last_prompt_len``: the longest unrelated prompt."""
+    from pagedllm import LLM, SamplingParams
+
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(SYNTHETIC_TOKENIZER_DIR / name, folder / name)
+    gen = torch.Generator().manual_seed(6)
+    shared = torch.randint(3, 32000, (16,), generator=gen).tolist()
+    prompts = [shared + torch.randint(3, 32000, (n,), generator=gen).tolist() for n in (5, 9)]
+    prompts += [torch.randint(3, 32000, (n,), generator=gen).tolist() for n in (3, last_prompt_len)]
+    llm = LLM(str(folder), device="cpu", dtype="float32", max_num_batched_tokens=16,
+              block_size=8, enable_prefix_caching=True)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)  # caches the prefix
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], params, use_tqdm=False)
+    metrics = llm.get_metrics()
+    assert metrics["pagedllm:prefix_cache_hits"] >= 16, metrics
+    for prompt, out in zip(prompts[1:], outputs):
+        with torch.no_grad():
+            want = hf_model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=6,
+                                     min_new_tokens=6, pad_token_id=0)[0, len(prompt):].tolist()
+        assert list(out.outputs[0].token_ids) == want
+
+
+def check_isa_builds_compile(out_dir: Path, source: str = "paged_attention.cpp") -> None:
+    """The x86-64-v3 and -v4 builds of a kernel source compile (an object file each in
+    ``out_dir``, never loaded: this CPU may lack AVX-512)."""
+    from torch.utils import cpp_extension
+
+    includes = [arg for path in [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]
+                for arg in ("-isystem", path)]
+    for isa in ("v3", "v4"):
+        cmd = ["c++", "-std=c++17", "-fPIC", *includes, *cpu_extension._cflags(isa), "-c",
+               str(cpu_extension.CSRC / source), "-o", str(out_dir / f"{isa}.o")]
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr[-2000:]

@@ -7,11 +7,10 @@ chunk, and the AVX-512 build of the kernel compiles (this CPU may not run it).""
 from __future__ import annotations
 
 import random
-import subprocess
-import sysconfig
 
 import pytest
 import torch
+from paged_helpers import check_isa_builds_compile
 
 from pagedllm.errors import ModelLoadError
 from pagedllm.layers import (Attention, bind_kv_caches, build_attention_metadata, get_attn_backend,
@@ -191,15 +190,7 @@ def test_every_level_builds_and_the_runnable_ones_agree(tmp_path):
     """The x86-64-v3 and -v4 builds of the kernel compile (an object file each, not loaded:
     this CPU may lack AVX-512); those this CPU runs agree with the engine's build on a batch
     with every feature."""
-    from torch.utils import cpp_extension
-
-    includes = [arg for path in [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]
-                for arg in ("-isystem", path)]
-    for isa in ("v3", "v4"):
-        cmd = ["c++", "-std=c++17", "-fPIC", *includes, *cpu_extension._cflags(isa), "-c",
-               str(cpu_extension.CSRC / "paged_attention.cpp"), "-o", str(tmp_path / f"{isa}.o")]
-        result = subprocess.run(cmd, capture_output=True, text=True)
-        assert result.returncode == 0, result.stderr[-2000:]
+    check_isa_builds_compile(tmp_path)
     case = Case(BATCHES["mixed"], heads=8, kv_heads=2, head_dim=64, block_size=4, q_gain=3.0)
     k, v = case.new_kv()
     md = build_attention_metadata([n for _, n in case.batch], [c for c, _ in case.batch],

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from paged_helpers import STORIES_DIR, PagedRunner, hf_log_probs
+from paged_helpers import STORIES_DIR, PagedRunner, check_greedy_logprobs
 from safetensors.torch import save_file
 from transformers import LlamaConfig, Qwen2Config
 
@@ -147,13 +147,7 @@ def test_llm_chunked_prefill_and_prefix_caching(method, tmp_path):
     params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=0, ignore_eos=True)
     for _ in range(2):  # the second round hits the prefix cache
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        for prompt, out in zip(prompts, outputs):
-            ids = list(prompt)
-            for token, entry in zip(out.outputs[0].token_ids, out.outputs[0].logprobs):
-                row = hf_log_probs(hf_model, ids)[-1]
-                assert token == int(row.argmax())
-                assert abs(entry[token].logprob - float(row[token])) < 1e-4
-                ids.append(token)
+        check_greedy_logprobs(hf_model, prompts, outputs)
 
 
 def test_awq_nibble_order():
@@ -229,13 +223,8 @@ def test_tensor_parallel_splits_whole_groups(tmp_path, monkeypatch):
               tensor_parallel_size=2)
     prompt = list(range(5, 20))
     params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=0, ignore_eos=True)
-    out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
-    ids = list(prompt)
-    for token, entry in zip(out.token_ids, out.logprobs):
-        row = hf_log_probs(hf_model, ids)[-1]
-        assert token == int(row.argmax())
-        assert abs(entry[token].logprob - float(row[token])) < 1e-4
-        ids.append(token)
+    outputs = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    check_greedy_logprobs(hf_model, [prompt], outputs)
     del llm
     # down_proj's 96 inputs over two ranks: 48 each, which cuts a group of 32
     monkeypatch.setitem(CONFIGS, 32, lambda: LlamaConfig(hidden_size=64, intermediate_size=96,

@@ -5,11 +5,10 @@ dequantization from known values; the tensor-parallel sizes a GPT-OSS config all
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
-from paged_helpers import REPO_ROOT, PagedRunner, hf_log_probs
+from paged_helpers import PagedRunner, check_llm_greedy_with_prefix_hit, hf_log_probs
 from safetensors.torch import load_file, save_file
 from test_model_parity import check_mixed_batch, make_hf_model, save
 from transformers import GptOssConfig
@@ -79,29 +78,10 @@ def test_llm_greedy_with_chunked_prefill_window_edge_and_prefix_caching(tmp_path
     """The whole engine: prefills chunked by a 16-token budget across the 4-token window's edge
     (chunks start mid-window), two prompts sharing 16 tokens of prefix (a prefix-cache hit),
     every greedy continuation equal to transformers' generate."""
-    from pagedllm import LLM, SamplingParams
-
     hf_model = make_gpt_oss(vocab_size=32000)
     folder = tmp_path / "gpt_oss"
     save(hf_model, folder)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(REPO_ROOT.parent / "shared" / "models" / "synthetic-tokenizer-32k" / name,
-                    folder / name)
-    gen = torch.Generator().manual_seed(6)
-    shared = torch.randint(3, 32000, (16,), generator=gen).tolist()
-    prompts = [shared + torch.randint(3, 32000, (n,), generator=gen).tolist() for n in (5, 9)]
-    prompts += [torch.randint(3, 32000, (n,), generator=gen).tolist() for n in (3, 23)]
-    llm = LLM(str(folder), device="cpu", dtype="float32", max_num_batched_tokens=16,
-              block_size=8, enable_prefix_caching=True)
-    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)  # caches the prefix
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], params, use_tqdm=False)
-    assert llm.get_metrics()["pagedllm:prefix_cache_hits"] >= 16
-    for prompt, out in zip(prompts[1:], outputs):
-        with torch.no_grad():
-            want = hf_model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=6,
-                                     min_new_tokens=6, pad_token_id=0)[0, len(prompt):].tolist()
-        assert list(out.outputs[0].token_ids) == want
+    check_llm_greedy_with_prefix_hit(hf_model, folder, last_prompt_len=23)
 
 
 def _quantize_mxfp4(codes: torch.Tensor, exponents: torch.Tensor):

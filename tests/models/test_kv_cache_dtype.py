@@ -7,12 +7,10 @@ caching and copy-on-write with fp8."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sysconfig
 
 import pytest
 import torch
-from paged_helpers import STORIES_DIR
+from paged_helpers import STORIES_DIR, check_isa_builds_compile
 from test_attention_features import BATCHES, FEATURES, Case
 
 from pagedllm import LLM, SamplingParams
@@ -96,14 +94,7 @@ def test_the_kernel_widens_every_finite_fp8_code_exactly(dtype_name):
 
 @pytest.mark.slow  # compiles two objects and, on first use, the v3 extension (minutes here)
 def test_both_isa_builds_compile_and_v3_matches_torch(tmp_path):
-    from torch.utils import cpp_extension
-    includes = [arg for path in [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]
-                for arg in ("-isystem", path)]
-    for isa in ("v3", "v4"):
-        cmd = ["c++", "-std=c++17", "-fPIC", *includes, *cpu_extension._cflags(isa), "-c",
-               str(cpu_extension.CSRC / "paged_attention.cpp"), "-o", str(tmp_path / f"{isa}.o")]
-        result = subprocess.run(cmd, capture_output=True, text=True)
-        assert result.returncode == 0, result.stderr[-2000:]
+    check_isa_builds_compile(tmp_path)
     if not cpu_extension.can_run("v3"):
         pytest.skip("this CPU cannot run the v3 build")
     ops = cpu_extension.load_cpu_ops("v3")

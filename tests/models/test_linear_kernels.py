@@ -39,7 +39,7 @@ def test_skinny_kernel_matches_float64_at_every_tile_size(isa, out_features, in_
     b = torch.randn(out_features, generator=gen) if with_bias else None
     packed = pack_weight(w, b)
     assert packed is not None and packed.shape == (-(-out_features // _PANEL), in_features, _PANEL)
-    # Every tile (AVX2: 1 x 8 vectors up to 4 rows, 6 x 2 above; AVX-512: 12 x 2 up to 64 rows,
+    # Every tile (AVX2: 1 x 8 vectors up to 12 rows, 6 x 2 above; AVX-512: 12 x 2 up to 64 rows,
     # 6 x 4 above) at every remainder of rows.
     for rows in [1, 2, 3, 4, 5, 6, 7, 11, 12, 13, 24, 25, 32, 33, 37, 64, 65, 66, 70, 71, 125, 300]:
         x = torch.randn(rows, in_features, generator=gen)
@@ -64,6 +64,35 @@ def test_a_rows_result_does_not_depend_on_its_batch(isa):
         for start in (0, 5, 300 - rows):
             part = ops.skinny_gemm(x[start:start + rows], packed, 200)
             assert torch.equal(part, full[start:start + rows]), (rows, start)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_grouped_kernel_gives_each_group_the_bits_of_its_own_call(isa):
+    """grouped_packed_linear (a mixture-of-experts layer's experts in one call) splits its
+    (expert, panel) items over the threads by cost; each expert's rows still get exactly what
+    packed_linear gives them alone, whatever the other experts' row counts (none, one, every
+    tile size, several chunks) and the thread count."""
+    ops = _ops(isa)
+    gen = torch.Generator().manual_seed(5)
+    weights = [torch.randn(130, 200, generator=gen) for _ in range(6)]
+    panels = torch.stack([pack_weight(w, None) for w in weights])
+    threads = torch.get_num_threads()
+    try:
+        for counts in ([1, 0, 2, 0, 0, 1], [0, 0, 0, 0, 0, 3], [4, 5, 13, 65, 130, 0],
+                       [0, 0, 0, 0, 0, 0]):
+            x = torch.randn(sum(counts), 200, generator=gen)
+            alone = torch.cat([ops.packed_linear(rows, panels[e], 130, None)
+                               for e, rows in enumerate(x.split(counts))])
+            for num_threads in (1, 2, 3):
+                torch.set_num_threads(num_threads)
+                assert torch.equal(ops.grouped_packed_linear(x, panels, counts, 130), alone), \
+                    (counts, num_threads)
+    finally:
+        torch.set_num_threads(threads)
+    with pytest.raises(RuntimeError, match="add up to 3, x has 4 rows"):
+        ops.grouped_packed_linear(torch.randn(4, 200), panels, [1, 2, 0, 0, 0, 0], 130)
+    with pytest.raises(RuntimeError, match="one row count per expert"):
+        ops.grouped_packed_linear(torch.randn(4, 200), panels, [4], 130)
 
 
 def test_every_level_computes_the_same_products():

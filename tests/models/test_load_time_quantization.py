@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from paged_helpers import STORIES_DIR, hf_log_probs
+from paged_helpers import STORIES_DIR, check_greedy_logprobs
 from transformers import AutoModelForCausalLM
 
 from pagedllm import LLM, SamplingParams
@@ -59,10 +59,4 @@ def test_matches_transformers_on_the_dequantized_weights(scheme):
     params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=0, ignore_eos=True)
     prompts = [c["prompt_ids"] for c in CASES[:3]]
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    for prompt, out in zip(prompts, outputs):
-        ids = list(prompt)
-        for token, entry in zip(out.outputs[0].token_ids, out.outputs[0].logprobs):
-            row = hf_log_probs(hf_model, ids)[-1]
-            assert token == int(row.argmax())
-            assert abs(entry[token].logprob - float(row[token])) < 1e-4
-            ids.append(token)
+    check_greedy_logprobs(hf_model, prompts, outputs)

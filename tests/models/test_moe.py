@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from paged_helpers import PagedRunner, hf_log_probs
+from paged_helpers import PagedRunner, check_llm_greedy_with_prefix_hit, hf_log_probs
 from safetensors.torch import save_file
 from test_model_parity import check_mixed_batch, make_hf_model, max_diff, save
 from transformers import MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
@@ -183,12 +183,6 @@ def test_llm_greedy_with_chunked_prefill_batching_and_prefix_caching(tmp_path):
     """Qwen3-MoE through the whole engine: four prompts in one batch, prefills chunked by a
     16-token budget, two prompts sharing 16 tokens of prefix (a prefix-cache hit); every greedy
     continuation equals transformers' generate."""
-    import shutil
-
-    from paged_helpers import REPO_ROOT
-
-    from pagedllm import LLM, SamplingParams
-
     config = CONFIGS["qwen3_moe"]()
     config.vocab_size, config.mlp_only_layers = 32000, []
     hf_model = make_hf_model(config)
@@ -198,25 +192,7 @@ def test_llm_greedy_with_chunked_prefill_batching_and_prefix_caching(tmp_path):
                 param.mul_(8.0)
     folder = tmp_path / "qwen3_moe"
     save(hf_model, folder)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(REPO_ROOT.parent / "shared" / "models" / "synthetic-tokenizer-32k" / name,
-                    folder / name)
-    gen = torch.Generator().manual_seed(6)
-    shared = torch.randint(3, 32000, (16,), generator=gen).tolist()
-    prompts = [shared + torch.randint(3, 32000, (n,), generator=gen).tolist() for n in (5, 9)]
-    prompts += [torch.randint(3, 32000, (n,), generator=gen).tolist() for n in (3, 21)]
-    llm = LLM(str(folder), device="cpu", dtype="float32", max_num_batched_tokens=16,
-              block_size=8, enable_prefix_caching=True)
-    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)  # caches the prefix
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], params, use_tqdm=False)
-    metrics = llm.get_metrics()
-    assert metrics["pagedllm:prefix_cache_hits"] >= 16, metrics
-    for prompt, out in zip(prompts[1:], outputs):
-        with torch.no_grad():
-            want = hf_model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=6,
-                                     min_new_tokens=6, pad_token_id=0)[0, len(prompt):].tolist()
-        assert list(out.outputs[0].token_ids) == want
+    check_llm_greedy_with_prefix_hit(hf_model, folder, last_prompt_len=21)
 
 
 TP_TOKENS = [1, 5, 36, 0, 17, 35, 2, 18, 9, 77, 50]

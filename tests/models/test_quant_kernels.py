@@ -16,12 +16,13 @@ from pagedllm.layers import linear_kernel
 from pagedllm.layers.cpu_extension import CSRC, can_run, compile_sources, load_cpu_ops, native_isa
 from pagedllm.layers.linear import linear
 from pagedllm.layers.quantization import QuantizedWeight, quantize_linear, set_quantized_weight
+from pagedllm.layers.quantization.quantized_weight import _from_quads
 
 pytestmark = pytest.mark.skipif(load_cpu_ops() is None, reason="no C++ compiler: no CPU kernels")
 
 ISAS = [pytest.param(isa, marks=pytest.mark.skipif(not can_run(isa), reason=f"this CPU cannot run {isa}"))
         for isa in ("native", "v3")]
-# Every tile on both levels (AVX2: 1 x 8 vectors up to 4 rows, 6 x 2 above; AVX-512: 12 x 2 up
+# Every tile on both levels (AVX2: 1 x 8 vectors up to 12 rows, 6 x 2 above; AVX-512: 12 x 2 up
 # to 64 rows, 6 x 4 above), several chunks of rows (257).
 ROWS = (1, 2, 5, 8, 33, 72, 257)
 # (format, out, in, group size, offsets): out not a multiple of the 64-column panel, in not one
@@ -115,6 +116,31 @@ def test_packing_holds_the_arrays_exactly():
                        * scales7.double().repeat_interleave(6, dim=1))
     # q4 with offsets: half a byte + 8 bytes per 16 weights; the last panel's padding included
     assert q4.nbytes == 2 * 64 * (k // 2 + 2 * 4 * k // g)
+
+
+@pytest.mark.parametrize("fmt,n,k,group,offsets", CASES)
+def test_rows_are_the_lookup_of_the_dequantized_weight(fmt, n, k, group, offsets):
+    """QuantizedWeight.rows (a tied embedding reading from its quantized head) gives the rows a
+    float32 embedding would hold: ``code * scale`` then ``+ offset``, bit for bit (half formats:
+    the 16-bit values themselves), any ids in any order and repeated."""
+    gen = torch.Generator().manual_seed(n + k)
+    qw = _weight(fmt, n, k, group, offsets, gen)
+    ids = torch.tensor([n - 1, 0, 33 % n, 63 % n, 64 % n, n - 1, 5 % n])
+    rows = qw.rows(ids)
+    if fmt in ("bf16", "fp16"):
+        assert rows.dtype == qw.codes.dtype
+        assert torch.equal(rows.double(), qw.dequantize(torch.float64)[ids])
+        return
+    codes = _from_quads(qw.codes, k)
+    if fmt == "q4":
+        codes = torch.cat((codes & 15, codes >> 4), dim=-1)
+    codes = codes.transpose(1, 2).reshape(-1, k)[:n].float()  # [n, k] as the loader had them
+    expected = codes * qw.scales.transpose(1, 2).reshape(-1, k // group)[:n].repeat_interleave(
+        group, dim=1)
+    if offsets:
+        expected += qw.offsets.transpose(1, 2).reshape(-1, k // group)[:n].repeat_interleave(
+            group, dim=1)
+    assert rows.dtype == torch.float32 and torch.equal(rows, expected[ids])
 
 
 def test_bad_arrays_are_refused_with_what_is_supported():

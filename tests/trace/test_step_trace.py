@@ -7,9 +7,12 @@ import json
 from pagedllm import SamplingParams
 from pagedllm.config import (CacheConfig, EngineConfig, ModelConfig, ObservabilityConfig,
                              SchedulerConfig)
+from pagedllm.core.block_pool import NULL_BLOCK_ID
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.request import Request
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.model_info import ModelInfo
-from pagedllm.engine.step_trace import KINDS, SCHEMA_VERSION, read_trace
+from pagedllm.engine.step_trace import KINDS, SCHEMA_VERSION, block_map, read_trace
 from pagedllm.entrypoints.cli import main as cli_main
 from pagedllm.explain.chrome_trace import to_chrome
 from pagedllm.runner.fake import FakeRunner
@@ -67,6 +70,7 @@ def test_records_account_for_every_scheduled_token(tmp_path):
     assert "block_map" in steps[0]  # the first step always carries a snapshot
     bm = steps[0]["block_map"]
     assert bm["num_blocks"] == 12 and len(bm["ref_cnt"]) == 12 and bm["tables"]["long"] == [0, 1]
+    assert "group_tables" not in bm and "sliding_windows" not in bm  # one KV cache group
 
 
 def test_preemption_victim_needed_by_and_recompute(tmp_path):
@@ -123,3 +127,39 @@ def test_chrome_conversion_tracks_and_cli(tmp_path):
     assert sum(1 for e in events if e["ph"] == "X" and e["name"].startswith("step ")) == len(steps)
     assert cli_main(["trace", "convert", str(path), "--chrome", str(out)]) == 0
     assert json.loads(out.read_text())["traceEvents"]
+
+
+def prefill(kv: KVCacheManager, rid: str, prompt: list[int], chunk: int) -> Request:
+    req = Request(rid, prompt, SamplingParams(max_tokens=4))
+    while req.num_computed_tokens < req.num_tokens:
+        n = min(chunk, req.num_tokens - req.num_computed_tokens)
+        assert kv.allocate_slots(req, n) is not None
+        req.num_computed_tokens += n
+    return req
+
+
+def test_block_map_covers_every_kv_cache_group():
+    # Gemma-2-like: a full-attention group and a sliding window of 8 tokens (2 blocks of 4).
+    kv = KVCacheManager(20, 4, False, sliding_windows=(None, 8), max_chunk_tokens=8)
+    prefill(kv, "a", list(range(1, 25)), chunk=8)  # 24 tokens: the window slid past blocks 2, 3
+    prefill(kv, "b", [7, 8, 9, 10, 11], chunk=8)
+    kv.check_integrity()
+    bm = json.loads(json.dumps(block_map(kv)))  # what a trace file holds
+    N = NULL_BLOCK_ID
+    assert bm["sliding_windows"] == [None, 8]
+    assert bm["group_tables"] == {"a": [[0, 1, 4, 5, 8, 9], [N, N, 6, 7, 10, 11]],
+                                  "b": [[12, 13], [14, 15]]}
+    assert bm["tables"] == {"a": [0, 1, 4, 5, 8, 9, 6, 7, 10, 11], "b": [12, 13, 14, 15]}
+    held = {b for b, ref in enumerate(bm["ref_cnt"]) if ref > 0}
+    owned = {b for table in bm["tables"].values() for b in table}
+    assert held == owned and bm["ref_cnt"][2] == bm["ref_cnt"][3] == 0  # given back by the window
+
+
+def test_block_map_of_one_window_group_keeps_its_null_slots_apart():
+    # A model whose every layer has a 4-token window: one group, its table has null slots.
+    kv = KVCacheManager(10, 4, False, sliding_windows=(4,), max_chunk_tokens=4)
+    prefill(kv, "a", list(range(1, 13)), chunk=4)
+    bm = block_map(kv)
+    assert bm["group_tables"] == {"a": [[NULL_BLOCK_ID, 1, 2]]} and bm["sliding_windows"] == [4]
+    assert bm["tables"] == {"a": [1, 2]}
+    assert {b for b, ref in enumerate(bm["ref_cnt"]) if ref > 0} == {1, 2}

@@ -66,14 +66,49 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& panels, int64_t 
   });
 }
 
+// The experts of a mixture-of-experts layer (layers/fused_moe.py): x [R, K] holds the tokens
+// sorted by expert, ``counts[e]`` rows for expert e in order; panels [E, P, K, kPanel] every
+// expert's weight. y [R, out_features]: each row times its expert's weight, in one parallel
+// region over all active experts (skinny::grouped_panels_gemm). One call per projection in
+// place of one per expert: on a 2-core AMD EPYC (Zen 3), a Qwen3-MoE-like layer (16 experts,
+// 1024 x 512) at 8 tokens streamed its experts at ~12 GB/s expert by expert (each call short,
+// its threads idle at its start and end), and at ~18 GB/s here.
+at::Tensor grouped_packed_linear(const at::Tensor& x, const at::Tensor& panels,
+                                 c10::IntArrayRef counts, int64_t out_features) {
+  TORCH_CHECK(panels.scalar_type() == at::kFloat, "panels must be float32");
+  TORCH_CHECK(panels.dim() == 4 && panels.is_contiguous() &&
+                  panels.size(0) == static_cast<int64_t>(counts.size()),
+              "panels must be contiguous [experts, P, K, ", kPanel, "], one row count per expert");
+  const at::Tensor first = panels.select(0, 0);
+  const skinny::PanelCall c = skinny::begin_panel_call(x, first, kPanel, out_features);
+  std::vector<int64_t> start(counts.size()), rows(counts.begin(), counts.end());
+  int64_t total = 0;
+  for (size_t e = 0; e < counts.size(); ++e) {
+    TORCH_CHECK(counts[e] >= 0, "row counts must not be negative");
+    start[e] = total;
+    total += counts[e];
+  }
+  TORCH_CHECK(total == c.M, "the row counts add up to ", total, ", x has ", c.M, " rows");
+  if (c.done) return c.y;
+  const float* w = panels.data_ptr<float>();
+  const int64_t expert_floats = c.P * c.K * kPanel;
+  skinny::grouped_panels_gemm(
+      c.x.data_ptr<float>(), c.K, start, rows,
+      [&](int64_t e) { return F32Panels{w + e * expert_floats, c.K}; }, c.N, c.P,
+      c.y.data_ptr<float>());
+  return c.y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(PAGEDLLM_NS, m) {
   m.def("skinny_gemm(Tensor x, Tensor panels, int out_features) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor panels, int out_features, Tensor? bias) -> Tensor");
+  m.def("grouped_packed_linear(Tensor x, Tensor panels, int[] counts, int out_features) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(PAGEDLLM_NS, CPU, m) {
   m.impl("skinny_gemm", &skinny_gemm);
   m.impl("packed_linear", &packed_linear);
+  m.impl("grouped_packed_linear", &grouped_packed_linear);
 }

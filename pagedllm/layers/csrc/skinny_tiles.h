@@ -43,16 +43,19 @@ constexpr int64_t kBlockK = 64;             // k per block: 64 x 64 floats = 16 
 // 256-2,048 rows, 12 x 2 as fast or up to 1.1x at 32 rows.
 // AVX2 (16 ymm, 12 accumulators), measured on 1-2 AMD EPYC (Zen 3) cores with cold caches
 // (benchmarks/linear_kernels.py's shapes): 6 rows x 2 vectors (a quarter of a panel row) from 5
-// rows up, 1.0-1.6x 3 x 4 at 16-128 rows; up to 4 rows, 1 row x the whole panel row (8
+// rows up, 1.0-1.6x 3 x 4 at 16-128 rows; up to 12 rows, 1 row x the whole panel row (8
 // vectors: 8 independent accumulators where a 1-row 6 x 2 tile would have 2 chains waiting on
-// their FMA latency), 1.1-1.4x the 6 x 2 tile at one row.
+// their FMA latency), 1.1-1.4x the 6 x 2 tile at one row. It reads each k block row by row, as
+// it lies, one pass per row of x, where the 6 x 2 tile makes four strided passes over the
+// block: at 5-12 rows of a decode batch, streaming 16 MB weights, 1.25-1.6x the 6 x 2 tile
+// (three interleaved runs, 2 threads; about even at 16 rows).
 #if defined(__AVX512F__)
 constexpr int64_t kTileAcc = 24;
 constexpr int64_t kTinyRows = 0;  // no tiny-row tile
 constexpr int kTinyV = 2, kFewV = 2, kManyV = 4;
 #else
 constexpr int64_t kTileAcc = 12;
-constexpr int64_t kTinyRows = 4;
+constexpr int64_t kTinyRows = 12;
 constexpr int kTinyV = 8, kFewV = 2, kManyV = 2;
 #endif
 constexpr int64_t kTileFloats = kTileAcc * kW;
@@ -320,6 +323,18 @@ void panels_times_x(const float* xp, int64_t M, int64_t K, const Source& src, in
   }
 }
 
+// y[0:M, panels p0..p1) with the tile chosen by the row count M.
+template <class Source>
+void panels_run(const float* xp, int64_t M, int64_t K, const Source& src, int64_t N, float* yp,
+                int64_t p0, int64_t p1) {
+  if (M <= kTinyRows)
+    panels_times_x<kTinyV, kFewChunkRows>(xp, M, K, src, N, yp, p0, p1);
+  else if (M <= kFewRows)
+    panels_times_x<kFewV, kFewChunkRows>(xp, M, K, src, N, yp, p0, p1);
+  else
+    panels_times_x<kManyV, kManyChunkRows>(xp, M, K, src, N, yp, p0, p1);
+}
+
 // y [M, N] = x [M, K] W^T for W held as P panels by ``src``. Threads take contiguous runs of
 // panels: each streams its own part of the weights. Rows go in chunks, each over all of the
 // thread's panels (one chunk at decode sizes); the tile by the row count.
@@ -327,12 +342,45 @@ template <class Source>
 void panels_gemm(const float* xp, int64_t M, int64_t K, const Source& src, int64_t N, int64_t P,
                  float* yp) {
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    if (M <= kTinyRows)
-      panels_times_x<kTinyV, kFewChunkRows>(xp, M, K, src, N, yp, p0, p1);
-    else if (M <= kFewRows)
-      panels_times_x<kFewV, kFewChunkRows>(xp, M, K, src, N, yp, p0, p1);
-    else
-      panels_times_x<kManyV, kManyChunkRows>(xp, M, K, src, N, yp, p0, p1);
+    panels_run(xp, M, K, src, N, yp, p0, p1);
+  });
+}
+
+// Grouped: rows [start[g], start[g] + rows[g]) of x times group g's weight (``source(g)``, P
+// panels each) into the same rows of y -- a mixture-of-experts layer's experts over their
+// tokens, in one parallel region. Each group's rows are computed as ``panels_gemm`` would
+// (the same tile for the same row count), so a row's bits do not change with the grouping.
+// The (group, panel) items are split over the threads by cost, so each thread streams one
+// contiguous run of the groups' weights however unevenly the rows fall: an item costs its
+// panel's bytes plus its rows' arithmetic, ``K * (kRowsPerPanelRead + rows)`` (at a few rows a
+// panel is bound by its stream, at many by the FMAs; one panel read costs about as much as
+// the FMAs of kRowsPerPanelRead rows on these cores).
+constexpr int64_t kRowsPerPanelRead = 10;
+
+template <class SourceOf>
+void grouped_panels_gemm(const float* xp, int64_t K, const std::vector<int64_t>& start,
+                         const std::vector<int64_t>& rows, const SourceOf& source, int64_t N,
+                         int64_t P, float* yp) {
+  const int64_t G = static_cast<int64_t>(rows.size());
+  std::vector<int64_t> cost_before(G + 1, 0);  // the cost of groups 0..g-1, all their panels
+  for (int64_t g = 0; g < G; ++g)
+    cost_before[g + 1] = cost_before[g] + (rows[g] ? P * (kRowsPerPanelRead + rows[g]) : 0);
+  const int64_t total = cost_before[G];
+  if (total == 0) return;
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), total);
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      // Thread t takes the items whose cost starts in [lo, hi).
+      const int64_t lo = total * t / threads, hi = total * (t + 1) / threads;
+      for (int64_t g = 0; g < G; ++g) {
+        if (!rows[g] || cost_before[g + 1] <= lo || cost_before[g] >= hi) continue;
+        const int64_t item = kRowsPerPanelRead + rows[g];
+        const int64_t p0 = std::max<int64_t>(0, (lo - cost_before[g] + item - 1) / item);
+        const int64_t p1 = std::min<int64_t>(P, (hi - cost_before[g] + item - 1) / item);
+        if (p0 < p1)
+          panels_run(xp + start[g] * K, rows[g], K, source(g), N, yp + start[g] * N, p0, p1);
+      }
+    }
   });
 }
 

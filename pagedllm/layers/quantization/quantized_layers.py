@@ -87,10 +87,14 @@ def plan_quantized_layers(model: nn.Module, expected: dict,
     from pagedllm.layers import Linear, ParallelLMHead
 
     modules = dict(model.named_modules())
+    tied = tied_heads(model)
     by_module: dict[str, list[tuple[str, object]]] = {}
     for name, targets in expected.items():
         for piece, param_name in targets:
             module_name, _, attr = param_name.rpartition(".")
+            # A tied embedding's tensor is the head's weight: the head holds it quantized and
+            # the embedding reads its rows from there (VocabParallelEmbedding.qweight).
+            module_name = tied.get(module_name, module_name)
             if attr == "weight" and isinstance(modules[module_name], (Linear, ParallelLMHead)):
                 by_module.setdefault(module_name, []).append((name, piece))
     # A tensor the model splits over several places (a fused checkpoint tensor) stays float.
@@ -106,11 +110,38 @@ def plan_quantized_layers(model: nn.Module, expected: dict,
     return plan
 
 
-def drop_float_weights(model: nn.Module, plan: dict[str, Part]) -> None:
-    """Remove the float parameter of every planned layer (call on the meta model)."""
+def tied_heads(model: nn.Module) -> dict[str, str]:
+    """Embedding module name -> the name of the lm_head sharing its weight (tied)."""
+    from pagedllm.layers import ParallelLMHead, VocabParallelEmbedding
+
     modules = dict(model.named_modules())
-    for module_name in {part.module_name for part in plan.values()}:
+    heads = {id(m.weight): name for name, m in modules.items()
+             if isinstance(m, ParallelLMHead) and m.weight is not None}
+    return {name: heads[id(m.weight)] for name, m in modules.items()
+            if isinstance(m, VocabParallelEmbedding) and m.weight is not None
+            and id(m.weight) in heads}
+
+
+def drop_float_weights(model: nn.Module, plan: dict[str, Part]) -> None:
+    """Remove the float parameter of every planned layer, and of the embedding tied to a
+    planned head (call on the meta model)."""
+    modules = dict(model.named_modules())
+    planned = {part.module_name for part in plan.values()}
+    for embedding, head in tied_heads(model).items():
+        if head in planned:
+            modules[embedding].weight = None
+    for module_name in planned:
         modules[module_name].weight = None
+
+
+def share_tied_heads(model: nn.Module, heads: dict[str, str]) -> None:
+    """Point each tied embedding (``tied_heads`` of the meta model) at its head's quantized
+    weight, once the head holds one."""
+    modules = dict(model.named_modules())
+    for embedding, head in heads.items():
+        qweight = getattr(modules[head], "qweight", None)
+        if qweight is not None:
+            modules[embedding].qweight = qweight
 
 
 def this_rank(value: GroupQuant, part: Part) -> GroupQuant:

@@ -110,6 +110,28 @@ class QuantizedWeight:
         return sum(t.numel() * t.element_size()
                    for t in (self.codes, self.scales, self.offsets) if t is not None)
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of the weight, ``[T] -> [T, in]``: the lookup of an embedding tied to a
+        head that holds this weight. bf16/fp16 rows in their dtype; q8/q4 rows in float32,
+        ``code * scale`` then ``+ offset`` (the float32 embedding a loader would have
+        dequantized: the same two roundings)."""
+        panel, col = ids // PANEL, ids % PANEL
+        if self.format in ("bf16", "fp16"):
+            return self.codes[panel, :, col]
+        num_panels, num_quads, width = self.codes.shape
+        if self.format == "q8":  # [P, in / 4, 64, 4]: column c's 4 k together
+            codes = self.codes.view(num_panels, num_quads, PANEL, 4)[panel, :, col]
+        else:  # q4: byte 4j + i holds column j low, column j + 32 high
+            half = PANEL // 2
+            quads = self.codes.view(num_panels, num_quads, half, 4)[panel, :, col % half]
+            codes = (quads >> (col >= half).to(torch.uint8).mul(4).view(-1, 1, 1)) & 15
+        codes = codes.reshape(len(ids), -1)[:, :self.in_features].float()  # [T, in]
+        groups = (len(ids), self.in_features // self.group_size, self.group_size)
+        values = codes.view(groups) * self.scales[panel, :, col].unsqueeze(-1)
+        if self.offsets is not None:
+            values += self.offsets[panel, :, col].unsqueeze(-1)
+        return values.view(len(ids), self.in_features)
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight [out, in] the kernel multiplies by (the reference of the tests), computed
         in float64 and rounded once to ``dtype``."""
