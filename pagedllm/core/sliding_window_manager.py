@@ -106,7 +106,6 @@ class SlidingWindowManager(FullAttentionManager):
         super().free(request_id, num_valid_tokens)
 
 
-
 def max_window_blocks(window: int, num_tokens: int, max_chunk: int, block_size: int) -> int:
     """The most blocks a request of ``num_tokens`` holds in a group of window ``window`` when a
     step computes at most ``max_chunk`` of its tokens: a step of n tokens from s holds blocks

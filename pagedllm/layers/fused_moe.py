@@ -215,13 +215,16 @@ class FusedMoE(nn.Module):
             self._rows_interleaved = False
         if not kernel_wanted():
             return
-        for name in ("gate_up_proj", "down_proj"):
+        if self.packed_down is not None:  # packed already
+            return
+        # Both projections or neither (apply_experts runs the grouped kernel on both): each
+        # shape is checked against float64 once, on expert 0.
+        firsts = {name: pack_weight(getattr(self, name)[0], None, check=True)
+                  for name in ("gate_up_proj", "down_proj")}
+        if any(first is None for first in firsts.values()):
+            return
+        for name, first in firsts.items():
             weight = getattr(self, name)
-            if weight is None:  # already packed
-                continue
-            first = pack_weight(weight[0], None, check=True)  # float64 check once per shape
-            if first is None:
-                continue
             panels = torch.empty((self.num_experts, *first.shape), dtype=first.dtype)
             panels[0] = first
             for e in range(1, self.num_experts):  # one expert's transient copy at a time
@@ -252,7 +255,7 @@ class FusedMoE(nn.Module):
         order = torch.argsort(flat_ids, stable=True)
         counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
         x_sorted = x[order // top_k]  # [T * k, H], expert 0's tokens first
-        if self.packed_gate_up is not None and self.packed_down is not None:
+        if self.packed_down is not None:
             biased = self.gate_up_proj_bias is not None or self.down_proj_bias is not None
             y_sorted = self._grouped_experts(x_sorted, counts, flat_ids[order] if biased else None)
         else:
@@ -294,14 +297,7 @@ class FusedMoE(nn.Module):
         bias_1 = None if self.gate_up_proj_bias is None else self.gate_up_proj_bias[expert]
         bias_2 = (self.down_proj_bias[expert]
                   if self.down_proj_bias is not None and self.tp.rank == 0 else None)
-        if self.packed_gate_up is not None:
-            gate_up = torch.ops.pagedllm.packed_linear(x, self.packed_gate_up[expert],
-                                                       2 * self.intermediate_size, bias_1)
-        else:
-            gate_up = F.linear(x, self.gate_up_proj[expert], bias_1)
-        if self.packed_down is not None:
-            return torch.ops.pagedllm.packed_linear(self.act(gate_up), self.packed_down[expert],
-                                                    self.hidden_size, bias_2)
+        gate_up = F.linear(x, self.gate_up_proj[expert], bias_1)
         return F.linear(self.act(gate_up), self.down_proj[expert], bias_2)
 
 
