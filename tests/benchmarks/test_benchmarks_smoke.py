@@ -200,3 +200,19 @@ def test_linear_kernels_compares_the_skinny_kernel_with_its_peers(capsys):
         assert names == want, names
         ratios = cells[-1].split()  # "skinny native: 1.23x skinny v3: 1.20x"
         assert all(float(r.rstrip("x")) > 0 for r in ratios[2::3])
+
+
+def test_half_decode_times_each_dtype_against_float32(tmp_path, capsys):
+    from benchmarks import half_decode
+
+    out = tmp_path / "h.json"
+    half_decode.main(["--shape", "tiny", "--rounds", "1", "--dtype", "float32", "bfloat16",
+                      "--threads", "1", "--model-dir", str(tmp_path), "--json", str(out),
+                      "--engine-arg", "enforce_eager=True"])
+    _one_line(capsys, "half_decode tiny: float32")
+    r = json.loads(out.read_text())["results"][0]
+    assert r["ratio_vs_first"]["float32"] == 1.0 and r["ratio_vs_first"]["bfloat16"] > 0
+    nbytes = r["weight_bytes_per_token"]
+    assert nbytes["float32"] == 2 * nbytes["bfloat16"] > 0
+    assert r["same_leading_ids"]["float32"] == half_decode.MAX_TOKENS
+    assert 0 <= r["same_leading_ids"]["bfloat16"] <= half_decode.MAX_TOKENS

@@ -116,6 +116,12 @@ def test_packing_holds_the_arrays_exactly():
                        * scales7.double().repeat_interleave(6, dim=1))
     # q4 with offsets: half a byte + 8 bytes per 16 weights; the last panel's padding included
     assert q4.nbytes == 2 * 64 * (k // 2 + 2 * 4 * k // g)
+    # bf16: the values themselves, columns j and j + 32 of a panel side by side in a 32-bit lane
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    half = QuantizedWeight.from_half(w)
+    assert half.codes.shape == (2, k, 64) and torch.equal(half.dequantize(torch.bfloat16), w)
+    assert torch.equal(half.codes[0, :, 0], w[0]) and torch.equal(half.codes[0, :, 1], w[32])
+    assert torch.equal(half.codes[1, :, 2], w[65]) and not half.codes[1, :, 3].any()  # row 97: padding
 
 
 @pytest.mark.parametrize("fmt,n,k,group,offsets", CASES)

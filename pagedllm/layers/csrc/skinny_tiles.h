@@ -213,17 +213,18 @@ inline const float* convert_block(const Source& src, int64_t p, int64_t k0, int6
 
 // One row times panel p's k block, the weights converted in registers (no block buffer): a
 // single row uses each converted value once, so storing it to L1 and loading it back would be
-// half the work. A group's scales and offsets stay in registers across its k, so the panel
-// row goes in parts of kPart vectors (AVX2: two halves; 4 accumulators + 8 scales and offsets).
+// half the work. A group's scales and offsets stay in registers across its k, so a scaled
+// format's panel row goes in parts of kPart vectors (AVX2: two halves; 4 accumulators + 8
+// scales and offsets); an unscaled one (bf16/fp16) goes whole, kRowVecs independent sums.
 // Bit for bit the tiles' result on convert_block's floats: the same values (``value``), summed
 // per column from zero over the block in k order, then added to c.
 template <class Source>
 inline void row_times_block(const float* __restrict x, const Source& src, int64_t p, int64_t k0,
                             int64_t kl, float* __restrict c) {
-  constexpr int kPart = kRowVecs < 4 ? kRowVecs : 4;
+  constexpr int kPart = kRowVecs < 4 || !Source::kScaled ? kRowVecs : 4;
   for (int v0 = 0; v0 < kRowVecs; v0 += kPart) {
     vfloat acc[kPart], s[kPart], o[kPart];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int v = 0; v < kPart; ++v) acc[v] = s[v] = o[v] = vfloat{};
     if constexpr (Source::kQuads) {
       // A quad's 4 k from one load, in the same k order per column; groups start at quads
@@ -273,10 +274,10 @@ inline void row_times_block(const float* __restrict x, const Source& src, int64_
         }
       }
       const float a = x[k - k0];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int v = 0; v < kPart; ++v) acc[v] += a * value(src, p, k, v0 + v, s[v], o[v]);
     }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int v = 0; v < kPart; ++v) {
       float* dst = c + (v0 + v) * kW;
       store(dst, k0 == 0 ? acc[v] : load(dst) + acc[v]);

@@ -48,7 +48,9 @@ _HALF_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 @dataclass(frozen=True)
 class QuantizedWeight:
-    """A weight [out_features, in_features] as panels: bf16/fp16 ``codes`` [P, in, 64]; q8/q4
+    """A weight [out_features, in_features] as panels: bf16/fp16 ``codes`` [P, in, 64] (bf16's
+    columns in pairs: column j at 2j, column j + 32 at 2j + 1, each pair one float's worth of
+    bits the kernel widens with one shift or one mask; fp16 in column order); q8/q4
     codes in quad blocks, a column's 4 consecutive k in adjacent bytes (the int8-activation
     path's integer dot products read them as they lie, the float path picks one byte of four):
     q8 [P, ceil(in / 4), 64 x 4] int8, q4 [P, ceil(in / 4), 32 x 4] bytes, byte 4j + i of a
@@ -72,7 +74,10 @@ class QuantizedWeight:
         if fmt is None or weight.dim() != 2:
             raise ModelLoadError(f"a half-precision weight must be a 2-D bfloat16 or float16 "
                                  f"tensor, got {weight.dtype} {tuple(weight.shape)}")
-        return cls(fmt, *weight.shape, _to_panels(weight.detach()))
+        panels = _to_panels(weight.detach())  # [P, in, 64]
+        if fmt == "bf16":  # [P, in, 2, 32] -> [P, in, 32, 2]: columns j and j + 32 side by side
+            panels = panels.view(*panels.shape[:2], 2, PANEL // 2).transpose(2, 3).reshape(panels.shape)
+        return cls(fmt, *weight.shape, panels.contiguous())
 
     @classmethod
     def from_q8(cls, codes: np.ndarray | torch.Tensor, scales: np.ndarray | torch.Tensor,
@@ -116,8 +121,10 @@ class QuantizedWeight:
         ``code * scale`` then ``+ offset`` (the float32 embedding a loader would have
         dequantized: the same two roundings)."""
         panel, col = ids // PANEL, ids % PANEL
-        if self.format in ("bf16", "fp16"):
+        if self.format == "fp16":
             return self.codes[panel, :, col]
+        if self.format == "bf16":  # column j at 2j, column j + 32 at 2j + 1
+            return self.codes[panel, :, 2 * (col % (PANEL // 2)) + col // (PANEL // 2)]
         num_panels, num_quads, width = self.codes.shape
         if self.format == "q8":  # [P, in / 4, 64, 4]: column c's 4 k together
             codes = self.codes.view(num_panels, num_quads, PANEL, 4)[panel, :, col]
@@ -137,6 +144,8 @@ class QuantizedWeight:
         in float64 and rounded once to ``dtype``."""
         if self.format in ("bf16", "fp16"):
             values = self.codes.double()  # [P, in, 64]
+            if self.format == "bf16":  # [P, in, 32, 2] pairs -> [P, in, 64] in column order
+                values = values.view(*values.shape[:2], PANEL // 2, 2).transpose(2, 3).reshape(values.shape)
         else:
             codes = _from_quads(self.codes, self.in_features)  # [P, in, 64 or 32]
             if self.format == "q4":
