@@ -12,7 +12,9 @@ Block-quantized linear weights stay quantized (layers/quantization/quantized_lay
 layer's float weight is never allocated; its ``QuantizedWeight`` is built from the unpacked
 parts), the lm_head too, tied or not: a tied embedding then reads its rows from the head's
 quantized weight (most small models tie them, and the head is read whole every decode step).
-Stacked experts, routers and tensors the model splits (Phi-3's fused qkv) are dequantized.
+So do stacked experts: each expert's slice of the stack is a ``QuantizedWeight`` handed to its
+FusedMoE, which stacks them for its grouped kernel; and a fused tensor holding one layer's parts
+(Phi-3's qkv and gate/up): this rank's rows of each part. Routers stay float.
 Everything else is loaded as float in the model's dtype, one tensor at a time: norms (small)
 and an untied token embedding, dequantized when the file holds it quantized (a lookup reads a
 few rows).
@@ -35,7 +37,7 @@ from pagedllm.gguf.names import (CONFIG_TENSORS, expert_names, hf_name, is_exper
                                  is_permuted, norm_shift, unpermute_rows)
 from pagedllm.gguf.quant_types import FLOAT_TYPES, GroupQuant, unpack
 from pagedllm.gguf.reader import GGUFCheckpoint, GGUFTensor, open_gguf
-from pagedllm.layers.quantization.quantized_layers import (Part, QuantizedAttacher, combine,
+from pagedllm.layers.quantization.quantized_layers import (Part, attach_quantized,
                                                            drop_float_weights,
                                                            plan_quantized_layers,
                                                            quantized_kernels_available,
@@ -58,13 +60,14 @@ def load_gguf_model(model_path: str | Path, dtype: torch.dtype, device: torch.de
     model_cls = get_model_class(config)
     with torch.device("meta"):
         model = model_cls(config)
-    plan: dict[str, Part] = {}
+    plan: dict[str, list[Part]] = {}
     heads = tied_heads(model)
     if keep_quantized and quantized_kernels_available(device):
         # Routers stay float even when the file quantized them (llama.cpp never does): the MoE
         # block packs its router for the batch-independent kernel (models/moe.py).
-        quantized = {hf_name(t.name, ckpt.architecture) for t in ckpt.tensors.values()
-                     if t.type_id not in FLOAT_TYPES and ".ffn_gate_inp" not in t.name}
+        quantized = {name for t in ckpt.tensors.values()
+                     if t.type_id not in FLOAT_TYPES and ".ffn_gate_inp" not in t.name
+                     for name in _hf_names(model, t, ckpt.architecture)}
         plan = plan_quantized_layers(model, _expected(model, expected_tensors), quantized)
         drop_float_weights(model, plan)
     elif keep_quantized and any(t.type_id not in FLOAT_TYPES for t in ckpt.tensors.values()):
@@ -90,33 +93,34 @@ def _expected(model: nn.Module, expected_tensors: Callable) -> dict[str, list[tu
 
 @torch.no_grad()
 def load_gguf_weights(model: nn.Module, ckpt: GGUFCheckpoint, config: dict,
-                      plan: dict[str, Part], expected_tensors: Callable) -> None:
+                      plan: dict[str, list[Part]], expected_tensors: Callable) -> None:
     expected = _expected(model, expected_tensors)
     _zero_uncovered(model, expected)
-    pending: dict[str, dict[int, GroupQuant]] = {}
+    pending: dict[tuple, dict[int, GroupQuant]] = {}
     unexpected: list[str] = []
     arch = ckpt.architecture
     for tensor in ckpt.tensors.values():
         if tensor.name in CONFIG_TENSORS:
             continue
         name = hf_name(tensor.name, arch)
-        if name in plan:
-            part = plan.pop(name)
-            value = _read(tensor, arch, config)
-            assert isinstance(value, GroupQuant)  # planned from the file's types
-            if value.shape != part.checkpoint_shape:
-                raise ModelLoadError(f"GGUF tensor {tensor.name} has shape {value.shape}, the "
-                                     f"model expects {part.checkpoint_shape} ({part.module_name})")
-            pending.setdefault(part.module_name, {})[part.index] = this_rank(value, part)
-            continue
         if name is not None and is_expert_stack(tensor.name):
             pieces = _experts(model, tensor, name, _read(tensor, arch, config))
-        elif name in expected:
+        elif name in expected or name in plan:
             pieces = [(name, None)]  # read once it is known to be wanted
         else:
             unexpected.append(tensor.name)
             continue
         for piece_name, value in pieces:
+            if piece_name in plan:  # stays quantized: part(s) of a QuantizedWeight
+                value = _read(tensor, arch, config) if value is None else value
+                assert isinstance(value, GroupQuant)  # planned from the file's types
+                for part in plan.pop(piece_name):
+                    if value.shape != part.checkpoint_shape:
+                        raise ModelLoadError(f"GGUF tensor {tensor.name} has shape {value.shape}, "
+                                             f"the model expects {part.checkpoint_shape} "
+                                             f"({piece_name})")
+                    pending.setdefault(part.weight_key, {})[part.index] = this_rank(value, part)
+                continue
             targets = expected.pop(piece_name, None)
             if targets is None:
                 unexpected.append(f"{tensor.name} ({piece_name})")
@@ -133,10 +137,7 @@ def load_gguf_weights(model: nn.Module, ckpt: GGUFCheckpoint, config: dict,
         more = f" and {len(missing) - 10} more" if len(missing) > 10 else ""
         raise ModelLoadError(f"{ckpt.path.name} is missing {len(missing)} tensors: "
                              f"{', '.join(missing[:10])}{more}")
-    modules = dict(model.named_modules())
-    attacher = QuantizedAttacher()
-    for module_name, parts in pending.items():
-        attacher.attach(modules[module_name], combine([parts[i] for i in sorted(parts)]))
+    attach_quantized(model, pending)
     if unexpected:
         logger.warning("ignoring %d GGUF tensors the model does not use: %s",
                        len(unexpected), ", ".join(unexpected[:10]))
@@ -161,6 +162,17 @@ def _read(tensor: GGUFTensor, architecture: str, config: dict) -> GroupQuant | n
     if shift:
         value = value.astype(np.float32) - np.float32(shift)
     return value
+
+
+def _hf_names(model: nn.Module, tensor: GGUFTensor, architecture: str) -> list[str]:
+    """The HF checkpoint names a GGUF tensor provides: one, or one per expert of a stack."""
+    name = hf_name(tensor.name, architecture)
+    if name is None:
+        return []
+    moe_args = getattr(model, "moe_args", None)
+    if is_expert_stack(tensor.name) and moe_args is not None and len(tensor.shape) == 3:
+        return expert_names(name, tensor.shape[0], moe_args.expert_names)
+    return [name]
 
 
 def _experts(model: nn.Module, tensor: GGUFTensor, stacked_name: str,

@@ -6,7 +6,8 @@
   of packed layers, in pagedllm's own kernel (layers/linear.py); ``grouped_packed_linear``, the
   same kernel over a mixture-of-experts layer's experts at once (layers/fused_moe.py);
 - ``pagedllm::quant_linear`` (csrc/quant_gemm.cpp): the same kernel over weights held as bf16,
-  fp16 or block-quantized panels (layers/quantization/).
+  fp16 or block-quantized panels (layers/quantization/); ``grouped_quant_linear``, over a
+  mixture-of-experts layer's experts held so.
 
 Their register tiles are sized per x86 level (csrc/isa.h): x86-64-v4 (AVX-512, 32 vector
 registers) and x86-64-v3 (AVX2 + FMA, 16). On a CPU of neither level the engine uses torch's
@@ -39,7 +40,7 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / "paged_attention.cpp", CSRC / "skinny_gemm.cpp", CSRC / "quant_gemm.cpp",
            CSRC / "write_kv.cpp"]  # + the headers
 OPS = ("paged_attention", "skinny_gemm", "packed_linear", "grouped_packed_linear", "quant_linear",
-       "write_kv")
+       "grouped_quant_linear", "write_kv")
 # The x86 levels the kernels are tuned for (csrc/isa.h): their -march, and the CPU flags a CPU
 # needs to run a build of that level (the Linux /proc/cpuinfo names).
 ISA_MARCH = {"v3": "x86-64-v3", "v4": "x86-64-v4"}
@@ -160,6 +161,7 @@ def _build(isa: str) -> Any:
     torch.library.register_fake(f"{namespace}::paged_attention")(_paged_attention_fake)
     torch.library.register_fake(f"{namespace}::packed_linear")(_packed_linear_fake)
     torch.library.register_fake(f"{namespace}::quant_linear")(_quant_linear_fake)
+    torch.library.register_fake(f"{namespace}::grouped_quant_linear")(_grouped_quant_linear_fake)
     return ops
 
 
@@ -179,6 +181,12 @@ def _quant_linear_fake(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tenso
                        offsets: torch.Tensor | None, group_size: int, out_features: int,
                        bias: torch.Tensor | None, int8_activations: bool = False) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], out_features))
+
+
+def _grouped_quant_linear_fake(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor | None,
+                               offsets: torch.Tensor | None, group_size: int, counts: list[int],
+                               out_features: int, int8_activations: bool = False) -> torch.Tensor:
+    return x.new_empty((x.shape[0], out_features))  # x [R, K]: every expert's rows
 
 
 def compile_sources(isa: str, output_dir: Path, sources: list[Path] | None = None) -> None:

@@ -19,12 +19,16 @@ partial sum of the layer's output, all-reduced once per layer (after the shared 
 sum, where the family has one) -- the row-parallel path of the dense MLP.
 
 On CPU the tokens are grouped by expert and each active expert runs once over its tokens. Where
-the skinny kernel runs (layers/linear.py), each projection is one ``pagedllm::
-grouped_packed_linear`` over every active expert's tokens (one parallel region streaming the
-experts' weights, csrc/skinny_gemm.cpp); a row's sums run in the same order whatever the number
-of rows, so a token's output does not depend on which other tokens share its step or its expert
-(torch's matmul picks kernels by the row count). Elsewhere (GPU, half precision, no kernel for
-this CPU) each expert is an ``F.linear``.
+the skinny kernel runs (layers/linear.py), each projection is one grouped kernel call over every
+active expert's tokens (one parallel region streaming the experts' weights): float32 experts as
+panels (``pagedllm::grouped_packed_linear``, csrc/skinny_gemm.cpp); experts in another format,
+stacked ``QuantizedWeight``s (``pagedllm::grouped_quant_linear``, csrc/quant_gemm.cpp, through
+the layer's ``quant_method``): bfloat16/float16 experts in their precision, and a quantized
+checkpoint's (GGUF, AWQ/GPTQ) as it holds them, handed over per expert by the loader
+(layers/quantization/quantized_layers.py), so their float matrices are never allocated. A row's
+sums run in the same order whatever the number of rows, so a token's output does not depend on
+which other tokens share its step or its expert (torch's matmul picks kernels by the row
+count). Elsewhere (GPU, no kernel for this CPU) each expert is an ``F.linear``.
 
 Under torch.compile the expert loop (its trip count depends on the routing) is one opaque custom
 op per layer, ``pagedllm::fused_moe_experts``, found by number like attention's
@@ -45,6 +49,10 @@ from pagedllm.layers.activation import GatedActivation
 from pagedllm.layers.linear import WeightSlice, pack_weight
 from pagedllm.layers.moe_router import RoutingOrder, check_routing, select_experts
 from pagedllm.layers.op_registry import LayerRegistry
+from pagedllm.errors import ModelLoadError
+from pagedllm.layers.quantization import (HalfLinearMethod, LinearMethod, QuantizedWeight,
+                                          kernel_matches_float64, method_for,
+                                          quantized_kernels_available)
 from pagedllm.layers.quantization.mxfp4 import BLOCK_SIZE, dequantize_mxfp4
 
 
@@ -69,6 +77,8 @@ class FusedMoE(nn.Module):
     """``forward(hidden [T, H], router_logits [T, E]) -> [T, H]``: each token's top-k experts'
     gated MLPs, weighted by the router. With ``reduce_results`` False the result is this rank's
     partial sum (the caller adds to it and all-reduces once)."""
+
+    PROJECTIONS = ("gate_up_proj", "down_proj")
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                  hidden_act: str, renormalize: bool,
@@ -111,6 +121,13 @@ class FusedMoE(nn.Module):
         # parameters (then None): set by process_weights_after_loading. One copy either way.
         self.packed_gate_up: torch.Tensor | None = None
         self.packed_down: torch.Tensor | None = None
+        # Or, per projection, the experts' weights in another format (bf16/fp16, a quantized
+        # checkpoint's q8/q4) stacked (QuantizedWeight.stack), multiplied by ``quant_method``'s
+        # grouped call; a loader hands them over expert by expert (set_quantized_expert).
+        self.qweight_gate_up: QuantizedWeight | None = None
+        self.qweight_down: QuantizedWeight | None = None
+        self.quant_method: LinearMethod | None = None
+        self._expert_qweights: dict[str, dict[int, QuantizedWeight]] = {}
         self._op_id = _layers_by_op_id.register(self)  # how a compiled graph names this layer
 
     def _init_mxfp4(self, num_experts: int, hidden: int, inter: int) -> None:
@@ -142,7 +159,8 @@ class FusedMoE(nn.Module):
                 f"intermediate={self.intermediate_size}, order={self.order.value}, "
                 f"renormalize={self.renormalize}, bias={self.down_proj_bias is not None}, "
                 f"layout={self.layout.value}, format={self.weight_format}, "
-                f"packed={self.packed_down is not None}")
+                f"packed={self.packed_down is not None}, held="
+                f"{[None if q is None else q.format for q in (self.qweight_gate_up, self.qweight_down)]}")
 
     # -- loading -------------------------------------------------------------------------------
     def checkpoint_tensors(self, attr: str, param: torch.Tensor) -> dict[str, WeightSlice]:
@@ -192,10 +210,34 @@ class FusedMoE(nn.Module):
         return [WeightSlice(param[:, :size], None, 1, rank_start, 2 * full),
                 WeightSlice(param[:, size:], None, 1, full + rank_start, 2 * full)]
 
+    def drop_float_projection(self, attr: str) -> None:
+        """On the meta model: projection ``attr``'s experts will come quantized (a loader's
+        ``set_quantized_expert``), so its float parameter is never allocated."""
+        setattr(self, attr, None)
+        self._expert_qweights[attr] = {}
+
+    def set_quantized_expert(self, attr: str, expert: int, qweight: QuantizedWeight) -> None:
+        """Expert ``expert``'s weight of projection ``attr``, as its checkpoint holds it (this
+        rank's rows or columns); stacked once every expert's is in."""
+        inter, hidden = self.intermediate_size, self.hidden_size
+        shape = (2 * inter, hidden) if attr == "gate_up_proj" else (hidden, inter)
+        if (qweight.out_features, qweight.in_features) != shape or not 0 <= expert < self.num_experts:
+            raise ModelLoadError(f"expert {expert}'s {attr} is {qweight.out_features}x"
+                                 f"{qweight.in_features}; the layer wants {shape[0]}x{shape[1]} "
+                                 f"for experts 0..{self.num_experts - 1}")
+        self._expert_qweights[attr][expert] = qweight
+
     @torch.no_grad()
     def process_weights_after_loading(self) -> None:
         """Dequantize, de-interleave, then hold the experts as skinny_gemm panels where the
-        kernel runs (see the module doc). Each step runs once."""
+        kernel runs, or stacked in their own format (quantized, bf16/fp16) (see the module
+        doc). Each step runs once."""
+        for attr, experts in self._expert_qweights.items():
+            if len(experts) != self.num_experts:
+                raise ModelLoadError(f"{attr}: the checkpoint held {len(experts)} of "
+                                     f"{self.num_experts} experts")
+            self._hold_stacked(attr, [experts[e] for e in range(self.num_experts)])
+        self._expert_qweights = {}
         if hasattr(self, "down_proj_blocks"):  # MXFP4, not yet dequantized
             dtype = self._dtype_probe.dtype
             for name in ("gate_up_proj", "down_proj"):
@@ -213,15 +255,24 @@ class FusedMoE(nn.Module):
             if self.gate_up_proj_bias is not None:
                 self.gate_up_proj_bias.data = self.gate_up_proj_bias.data[:, order].contiguous()
             self._rows_interleaved = False
-        if not kernel_wanted():
+        held = self.qweight_gate_up is not None or self.qweight_down is not None
+        if not kernel_wanted() and not held:  # a quantized projection runs in the kernel only
             return
-        if self.packed_down is not None:  # packed already
+        floats = [name for name in self.PROJECTIONS if getattr(self, name) is not None]
+        if any(getattr(self, name).device.type != "cpu" for name in floats):
             return
-        # Both projections or neither (apply_experts runs the grouped kernel on both): each
+        halves = [n for n in floats if getattr(self, n).dtype in (torch.float16, torch.bfloat16)]
+        if halves and not self._hold_half(halves):
+            return
+        floats = [name for name in floats if name not in halves]
+        # Every projection goes through a grouped kernel or none (apply_experts): each float
         # shape is checked against float64 once, on expert 0.
-        firsts = {name: pack_weight(getattr(self, name)[0], None, check=True)
-                  for name in ("gate_up_proj", "down_proj")}
+        firsts = {name: pack_weight(getattr(self, name)[0], None, check=True) for name in floats}
         if any(first is None for first in firsts.values()):
+            if len(floats) < len(self.PROJECTIONS):  # the other one is held in another format
+                raise ModelLoadError(f"the experts' {', '.join(floats)} cannot run in the CPU "
+                                     "kernel beside their quantized or half-precision "
+                                     "projection (no kernel for this weight here)")
             return
         for name, first in firsts.items():
             weight = getattr(self, name)
@@ -232,6 +283,29 @@ class FusedMoE(nn.Module):
             # The plain weight goes at once: at most one projection of one layer held twice.
             setattr(self, f"packed_{name.removesuffix('_proj')}", panels)
             setattr(self, name, None)
+
+    def _hold_half(self, names: list[str]) -> bool:
+        """bfloat16/float16 experts kept in their precision, as half panels (the dense layers'
+        rule, layers/linear_kernel.py: torch's half matmul on a CPU without native bf16
+        converts the whole matrix every call); False when the kernel cannot take them here."""
+        if not quantized_kernels_available(getattr(self, names[0]).device):
+            return False
+        for name in names:
+            weight = getattr(self, name)
+            qweights = [QuantizedWeight.from_half(weight[e]) for e in range(self.num_experts)]
+            if not kernel_matches_float64(qweights[0], None):
+                return False
+            self._hold_stacked(name, qweights)
+        return True
+
+    def _hold_stacked(self, attr: str, qweights: list[QuantizedWeight]) -> None:
+        """Projection ``attr`` as the experts' weights stacked, its float parameter gone; the
+        layer's ``quant_method`` (whose activations setting serves both projections) from the
+        first such projection's format."""
+        setattr(self, f"qweight_{attr.removesuffix('_proj')}", QuantizedWeight.stack(qweights))
+        setattr(self, attr, None)
+        if self.quant_method is None or isinstance(self.quant_method, HalfLinearMethod):
+            self.quant_method = method_for(qweights[0])
 
     # -- compute -------------------------------------------------------------------------------
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
@@ -255,7 +329,7 @@ class FusedMoE(nn.Module):
         order = torch.argsort(flat_ids, stable=True)
         counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
         x_sorted = x[order // top_k]  # [T * k, H], expert 0's tokens first
-        if self.packed_down is not None:
+        if self.gate_up_proj is None and self.down_proj is None:  # both in a grouped kernel
             biased = self.gate_up_proj_bias is not None or self.down_proj_bias is not None
             y_sorted = self._grouped_experts(x_sorted, counts, flat_ids[order] if biased else None)
         else:
@@ -281,15 +355,22 @@ class FusedMoE(nn.Module):
         """Every active expert's gated MLP over its rows of ``x_sorted`` (``counts[e]`` rows
         for expert e, in order), each projection one kernel call over all of them.
         ``sorted_ids``: each row's expert (where the experts have biases; else None)."""
-        gate_up = torch.ops.pagedllm.grouped_packed_linear(x_sorted, self.packed_gate_up, counts,
-                                                           2 * self.intermediate_size)
+        gate_up = self._grouped("gate_up", x_sorted, counts)
         if self.gate_up_proj_bias is not None:
             gate_up.add_(self.gate_up_proj_bias[sorted_ids])
-        y = torch.ops.pagedllm.grouped_packed_linear(self.act(gate_up), self.packed_down, counts,
-                                                     self.hidden_size)
+        y = self._grouped("down", self.act(gate_up), counts)
         if self.down_proj_bias is not None and self.tp.rank == 0:
             y.add_(self.down_proj_bias[sorted_ids])
         return y
+
+    def _grouped(self, name: str, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Projection ``name`` ("gate_up", "down") of every expert over its rows of ``x``."""
+        qweight = getattr(self, f"qweight_{name}")
+        if qweight is not None:
+            return self.quant_method.apply_grouped(qweight, x, counts)
+        panels = getattr(self, f"packed_{name}")
+        out = 2 * self.intermediate_size if name == "gate_up" else self.hidden_size
+        return torch.ops.pagedllm.grouped_packed_linear(x, panels, counts, out)
 
     def _expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         """One expert's gated MLP on its tokens: ``[n, H] -> [n, H]`` (a partial sum under TP)."""

@@ -116,7 +116,7 @@ def _convert_half_layers(model: nn.Module, layers: list[nn.Module]) -> None:
     pagedllm's kernel (HalfLinearMethod), checked against float64 once per shape and dtype; not
     measured: torch's half matmul on a CPU without native bf16 converts the whole matrix on every
     call (``PAGEDLLM_CPU_KERNELS=torch`` keeps it anyway). A tied embedding reads its rows from
-    the head's half panels (the same layout as float32 panels): one copy of the matrix."""
+    the head's half panels (``QuantizedWeight.rows``): one copy of the matrix."""
     forced = os.environ.get("PAGEDLLM_CPU_KERNELS", "auto")
     if not layers or forced == "torch" or native_isa() is None or load_cpu_ops() is None:
         return

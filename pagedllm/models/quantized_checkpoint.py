@@ -21,7 +21,7 @@ from pagedllm.errors import ModelLoadError, UnsupportedModelError
 from pagedllm.layers import Linear
 from pagedllm.layers.quantization import quantize_linear, set_quantized_weight
 from pagedllm.layers.quantization.checkpoint_formats import checkpoint_quant
-from pagedllm.layers.quantization.quantized_layers import (GroupQuant, QuantizedAttacher, combine,
+from pagedllm.layers.quantization.quantized_layers import (GroupQuant, attach_quantized,
                                                            drop_float_weights,
                                                            plan_quantized_layers,
                                                            quantized_kernels_available, this_rank)
@@ -64,8 +64,8 @@ class QuantizedCheckpointLoader:
 
     @torch.no_grad()
     def load(self, model: nn.Module) -> None:
-        pending: dict[str, dict[int, GroupQuant]] = {}
-        for name, part in self.plan.items():
+        pending: dict[tuple, dict[int, GroupQuant]] = {}
+        for name, parts in self.plan.items():
             base = self.bases[name]
             tensors = {}
             for suffix in _PACKED:
@@ -78,14 +78,12 @@ class QuantizedCheckpointLoader:
                     tensors[suffix] = f.get_tensor(f"{base}.{suffix}")
             codes, scales, offsets = self.quant.unpack(base, tensors)
             value = GroupQuant("q4", codes, scales, offsets, self.quant.group_size)
-            if value.shape != part.checkpoint_shape:
-                raise ModelLoadError(f"{self.quant.method} layer {base} unpacks to {value.shape}, "
-                                     f"the model expects {part.checkpoint_shape}")
-            pending.setdefault(part.module_name, {})[part.index] = this_rank(value, part)
-        modules = dict(model.named_modules())
-        attacher = QuantizedAttacher()
-        for module_name, parts in pending.items():
-            attacher.attach(modules[module_name], combine([parts[i] for i in sorted(parts)]))
+            for part in parts:
+                if value.shape != part.checkpoint_shape:
+                    raise ModelLoadError(f"{self.quant.method} layer {base} unpacks to "
+                                         f"{value.shape}, the model expects {part.checkpoint_shape}")
+                pending.setdefault(part.weight_key, {})[part.index] = this_rank(value, part)
+        attach_quantized(model, pending)
 
 
 @torch.no_grad()

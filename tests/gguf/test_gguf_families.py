@@ -22,6 +22,7 @@ from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, 
 
 from pagedllm.errors import UnsupportedModelError
 from pagedllm.gguf import read_gguf_config
+from pagedllm.layers import FusedMoE
 from pagedllm.layers.quantization.quantized_layers import quantized_kernels_available
 from pagedllm.models import load_model
 
@@ -209,10 +210,21 @@ def test_family_gguf_matches_transformers(name, spec, tmp_path):
     model, loaded = load_model(str(path), torch.float32, CPU)
     assert loaded["architectures"] == [architecture]
     _check_greedy_and_logprobs(model, reference)
-    linears = [m for n, m in model.named_modules() if n.endswith(("o_proj", "down_proj"))]
+    linears = [m for n, m in model.named_modules()
+               if n.endswith(("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))]
     if spec in ("q8_0", "q4_0") and quantized_kernels_available(CPU):
-        # the plain linears keep the file's quantized weight
+        # the linears keep the file's quantized weight, fused in the file (Phi-3) or not
         assert linears and all(m.qweight is not None and m.weight is None for m in linears)
+        # and so do the stacked experts: no float matrix of theirs is ever allocated
+        held = {"q8_0": "q8", "q4_0": "q4"}[spec]
+        for m in model.modules():
+            if isinstance(m, FusedMoE):
+                assert m.gate_up_proj is None and m.down_proj is None
+                assert m.qweight_gate_up.format == m.qweight_down.format == held
+                for q in (m.qweight_gate_up, m.qweight_down):  # the format's size, no more
+                    rows = -(-q.out_features // 64) * 64  # whole panels
+                    per_weight = {"q8": 1 + 4 / 32, "q4": 0.5 + 8 / 32}[held]  # codes, scales(, offsets)
+                    assert q.nbytes == m.num_experts * rows * q.in_features * per_weight
 
 
 def test_family_metadata_becomes_the_config(tmp_path):

@@ -71,36 +71,58 @@ def dequantized(codes, zeros, scales, group) -> torch.Tensor:
     return torch.from_numpy((codes.astype(np.float32) - z) * s)
 
 
+def _quantized_linear(tensors: dict, name: str, weight: torch.Tensor, method: str, group: int,
+                      gen: np.random.Generator, fmt: str, act_order: bool) -> None:
+    """Random codes, zeros and scales for the [out, in] ``weight`` (a view, overwritten with
+    their dequantized values), packed into ``tensors`` as linear ``name``'s in the format."""
+    out_f, in_f = weight.shape
+    # GPTQ v1 stores z - 1: zeros from 1 so that it stays a nibble
+    codes, zeros, scales = random_groups(out_f, in_f, group, gen,
+                                         zero_low=1 if fmt == "gptq" else 0)
+    weight.copy_(dequantized(codes, zeros, scales, group))
+    t = lambda a: torch.from_numpy(np.ascontiguousarray(a))  # noqa: E731
+    if method == "awq":
+        tensors[f"{name}.qweight"] = t(pack_columns(codes.T, AWQ_ORDER))
+        tensors[f"{name}.qzeros"] = t(pack_columns(zeros.T, AWQ_ORDER))
+    else:
+        stored = zeros - 1 if fmt == "gptq" else zeros
+        tensors[f"{name}.qweight"] = t(pack_rows(codes.T))
+        tensors[f"{name}.qzeros"] = t(pack_columns(stored.T, np.arange(8)))
+        g_idx = np.arange(in_f) // group
+        if act_order:
+            g_idx = gen.permutation(g_idx)
+        tensors[f"{name}.g_idx"] = t(g_idx.astype(np.int32))
+    tensors[f"{name}.scales"] = t(scales.T)
+
+
 def build_quantized(method: str, group: int, folder: Path, fmt: str = "gptq", seed: int = 0,
-                    act_order: bool = False):
-    """(the HF model holding the dequantized weights, the quantized checkpoint folder)."""
-    hf_model = make_hf_model(CONFIGS[group](), seed)
+                    act_order: bool = False, config=None):
+    """(the HF model holding the dequantized weights, the quantized checkpoint folder). A MoE
+    ``config``'s experts are quantized too, one checkpoint linear per expert and projection
+    (``experts.E.gate_proj``...), as AutoAWQ and GPTQModel write them."""
+    hf_model = make_hf_model(config or CONFIGS[group](), seed)
     gen = np.random.default_rng(seed)
     tensors = {}
     quantized = set()
     with torch.no_grad():
         for name, module in hf_model.named_modules():
-            if not name.endswith(PROJECTIONS):
+            if name.endswith(PROJECTIONS):
+                _quantized_linear(tensors, name, module.weight, method, group, gen, fmt, act_order)
+                quantized.add(f"{name}.weight")
+        for name, param in hf_model.named_parameters():
+            prefix = name.removesuffix(".gate_up_proj").removesuffix(".down_proj")
+            if prefix == name or not prefix.endswith("mlp.experts"):
                 continue
-            out_f, in_f = module.weight.shape
-            # GPTQ v1 stores z - 1: zeros from 1 so that it stays a nibble
-            codes, zeros, scales = random_groups(out_f, in_f, group, gen,
-                                                 zero_low=1 if fmt == "gptq" else 0)
-            module.weight.copy_(dequantized(codes, zeros, scales, group))
-            quantized.add(f"{name}.weight")
-            t = lambda a: torch.from_numpy(np.ascontiguousarray(a))  # noqa: E731
-            if method == "awq":
-                tensors[f"{name}.qweight"] = t(pack_columns(codes.T, AWQ_ORDER))
-                tensors[f"{name}.qzeros"] = t(pack_columns(zeros.T, AWQ_ORDER))
-            else:
-                stored = zeros - 1 if fmt == "gptq" else zeros
-                tensors[f"{name}.qweight"] = t(pack_rows(codes.T))
-                tensors[f"{name}.qzeros"] = t(pack_columns(stored.T, np.arange(8)))
-                g_idx = np.arange(in_f) // group
-                if act_order:
-                    g_idx = gen.permutation(g_idx)
-                tensors[f"{name}.g_idx"] = t(g_idx.astype(np.int32))
-            tensors[f"{name}.scales"] = t(scales.T)
+            for e in range(param.shape[0]):  # transformers' fused [E, 2I, H] / [E, H, I]
+                if name.endswith("down_proj"):
+                    parts = {"down_proj": param[e]}
+                else:
+                    gate, up = param[e].chunk(2)
+                    parts = {"gate_proj": gate, "up_proj": up}
+                for proj, weight in parts.items():
+                    _quantized_linear(tensors, f"{prefix}.{e}.{proj}", weight, method, group,
+                                      gen, fmt, act_order)
+            quantized.add(name)
     for name, value in hf_model.state_dict().items():
         if name not in quantized:
             tensors[name] = value.contiguous()
@@ -133,6 +155,28 @@ def test_mixed_batch_matches_transformers(method, fmt, group, tmp_path):
                                                                  "gate_up_proj", "down_proj"))]
     assert layers and all(m.weight is None and m.qweight.format == "q4" for m in layers)
     assert all(m.qweight.group_size == group for m in layers)
+    check_mixed_batch(model, hf_model, PagedRunner(model, block_size=4))
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_moe_experts_stay_quantized_and_match_transformers(method, tmp_path):
+    """A Qwen3-MoE checkpoint with every expert quantized per expert: the experts are held as
+    stacked q4 weights (no float matrix), and a mixed batch matches transformers on the
+    dequantized weights."""
+    from transformers import Qwen3MoeConfig
+
+    from pagedllm.layers import FusedMoE
+
+    config = Qwen3MoeConfig(hidden_size=64, intermediate_size=96, moe_intermediate_size=64,
+                            num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+                            head_dim=16, **COMMON)
+    config._experts_implementation = "eager"
+    hf_model, folder = build_quantized(method, 32, tmp_path / "q", config=config)
+    model, _ = load_model(str(folder), torch.float32, torch.device("cpu"))
+    experts = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    assert experts and all(m.gate_up_proj is None and m.down_proj is None for m in experts)
+    assert all(m.qweight_gate_up.format == m.qweight_down.format == "q4" for m in experts)
+    assert all(m.qweight_down.codes.shape[0] == 4 for m in experts)
     check_mixed_batch(model, hf_model, PagedRunner(model, block_size=4))
 
 

@@ -90,9 +90,10 @@ def _reference_moe(x, w13, w2, weights, ids):
     return out
 
 
-def _random_layer(seed: int = 0, **kwargs) -> tuple[FusedMoE, torch.Tensor, torch.Tensor]:
+def _random_layer(seed: int = 0, hidden: int = 48, inter: int = 40,
+                  **kwargs) -> tuple[FusedMoE, torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    layer = FusedMoE(num_experts=6, top_k=2, hidden_size=48, intermediate_size=40,
+    layer = FusedMoE(num_experts=6, top_k=2, hidden_size=hidden, intermediate_size=inter,
                      hidden_act="silu", renormalize=True, **kwargs)
     with torch.no_grad():
         layer.gate_up_proj.copy_(torch.randn(layer.gate_up_proj.shape, generator=gen) * 0.2)
@@ -126,6 +127,70 @@ def test_a_row_has_the_same_bits_alone_and_in_any_batch():
         for rows in ([5], [5, 9], list(range(3, 40)), [63, 5, 0]):
             part = layer(x[rows], logits[rows])
             assert torch.equal(part, full[rows]), rows
+
+
+def _held_layer(fmt: str, seed: int = 0) -> tuple[FusedMoE, torch.Tensor, torch.Tensor]:
+    """A random layer whose experts are held in ``fmt``: "bf16"/"fp16" (the model dtype, converted
+    by process_weights_after_loading) or "q8_0"/"q4_0" (handed over expert by expert, as a
+    quantized checkpoint's loader does); and the float32 weights they hold."""
+    from pagedllm.layers.quantization import quantize_linear
+
+    # q8_0/q4_0 quantize whole blocks of 32 inputs: both projections' inputs are multiples
+    layer, w13, w2 = _random_layer(seed, hidden=64, inter=96)
+    if fmt in ("bf16", "fp16"):
+        layer.to({"bf16": torch.bfloat16, "fp16": torch.float16}[fmt])
+        w13, w2 = layer.gate_up_proj.detach().float(), layer.down_proj.detach().float()
+    else:
+        held = {}
+        for attr, w in (("gate_up_proj", w13), ("down_proj", w2)):
+            layer.drop_float_projection(attr)
+            for e in range(layer.num_experts):
+                qweight = quantize_linear(w[e], fmt)
+                layer.set_quantized_expert(attr, e, qweight)
+                held.setdefault(attr, []).append(qweight.dequantize())
+        w13, w2 = torch.stack(held["gate_up_proj"]), torch.stack(held["down_proj"])
+    layer.process_weights_after_loading()
+    return layer, w13, w2
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", ["bf16", "fp16", "q8_0", "q4_0"])
+def test_experts_held_in_their_format_match_the_loop_bit_for_bit_in_any_batch(fmt):
+    """bf16/fp16 experts stay half, a quantized checkpoint's stay quantized (no float matrix):
+    the grouped kernel gives the per-expert loop's result on the weights they hold (float32
+    rounding; half activations round between the projections), and a row's bits do not depend
+    on its batch."""
+    layer, w13, w2 = _held_layer(fmt)
+    held = {"bf16": "bf16", "fp16": "fp16", "q8_0": "q8", "q4_0": "q4"}[fmt]
+    assert layer.gate_up_proj is None and layer.down_proj is None and layer.packed_down is None
+    assert layer.qweight_gate_up.format == layer.qweight_down.format == held
+    assert layer.qweight_gate_up.codes.shape[0] == 6
+    gen = torch.Generator().manual_seed(1)
+    x, logits = torch.randn(37, 64, generator=gen), torch.randn(37, 6, generator=gen) * 4
+    dtype = layer.qweight_down.codes.dtype if fmt in ("bf16", "fp16") else torch.float32
+    x = x.to(dtype)
+    weights, ids = select_experts(logits, 2, renormalize=True)
+    with torch.inference_mode():
+        ours = layer(x, logits)
+        expected = _reference_moe(x.float(), w13, w2, weights, ids)
+        assert ours.dtype == dtype
+        tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+        assert max_diff(ours.float(), expected) < tolerance * expected.abs().max()
+        for rows in ([5], [5, 9], list(range(3, 30)), [36, 5, 0]):
+            assert torch.equal(layer(x[rows], logits[rows]), ours[rows]), rows
+
+
+def test_a_missing_quantized_expert_is_named():
+    from pagedllm.layers.quantization import quantize_linear
+
+    layer, w13, _ = _random_layer(hidden=64)
+    layer.drop_float_projection("gate_up_proj")
+    for e in range(5):
+        layer.set_quantized_expert("gate_up_proj", e, quantize_linear(w13[e], "q8_0"))
+    with pytest.raises(ModelLoadError, match="gate_up_proj: the checkpoint held 5 of 6 experts"):
+        layer.process_weights_after_loading()
+    with pytest.raises(ModelLoadError, match="the layer wants 80x64"):
+        layer.set_quantized_expert("gate_up_proj", 0, quantize_linear(w13[0][:64], "q8_0"))
 
 
 def test_routing_orders_agree():

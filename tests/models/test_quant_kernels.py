@@ -1,9 +1,10 @@
 """Weights in other formats than float32 (layers/quantization/, csrc/quant_gemm.cpp): bf16, fp16,
 q8 and q4 panels against float64 on the dequantized weight at every tile's row counts, ragged
 shapes, with and without bias, on every x86 level this CPU runs (and the AVX-512 build at least
-compiles); a row's bits do not depend on its batch; the packing is exact; load-time
-quantization equals llama.cpp's reference quantizers (gguf's numpy port); a quantized Linear
-and a bfloat16 model's layers go through ``linear`` unchanged."""
+compiles); a row's bits do not depend on its batch; the grouped (mixture-of-experts) kernel
+gives each expert's rows the bits of its own call at any thread count; the packing is exact;
+load-time quantization equals llama.cpp's reference quantizers (gguf's numpy port); a quantized
+Linear and a bfloat16 model's layers go through ``linear`` unchanged."""
 from __future__ import annotations
 
 import pytest
@@ -81,6 +82,94 @@ def test_a_rows_result_does_not_depend_on_its_batch(isa, fmt):
         for start in (0, 5, 300 - rows):
             part = _run(ops, x[start:start + rows], qw, None)
             assert torch.equal(part, full[start:start + rows]), (rows, start)
+
+
+# (format, out, in, group size, offsets) for the grouped kernel: out not a multiple of the panel;
+# in with a partial last quad where the format allows one (q8/q4 groups of 6: 42 k, 11 quads,
+# groups not starting at quads); q8/q4 groups of 32 for the int8-activation path.
+GROUPED_CASES = [("bf16", 130, 37, 0, False), ("fp16", 130, 37, 0, False),
+                 ("q8", 130, 42, 6, False), ("q8", 130, 42, 6, True), ("q4", 130, 42, 6, False),
+                 ("q4", 130, 42, 6, True), ("q8", 130, 96, 32, False), ("q8", 130, 96, 32, True),
+                 ("q4", 130, 96, 32, False), ("q4", 130, 96, 32, True)]
+# Five experts' rows: none, one, every tile size on both levels and paths (1, 3, 7, 13, 70:
+# several chunks), a lone expert, no rows at all.
+GROUPED_COUNTS = ([1, 0, 3, 7, 13], [0, 70, 0, 1, 0], [13, 3, 1, 0, 70], [0, 0, 0, 0, 7],
+                  [0, 0, 0, 0, 0])
+
+
+def _stacked(experts: list[QuantizedWeight]) -> tuple[torch.Tensor, torch.Tensor | None,
+                                                        torch.Tensor | None]:
+    """The grouped kernel's operands: every expert's tensors stacked along a leading dim."""
+    def stack(name: str) -> torch.Tensor | None:
+        tensors = [getattr(qw, name) for qw in experts]
+        return None if tensors[0] is None else torch.stack(tensors)
+    return stack("codes"), stack("scales"), stack("offsets")
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt,n,k,group,offsets", GROUPED_CASES)
+@pytest.mark.parametrize("int8", [False, True])
+def test_grouped_kernel_gives_each_expert_the_bits_of_its_own_call(isa, fmt, n, k, group, offsets,
+                                                                  int8):
+    """grouped_quant_linear (a mixture-of-experts layer's experts in one call) splits its
+    (expert, panel) items over the threads by cost; each expert's rows still get exactly what
+    quant_linear gives them alone, whatever the other experts' row counts and the thread count,
+    on the float path and the int8-activation one (x quantized once for every expert; where
+    that path does not apply, half formats and groups of 6, the flag runs the float path)."""
+    ops = load_cpu_ops(isa)
+    gen = torch.Generator().manual_seed(n * 1000 + k + group)
+    experts = [_weight(fmt, n, k, group, offsets, gen) for _ in range(5)]
+    codes, scales, offs = _stacked(experts)
+    threads = torch.get_num_threads()
+    try:
+        for counts in GROUPED_COUNTS:
+            x = torch.randn(sum(counts), k, generator=gen)
+            alone = torch.cat([ops.quant_linear(rows, qw.codes, qw.scales, qw.offsets, group, n,
+                                                None, int8)
+                               for qw, rows in zip(experts, x.split(counts))])
+            for num_threads in (1, 2, 3):
+                torch.set_num_threads(num_threads)
+                y = ops.grouped_quant_linear(x, codes, scales, offs, group, counts, n, int8)
+                assert y.shape == (sum(counts), n) and y.dtype == torch.float32
+                assert torch.equal(y, alone), (counts, num_threads)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_grouped_kernel_refuses_operands_that_do_not_fit():
+    ops = load_cpu_ops()
+    gen = torch.Generator().manual_seed(9)
+    experts = [_weight("q4", 130, 96, 32, True, gen) for _ in range(3)]
+    codes, scales, offs = _stacked(experts)
+    x = torch.randn(4, 96, generator=gen)
+    with pytest.raises(RuntimeError, match="add up to 3, x has 4 rows"):
+        ops.grouped_quant_linear(x, codes, scales, offs, 32, [1, 2, 0], 130)
+    with pytest.raises(RuntimeError, match="must not be negative"):
+        ops.grouped_quant_linear(x, codes, scales, offs, 32, [5, -1, 0], 130)
+    with pytest.raises(RuntimeError, match="one per expert"):
+        ops.grouped_quant_linear(x, codes, scales, offs, 32, [4], 130)
+    with pytest.raises(RuntimeError, match=r"codes must be contiguous \[experts"):
+        ops.grouped_quant_linear(x, experts[0].codes, scales, offs, 32, [4], 130)
+    with pytest.raises(RuntimeError, match=r"scales must be .*\[experts, P"):
+        ops.grouped_quant_linear(x, codes, experts[0].scales, offs, 32, [4, 0, 0], 130)
+    with pytest.raises(RuntimeError, match="offsets must be .* shaped like scales"):
+        ops.grouped_quant_linear(x, codes, scales, offs[:2], 32, [4, 0, 0], 130)
+    with pytest.raises(RuntimeError, match="x has 64 columns, the weight 24 rows"):
+        ops.grouped_quant_linear(torch.randn(4, 64), codes, scales, offs, 32, [4, 0, 0], 130)
+
+
+def test_grouped_kernels_fake_gives_its_output_shape():
+    """The fake implementation (a compiled graph's view of the op): [rows, out_features]."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    gen = torch.Generator().manual_seed(10)
+    codes, scales, offs = _stacked([_weight("q8", 130, 96, 32, False, gen) for _ in range(2)])
+    with FakeTensorMode() as mode:
+        x = mode.from_tensor(torch.randn(5, 96))
+        y = torch.ops.pagedllm.grouped_quant_linear(x, mode.from_tensor(codes),
+                                                    mode.from_tensor(scales), None, 32, [2, 3],
+                                                    130, True)
+    assert y.shape == (5, 130) and y.dtype == torch.float32
 
 
 @pytest.mark.slow

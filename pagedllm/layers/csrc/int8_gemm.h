@@ -26,10 +26,16 @@
 // worth of lost precision; not per row: worse still. A block's scale is amax / 127, its codes
 // round(x / scale) (half to even): tests/models/test_int8_activations.py rebuilds them.
 //
-// A row's result does not depend on its batch: its integer sums are exact and its float steps
-// run per block in k order whatever tile holds it. It differs from the float path's by the
-// activations' rounding: at most scale / 2 per activation, so |dy| <= sum over blocks of
-// (amax_b / 254) * sum_(k in b) |w_k| (plus float32 rounding).
+// Threads: ``panels_gemm`` gives each a run of panels, ``panels_run`` being one thread's share;
+// quant_gemm.cpp's grouped op (a mixture-of-experts layer's experts) quantizes x's rows once
+// and runs each expert's rows through ``panels_run`` over the ranges of
+// skinny::split_grouped_panels, the float tiles' cost-split walk.
+//
+// A row's result does not depend on its batch: its quantization reads only that row, its
+// integer sums are exact and its float steps run per block in k order whatever tile holds it.
+// It differs from the float path's by the activations' rounding: at most scale / 2 per
+// activation, so |dy| <= sum over blocks of (amax_b / 254) * sum_(k in b) |w_k| (plus float32
+// rounding).
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -258,32 +264,43 @@ inline void tile_rows(int64_t rows, const Panels& w, const QuantizedRows& x, int
   tile<Q4, OFFSET, R, kManyU>(w, x, m, p, u0, k0, kl, c, prefetch);
 }
 
-// y [M, N] = x W^T for x quantized into ``x``: threads take runs of panels, rows go in chunks.
+// y[0:M, panels p0..p1) for rows row0..row0 + M of x (quantized into ``x``; y at row0's
+// output), rows in chunks, each over all of the panels: one thread's share of ``panels_gemm``,
+// or of a grouped call (quant_gemm.cpp: an expert's rows over its weight's panels, the range
+// from skinny::split_grouped_panels). The tiles take rows by their index into ``x``; which
+// tile holds a row does not change its bits (exact integer sums, float steps per block).
+template <bool Q4, bool OFFSET>
+void panels_run(const Panels& w, const QuantizedRows& x, int64_t row0, int64_t M, int64_t N,
+                float* yp, int64_t p0, int64_t p1) {
+  std::vector<float> c(std::min(M, kChunkRows) * kPanel);
+  for (int64_t r0 = 0; r0 < M; r0 += kChunkRows) {
+    const int64_t rows = std::min(kChunkRows, M - r0);
+    for (int64_t p = p0; p < p1; ++p) {
+      std::fill(c.begin(), c.begin() + rows * kPanel, 0.f);
+      for (int64_t k0 = 0; k0 < x.K; k0 += kBlockK) {
+        const int64_t kl = std::min(kBlockK, x.K - k0);
+        if (rows == 1) {
+          tile<Q4, OFFSET, 1, kUnits>(w, x, row0 + r0, p, 0, k0, kl, c.data(), true);
+          continue;
+        }
+        for (int u0 = 0; u0 < kUnits; u0 += kManyU)
+          for (int64_t m0 = 0; m0 < rows; m0 += kManyR)
+            tile_rows<Q4, OFFSET>(std::min<int64_t>(kManyR, rows - m0), w, x, row0 + r0 + m0, p,
+                                  u0, k0, kl, c.data() + m0 * kPanel, m0 == 0 && u0 == 0);
+      }
+      const int64_t cols = std::min(kPanel, N - p * kPanel);
+      for (int64_t m = 0; m < rows; ++m)
+        std::memcpy(yp + (r0 + m) * N + p * kPanel, c.data() + m * kPanel, cols * sizeof(float));
+    }
+  }
+}
+
+// y [M, N] = x W^T for x quantized into ``x``: threads take runs of panels.
 template <bool Q4, bool OFFSET>
 void panels_gemm(const Panels& w, const QuantizedRows& x, int64_t M, int64_t N, int64_t P,
                  float* yp) {
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    std::vector<float> c(std::min(M, kChunkRows) * kPanel);
-    for (int64_t r0 = 0; r0 < M; r0 += kChunkRows) {
-      const int64_t rows = std::min(kChunkRows, M - r0);
-      for (int64_t p = p0; p < p1; ++p) {
-        std::fill(c.begin(), c.begin() + rows * kPanel, 0.f);
-        for (int64_t k0 = 0; k0 < x.K; k0 += kBlockK) {
-          const int64_t kl = std::min(kBlockK, x.K - k0);
-          if (rows == 1) {
-            tile<Q4, OFFSET, 1, kUnits>(w, x, r0, p, 0, k0, kl, c.data(), true);
-            continue;
-          }
-          for (int u0 = 0; u0 < kUnits; u0 += kManyU)
-            for (int64_t m0 = 0; m0 < rows; m0 += kManyR)
-              tile_rows<Q4, OFFSET>(std::min<int64_t>(kManyR, rows - m0), w, x, r0 + m0, p, u0,
-                                    k0, kl, c.data() + m0 * kPanel, m0 == 0 && u0 == 0);
-        }
-        const int64_t cols = std::min(kPanel, N - p * kPanel);
-        for (int64_t m = 0; m < rows; ++m)
-          std::memcpy(yp + (r0 + m) * N + p * kPanel, c.data() + m * kPanel, cols * sizeof(float));
-      }
-    }
+    panels_run<Q4, OFFSET>(w, x, 0, M, N, yp, p0, p1);
   });
 }
 

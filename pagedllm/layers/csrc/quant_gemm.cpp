@@ -53,6 +53,12 @@
 // trick costs as many instructions per weight as a float FMA once many rows share the
 // conversion), q4 1.2-1.5x. So the engine uses it at every row count when asked, and a row's
 // bits still never depend on its batch.
+//
+// Two ops: quant_linear, one layer's weight; grouped_quant_linear, a mixture-of-experts
+// layer's experts in one call (as grouped_packed_linear in skinny_gemm.cpp for float32
+// panels): the experts' tensors stacked along a leading dim, x's rows sorted by expert, one
+// parallel region over every (expert, panel) item on either path (skinny::split_grouped_panels),
+// each expert's rows getting the bits quant_linear gives them alone.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Half.h>
@@ -61,6 +67,7 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) || defined(__AVX512F__)
@@ -208,12 +215,17 @@ struct HalfPanels {
   int64_t group_size() const { return 1; }
 };
 
-// The groups' scales and offsets, float32 [P, K / G, 64] each (offsets may be absent).
+// The groups' scales and offsets, float32 [P, K / G, 64] each (offsets may be absent); the
+// grouped op's [experts, P, K / G, 64], ``expert(e, P)`` giving expert e's.
 struct Groups {
   const float* scales;
   const float* offsets;
   int64_t group_size, num_groups;
   int64_t row_of(int64_t p, int64_t k) const { return (p * num_groups + k / group_size) * kPanel; }
+  Groups expert(int64_t e, int64_t P) const {
+    const int64_t before = e * P * num_groups * kPanel;
+    return Groups{scales + before, offsets ? offsets + before : nullptr, group_size, num_groups};
+  }
 };
 
 // q8 and q4 codes in quad blocks, [P, K / 4, quad bytes] (K rounded up to 4 with zero codes):
@@ -268,76 +280,137 @@ struct Q4Panels {
   int64_t group_size() const { return g.group_size; }
 };
 
+// ``experts`` > 0: the grouped op's, one [P, K / G, 64] per expert along a leading dim.
 Groups check_groups(int64_t P, int64_t K, const std::optional<at::Tensor>& scales,
-                    const std::optional<at::Tensor>& offsets, int64_t group_size) {
+                    const std::optional<at::Tensor>& offsets, int64_t group_size,
+                    int64_t experts = 0) {
   TORCH_CHECK(scales.has_value(), "q8/q4 codes need scales");
   TORCH_CHECK(group_size > 0 && K % group_size == 0, "group_size ", group_size,
               " must divide in_features ", K);
   const int64_t G = K / group_size;
-  const std::vector<int64_t> shape{P, G, kPanel};
+  std::vector<int64_t> shape{P, G, kPanel};
+  if (experts > 0) shape.insert(shape.begin(), experts);
   TORCH_CHECK(scales->scalar_type() == at::kFloat && scales->is_contiguous() &&
                   scales->sizes() == at::IntArrayRef(shape),
-              "scales must be a contiguous float32 [P, in / group_size, 64] tensor");
+              "scales must be a contiguous float32 ", experts > 0 ? "[experts, " : "[",
+              "P, in / group_size, 64] tensor (", at::IntArrayRef(shape), " here), got ",
+              scales->scalar_type(), " ", scales->sizes());
   if (offsets) {
     TORCH_CHECK(offsets->scalar_type() == at::kFloat && offsets->is_contiguous() &&
                     offsets->sizes() == at::IntArrayRef(shape),
-                "offsets must be a contiguous float32 tensor shaped like scales");
+                "offsets must be a contiguous float32 tensor shaped like scales (",
+                at::IntArrayRef(shape), "), got ", offsets->scalar_type(), " ", offsets->sizes());
   }
   return Groups{scales->data_ptr<float>(), offsets ? offsets->data_ptr<float>() : nullptr,
                 group_size, G};
 }
 
+// Which weight x's rows meet: one weight, every row (quant_linear: threads over its panels,
+// skinny::panels_gemm); or, ``grouped``, one weight per expert, each over its own rows
+// (``rows``), the (expert, panel) items split by cost in one parallel region on either path
+// (skinny::split_grouped_panels). A grouped call's tensors hold the experts' weights along a
+// leading dim; the Source or int8gemm::Panels of expert e points at its part.
+struct Experts {
+  bool grouped;
+  skinny::RowGroups rows;  // grouped only
+};
+
+// The float path over ``source(e)``, expert e's weight (a single weight: e = 0).
+template <class SourceOf>
+void float_gemm(const float* xp, int64_t M, int64_t K, const Experts& ex, const SourceOf& source,
+                int64_t N, int64_t P, float* yp) {
+  if (ex.grouped)
+    skinny::grouped_panels_gemm(xp, K, ex.rows.start, ex.rows.rows, source, N, P, yp);
+  else
+    skinny::panels_gemm(xp, M, K, source(0), N, P, yp);
+}
+
 // The float path over q8/q4 quad panels, or with ``int8`` (and a group size of a multiple of 4
-// on an AVX2/AVX-512 build) int8_gemm.h's path over the same panels.
+// on an AVX2/AVX-512 build) int8_gemm.h's path over the same panels. ``expert_bytes``: the
+// codes of one expert's weight (grouped).
 template <bool Q4, bool OFFSET>
-void quad_panels_gemm(const float* xp, int64_t M, int64_t K, const uint8_t* codes, const Groups& g,
-                      int64_t N, int64_t P, bool int8, float* yp) {
+void quad_panels_gemm(const float* xp, int64_t M, int64_t K, const Experts& ex,
+                      const uint8_t* codes, int64_t expert_bytes, const Groups& g, int64_t N,
+                      int64_t P, bool int8, float* yp) {
   const int64_t K4 = (K + 3) / 4;
 #if defined(__AVX2__) || defined(__AVX512F__)
   const int64_t B = int8gemm::block_size(g.group_size);
   if (int8 && B > 0) {
+    // Every row at once, whatever its expert: a row's codes and scales are computed from that
+    // row alone, so they are the ones its expert's own call would compute.
     const int8gemm::QuantizedRows xq = int8gemm::quantize_rows(xp, M, K, B);
-    const int8gemm::Panels w{codes, g.scales, g.offsets, K4, g.group_size, g.num_groups};
-    return int8gemm::panels_gemm<Q4, OFFSET>(w, xq, M, N, P, yp);
+    const auto weight = [&](int64_t e) {
+      const Groups ge = g.expert(e, P);
+      return int8gemm::Panels{codes + e * expert_bytes, ge.scales, ge.offsets, K4, g.group_size,
+                              g.num_groups};
+    };
+    if (!ex.grouped) return int8gemm::panels_gemm<Q4, OFFSET>(weight(0), xq, M, N, P, yp);
+    const std::vector<int64_t>& start = ex.rows.start;
+    const std::vector<int64_t>& rows = ex.rows.rows;
+    return skinny::split_grouped_panels(rows, P, [&](int64_t e, int64_t p0, int64_t p1) {
+      int8gemm::panels_run<Q4, OFFSET>(weight(e), xq, start[e], rows[e], N, yp + start[e] * N,
+                                       p0, p1);
+    });
   }
 #endif
-  if constexpr (Q4)
-    skinny::panels_gemm(xp, M, K, Q4Panels<OFFSET>{codes, K4, g}, N, P, yp);
-  else
-    skinny::panels_gemm(xp, M, K, Q8Panels<OFFSET>{codes, K4, g}, N, P, yp);
+  using Source = std::conditional_t<Q4, Q4Panels<OFFSET>, Q8Panels<OFFSET>>;
+  const auto source = [&](int64_t e) {
+    return Source{codes + e * expert_bytes, K4, g.expert(e, P)};
+  };
+  float_gemm(xp, M, K, ex, source, N, P, yp);
 }
 
-// x [M, K] float32 times the weight held as ``codes`` (+ scales, offsets): [M, N] float32.
+// x [M, K] float32 times the weight held as ``codes`` (+ scales, offsets): [M, N] float32. With
+// ``counts`` (grouped_quant_linear): the tensors hold one weight per expert along a leading
+// dim, x's rows sorted by expert, counts[e] of them for expert e.
 at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& codes,
                       const std::optional<at::Tensor>& scales,
                       const std::optional<at::Tensor>& offsets, int64_t group_size,
-                      int64_t out_features, bool int8) {
+                      int64_t out_features, bool int8,
+                      std::optional<c10::IntArrayRef> counts = std::nullopt) {
   const auto dtype = codes.scalar_type();
   const bool quads = dtype == at::kChar || dtype == at::kByte;
+  const bool grouped = counts.has_value();
+  const int64_t experts = grouped ? static_cast<int64_t>(counts->size()) : 0;
+  if (grouped) {
+    TORCH_CHECK(codes.dim() == 4 && codes.is_contiguous(),
+                "codes must be contiguous [experts, P, ...]: one weight's codes per expert, "
+                "stacked; got ", codes.sizes());
+    TORCH_CHECK(codes.size(0) == experts && experts > 0, "codes hold ", codes.size(0),
+                " experts' weights and counts has ", experts, " row counts: one per expert");
+  }
   const skinny::PanelCall call = skinny::begin_panel_call(
-      x, codes, dtype == at::kByte ? kPanel * 2 : dtype == at::kChar ? kPanel * 4 : kPanel,
-      out_features, quads ? 4 : 1);
+      x, grouped ? codes.select(0, 0) : codes,
+      dtype == at::kByte ? kPanel * 2 : dtype == at::kChar ? kPanel * 4 : kPanel, out_features,
+      quads ? 4 : 1);
+  const Experts ex{grouped, grouped ? skinny::row_groups(*counts, call.M) : skinny::RowGroups{}};
   if (call.done) return call.y;
   const int64_t M = call.M, K = call.K, N = call.N, P = call.P;
   const float* xp = call.x.data_ptr<float>();
   float* yp = call.y.data_ptr<float>();
   const void* cp = codes.data_ptr();
+  const int64_t stride = grouped ? codes.stride(0) : 0;  // codes of one expert (elements)
   switch (dtype) {
     case at::kBFloat16:
-      skinny::panels_gemm(xp, M, K, HalfPanels<true>{static_cast<const uint16_t*>(cp), K}, N, P, yp);
+    case at::kHalf: {
+      const auto* h = static_cast<const uint16_t*>(cp);
+      if (dtype == at::kBFloat16)
+        float_gemm(xp, M, K, ex, [&](int64_t e) { return HalfPanels<true>{h + e * stride, K}; },
+                   N, P, yp);
+      else
+        float_gemm(xp, M, K, ex, [&](int64_t e) { return HalfPanels<false>{h + e * stride, K}; },
+                   N, P, yp);
       break;
-    case at::kHalf:
-      skinny::panels_gemm(xp, M, K, HalfPanels<false>{static_cast<const uint16_t*>(cp), K}, N, P, yp);
-      break;
+    }
     case at::kChar:
     case at::kByte: {
-      const Groups g = check_groups(P, K, scales, offsets, group_size);
+      const Groups g = check_groups(P, K, scales, offsets, group_size, experts);
       const auto* c = static_cast<const uint8_t*>(cp);
       const bool q4 = dtype == at::kByte;
-      if (q4 && offsets) quad_panels_gemm<true, true>(xp, M, K, c, g, N, P, int8, yp);
-      else if (q4) quad_panels_gemm<true, false>(xp, M, K, c, g, N, P, int8, yp);
-      else if (offsets) quad_panels_gemm<false, true>(xp, M, K, c, g, N, P, int8, yp);
-      else quad_panels_gemm<false, false>(xp, M, K, c, g, N, P, int8, yp);
+      if (q4 && offsets) quad_panels_gemm<true, true>(xp, M, K, ex, c, stride, g, N, P, int8, yp);
+      else if (q4) quad_panels_gemm<true, false>(xp, M, K, ex, c, stride, g, N, P, int8, yp);
+      else if (offsets) quad_panels_gemm<false, true>(xp, M, K, ex, c, stride, g, N, P, int8, yp);
+      else quad_panels_gemm<false, false>(xp, M, K, ex, c, stride, g, N, P, int8, yp);
       break;
     }
     default:
@@ -358,11 +431,30 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes,
   });
 }
 
+// The experts of a mixture-of-experts layer whose weights are held in these formats
+// (layers/fused_moe.py), as grouped_packed_linear (skinny_gemm.cpp) for float32 panels: codes
+// (and scales, offsets) stack every expert's QuantizedWeight tensors along a leading dim; x [R,
+// K] holds the tokens sorted by expert, ``counts[e]`` rows for expert e in order. y [R,
+// out_features]: each row times its expert's weight, in one parallel region over all active
+// experts on either path; each expert's rows get exactly the bits quant_linear gives them alone.
+at::Tensor grouped_quant_linear(const at::Tensor& x, const at::Tensor& codes,
+                                const std::optional<at::Tensor>& scales,
+                                const std::optional<at::Tensor>& offsets, int64_t group_size,
+                                c10::IntArrayRef counts, int64_t out_features,
+                                bool int8_activations) {
+  return quant_gemm(x, codes, scales, offsets, group_size, out_features, int8_activations, counts);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(PAGEDLLM_NS, m) {
   m.def("quant_linear(Tensor x, Tensor codes, Tensor? scales, Tensor? offsets, int group_size, "
         "int out_features, Tensor? bias, bool int8_activations=False) -> Tensor");
+  m.def("grouped_quant_linear(Tensor x, Tensor codes, Tensor? scales, Tensor? offsets, "
+        "int group_size, int[] counts, int out_features, bool int8_activations=False) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(PAGEDLLM_NS, CPU, m) { m.impl("quant_linear", &quant_linear); }
+TORCH_LIBRARY_IMPL(PAGEDLLM_NS, CPU, m) {
+  m.impl("quant_linear", &quant_linear);
+  m.impl("grouped_quant_linear", &grouped_quant_linear);
+}

@@ -81,19 +81,12 @@ at::Tensor grouped_packed_linear(const at::Tensor& x, const at::Tensor& panels,
               "panels must be contiguous [experts, P, K, ", kPanel, "], one row count per expert");
   const at::Tensor first = panels.select(0, 0);
   const skinny::PanelCall c = skinny::begin_panel_call(x, first, kPanel, out_features);
-  std::vector<int64_t> start(counts.size()), rows(counts.begin(), counts.end());
-  int64_t total = 0;
-  for (size_t e = 0; e < counts.size(); ++e) {
-    TORCH_CHECK(counts[e] >= 0, "row counts must not be negative");
-    start[e] = total;
-    total += counts[e];
-  }
-  TORCH_CHECK(total == c.M, "the row counts add up to ", total, ", x has ", c.M, " rows");
+  const skinny::RowGroups r = skinny::row_groups(counts, c.M);
   if (c.done) return c.y;
   const float* w = panels.data_ptr<float>();
   const int64_t expert_floats = c.P * c.K * kPanel;
   skinny::grouped_panels_gemm(
-      c.x.data_ptr<float>(), c.K, start, rows,
+      c.x.data_ptr<float>(), c.K, r.start, r.rows,
       [&](int64_t e) { return F32Panels{w + e * expert_floats, c.K}; }, c.N, c.P,
       c.y.data_ptr<float>());
   return c.y;

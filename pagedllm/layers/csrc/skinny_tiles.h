@@ -13,6 +13,10 @@
 // rows' vectors v from one load, which both conversions use. Both compute a weight by
 // ``value_of``, so it is the same float whatever the row count, and every path sums in the
 // same order: a row's result does not depend on its batch in any format.
+//
+// The walk: ``panels_gemm`` gives each thread a contiguous run of one weight's panels;
+// ``split_grouped_panels`` splits several weights' panels (a mixture-of-experts layer's
+// experts, each over its own rows) by cost, for these tiles and for int8_gemm.h's alike.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -347,21 +351,22 @@ void panels_gemm(const float* xp, int64_t M, int64_t K, const Source& src, int64
   });
 }
 
-// Grouped: rows [start[g], start[g] + rows[g]) of x times group g's weight (``source(g)``, P
-// panels each) into the same rows of y -- a mixture-of-experts layer's experts over their
-// tokens, in one parallel region. Each group's rows are computed as ``panels_gemm`` would
-// (the same tile for the same row count), so a row's bits do not change with the grouping.
-// The (group, panel) items are split over the threads by cost, so each thread streams one
-// contiguous run of the groups' weights however unevenly the rows fall: an item costs its
+// Grouped: rows [start[g], start[g] + rows[g]) of x times group g's weight (P panels each) into
+// the same rows of y -- a mixture-of-experts layer's experts over their tokens, in one parallel
+// region. ``split_grouped_panels`` is the walk every grouped kernel shares (the float tiles
+// below, int8_gemm.h's through quant_gemm.cpp): it hands ``run(g, p0, p1)`` group g's panels
+// p0..p1, and ``run`` computes the group's rows over them as the kernel's own call would (the
+// same tiles for the same row count), so a row's bits do not change with the grouping or the
+// threads. The (group, panel) items are split over the threads by cost, so each thread streams
+// one contiguous run of the groups' weights however unevenly the rows fall: an item costs its
 // panel's bytes plus its rows' arithmetic, ``K * (kRowsPerPanelRead + rows)`` (at a few rows a
 // panel is bound by its stream, at many by the FMAs; one panel read costs about as much as
-// the FMAs of kRowsPerPanelRead rows on these cores).
+// the FMAs of kRowsPerPanelRead rows on these cores, measured with the float32 panels and used
+// for every format).
 constexpr int64_t kRowsPerPanelRead = 10;
 
-template <class SourceOf>
-void grouped_panels_gemm(const float* xp, int64_t K, const std::vector<int64_t>& start,
-                         const std::vector<int64_t>& rows, const SourceOf& source, int64_t N,
-                         int64_t P, float* yp) {
+template <class Run>
+void split_grouped_panels(const std::vector<int64_t>& rows, int64_t P, const Run& run) {
   const int64_t G = static_cast<int64_t>(rows.size());
   std::vector<int64_t> cost_before(G + 1, 0);  // the cost of groups 0..g-1, all their panels
   for (int64_t g = 0; g < G; ++g)
@@ -378,11 +383,40 @@ void grouped_panels_gemm(const float* xp, int64_t K, const std::vector<int64_t>&
         const int64_t item = kRowsPerPanelRead + rows[g];
         const int64_t p0 = std::max<int64_t>(0, (lo - cost_before[g] + item - 1) / item);
         const int64_t p1 = std::min<int64_t>(P, (hi - cost_before[g] + item - 1) / item);
-        if (p0 < p1)
-          panels_run(xp + start[g] * K, rows[g], K, source(g), N, yp + start[g] * N, p0, p1);
+        if (p0 < p1) run(g, p0, p1);
       }
     }
   });
+}
+
+// The grouped walk over the float tiles: group g's weight is ``source(g)``, its rows computed
+// by ``panels_run`` as ``panels_gemm`` would.
+template <class SourceOf>
+void grouped_panels_gemm(const float* xp, int64_t K, const std::vector<int64_t>& start,
+                         const std::vector<int64_t>& rows, const SourceOf& source, int64_t N,
+                         int64_t P, float* yp) {
+  split_grouped_panels(rows, P, [&](int64_t g, int64_t p0, int64_t p1) {
+    panels_run(xp + start[g] * K, rows[g], K, source(g), N, yp + start[g] * N, p0, p1);
+  });
+}
+
+// x's M rows of a grouped call by group: ``counts[g]`` consecutive rows for group g, the groups
+// in order (a count may be 0); start[g] is the first. Checks the counts against M.
+struct RowGroups {
+  std::vector<int64_t> start, rows;
+};
+
+inline RowGroups row_groups(c10::IntArrayRef counts, int64_t M) {
+  RowGroups r{std::vector<int64_t>(counts.size()),
+              std::vector<int64_t>(counts.begin(), counts.end())};
+  int64_t total = 0;
+  for (size_t g = 0; g < counts.size(); ++g) {
+    TORCH_CHECK(counts[g] >= 0, "row counts must not be negative");
+    r.start[g] = total;
+    total += counts[g];
+  }
+  TORCH_CHECK(total == M, "the row counts add up to ", total, ", x has ", M, " rows");
+  return r;
 }
 
 // The checks and the output every panel GEMM shares: x [M, K] float32 against a weight of P

@@ -63,6 +63,17 @@ class LinearMethod:
         return y.to(x.dtype)
 
 
+    def apply_grouped(self, qweight: QuantizedWeight, x: torch.Tensor,
+                      counts: list[int]) -> torch.Tensor:
+        """A mixture-of-experts projection: ``qweight`` stacks the experts' weights
+        (``QuantizedWeight.stack``), ``x`` holds ``counts[e]`` rows for expert e, in expert
+        order; each expert's rows get the bits its own ``apply`` would give them."""
+        y = torch.ops.pagedllm.grouped_quant_linear(
+            x.float(), qweight.codes, qweight.scales, qweight.offsets, qweight.group_size,
+            counts, qweight.out_features, self.activations == "int8")
+        return y.to(x.dtype)
+
+
 class HalfLinearMethod(LinearMethod):
     """bfloat16 / float16 weights, widened in registers (never torch's half GEMM, which on a CPU
     without native bf16 converts the whole matrix on every call)."""
@@ -97,6 +108,16 @@ _METHODS = {fmt: cls for cls in (HalfLinearMethod, Q8LinearMethod, Q4LinearMetho
             for fmt in cls.formats}
 
 
+def quantized_kernels_available(device: torch.device) -> bool:
+    """The formats other than float32 run on pagedllm's CPU kernels only."""
+    return device.type == "cpu" and load_cpu_ops() is not None
+
+
+def method_for(qweight: QuantizedWeight) -> LinearMethod:
+    """The method that multiplies by ``qweight``'s format (the exact, float32-activation path)."""
+    return _METHODS[qweight.format]()
+
+
 def set_quantization_activations(model: nn.Module, activations: str) -> int:
     """Run every q8/q4 layer of ``model`` (after loading) with ``activations`` ("float32": the
     exact path, "int8": int8-quantized activations); returns how many layers that is. bf16/fp16
@@ -127,7 +148,7 @@ def set_quantized_weight(layer: nn.Module, qweight: QuantizedWeight, check: bool
     if check and not kernel_matches_float64(qweight, bias):
         raise ModelLoadError(f"the {qweight.format} CPU kernel disagrees with float64 on a "
                              f"{qweight.out_features}x{qweight.in_features} layer")
-    layer.quant_method = _METHODS[qweight.format]()
+    layer.quant_method = method_for(qweight)
     layer.qweight, layer.weight = qweight, None
 
 

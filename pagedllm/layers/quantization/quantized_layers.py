@@ -18,13 +18,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import nn
 
 from pagedllm.errors import ModelLoadError
+# The loaders ask it here (the rule lives with the methods that need the kernels).
+from pagedllm.layers.quantization.linear_method import quantized_kernels_available  # noqa: F401
 
+if TYPE_CHECKING:
+    from pagedllm.layers.quantization import QuantizedWeight
 
 _PANEL = 64  # output rows per panel of the quantized kernel (QuantizedWeight's PANEL)
 _CHECK_ROWS = 3 * _PANEL  # layers up to this size are checked whole
@@ -66,9 +71,10 @@ class GroupQuant:
 
 @dataclass(frozen=True)
 class Part:
-    """Where one checkpoint tensor goes in a quantized layer: part ``index`` of ``num_parts``
+    """Where one checkpoint tensor goes in a quantized weight: part ``index`` of ``num_parts``
     (rows stacked in that order), this rank's rows or columns ``start:start + size`` along
-    ``dim`` (None: the whole tensor)."""
+    ``dim`` (None: the whole tensor). The weight is a linear's (``expert`` None) or expert
+    ``expert``'s of a FusedMoE's projection ``attr`` ("gate_up_proj", "down_proj")."""
 
     module_name: str
     index: int
@@ -77,36 +83,61 @@ class Part:
     start: int
     size: int
     checkpoint_shape: tuple[int, ...]
+    attr: str = "weight"
+    expert: int | None = None
+
+    @property
+    def weight_key(self) -> tuple[str, str, int | None]:
+        """Which quantized weight this part is a piece of (the parts of one are combined)."""
+        return self.module_name, self.attr, self.expert
 
 
 def plan_quantized_layers(model: nn.Module, expected: dict,
-                          quantized_names: set[str]) -> dict[str, Part]:
-    """Checkpoint name -> Part for the weights of the linear layers (and the untied lm_head)
-    whose every part is in ``quantized_names``; ``expected`` is the loader's placement of the
-    still-meta model (name -> [(WeightSlice, parameter name)])."""
+                          quantized_names: set[str]) -> dict[str, list[Part]]:
+    """Checkpoint name -> its Parts (one, or several where a fused tensor holds a layer's
+    parts: Phi-3's qkv_proj) for the weights of the linear layers (and the untied lm_head),
+    and of each expert of a FusedMoE's projections, whose every part is in
+    ``quantized_names``; ``expected`` is the loader's placement of the still-meta model (name
+    -> [(WeightSlice, parameter name)])."""
     from pagedllm.layers import Linear, ParallelLMHead
+    from pagedllm.layers.fused_moe import FusedMoE
 
     modules = dict(model.named_modules())
     tied = tied_heads(model)
-    by_module: dict[str, list[tuple[str, object]]] = {}
+    by_weight: dict[tuple[str, str, int | None], list[tuple[str, object]]] = {}
     for name, targets in expected.items():
         for piece, param_name in targets:
             module_name, _, attr = param_name.rpartition(".")
             # A tied embedding's tensor is the head's weight: the head holds it quantized and
             # the embedding reads its rows from there (VocabParallelEmbedding.qweight).
             module_name = tied.get(module_name, module_name)
-            if attr == "weight" and isinstance(modules[module_name], (Linear, ParallelLMHead)):
-                by_module.setdefault(module_name, []).append((name, piece))
-    # A tensor the model splits over several places (a fused checkpoint tensor) stays float.
-    shared = {name for name, targets in expected.items() if len(targets) > 1}
-    plan: dict[str, Part] = {}
-    for module_name, parts in by_module.items():
-        if not all(name in quantized_names and name not in shared for name, _ in parts):
+            module = modules[module_name]
+            if attr == "weight" and isinstance(module, (Linear, ParallelLMHead)):
+                by_weight.setdefault((module_name, attr, None), []).append((name, piece))
+            elif attr in FusedMoE.PROJECTIONS and isinstance(module, FusedMoE):
+                # The per-expert spelling, "<module>.<e>.<projection>.weight" (a fused
+                # checkpoint tensor of every expert stays float).
+                expert = name[len(module_name) + 1:].split(".")[0]
+                if expert.isdigit():
+                    by_weight.setdefault((module_name, attr, int(expert)), []).append((name, piece))
+    # A tensor whose pieces go elsewhere too (to another layer, or to a parameter that is not
+    # a weight) stays float; one whose every piece fills one weight (Phi-3's fused qkv_proj:
+    # this rank's q, k and v rows of one layer) is that weight's parts.
+    weights_of: dict[str, list[tuple]] = {}
+    for key, parts in by_weight.items():
+        for name, _ in parts:
+            weights_of.setdefault(name, []).append(key)
+    whole = {name for name, keys in weights_of.items()
+             if len(set(keys)) == 1 and len(keys) == len(expected[name])}
+    plan: dict[str, list[Part]] = {}
+    for (module_name, attr, expert), parts in by_weight.items():
+        if not all(name in quantized_names and name in whole for name, _ in parts):
             continue
         for index, (name, piece) in enumerate(parts):
             size = piece.dest.shape[piece.dim] if piece.dim is not None else 0
-            plan[name] = Part(module_name, index, len(parts), piece.dim, piece.start, size,
-                              piece.checkpoint_shape())
+            plan.setdefault(name, []).append(Part(module_name, index, len(parts), piece.dim,
+                                                  piece.start, size, piece.checkpoint_shape(),
+                                                  attr, expert))
     return plan
 
 
@@ -122,16 +153,20 @@ def tied_heads(model: nn.Module) -> dict[str, str]:
             and id(m.weight) in heads}
 
 
-def drop_float_weights(model: nn.Module, plan: dict[str, Part]) -> None:
+def drop_float_weights(model: nn.Module, plan: dict[str, list[Part]]) -> None:
     """Remove the float parameter of every planned layer, and of the embedding tied to a
     planned head (call on the meta model)."""
     modules = dict(model.named_modules())
-    planned = {part.module_name for part in plan.values()}
+    parts = [part for name_parts in plan.values() for part in name_parts]
+    planned = {part.module_name for part in parts if part.expert is None}
     for embedding, head in tied_heads(model).items():
         if head in planned:
             modules[embedding].weight = None
     for module_name in planned:
         modules[module_name].weight = None
+    experts = {(part.module_name, part.attr) for part in parts if part.expert is not None}
+    for module_name, attr in experts:
+        modules[module_name].drop_float_projection(attr)
 
 
 def share_tied_heads(model: nn.Module, heads: dict[str, str]) -> None:
@@ -179,6 +214,20 @@ def combine(parts: list[GroupQuant]) -> GroupQuant:
                       np.concatenate(offsets) if with_offsets else None, group)
 
 
+def attach_quantized(model: nn.Module,
+                     pending: dict[tuple[str, str, int | None], dict[int, GroupQuant]]) -> None:
+    """Bind the weights a loader read: ``pending`` maps each ``Part.weight_key`` to its parts
+    by index; each weight is their ``combine``."""
+    modules = dict(model.named_modules())
+    attacher = QuantizedAttacher()
+    for (module_name, attr, expert), parts in pending.items():
+        value = combine([parts[i] for i in sorted(parts)])
+        if expert is None:
+            attacher.attach(modules[module_name], value)
+        else:
+            modules[module_name].set_quantized_expert(attr, expert, attacher.build(value, None))
+
+
 class QuantizedAttacher:
     """Builds each layer's QuantizedWeight and binds it, checking the kernel against float64
     once per (format, shape, group, offsets) rather than per layer."""
@@ -187,16 +236,29 @@ class QuantizedAttacher:
         self._checked: dict[tuple, bool] = {}
 
     def attach(self, layer: nn.Module, value: GroupQuant) -> None:
-        from pagedllm.layers.quantization import (QuantizedWeight, kernel_matches_float64,
-                                                  set_quantized_weight)
+        from pagedllm.layers.quantization import set_quantized_weight
 
         missing = layer.out_features - value.codes.shape[0]
         if missing > 0:  # the last rank's vocabulary rows past the end: zero weights
             value = _pad_rows(value, missing)
+        qweight = self.build(value, getattr(layer, "bias", None))
+        if hasattr(layer, "in_features"):
+            set_quantized_weight(layer, qweight, check=False)
+        else:  # the lm_head: no in_features, the same dispatch through linear()
+            if qweight.out_features != layer.out_features:
+                raise ModelLoadError(f"lm_head weight has {qweight.out_features} rows, the layer "
+                                     f"{layer.out_features}")
+            from pagedllm.layers.quantization import method_for
+
+            layer.quant_method = method_for(qweight)
+            layer.qweight, layer.weight = qweight, None
+
+    def build(self, value: GroupQuant, bias: torch.Tensor | None) -> QuantizedWeight:
+        """``value`` as a QuantizedWeight, the kernel checked on its (format, shape) first."""
+        from pagedllm.layers.quantization import QuantizedWeight, kernel_matches_float64
 
         build = QuantizedWeight.from_q4 if value.kind == "q4" else QuantizedWeight.from_q8
         qweight = build(value.codes, value.scales, value.offsets, value.group_size)
-        bias = getattr(layer, "bias", None)
         rows = value.codes.shape[0]
         key = (qweight.format, qweight.in_features, qweight.group_size, qweight.offsets is None,
                bias is None, rows % _PANEL, rows > _CHECK_ROWS)
@@ -216,16 +278,7 @@ class QuantizedAttacher:
             raise ModelLoadError(f"the {qweight.format} CPU kernel disagrees with float64 on a "
                                  f"{qweight.out_features}x{qweight.in_features} layer (or cannot "
                                  "be built here)")
-        if hasattr(layer, "in_features"):
-            set_quantized_weight(layer, qweight, check=False)
-        else:  # the lm_head: no in_features, the same dispatch through linear()
-            if qweight.out_features != layer.out_features:
-                raise ModelLoadError(f"lm_head weight has {qweight.out_features} rows, the layer "
-                                     f"{layer.out_features}")
-            from pagedllm.layers.quantization.linear_method import Q4LinearMethod, Q8LinearMethod
-
-            layer.quant_method = Q4LinearMethod() if qweight.format == "q4" else Q8LinearMethod()
-            layer.qweight, layer.weight = qweight, None
+        return qweight
 
 
 def _pad_rows(value: GroupQuant, rows: int) -> GroupQuant:
@@ -235,14 +288,3 @@ def _pad_rows(value: GroupQuant, rows: int) -> GroupQuant:
     return GroupQuant(value.kind, pad(value.codes), pad(value.scales),
                       None if value.offsets is None else pad(value.offsets), value.group_size)
 
-
-def quantized_kernels_available(device: torch.device) -> bool:
-    """The quantized formats run on pagedllm's CPU kernels only."""
-    if device.type != "cpu":
-        return False
-    try:
-        from pagedllm.layers.cpu_extension import load_cpu_ops
-        import pagedllm.layers.quantization  # noqa: F401
-    except ImportError:
-        return False
-    return load_cpu_ops() is not None

@@ -108,6 +108,33 @@ class QuantizedWeight:
         return cls("q4", *codes_t.shape, _to_quads(packed), _to_panels(scales_t),
                    None if offsets_t is None else _to_panels(offsets_t), group_size)
 
+    @classmethod
+    def stack(cls, weights: list[QuantizedWeight]) -> QuantizedWeight:
+        """A mixture-of-experts projection: the experts' weights (one format and shape) with
+        every tensor stacked along a new leading dim, codes ``[E, ...]`` (the grouped kernel's
+        operand, csrc/quant_gemm.cpp); ``expert(e)`` gives one back."""
+        first = weights[0]
+        for w in weights[1:]:
+            if (w.format, w.out_features, w.in_features, w.group_size, w.offsets is None) != (
+                    first.format, first.out_features, first.in_features, first.group_size,
+                    first.offsets is None):
+                raise ModelLoadError(
+                    f"experts of one projection must share a format and shape to be stacked: "
+                    f"{first.format} {first.out_features}x{first.in_features} (group "
+                    f"{first.group_size}) and {w.format} {w.out_features}x{w.in_features} "
+                    f"(group {w.group_size})")
+        def stacked(name: str) -> torch.Tensor | None:
+            tensors = [getattr(w, name) for w in weights]
+            return None if tensors[0] is None else torch.stack(tensors)
+        return cls(first.format, first.out_features, first.in_features, stacked("codes"),
+                   stacked("scales"), stacked("offsets"), first.group_size)
+
+    def expert(self, e: int) -> QuantizedWeight:
+        """Expert ``e``'s weight of a ``stack`` (views, no copy)."""
+        return QuantizedWeight(self.format, self.out_features, self.in_features, self.codes[e],
+                               None if self.scales is None else self.scales[e],
+                               None if self.offsets is None else self.offsets[e], self.group_size)
+
     # -- reading -------------------------------------------------------------------------------
     @property
     def nbytes(self) -> int:
