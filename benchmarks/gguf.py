@@ -1,7 +1,8 @@
 """GGUF files: pagedllm against llama.cpp on the same file, the same threads, the same run.
 
 The models are random, in the shapes of Qwen2.5-0.5B and Llama-3.2-1B (Llama architecture, the
-32K synthetic tokenizer in place of their vocabularies), made once: transformers writes the
+32K synthetic tokenizer in place of their vocabularies), or a small mixture of experts
+("moe-0.5b", Mixtral architecture: the experts stay quantized), made once: transformers writes the
 float32 checkpoint, llama.cpp's own converter (convert_hf_to_gguf.py) turns it into an F32 GGUF
 file and llama.cpp's quantizer (llama_model_quantize) into Q8_0, Q4_0 and Q4_K_M, exactly the
 files a user downloads. Both engines then load each file, and in interleaved rounds:
@@ -15,7 +16,7 @@ files a user downloads. Both engines then load each file, and in interleaved rou
 pagedllm's peak RSS is reported against the file size plus its KV budget.
 
     bash benchmarks/setup_llama_cpp.sh      # once: llama.cpp for this CPU, and its converter
-    python -m benchmarks.gguf [--shape qwen2.5-0.5b llama-3.2-1b] [--type Q4_K_M Q8_0 Q4_0]
+    python -m benchmarks.gguf [--shape qwen2.5-0.5b llama-3.2-1b moe-0.5b] [--type Q4_K_M Q8_0 Q4_0]
                               [--rounds 3] [--no-llama-cpp] [--skip batch] [--activations int8]
 Prints one line per (shape, type) with both engines' medians and the ratios.
 """
@@ -44,6 +45,12 @@ SHAPES: dict[str, dict] = {
                          num_attention_heads=14, num_key_value_heads=2),
     "llama-3.2-1b": dict(_COMMON, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                          num_attention_heads=32, num_key_value_heads=8),
+    # A small mixture of experts, benchmarks/common.py's qwen3-moe-0.5b shape (16 layers of 16
+    # experts x 512, top-2) as Mixtral (llama.cpp's converter reads the synthetic tokenizer for
+    # Llama-family files only): the experts stay in the file's format (layers/fused_moe.py).
+    "moe-0.5b": dict(_COMMON, kind="Mixtral", hidden_size=1024, intermediate_size=512,
+                     num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=4,
+                     num_local_experts=16, num_experts_per_tok=2),
     "tiny": dict(_COMMON, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2),
 }
@@ -68,9 +75,10 @@ def prepare(shape: str, types: list[str]) -> dict[str, Path]:
         (folder / "hf").mkdir(parents=True)
         log(f"building the random {shape} model ...")
         # In a child process: the float32 model must not count in this process's peak RSS.
-        code = ("import sys, torch; from transformers import LlamaConfig, LlamaForCausalLM; "
-                "torch.manual_seed(0); "
-                f"m = LlamaForCausalLM(LlamaConfig(**{spec!r})).eval(); "
+        fields = {k: v for k, v in spec.items() if k != "kind"}
+        kind = spec.get("kind", "Llama")  # the transformers class; Llama unless the shape says
+        code = ("import sys, torch, transformers; torch.manual_seed(0); "
+                f"m = transformers.{kind}ForCausalLM(transformers.{kind}Config(**{fields!r})).eval(); "
                 "m.save_pretrained(sys.argv[1])")
         subprocess.run([sys.executable, "-c", code, str(folder / "hf")], check=True)
         for f in TOKENIZER_DIR.iterdir():
@@ -94,13 +102,23 @@ def prepare(shape: str, types: list[str]) -> dict[str, Path]:
 
 def weight_bytes_per_token(path: Path) -> int:
     """Bytes of the tensors a decode step reads: all but the embedding table, whose one row a
-    token looks up; a tied output head reads the whole table, so then it counts."""
+    token looks up (a tied output head reads the whole table, so then it counts), and of a
+    stack of experts the share one token's top-k reads."""
     from gguf import GGUFReader
 
-    tensors = {t.name: int(t.n_bytes) for t in GGUFReader(str(path)).tensors}
+    reader = GGUFReader(str(path))
+    share = 1.0
+    for field in reader.fields.values():
+        if field.name.endswith(".expert_used_count"):
+            used = int(field.parts[field.data[0]][0])
+            count = next(int(f.parts[f.data[0]][0]) for f in reader.fields.values()
+                         if f.name.endswith(".expert_count"))
+            share = used / count
+    tensors = {t.name: int(t.n_bytes) * (share if "_exps." in t.name else 1)
+               for t in reader.tensors}
     if "output.weight" in tensors:
-        return sum(tensors.values()) - tensors["token_embd.weight"]
-    return sum(tensors.values())
+        return int(sum(tensors.values()) - tensors["token_embd.weight"])
+    return int(sum(tensors.values()))
 
 
 def read_bandwidth() -> float:

@@ -34,13 +34,16 @@ PROMPT_LEN, MAX_TOKENS = 32, 128
 def weight_bytes_per_token(folder: Path, dtype: str) -> int:
     """Bytes of the weights a decode step reads in ``dtype``: every tensor of the checkpoint but
     an untied input embedding's table, of which a token reads one row (a table tied to the head
-    is read whole). The norms' few floats are counted at the dtype's size too."""
+    is read whole), and of a MoE layer's experts the share one token's top-k reads. The norms'
+    few floats are counted at the dtype's size too."""
     import json
 
     from safetensors import safe_open
 
     size = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
-    tied = json.loads((folder / "config.json").read_text()).get("tie_word_embeddings", False)
+    config = json.loads((folder / "config.json").read_text())
+    tied = config.get("tie_word_embeddings", False)
+    share = config.get("num_experts_per_tok", 1) / config.get("num_experts", 1)
     total = 0
     for path in folder.glob("*.safetensors"):
         with safe_open(str(path), "pt") as f:
@@ -50,8 +53,8 @@ def weight_bytes_per_token(folder: Path, dtype: str) -> int:
                 numel = 1
                 for d in f.get_slice(name).get_shape():
                     numel *= d
-                total += numel * size
-    return total
+                total += numel * size * (share if ".mlp.experts." in name else 1)
+    return int(total)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,9 +86,10 @@ def main(argv: list[str] | None = None) -> int:
     prompt = [rng.randrange(3, 32000) for _ in range(PROMPT_LEN)]
     results = []
     for shape in args.shape:
-        folder = build_random_model("Llama", SHAPES[shape],
-                                    Path(args.model_dir or CACHE_DIR) / f"half-{shape}",
-                                    stamp=SHAPES[shape])
+        spec = SHAPES[shape]
+        folder = build_random_model(spec.get("kind", "Llama"),
+                                    {k: v for k, v in spec.items() if k != "kind"},
+                                    Path(args.model_dir or CACHE_DIR) / f"half-{shape}", stamp=spec)
         engines = {dtype: LLM(str(folder), **engine_args(
                        args, dtype=dtype, max_model_len=512,
                        kv_cache_memory_bytes=64 << 20, enable_prefix_caching=False))
