@@ -18,8 +18,9 @@ from safetensors import safe_open
 from torch import nn
 
 from pagedllm.errors import ModelLoadError, UnsupportedModelError
-from pagedllm.layers import Linear
-from pagedllm.layers.quantization import quantize_linear, set_quantized_weight
+from pagedllm.layers import FusedMoE, Linear
+from pagedllm.layers.quantization import (kernel_matches_float64, quantize_linear,
+                                          set_quantized_weight)
 from pagedllm.layers.quantization.checkpoint_formats import checkpoint_quant
 from pagedllm.layers.quantization.quantized_layers import (GroupQuant, attach_quantized,
                                                            drop_float_weights,
@@ -88,18 +89,23 @@ class QuantizedCheckpointLoader:
 
 @torch.no_grad()
 def quantize_linears(model: nn.Module, scheme: str) -> None:
-    """Every linear of the decoder layers (not the embedding, norms or lm_head) quantized by
-    ``scheme`` ("q8_0" | "q4_0", llama.cpp's round-to-nearest); the float weight is freed as
-    each layer is converted. Layers whose input is not whole blocks of 32 stay float (as
-    llama.cpp keeps them), with a log line."""
+    """Every linear of the decoder layers (not the embedding, norms or lm_head), and every
+    expert of a MoE layer's projections, quantized by ``scheme`` ("q8_0" | "q4_0", llama.cpp's
+    round-to-nearest); the float weight is freed as each layer is converted. Layers whose input
+    is not whole blocks of 32 stay float (as llama.cpp keeps them), with a log line. A MoE
+    block's routers stay float, as llama.cpp keeps them (the block packs its router for the
+    batch-independent kernel: models/moe.py)."""
     if not quantized_kernels_available(next(model.parameters()).device):
         raise UnsupportedModelError(f"quantization {scheme} runs on pagedllm's CPU kernels; "
                                     "supported: device cpu with the C++ extension built")
+    routers = {id(getattr(block, name)) for block in model.modules()
+               if isinstance(getattr(block, "experts", None), FusedMoE)
+               for name in ("gate", "shared_expert_gate") if hasattr(block, name)}
     checked: set[tuple] = set()
     kept: list[str] = []
     count = 0
     for name, layer in model.named_modules():
-        if not isinstance(layer, Linear) or layer.weight is None:
+        if not isinstance(layer, Linear) or layer.weight is None or id(layer) in routers:
             continue
         if layer.in_features % BLOCK:
             kept.append(name)
@@ -109,6 +115,27 @@ def quantize_linears(model: nn.Module, scheme: str) -> None:
         set_quantized_weight(layer, qweight, check=key not in checked)  # once per shape
         checked.add(key)
         count += 1
+    for name, layer in model.named_modules():
+        if not isinstance(layer, FusedMoE):
+            continue
+        for attr in FusedMoE.PROJECTIONS:
+            weight = getattr(layer, attr)  # None: MXFP4 blocks, dequantized after this
+            if weight is None:
+                continue
+            if weight.shape[-1] % BLOCK:
+                kept.append(f"{name}.{attr}")
+                continue
+            layer.drop_float_projection(attr)  # the experts, quantized one by one, replace it
+            for e in range(layer.num_experts):
+                qweight = quantize_linear(weight[e], scheme)
+                key = (*weight.shape[1:], True)
+                if key not in checked and not kernel_matches_float64(qweight, None):
+                    raise ModelLoadError(f"the {qweight.format} CPU kernel disagrees with "
+                                         f"float64 on a {key[0]}x{key[1]} expert")
+                checked.add(key)
+                layer.set_quantized_expert(attr, e, qweight)
+            count += 1
     why = f"; kept float (input not a multiple of {BLOCK}): {', '.join(kept)}" if kept else ""
-    logger.info("quantization %s: %d linear layers quantized at load%s", scheme, count, why)
+    logger.info("quantization %s: %d linear layers (an MoE layer's experts: one per projection) "
+                "quantized at load%s", scheme, count, why)
 

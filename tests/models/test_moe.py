@@ -178,6 +178,15 @@ def test_experts_held_in_their_format_match_the_loop_bit_for_bit_in_any_batch(fm
         assert max_diff(ours.float(), expected) < tolerance * expected.abs().max()
         for rows in ([5], [5, 9], list(range(3, 30)), [36, 5, 0]):
             assert torch.equal(layer(x[rows], logits[rows]), ours[rows]), rows
+        if fmt.startswith("q"):  # int8 activations reach the experts too (one setting per layer)
+            from pagedllm.layers.quantization import set_quantization_activations
+
+            assert set_quantization_activations(layer, "int8") == 1
+            int8 = layer(x, logits)
+            assert not torch.equal(int8, ours)
+            assert max_diff(int8, expected) < 3e-2 * expected.abs().max()
+            for rows in ([5], [36, 5, 0]):
+                assert torch.equal(layer(x[rows], logits[rows]), int8[rows]), rows
 
 
 def test_a_missing_quantized_expert_is_named():
@@ -191,6 +200,33 @@ def test_a_missing_quantized_expert_is_named():
         layer.process_weights_after_loading()
     with pytest.raises(ModelLoadError, match="the layer wants 80x64"):
         layer.set_quantized_expert("gate_up_proj", 0, quantize_linear(w13[0][:64], "q8_0"))
+
+
+@needs_kernel
+@pytest.mark.parametrize("scheme", ["q8_0", "q4_0"])
+def test_load_time_quantization_quantizes_the_experts(scheme, tmp_path):
+    """quantization="q8_0" | "q4_0" on a full-precision MoE checkpoint: every expert quantized
+    at load (no float matrix kept), and the model matches transformers holding the same
+    dequantized weights."""
+    from pagedllm.layers.quantization import quantize_linear
+
+    hf_model = make_moe_model("qwen3_moe")
+    folder = save(hf_model, tmp_path)
+    model, _ = load_model(folder, torch.float32, torch.device("cpu"), quantization=scheme)
+    experts = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    held = {"q8_0": "q8", "q4_0": "q4"}[scheme]
+    assert experts and all(m.gate_up_proj is None and m.down_proj is None for m in experts)
+    assert all(m.qweight_gate_up.format == m.qweight_down.format == held for m in experts)
+    with torch.no_grad():  # the reference holds what the layers hold
+        for name, param in hf_model.named_parameters():
+            if name.startswith("model.layers.") and (
+                    name.endswith(("gate_up_proj", "down_proj")) and param.dim() == 3):
+                for e in range(param.shape[0]):
+                    param[e] = quantize_linear(param[e], scheme).dequantize()
+            elif (name.startswith("model.layers.") and name.endswith("proj.weight")
+                  and param.shape[1] % 32 == 0):  # whole blocks only, as the loader
+                param.copy_(quantize_linear(param, scheme).dequantize())
+    check_mixed_batch(model, hf_model, PagedRunner(model, block_size=4))
 
 
 def test_routing_orders_agree():
