@@ -44,12 +44,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.distributed.parallel_state import get_tp_group
-from pagedllm.errors import UnsupportedModelError
+from pagedllm.errors import ModelLoadError, UnsupportedModelError
 from pagedllm.layers.activation import GatedActivation
 from pagedllm.layers.linear import WeightSlice, pack_weight
 from pagedllm.layers.moe_router import RoutingOrder, check_routing, select_experts
 from pagedllm.layers.op_registry import LayerRegistry
-from pagedllm.errors import ModelLoadError
 from pagedllm.layers.quantization import (HalfLinearMethod, LinearMethod, QuantizedWeight,
                                           kernel_matches_float64, method_for,
                                           quantized_kernels_available)
@@ -290,11 +289,13 @@ class FusedMoE(nn.Module):
         converts the whole matrix every call); False when the kernel cannot take them here."""
         if not quantized_kernels_available(getattr(self, names[0]).device):
             return False
-        for name in names:
+        stacks = {}
+        for name in names:  # every projection checked before any is converted: all or none
             weight = getattr(self, name)
-            qweights = [QuantizedWeight.from_half(weight[e]) for e in range(self.num_experts)]
-            if not kernel_matches_float64(qweights[0], None):
+            stacks[name] = [QuantizedWeight.from_half(weight[e]) for e in range(self.num_experts)]
+            if not kernel_matches_float64(stacks[name][0], None):
                 return False
+        for name, qweights in stacks.items():
             self._hold_stacked(name, qweights)
         return True
 

@@ -5,7 +5,9 @@ stay quantized; and the ``QuantizedWeight`` each gets from its checkpoint parts.
 A layer holds its weight quantized when every checkpoint tensor it is built from (q, k and v
 for ``qkv_proj``; gate and up for ``gate_up_proj``) is quantized, and the model runs on CPU
 (the kernels are CPU kernels). Its float parameter is dropped on the meta device before the
-model is materialised, so the float32 matrix is never allocated.
+model is materialised, so the float32 matrix is never allocated. The same holds per expert for
+a MoE layer's projections (the checkpoint's per-expert spelling; the FusedMoE stacks them), and
+for a fused checkpoint tensor whose every piece fills one layer (Phi-3's qkv_proj).
 
 The parts of a fused layer may come in different formats: GGUF Q4_K_M files hold ``attn_v``
 (and some ``ffn_down``) as Q6_K beside Q4_K for the rest. The layer then takes the smallest
