@@ -37,12 +37,11 @@ from pagedllm.gguf.names import (CONFIG_TENSORS, expert_names, hf_name, is_exper
                                  is_permuted, norm_shift, unpermute_rows)
 from pagedllm.gguf.quant_types import FLOAT_TYPES, GroupQuant, unpack
 from pagedllm.gguf.reader import GGUFCheckpoint, GGUFTensor, open_gguf
-from pagedllm.layers.quantization.quantized_layers import (Part, attach_quantized,
+from pagedllm.layers.quantization.quantized_layers import (Part, add_parts, attach_quantized,
                                                            drop_float_weights,
                                                            plan_quantized_layers,
                                                            quantized_kernels_available,
-                                                           share_tied_heads, this_rank,
-                                                           tied_heads)
+                                                           share_tied_heads, tied_heads)
 from pagedllm.layers import WeightSlice
 from pagedllm.models.registry import get_model_class
 
@@ -114,12 +113,8 @@ def load_gguf_weights(model: nn.Module, ckpt: GGUFCheckpoint, config: dict,
             if piece_name in plan:  # stays quantized: part(s) of a QuantizedWeight
                 value = _read(tensor, arch, config) if value is None else value
                 assert isinstance(value, GroupQuant)  # planned from the file's types
-                for part in plan.pop(piece_name):
-                    if value.shape != part.checkpoint_shape:
-                        raise ModelLoadError(f"GGUF tensor {tensor.name} has shape {value.shape}, "
-                                             f"the model expects {part.checkpoint_shape} "
-                                             f"({piece_name})")
-                    pending.setdefault(part.weight_key, {})[part.index] = this_rank(value, part)
+                add_parts(pending, value, plan.pop(piece_name),
+                          f"GGUF tensor {tensor.name} ({piece_name})")
                 continue
             targets = expected.pop(piece_name, None)
             if targets is None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from pagedllm.layers.quantization.linear_method import (HalfLinearMethod, LinearMethod,
                                                         Q4LinearMethod, Q8LinearMethod,
+                                                        check_kernel,
                                                         kernel_matches_float64, method_for,
                                                         quantized_kernels_available,
                                                         set_quantization_activations,
@@ -26,6 +27,6 @@ from pagedllm.layers.quantization.quantized_weight import FORMATS, QuantizedWeig
 from pagedllm.layers.quantization.round_to_nearest import SCHEMES, quantize_linear
 
 __all__ = ["FORMATS", "SCHEMES", "HalfLinearMethod", "LinearMethod", "Q4LinearMethod",
-           "Q8LinearMethod", "QuantizedWeight", "kernel_matches_float64", "method_for",
-           "quantize_linear", "quantized_kernels_available",
+           "Q8LinearMethod", "QuantizedWeight", "check_kernel", "kernel_matches_float64",
+           "method_for", "quantize_linear", "quantized_kernels_available",
            "set_quantization_activations", "set_quantized_weight"]

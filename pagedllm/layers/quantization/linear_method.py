@@ -144,12 +144,17 @@ def set_quantized_weight(layer: nn.Module, qweight: QuantizedWeight, check: bool
     if (qweight.out_features, qweight.in_features) != shape:
         raise ModelLoadError(f"a {qweight.out_features}x{qweight.in_features} weight does not fit "
                              f"a {shape[0]}x{shape[1]} layer")
-    bias = getattr(layer, "bias", None)
-    if check and not kernel_matches_float64(qweight, bias):
-        raise ModelLoadError(f"the {qweight.format} CPU kernel disagrees with float64 on a "
-                             f"{qweight.out_features}x{qweight.in_features} layer")
+    if check:
+        check_kernel(qweight, getattr(layer, "bias", None))
     layer.quant_method = method_for(qweight)
     layer.qweight, layer.weight = qweight, None
+
+
+def check_kernel(qweight: QuantizedWeight, bias: torch.Tensor | None) -> None:
+    """ModelLoadError unless ``kernel_matches_float64``."""
+    if not kernel_matches_float64(qweight, bias):
+        raise ModelLoadError(f"the {qweight.format} CPU kernel disagrees with float64 on a "
+                             f"{qweight.out_features}x{qweight.in_features} weight")
 
 
 def kernel_matches_float64(qweight: QuantizedWeight, bias: torch.Tensor | None) -> bool:

@@ -216,6 +216,17 @@ def combine(parts: list[GroupQuant]) -> GroupQuant:
                       np.concatenate(offsets) if with_offsets else None, group)
 
 
+def add_parts(pending: dict[tuple[str, str, int | None], dict[int, GroupQuant]],
+              value: GroupQuant, parts: list[Part], source: str) -> None:
+    """Record checkpoint tensor ``value`` (named ``source`` in errors) as each of its planned
+    ``parts``: this rank's rows or columns, by weight and index, for ``attach_quantized``."""
+    for part in parts:
+        if value.shape != part.checkpoint_shape:
+            raise ModelLoadError(f"{source} has shape {value.shape}, the model expects "
+                                 f"{part.checkpoint_shape}")
+        pending.setdefault(part.weight_key, {})[part.index] = this_rank(value, part)
+
+
 def attach_quantized(model: nn.Module,
                      pending: dict[tuple[str, str, int | None], dict[int, GroupQuant]]) -> None:
     """Bind the weights a loader read: ``pending`` maps each ``Part.weight_key`` to its parts
