@@ -1,4 +1,4 @@
-"""GGUF (ggml) tensor types -> the two group formats of pagedllm's quantized linears.
+"""GGUF (ggml) tensor types -> the group formats of pagedllm's quantized linears.
 
 Every block type a Q4_K_M, Q4_0 or Q8_0 file of the supported architectures holds is, after
 unpacking its bit fields, small integer codes with one float scale (and for some one float
@@ -8,7 +8,7 @@ offset) per group of G consecutive input elements of a row: ``value = code * sca
     Q8_0   32 x int8        q8  G=32  codes -128..127   d              none
     Q4_0   32 x 4 bit       q4  G=32  codes 0..15       d              -8 d
     Q4_1   32 x 4 bit       q4  G=32  codes 0..15       d              m
-    Q5_0   32 x 5 bit       q8  G=32  codes -16..15     d              none
+    Q5_0   32 x 5 bit       q5  G=32  codes -16..15     d              none
     Q5_1   32 x 5 bit       q8  G=32  codes 0..31       d              m
     Q4_K   256 = 8 x 32     q4  G=32  codes 0..15       d * sc[j]      -dmin * m[j]
     Q5_K   256 = 8 x 32     q8  G=32  codes 0..31       d * sc[j]      -dmin * m[j]
@@ -118,7 +118,7 @@ def _q5_0(blocks):
     # The offset -16 d is the scale's: fold it into signed codes, and the layer needs no
     # offsets (4 fewer bytes per 32 weights, and no offset term in the kernels).
     d = _f16(blocks, 0)
-    return "q8", _five_bit(blocks, 2) - np.int8(16), d, None, 32
+    return "q5", _five_bit(blocks, 2) - np.int8(16), d, None, 32
 
 
 def _q5_1(blocks):

@@ -57,7 +57,12 @@ ISA_FLAGS = {"v3": {"avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm"},
 # -fopenmp: at::parallel_for is a header template; compiled without it, it runs the whole range on
 # the calling thread (the kernel then used one core). The extension's libgomp.so.1 is the one
 # torch already loaded (same soname), so it shares torch's thread pool.
-_COMMON_CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=fast"]
+# --param=avoid-fma-max-bits=0: every contracted multiply-add is an FMA. -march=native tunes for
+# the CPU, and GCC's tuning for AMD Zen leaves some loop-carried multiply-adds unfused (a
+# latency heuristic that depends on the code around them): the one-row and the tiled paths
+# then round differently, and a row's bits would depend on its batch (seen on Zen 3: fp16
+# columns 56-63 of every panel, after an unrelated change to the same file).
+_COMMON_CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=fast", "--param=avoid-fma-max-bits=0"]
 _LDFLAGS = ["-fopenmp"]
 
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from pagedllm.errors import ModelLoadError
 from pagedllm.layers.cpu_extension import can_run, load_cpu_ops, native_isa
 from pagedllm.layers.quantization import Q8LinearMethod, set_quantization_activations
-from test_quant_kernels import _weight  # the random q8/q4 weights both kernel tests use
+from test_quant_kernels import _weight  # the random q8/q4/q5 weights both kernel tests use
 
 pytestmark = pytest.mark.skipif(load_cpu_ops() is None or native_isa() is None,
                                 reason="no AVX2/AVX-512 CPU kernels here")
@@ -28,7 +28,8 @@ ROWS = (1, 2, 3, 4, 5, 8, 33, 72, 257)
 # Q6_K (16), Q8_0/Q4_x (32), AWQ/GPTQ (128) and an odd one (48: activation blocks of 16).
 CASES = [("q8", 130, 320, 32, False), ("q8", 33, 48, 16, True), ("q8", 70, 256, 128, True),
          ("q8", 100, 96, 48, False), ("q4", 70, 256, 128, True), ("q4", 100, 96, 32, False),
-         ("q4", 64, 160, 16, True), ("q4", 129, 384, 32, True)]
+         ("q4", 64, 160, 16, True), ("q4", 129, 384, 32, True), ("q5", 130, 320, 32, False),
+         ("q5", 70, 256, 128, True), ("q5", 33, 48, 16, False)]
 
 
 def _block(group: int) -> int:
@@ -78,7 +79,7 @@ def test_int8_path_matches_float64_on_the_quantized_activations(isa, fmt, n, k, 
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("fmt", ["q8", "q4"])
+@pytest.mark.parametrize("fmt", ["q8", "q4", "q5"])
 def test_int8_path_is_close_to_the_exact_one(isa, fmt):
     """Gaussian activations: the rounding's error is small against the result (relative RMS
     error under 1% for groups of 32 and 128; typically 0.3-0.5%)."""
@@ -93,7 +94,7 @@ def test_int8_path_is_close_to_the_exact_one(isa, fmt):
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("fmt", ["q8", "q4"])
+@pytest.mark.parametrize("fmt", ["q8", "q4", "q5"])
 def test_a_rows_int8_result_does_not_depend_on_its_batch(isa, fmt):
     ops = load_cpu_ops(isa)
     gen = torch.Generator().manual_seed(3)

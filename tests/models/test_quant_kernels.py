@@ -1,5 +1,5 @@
 """Weights in other formats than float32 (layers/quantization/, csrc/quant_gemm.cpp): bf16, fp16,
-q8 and q4 panels against float64 on the dequantized weight at every tile's row counts, ragged
+q8, q4 and q5 panels against float64 on the dequantized weight at every tile's row counts, ragged
 shapes, with and without bias, on every x86 level this CPU runs (and the AVX-512 build at least
 compiles); a row's bits do not depend on its batch; the grouped (mixture-of-experts) kernel
 gives each expert's rows the bits of its own call at any thread count; the packing is exact;
@@ -17,7 +17,7 @@ from pagedllm.layers import linear_kernel
 from pagedllm.layers.cpu_extension import CSRC, can_run, compile_sources, load_cpu_ops, native_isa
 from pagedllm.layers.linear import linear
 from pagedllm.layers.quantization import QuantizedWeight, quantize_linear, set_quantized_weight
-from pagedllm.layers.quantization.quantized_weight import _from_quads
+from pagedllm.layers.quantization.quantized_weight import _from_quads, _q5_codes
 
 pytestmark = pytest.mark.skipif(load_cpu_ops() is None, reason="no C++ compiler: no CPU kernels")
 
@@ -30,7 +30,8 @@ ROWS = (1, 2, 5, 8, 33, 72, 257)
 # of the 64-k block, groups of GGUF's sizes (16: Q6_K, 32) and AWQ/GPTQ's (128).
 CASES = [("bf16", 100, 96, 0, False), ("fp16", 5, 37, 0, False), ("q8", 130, 320, 32, False),
          ("q8", 33, 48, 16, True), ("q4", 70, 256, 128, True), ("q4", 100, 96, 32, False),
-         ("q4", 64, 160, 32, True)]
+         ("q4", 64, 160, 32, True), ("q5", 130, 320, 32, False), ("q5", 70, 96, 16, True),
+         ("q5", 33, 42, 6, True)]
 
 
 def _weight(fmt: str, n: int, k: int, group: int, offsets: bool, gen: torch.Generator) -> QuantizedWeight:
@@ -42,6 +43,9 @@ def _weight(fmt: str, n: int, k: int, group: int, offsets: bool, gen: torch.Gene
     if fmt == "q8":
         codes = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
         return QuantizedWeight.from_q8(codes, scales, offs, group)
+    if fmt == "q5":
+        codes = torch.randint(-16, 16, (n, k), generator=gen, dtype=torch.int8)
+        return QuantizedWeight.from_q5(codes, scales, offs, group)
     codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
     return QuantizedWeight.from_q4(codes, scales, offs, group)
 
@@ -71,7 +75,7 @@ def test_kernel_matches_float64_of_the_dequantized_weight(isa, fmt, n, k, group,
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("fmt", ["bf16", "fp16", "q8", "q4"])
+@pytest.mark.parametrize("fmt", ["bf16", "fp16", "q8", "q4", "q5"])
 def test_a_rows_result_does_not_depend_on_its_batch(isa, fmt):
     ops = load_cpu_ops(isa)
     gen = torch.Generator().manual_seed(3)
@@ -90,7 +94,8 @@ def test_a_rows_result_does_not_depend_on_its_batch(isa, fmt):
 GROUPED_CASES = [("bf16", 130, 37, 0, False), ("fp16", 130, 37, 0, False),
                  ("q8", 130, 42, 6, False), ("q8", 130, 42, 6, True), ("q4", 130, 42, 6, False),
                  ("q4", 130, 42, 6, True), ("q8", 130, 96, 32, False), ("q8", 130, 96, 32, True),
-                 ("q4", 130, 96, 32, False), ("q4", 130, 96, 32, True)]
+                 ("q4", 130, 96, 32, False), ("q4", 130, 96, 32, True), ("q5", 130, 42, 6, True),
+                 ("q5", 130, 96, 32, False), ("q5", 130, 96, 32, True)]
 # Five experts' rows: none, one, every tile size on both levels and paths (1, 3, 7, 13, 70:
 # several chunks), a lone expert, no rows at all.
 GROUPED_COUNTS = ([1, 0, 3, 7, 13], [0, 70, 0, 1, 0], [13, 3, 1, 0, 70], [0, 0, 0, 0, 7],
@@ -213,6 +218,33 @@ def test_packing_holds_the_arrays_exactly():
     assert torch.equal(half.codes[1, :, 2], w[65]) and not half.codes[1, :, 3].any()  # row 97: padding
 
 
+def test_q5_layout_places_each_fifth_bit_by_the_rule():
+    """q5 (GGUF Q5_0): a quad block is q4's 128 nibble bytes of code + 16, then 32 plane bytes;
+    the fifth bit of nibble h of nibble byte b = 4j + i (column j + 32h, k = 4q + i) is bit
+    2 (b // 32) + h of plane byte b % 32 (what csrc/quant_gemm.cpp's Q5Panels reads)."""
+    n, k = 70, 12
+    for column, kk in ((0, 0), (32, 1), (8, 0), (40, 2), (31, 3), (63, 9), (64, 5)):
+        codes = torch.full((n, k), -16, dtype=torch.int8)  # code + 16 = 0: no bit set
+        codes[column, kk] = 0  # code + 16 = 16: the fifth bit alone
+        qw = QuantizedWeight.from_q5(codes, torch.ones(n, k // 4), None, 4)
+        assert qw.codes.shape == (2, k // 4, 160) and not qw.codes[..., :128].any()
+        j, h, quad = column % 64 % 32, column % 64 // 32, kk // 4
+        b = 4 * j + kk % 4
+        plane = qw.codes[column // 64, :, 128:]
+        assert plane[quad, b % 32] == 1 << (2 * (b // 32) + h) and int(plane.count_nonzero()) == 1
+        assert torch.equal(qw.dequantize(torch.float64), codes.double())
+    gen = torch.Generator().manual_seed(6)
+    codes = torch.randint(-16, 16, (n, 64), generator=gen)
+    scales, offsets = torch.rand(n, 2, generator=gen), torch.randn(n, 2, generator=gen)
+    qw = QuantizedWeight.from_q5(codes, scales, offsets, 32)
+    per_k = lambda a: a.double().repeat_interleave(32, dim=1)  # noqa: E731
+    assert torch.equal(qw.dequantize(torch.float64), codes.double() * per_k(scales) + per_k(offsets))
+    # 5/8 of a byte a weight + 8 bytes per 32 (scale, offset); the last panel's padding included
+    assert qw.nbytes == 2 * 64 * (64 * 5 // 8 + 2 * 4 * 2)
+    with pytest.raises(ModelLoadError, match="-16..15"):
+        QuantizedWeight.from_q5(codes + 1, scales, None, 32)
+
+
 @pytest.mark.parametrize("fmt,n,k,group,offsets", CASES)
 def test_rows_are_the_lookup_of_the_dequantized_weight(fmt, n, k, group, offsets):
     """QuantizedWeight.rows (a tied embedding reading from its quantized head) gives the rows a
@@ -226,7 +258,10 @@ def test_rows_are_the_lookup_of_the_dequantized_weight(fmt, n, k, group, offsets
         assert rows.dtype == qw.codes.dtype
         assert torch.equal(rows.double(), qw.dequantize(torch.float64)[ids])
         return
-    codes = _from_quads(qw.codes, k)
+    if fmt == "q5":
+        codes = _q5_codes(qw.codes, k)
+    else:
+        codes = _from_quads(qw.codes, k)
     if fmt == "q4":
         codes = torch.cat((codes & 15, codes >> 4), dim=-1)
     codes = codes.transpose(1, 2).reshape(-1, k)[:n].float()  # [n, k] as the loader had them

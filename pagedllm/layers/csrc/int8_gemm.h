@@ -8,21 +8,25 @@
 //   q8 quad block [64 columns][4 k] int8: one vector = kW columns x 4 k;
 //   q4 quad block [32 bytes][4 k]: byte (j, i) holds column j, k = 4q + i in its low nibble and
 //   column j + 32 in its high one, so one vector gives the low columns j.. and the high j + 32..
+//   q5 quad block: q4's, then 32 bytes of fifth bits (quant_gemm.cpp's Q5Panels), which
+//   q5_codes ORs onto each nibble: one vector of bytes b = code + 16 (0..31).
 //
 // AVX2: _mm256_maddubs_epi16 (unsigned x signed bytes, pairs summed to int16) then
 // _mm256_madd_epi16 by ones (the two pairs to int32); AVX-512: the same on 512 bits, or one
-// _mm512_dpbusd_epi32 with VNNI. maddubs wants one unsigned operand: q4 codes are (0..15); q8
-// codes are signed, so they enter as |w| with w's sign moved onto x (llama.cpp's sign trick).
-// Nothing saturates: x is in -127..127 (never -128, so its negation fits); q8's pair sums are at
-// most 2 x 128 x 127 = 32512, and q4 sums its pairs in int16 over a block of at most 8 quads
-// (8 x 2 x 15 x 127 = 30480) before widening them once.
+// _mm512_dpbusd_epi32 with VNNI. maddubs wants one unsigned operand: q4 codes are (0..15), q5's
+// enter as b = code + 16 (0..31; the block's sum then owes 16 x the sum of its x, taken off in
+// the float step); q8 codes are signed, so they enter as |w| with w's sign moved onto x
+// (llama.cpp's sign trick). Nothing saturates: x is in -127..127 (never -128, so its negation
+// fits); q8's pair sums are at most 2 x 128 x 127 = 32512, q5's 2 x 31 x 127, both widened per
+// quad, and q4 sums its pairs in int16 over a block of at most 8 quads (8 x 2 x 15 x 127 =
+// 30480) before widening them once.
 //
 // Activation blocks: x is quantized per row in blocks of B k, B = 32 where the weight's group
 // size G is a multiple of 32 (Q8_0, Q4_0/1, Q4_K, Q5_K, AWQ/GPTQ's 64/128), else the largest of
 // 16/8/4 dividing G (Q6_K: 16). B divides G, so a block's integer sum has one weight scale per
 // column and the float step is one multiply-add per block: y += S * (w_scale * x_scale) +
 // offset * (x_scale * sum of the block's codes), the offset being q4's mins / Q4_0's -8d / AWQ's
-// zeros. Not per weight group: blocks of 128 (AWQ) would give one outlier 128 activations'
+// zeros (q5 also takes off w_scale * 16 * that sum). Not per weight group: blocks of 128 (AWQ) would give one outlier 128 activations'
 // worth of lost precision; not per row: worse still. A block's scale is amax / 127, its codes
 // round(x / scale) (half to even): tests/models/test_int8_activations.py rebuilds them.
 //
@@ -80,6 +84,23 @@ inline ivec add32(ivec a, ivec b) { return _mm512_add_epi32(a, b); }
 inline ivec pairs(ivec u, ivec s) { return _mm512_maddubs_epi16(u, s); }
 inline ivec widen_pairs(ivec p) { return _mm512_madd_epi16(p, _mm512_set1_epi16(1)); }
 inline vfloat to_floats(ivec i) { return (vfloat)_mm512_cvtepi32_ps(i); }
+// q5: the quad block's 32 plane bytes in both 256-bit halves, the upper one shifted 2 bits
+// right: a vector of 16 columns' fifth bits (the upper 8 lanes' 2 bits higher in the plane)
+// then lie at one bit position in every byte.
+inline ivec q5_plane(const uint8_t* plane) {
+  const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(plane));
+  return _mm512_inserti64x4(_mm512_castsi256_si512(p), _mm256_srli_epi16(p, 2), 1);
+}
+// Bytes b = code + 16 (0..31) of a q5 vector: nibble ``h`` (0 low, 1 high) of each byte at
+// ``nib``, its fifth bit from bit ``t`` of the plane's byte.
+inline ivec q5_codes(const uint8_t* nib, ivec plane, int t, int h) {
+  ivec w = iload(nib);
+  if (h) w = _mm512_srli_epi16(w, 4);
+  const ivec fifth = t >= 4 ? _mm512_srl_epi16(plane, _mm_cvtsi32_si128(t - 4))
+                            : _mm512_sll_epi16(plane, _mm_cvtsi32_si128(4 - t));
+  return _mm512_or_si512(_mm512_and_si512(w, _mm512_set1_epi8(15)),
+                         _mm512_and_si512(fifth, _mm512_set1_epi8(16)));
+}
 #if defined(__AVX512VNNI__)
 constexpr bool kVnni = true;
 inline ivec dpbusd(ivec acc, ivec u, ivec s) { return _mm512_dpbusd_epi32(acc, u, s); }
@@ -101,6 +122,15 @@ inline ivec add32(ivec a, ivec b) { return _mm256_add_epi32(a, b); }
 inline ivec pairs(ivec u, ivec s) { return _mm256_maddubs_epi16(u, s); }
 inline ivec widen_pairs(ivec p) { return _mm256_madd_epi16(p, _mm256_set1_epi16(1)); }
 inline vfloat to_floats(ivec i) { return (vfloat)_mm256_cvtepi32_ps(i); }
+inline ivec q5_plane(const uint8_t* plane) { return iload(plane); }
+inline ivec q5_codes(const uint8_t* nib, ivec plane, int t, int h) {
+  ivec w = iload(nib);
+  if (h) w = _mm256_srli_epi16(w, 4);
+  const ivec fifth = t >= 4 ? _mm256_srl_epi16(plane, _mm_cvtsi32_si128(t - 4))
+                            : _mm256_sll_epi16(plane, _mm_cvtsi32_si128(4 - t));
+  return _mm256_or_si256(_mm256_and_si256(w, _mm256_set1_epi8(15)),
+                         _mm256_and_si256(fifth, _mm256_set1_epi8(16)));
+}
 #else
 // Any other CPU: no int8 path (quant_gemm.cpp runs the float one; the engine uses torch there).
 constexpr bool kAvailable = false;
@@ -109,6 +139,11 @@ constexpr bool kAvailable = false;
 #if !defined(__AVX512VNNI__) || !defined(__AVX512F__)
 constexpr bool kVnni = false;
 #endif
+
+// The code layouts of quad blocks (quant_gemm.cpp's table): which the kernels' templates read.
+enum class Codes { q8, q4, q5 };
+template <Codes C>
+constexpr int64_t kQuadBytes = C == Codes::q8 ? kPanel * 4 : C == Codes::q4 ? kPanel * 2 : kPanel * 5 / 2;
 
 // x's rows quantized: codes q [M, K], per block of B k a scale and scale * (sum of its codes).
 struct QuantizedRows {
@@ -164,7 +199,7 @@ constexpr int64_t kBlockK = 256;       // k per block: its codes (<= 16 KiB) sta
 constexpr int64_t kChunkRows = 64;     // rows per chunk: their codes stay in L2 across panels
 constexpr int64_t kPrefetchQuads = 16; // the first tile prefetches the stream this far ahead
 
-// The weight: codes [P, K / 4, quad bytes] (q8: 256, q4: 128), scales/offsets [P, K / G, 64].
+// The weight: codes [P, K / 4, quad bytes] (q8: 256, q4: 128, q5: 160), scales/offsets [P, K / G, 64].
 struct Panels {
   const uint8_t* codes;
   const float* scales;
@@ -173,30 +208,30 @@ struct Panels {
 };
 
 // acc += per column, the dot product of its 4 codes (unsigned bytes u) with x's 4 (signed s).
-template <bool Q4>
+template <Codes C>
 inline ivec dot(ivec acc, ivec u, ivec s) {
   if constexpr (kVnni) {
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
     return dpbusd(acc, u, s);
 #endif
-  } else if constexpr (Q4) {
+  } else if constexpr (C == Codes::q4) {
     return add16(acc, pairs(u, s));
   } else {
     return add32(acc, widen_pairs(pairs(u, s)));
   }
 }
-template <bool Q4>
+template <Codes C>
 inline ivec finish(ivec acc) {
-  if constexpr (Q4 && !kVnni) return widen_pairs(acc);
+  if constexpr (C == Codes::q4 && !kVnni) return widen_pairs(acc);
   return acc;
 }
 
 // c[R rows][columns of units u0..u0+U) += rows m.. of x times the panel's k in [k0, k0 + kl),
 // block by block (kl a multiple of B).
-template <bool Q4, bool OFFSET, int R, int U>
+template <Codes C, bool OFFSET, int R, int U>
 inline void tile(const Panels& w, const QuantizedRows& x, int64_t m, int64_t p, int u0, int64_t k0,
                  int64_t kl, float* __restrict c, bool prefetch) {
-  constexpr int64_t kQuadBytes = Q4 ? kPanel * 2 : kPanel * 4;
+  constexpr int64_t kBytes = kQuadBytes<C>;
   const int64_t B = x.B;
   for (int64_t b0 = k0; b0 < k0 + kl; b0 += B) {
     ivec acc[R][U][2];
@@ -205,18 +240,23 @@ inline void tile(const Panels& w, const QuantizedRows& x, int64_t m, int64_t p, 
 #pragma GCC unroll 4
       for (int u = 0; u < U; ++u) acc[r][u][0] = acc[r][u][1] = izero();
     for (int64_t k = b0; k < b0 + B; k += 4) {
-      const uint8_t* quad = w.codes + (p * w.K4 + k / 4) * kQuadBytes;
+      const uint8_t* quad = w.codes + (p * w.K4 + k / 4) * kBytes;
       if (prefetch) {
-        for (int64_t l = 0; l < kQuadBytes; l += 64)
-          __builtin_prefetch(quad + kPrefetchQuads * kQuadBytes + l);
+        for (int64_t l = 0; l < kBytes; l += 64)
+          __builtin_prefetch(quad + kPrefetchQuads * kBytes + l);
       }
       ivec raw[U][2], wu[U][2];
 #pragma GCC unroll 4
       for (int u = 0; u < U; ++u) {
-        if constexpr (Q4) {
+        if constexpr (C == Codes::q4) {
           const ivec bytes = iload(quad + (u0 + u) * kW * 4);
           wu[u][0] = low_nibbles(bytes);
           wu[u][1] = high_nibbles(bytes);
+        } else if constexpr (C == Codes::q5) {
+          // unit u's columns (u * kW) % 32..: their fifth bits at bit 2 ((u * kW) / 8) + h
+          const ivec plane = q5_plane(quad + kPanel * 2);
+          const int t = int((u0 + u) * kW / 4);
+          for (int h = 0; h < 2; ++h) wu[u][h] = q5_codes(quad + (u0 + u) * kW * 4, plane, t + h, h);
         } else {
           for (int h = 0; h < 2; ++h) {
             raw[u][h] = iload(quad + ((u0 + u) + h * kUnits) * kW * 4);
@@ -232,7 +272,7 @@ inline void tile(const Panels& w, const QuantizedRows& x, int64_t m, int64_t p, 
 #pragma GCC unroll 4
         for (int u = 0; u < U; ++u)
           for (int h = 0; h < 2; ++h)
-            acc[r][u][h] = dot<Q4>(acc[r][u][h], wu[u][h], Q4 ? xb : sign8(xb, raw[u][h]));
+            acc[r][u][h] = dot<C>(acc[r][u][h], wu[u][h], C == Codes::q8 ? sign8(xb, raw[u][h]) : xb);
       }
     }
     const int64_t group = (p * w.num_groups + b0 / w.group_size) * kPanel;
@@ -246,7 +286,9 @@ inline void tile(const Panels& w, const QuantizedRows& x, int64_t m, int64_t p, 
         for (int h = 0; h < 2; ++h) {
           const int64_t col = (u0 + u) * kW + h * (kPanel / 2);
           float* dst = c + r * kPanel + col;
-          vfloat v = load(dst) + to_floats(finish<Q4>(acc[r][u][h])) * (load(w.scales + group + col) * xs);
+          const vfloat ws = load(w.scales + group + col);
+          vfloat v = load(dst) + to_floats(finish<C>(acc[r][u][h])) * (ws * xs);
+          if constexpr (C == Codes::q5) v -= ws * (16.f * xsum);  // the bytes were code + 16
           if constexpr (OFFSET) v += load(w.offsets + group + col) * xsum;
           store(dst, v);
         }
@@ -255,13 +297,13 @@ inline void tile(const Panels& w, const QuantizedRows& x, int64_t m, int64_t p, 
 }
 
 // 1..R rows of the many-rows tile (the row count a compile-time constant, as skinny::tile_rows).
-template <bool Q4, bool OFFSET, int R = kManyR>
+template <Codes C, bool OFFSET, int R = kManyR>
 inline void tile_rows(int64_t rows, const Panels& w, const QuantizedRows& x, int64_t m, int64_t p,
                       int u0, int64_t k0, int64_t kl, float* c, bool prefetch) {
   if constexpr (R > 1) {
-    if (rows < R) return tile_rows<Q4, OFFSET, R - 1>(rows, w, x, m, p, u0, k0, kl, c, prefetch);
+    if (rows < R) return tile_rows<C, OFFSET, R - 1>(rows, w, x, m, p, u0, k0, kl, c, prefetch);
   }
-  tile<Q4, OFFSET, R, kManyU>(w, x, m, p, u0, k0, kl, c, prefetch);
+  tile<C, OFFSET, R, kManyU>(w, x, m, p, u0, k0, kl, c, prefetch);
 }
 
 // y[0:M, panels p0..p1) for rows row0..row0 + M of x (quantized into ``x``; y at row0's
@@ -269,7 +311,7 @@ inline void tile_rows(int64_t rows, const Panels& w, const QuantizedRows& x, int
 // or of a grouped call (quant_gemm.cpp: an expert's rows over its weight's panels, the range
 // from skinny::split_grouped_panels). The tiles take rows by their index into ``x``; which
 // tile holds a row does not change its bits (exact integer sums, float steps per block).
-template <bool Q4, bool OFFSET>
+template <Codes C, bool OFFSET>
 void panels_run(const Panels& w, const QuantizedRows& x, int64_t row0, int64_t M, int64_t N,
                 float* yp, int64_t p0, int64_t p1) {
   std::vector<float> c(std::min(M, kChunkRows) * kPanel);
@@ -280,12 +322,12 @@ void panels_run(const Panels& w, const QuantizedRows& x, int64_t row0, int64_t M
       for (int64_t k0 = 0; k0 < x.K; k0 += kBlockK) {
         const int64_t kl = std::min(kBlockK, x.K - k0);
         if (rows == 1) {
-          tile<Q4, OFFSET, 1, kUnits>(w, x, row0 + r0, p, 0, k0, kl, c.data(), true);
+          tile<C, OFFSET, 1, kUnits>(w, x, row0 + r0, p, 0, k0, kl, c.data(), true);
           continue;
         }
         for (int u0 = 0; u0 < kUnits; u0 += kManyU)
           for (int64_t m0 = 0; m0 < rows; m0 += kManyR)
-            tile_rows<Q4, OFFSET>(std::min<int64_t>(kManyR, rows - m0), w, x, row0 + r0 + m0, p,
+            tile_rows<C, OFFSET>(std::min<int64_t>(kManyR, rows - m0), w, x, row0 + r0 + m0, p,
                                   u0, k0, kl, c.data() + m0 * kPanel, m0 == 0 && u0 == 0);
       }
       const int64_t cols = std::min(kPanel, N - p * kPanel);
@@ -296,11 +338,11 @@ void panels_run(const Panels& w, const QuantizedRows& x, int64_t row0, int64_t M
 }
 
 // y [M, N] = x W^T for x quantized into ``x``: threads take runs of panels.
-template <bool Q4, bool OFFSET>
+template <Codes C, bool OFFSET>
 void panels_gemm(const Panels& w, const QuantizedRows& x, int64_t M, int64_t N, int64_t P,
                  float* yp) {
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    panels_run<Q4, OFFSET>(w, x, 0, M, N, yp, p0, p1);
+    panels_run<C, OFFSET>(w, x, 0, M, N, yp, p0, p1);
   });
 }
 

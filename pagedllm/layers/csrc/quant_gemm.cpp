@@ -12,8 +12,11 @@
 //   uint8 (q4)   [P, K/4, 32 x 4]   code * scale (+ offset); byte 4j + i of quad q holds column
 //                                   j (k = 4q + i) in its low nibble and column j + 32 in its
 //                                   high one
+//   uint8 (q5)   [P, K/4, 160]      code * scale (+ offset), code -16..15: q4's 128 bytes of
+//                                   nibbles, then 32 bytes of fifth bits (Q5Panels below)
 //
-// (K/4 rounded up, zero codes padding the last quad.) scales (and the optional offsets) are
+// (K/4 rounded up, zero bytes padding the last quad: never read, the float path stops at K and
+// the int8 one takes whole groups of 4k.) scales (and the optional offsets) are
 // float32 [P, K / G, 64]: one per group of G consecutive k of an output row
 // (layers/quantization/ maps GGUF's block types and AWQ/GPTQ groups to these two layouts).
 // q8/q4 keep a column's 4 consecutive k together for the int8-activation path (int8_gemm.h:
@@ -121,6 +124,15 @@ inline vfloat bf16_pairs(const uint16_t* h, bool high) {
 inline vfloat widen_fp16(const uint16_t* h) {
   return (vfloat)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
 }
+// q5 (the layout: Q5Panels below): 4 k of kW columns, codes -16..15.
+inline void q5_quad_4(const uint8_t* nib, const uint8_t* plane, int t, int h, vfloat f[4]) {
+  using namespace int8gemm;
+  const __m512i w = _mm512_sub_epi8(q5_codes(nib, q5_plane(plane), t, h), _mm512_set1_epi8(16));
+  f[0] = as_floats(_mm512_srai_epi32(_mm512_slli_epi32(w, 24), 24));
+  f[1] = as_floats(_mm512_srai_epi32(_mm512_slli_epi32(w, 16), 24));
+  f[2] = as_floats(_mm512_srai_epi32(_mm512_slli_epi32(w, 8), 24));
+  f[3] = as_floats(_mm512_srai_epi32(w, 24));
+}
 #elif defined(__AVX2__) && defined(__F16C__)
 inline vfloat as_floats(__m256i i) { return (vfloat)_mm256_cvtepi32_ps(i); }
 inline vfloat quad_i8(const void* q, int j) {
@@ -154,6 +166,14 @@ inline vfloat bf16_pairs(const uint16_t* h, bool high) {
 inline vfloat widen_fp16(const uint16_t* h) {
   return (vfloat)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
 }
+inline void q5_quad_4(const uint8_t* nib, const uint8_t* plane, int t, int h, vfloat f[4]) {
+  using namespace int8gemm;
+  const __m256i w = _mm256_sub_epi8(q5_codes(nib, q5_plane(plane), t, h), _mm256_set1_epi8(16));
+  f[0] = as_floats(_mm256_srai_epi32(_mm256_slli_epi32(w, 24), 24));
+  f[1] = as_floats(_mm256_srai_epi32(_mm256_slli_epi32(w, 16), 24));
+  f[2] = as_floats(_mm256_srai_epi32(_mm256_slli_epi32(w, 8), 24));
+  f[3] = as_floats(_mm256_srai_epi32(w, 24));
+}
 #else  // any other CPU: element by element (correct, untuned; the engine runs torch there)
 template <class F>
 inline vfloat widen(F f) {
@@ -186,6 +206,17 @@ inline vfloat bf16_pairs(const uint16_t* h, bool high) {
 }
 inline vfloat widen_fp16(const uint16_t* h) {
   return widen([&](int64_t j) { return c10::detail::fp16_ieee_to_fp32_value(h[j]); });
+}
+// The plane's bit of byte 4 (col + j) + i: the layout's rule itself (quantized_weight.py).
+inline void q5_quad_4(const uint8_t* nib, const uint8_t* plane, int, int h, vfloat f[4]) {
+  const int64_t col = (nib - plane + 128) / 4;  // nib = block + 4 (col % 32), plane = block + 128
+  for (int i = 0; i < 4; ++i)
+    f[i] = widen([&](int64_t j) {
+      const int64_t b = 4 * (col + j) + i;
+      const int low = (nib[4 * j + i] >> (4 * h)) & 15;
+      const int fifth = (plane[b % 32] >> (2 * (b / 32) + h)) & 1;
+      return float(low + 16 * fifth - 16);
+    });
 }
 #endif
 
@@ -280,6 +311,39 @@ struct Q4Panels {
   int64_t group_size() const { return g.group_size; }
 };
 
+// q5: [P, K / 4, 160] bytes, a q4 quad block (128 bytes of nibbles) and a plane of 32 bytes of
+// fifth bits: the code of nibble h (0 low, 1 high) of byte b = 4j + i is ``nibble + 16 *
+// fifth - 16`` (-16..15), its fifth bit being bit 2 (b / 32) + h of plane byte b % 32. So the
+// fifth bits of any kW columns' 4 k (AVX2: a quarter of the nibble bytes, AVX-512 half) lie at
+// one bit position of the plane's bytes (AVX-512: after q5_plane's shift of its upper half),
+// and one load of the plane serves a quad.
+template <bool OFFSET>
+struct Q5Panels {
+  static constexpr bool kInPlace = false, kScaled = true, kOffset = OFFSET, kQuads = true;
+  static constexpr int64_t kQuadBytes = kPanel * 5 / 2;
+  static constexpr int64_t kRowBytes = kQuadBytes / 4;
+  const uint8_t* codes;
+  int64_t K4;
+  Groups g;
+  const char* row_bytes(int64_t p, int64_t k) const {
+    return reinterpret_cast<const char*>(codes + p * K4 * kQuadBytes + k * kRowBytes);
+  }
+  void quad(int64_t p, int64_t q, int v, vfloat f[4]) const {
+    const int64_t col = v * kW, low = col % (kPanel / 2);
+    const uint8_t* block = codes + (p * K4 + q) * kQuadBytes;
+    const int h = col >= kPanel / 2 ? 1 : 0;
+    q5_quad_4(block + low * 4, block + kPanel * 2, int(2 * (low / 8)) + h, h, f);
+  }
+  vfloat code(int64_t p, int64_t k, int v) const {  // groups not of whole quads only
+    vfloat f[4];
+    quad(p, k / 4, v, f);
+    return f[k % 4];
+  }
+  const float* scale_row(int64_t p, int64_t k) const { return g.scales + g.row_of(p, k); }
+  const float* offset_row(int64_t p, int64_t k) const { return g.offsets + g.row_of(p, k); }
+  int64_t group_size() const { return g.group_size; }
+};
+
 // ``experts`` > 0: the grouped op's, one [P, K / G, 64] per expert along a leading dim.
 Groups check_groups(int64_t P, int64_t K, const std::optional<at::Tensor>& scales,
                     const std::optional<at::Tensor>& offsets, int64_t group_size,
@@ -325,10 +389,10 @@ void float_gemm(const float* xp, int64_t M, int64_t K, const Experts& ex, const 
     skinny::panels_gemm(xp, M, K, source(0), N, P, yp);
 }
 
-// The float path over q8/q4 quad panels, or with ``int8`` (and a group size of a multiple of 4
-// on an AVX2/AVX-512 build) int8_gemm.h's path over the same panels. ``expert_bytes``: the
+// The float path over q8/q4/q5 quad panels, or with ``int8`` (and a group size of a multiple of
+// 4 on an AVX2/AVX-512 build) int8_gemm.h's path over the same panels. ``expert_bytes``: the
 // codes of one expert's weight (grouped).
-template <bool Q4, bool OFFSET>
+template <int8gemm::Codes C, bool OFFSET>
 void quad_panels_gemm(const float* xp, int64_t M, int64_t K, const Experts& ex,
                       const uint8_t* codes, int64_t expert_bytes, const Groups& g, int64_t N,
                       int64_t P, bool int8, float* yp) {
@@ -344,20 +408,32 @@ void quad_panels_gemm(const float* xp, int64_t M, int64_t K, const Experts& ex,
       return int8gemm::Panels{codes + e * expert_bytes, ge.scales, ge.offsets, K4, g.group_size,
                               g.num_groups};
     };
-    if (!ex.grouped) return int8gemm::panels_gemm<Q4, OFFSET>(weight(0), xq, M, N, P, yp);
+    if (!ex.grouped) return int8gemm::panels_gemm<C, OFFSET>(weight(0), xq, M, N, P, yp);
     const std::vector<int64_t>& start = ex.rows.start;
     const std::vector<int64_t>& rows = ex.rows.rows;
     return skinny::split_grouped_panels(rows, P, [&](int64_t e, int64_t p0, int64_t p1) {
-      int8gemm::panels_run<Q4, OFFSET>(weight(e), xq, start[e], rows[e], N, yp + start[e] * N,
-                                       p0, p1);
+      int8gemm::panels_run<C, OFFSET>(weight(e), xq, start[e], rows[e], N, yp + start[e] * N,
+                                      p0, p1);
     });
   }
 #endif
-  using Source = std::conditional_t<Q4, Q4Panels<OFFSET>, Q8Panels<OFFSET>>;
+  using Source = std::conditional_t<
+      C == int8gemm::Codes::q4, Q4Panels<OFFSET>,
+      std::conditional_t<C == int8gemm::Codes::q5, Q5Panels<OFFSET>, Q8Panels<OFFSET>>>;
   const auto source = [&](int64_t e) {
     return Source{codes + e * expert_bytes, K4, g.expert(e, P)};
   };
   float_gemm(xp, M, K, ex, source, N, P, yp);
+}
+
+template <int8gemm::Codes C>
+void quad_panels_gemm(const float* xp, int64_t M, int64_t K, const Experts& ex,
+                      const uint8_t* codes, int64_t expert_bytes, const Groups& g, int64_t N,
+                      int64_t P, bool int8, float* yp) {
+  if (g.offsets)
+    quad_panels_gemm<C, true>(xp, M, K, ex, codes, expert_bytes, g, N, P, int8, yp);
+  else
+    quad_panels_gemm<C, false>(xp, M, K, ex, codes, expert_bytes, g, N, P, int8, yp);
 }
 
 // x [M, K] float32 times the weight held as ``codes`` (+ scales, offsets): [M, N] float32. With
@@ -370,6 +446,9 @@ at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& codes,
                       std::optional<c10::IntArrayRef> counts = std::nullopt) {
   const auto dtype = codes.scalar_type();
   const bool quads = dtype == at::kChar || dtype == at::kByte;
+  // uint8 codes are q4 or q5 quad blocks, told apart by their width (128 or 160 bytes)
+  const bool q5 = dtype == at::kByte && codes.dim() >= 1 &&
+                  codes.size(-1) == int8gemm::kQuadBytes<int8gemm::Codes::q5>;
   const bool grouped = counts.has_value();
   const int64_t experts = grouped ? static_cast<int64_t>(counts->size()) : 0;
   if (grouped) {
@@ -379,10 +458,10 @@ at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& codes,
     TORCH_CHECK(codes.size(0) == experts && experts > 0, "codes hold ", codes.size(0),
                 " experts' weights and counts has ", experts, " row counts: one per expert");
   }
+  const int64_t width = q5 ? int8gemm::kQuadBytes<int8gemm::Codes::q5>
+                        : dtype == at::kByte ? kPanel * 2 : dtype == at::kChar ? kPanel * 4 : kPanel;
   const skinny::PanelCall call = skinny::begin_panel_call(
-      x, grouped ? codes.select(0, 0) : codes,
-      dtype == at::kByte ? kPanel * 2 : dtype == at::kChar ? kPanel * 4 : kPanel, out_features,
-      quads ? 4 : 1);
+      x, grouped ? codes.select(0, 0) : codes, width, out_features, quads ? 4 : 1);
   const Experts ex{grouped, grouped ? skinny::row_groups(*counts, call.M) : skinny::RowGroups{}};
   if (call.done) return call.y;
   const int64_t M = call.M, K = call.K, N = call.N, P = call.P;
@@ -406,16 +485,15 @@ at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& codes,
     case at::kByte: {
       const Groups g = check_groups(P, K, scales, offsets, group_size, experts);
       const auto* c = static_cast<const uint8_t*>(cp);
-      const bool q4 = dtype == at::kByte;
-      if (q4 && offsets) quad_panels_gemm<true, true>(xp, M, K, ex, c, stride, g, N, P, int8, yp);
-      else if (q4) quad_panels_gemm<true, false>(xp, M, K, ex, c, stride, g, N, P, int8, yp);
-      else if (offsets) quad_panels_gemm<false, true>(xp, M, K, ex, c, stride, g, N, P, int8, yp);
-      else quad_panels_gemm<false, false>(xp, M, K, ex, c, stride, g, N, P, int8, yp);
+      using int8gemm::Codes;
+      if (q5) quad_panels_gemm<Codes::q5>(xp, M, K, ex, c, stride, g, N, P, int8, yp);
+      else if (dtype == at::kByte) quad_panels_gemm<Codes::q4>(xp, M, K, ex, c, stride, g, N, P, int8, yp);
+      else quad_panels_gemm<Codes::q8>(xp, M, K, ex, c, stride, g, N, P, int8, yp);
       break;
     }
     default:
       TORCH_CHECK(false, "codes of dtype ", dtype, " are not a weight format (bfloat16, float16, "
-                  "int8 q8, uint8 q4)");
+                  "int8 q8, uint8 q4 / q5)");
   }
   return call.y;
 }

@@ -1,8 +1,8 @@
-"""Weight formats of linear layers other than float32: bf16/fp16 and block-quantized (q8, q4),
+"""Weight formats of linear layers other than float32: bf16/fp16 and block-quantized (q8, q4, q5),
 kept in that format in memory and multiplied by pagedllm's CPU kernel (csrc/quant_gemm.cpp).
 
 - quantized_weight.py  ``QuantizedWeight``: the packed weight, built from plain arrays
-                       (``from_half``, ``from_q8``, ``from_q4``), ``dequantize()``, ``nbytes``;
+                       (``from_half``, ``from_q8/q4/q5``), ``dequantize()``, ``nbytes``;
                        the table of GGUF/AWQ/GPTQ types and the layout each maps to
 - linear_method.py     one ``LinearMethod`` per format, ``set_quantized_weight(layer, qweight)``,
                        ``set_quantization_activations(model, "int8")`` (csrc/int8_gemm.h)
@@ -16,8 +16,9 @@ kept in that format in memory and multiplied by pagedllm's CPU kernel (csrc/quan
 """
 from __future__ import annotations
 
-from pagedllm.layers.quantization.linear_method import (HalfLinearMethod, LinearMethod,
-                                                        Q4LinearMethod, Q8LinearMethod,
+from pagedllm.layers.quantization.linear_method import (BLOCK_METHODS, HalfLinearMethod,
+                                                        LinearMethod, Q4LinearMethod,
+                                                        Q5LinearMethod, Q8LinearMethod,
                                                         check_kernel,
                                                         kernel_matches_float64, method_for,
                                                         quantized_kernels_available,
@@ -26,7 +27,7 @@ from pagedllm.layers.quantization.linear_method import (HalfLinearMethod, Linear
 from pagedllm.layers.quantization.quantized_weight import FORMATS, QuantizedWeight
 from pagedllm.layers.quantization.round_to_nearest import SCHEMES, quantize_linear
 
-__all__ = ["FORMATS", "SCHEMES", "HalfLinearMethod", "LinearMethod", "Q4LinearMethod",
-           "Q8LinearMethod", "QuantizedWeight", "check_kernel", "kernel_matches_float64",
+__all__ = ["BLOCK_METHODS", "FORMATS", "SCHEMES", "HalfLinearMethod", "LinearMethod",
+           "Q4LinearMethod", "Q5LinearMethod", "Q8LinearMethod", "QuantizedWeight", "check_kernel", "kernel_matches_float64",
            "method_for", "quantize_linear", "quantized_kernels_available",
            "set_quantization_activations", "set_quantized_weight"]

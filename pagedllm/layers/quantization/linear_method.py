@@ -4,7 +4,7 @@ the weight (``weight`` is then None), and ``layers/linear.linear`` calls
 ``layer.quant_method.apply(layer, x, bias)``: the model code never branches on the format.
 
 - A loader that reads quantized tensors (GGUF, AWQ, GPTQ) builds a ``QuantizedWeight``
-  (``from_q8`` / ``from_q4``) and calls ``set_quantized_weight(layer, qweight)``. For a
+  (``from_q8`` / ``from_q4`` / ``from_q5``) and calls ``set_quantized_weight(layer, qweight)``. For a
   stacked layer (qkv_proj, gate_up_proj) it concatenates the parts' codes, scales and offsets
   along the rows first (groups run along the input, so every part's rows stay whole); a
   tensor-parallel slice of the input must cut at group boundaries.
@@ -14,7 +14,7 @@ the weight (``weight`` is then None), and ``layers/linear.linear`` calls
 
 Every method runs ``pagedllm::quant_linear`` (csrc/quant_gemm.cpp): float32 activations and
 sums whatever the weight's format (x of another dtype is widened, the result narrowed back).
-The q8/q4 methods can instead quantize the activations to int8 (``activations="int8"``, the
+The block methods (q8, q4, q5) can instead quantize the activations to int8 (``activations="int8"``, the
 engine's ``quantization_activations``; csrc/int8_gemm.h): llama.cpp's integer dot products, on
 the same panels, at every row count (so a row's bits still never depend on its batch).
 """
@@ -37,7 +37,7 @@ class LinearMethod:
     float weight becomes one."""
 
     formats: tuple[str, ...] = ()
-    activations = "float32"  # "int8": int8-quantized activations (q8/q4 methods only)
+    activations = "float32"  # "int8": int8-quantized activations (block methods only)
 
     def __init__(self, activations: str = "float32") -> None:
         if activations not in ACTIVATIONS:
@@ -104,8 +104,17 @@ class Q4LinearMethod(LinearMethod):
         return quantize_linear(weight, "q4_0")
 
 
-_METHODS = {fmt: cls for cls in (HalfLinearMethod, Q8LinearMethod, Q4LinearMethod)
-            for fmt in cls.formats}
+class Q5LinearMethod(LinearMethod):
+    """5-bit codes -16..15 with a scale (and optional offset) per group: GGUF Q5_0 (the blocks
+    a Q4_K_M file holds where rows are not whole K-quant super-blocks). Loaded only: load-time
+    quantization offers q8_0 and q4_0, llama.cpp's round-to-nearest schemes."""
+
+    formats = ("q5",)
+
+
+# The methods of block-quantized codes: the ones int8 activations apply to.
+BLOCK_METHODS = (Q8LinearMethod, Q4LinearMethod, Q5LinearMethod)
+_METHODS = {fmt: cls for cls in (HalfLinearMethod, *BLOCK_METHODS) for fmt in cls.formats}
 
 
 def quantized_kernels_available(device: torch.device) -> bool:
@@ -119,7 +128,7 @@ def method_for(qweight: QuantizedWeight) -> LinearMethod:
 
 
 def set_quantization_activations(model: nn.Module, activations: str) -> int:
-    """Run every q8/q4 layer of ``model`` (after loading) with ``activations`` ("float32": the
+    """Run every block-quantized (q8/q4/q5) layer of ``model`` (after loading) with ``activations`` ("float32": the
     exact path, "int8": int8-quantized activations); returns how many layers that is. bf16/fp16
     and float32 layers are left as they are (their activations stay float32)."""
     if activations not in ACTIVATIONS:
@@ -128,7 +137,7 @@ def set_quantization_activations(model: nn.Module, activations: str) -> int:
     count = 0
     for module in model.modules():
         method = getattr(module, "quant_method", None)
-        if isinstance(method, (Q8LinearMethod, Q4LinearMethod)):
+        if isinstance(method, BLOCK_METHODS):
             module.quant_method = type(method)(activations)
             count += 1
     return count

@@ -11,7 +11,8 @@ for a fused checkpoint tensor whose every piece fills one layer (Phi-3's qkv_pro
 
 The parts of a fused layer may come in different formats: GGUF Q4_K_M files hold ``attn_v``
 (and some ``ffn_down``) as Q6_K beside Q4_K for the rest. The layer then takes the smallest
-format that holds every part exactly: q4 parts widen to q8 (codes 0..15 fit int8), groups split
+format that holds every part exactly: q4 and q5 parts widen to q8 (their codes fit int8) unless
+every part has the one format, groups split
 to the smallest group size (a scale repeated), a missing offset is zero. Those layers cost more
 memory than their parts did (a q4 part held as q8 doubles its code bytes); the values are the
 same.
@@ -42,10 +43,10 @@ class GroupQuant:
     """Codes of a ``[rows, cols]`` matrix with a scale (and optional offset) per group of
     ``group_size`` columns: ``value[r, c] = codes[r, c] * scales[r, c // G] + offsets[r, c // G]``.
 
-    ``kind`` "q4": uint8 codes 0..15; "q8": int8 codes."""
+    ``kind`` "q4": uint8 codes 0..15; "q5": int8 codes -16..15; "q8": int8 codes."""
 
     kind: str
-    codes: np.ndarray                 # [rows, cols] uint8 (q4) or int8 (q8)
+    codes: np.ndarray                 # [rows, cols] uint8 (q4) or int8 (q5, q8)
     scales: np.ndarray                # [rows, cols // G] float32
     offsets: np.ndarray | None        # [rows, cols // G] float32, or None (zero)
     group_size: int
@@ -199,7 +200,8 @@ def this_rank(value: GroupQuant, part: Part) -> GroupQuant:
 
 def combine(parts: list[GroupQuant]) -> GroupQuant:
     """The parts stacked by rows in one format that holds each exactly (module docstring)."""
-    kind = "q4" if all(p.kind == "q4" for p in parts) else "q8"
+    kinds = {p.kind for p in parts}
+    kind = kinds.pop() if len(kinds) == 1 else "q8"
     group = math.gcd(*(p.group_size for p in parts))
     with_offsets = any(p.offsets is not None for p in parts)
     codes, scales, offsets = [], [], []
@@ -270,7 +272,8 @@ class QuantizedAttacher:
         """``value`` as a QuantizedWeight, the kernel checked on its (format, shape) first."""
         from pagedllm.layers.quantization import QuantizedWeight, kernel_matches_float64
 
-        build = QuantizedWeight.from_q4 if value.kind == "q4" else QuantizedWeight.from_q8
+        build = {"q4": QuantizedWeight.from_q4, "q5": QuantizedWeight.from_q5,
+                 "q8": QuantizedWeight.from_q8}[value.kind]
         qweight = build(value.codes, value.scales, value.offsets, value.group_size)
         rows = value.codes.shape[0]
         key = (qweight.format, qweight.in_features, qweight.group_size, qweight.offsets is None,

@@ -1,14 +1,15 @@
 """A linear layer's weight held in a format other than float32, in the panels of pagedllm's CPU
 linear kernel (csrc/quant_gemm.cpp; the layout is described there and below).
 
-Four formats, named by ``QuantizedWeight.format``:
+Five formats, named by ``QuantizedWeight.format``:
 
 - ``"bf16"``, ``"fp16"``: the weight's own 16-bit values, widened to float32 in registers;
 - ``"q8"``: int8 codes, a float32 scale per group of ``group_size`` input elements of an output
   row, and optionally a float32 offset: ``value = code * scale (+ offset)``;
-- ``"q4"``: codes 0..15 (two per byte), scale and optional offset per group, the same formula.
+- ``"q4"``: codes 0..15 (two per byte), scale and optional offset per group, the same formula;
+- ``"q5"``: codes -16..15 (q4's nibbles and a plane of fifth bits), the same formula.
 
-These two block layouts hold every GGUF block type and AWQ/GPTQ exactly (dequantizing them is
+These block layouts hold every GGUF block type and AWQ/GPTQ exactly (dequantizing them is
 exact in float32 up to the last rounding of ``code * scale + offset``; the loaders compute each
 ``scale`` and ``offset`` from the file's own fields):
 
@@ -17,6 +18,8 @@ source       layout  group_size  scale                    offset
 ===========  ======  ==========  =======================  ============================
 Q8_0         q8      32          d                        None
 Q6_K         q8      16          d * sc (codes -32..31)   None
+Q5_0         q5      32          d (codes q - 16)         None
+Q5_1         q8      32          d (codes 0..31)          m
 Q5_K         q8      32          d * sc (codes 0..31)     -dmin * m
 Q4_0         q4      32          d                        -8 * d
 Q4_1         q4      32          d                        m
@@ -24,10 +27,13 @@ Q4_K         q4      32          d * sc                   -dmin * m
 AWQ / GPTQ   q4      group size  s                        -z * s
 ===========  ======  ==========  =======================  ============================
 
-Q5_K's 5-bit codes go to q8 with an offset, not to a layout of their own: int8 holds 0..31, and
-one more kernel would buy 3/8 of a byte per weight. The scales are float32 (not GGUF's fp16 d
-times a 6-bit sc, which no 16-bit float holds exactly): 4 bytes per group, so a weight costs
-1 + 4/G bytes in q8 and 0.5 + 8/G in q4 with offsets (GGUF's Q4_K: 0.5625).
+Q5_0 is what llama.cpp's Q4_K_M writes for the matrices whose rows are not whole 256-element
+super-blocks (most of Qwen2.5-0.5B's: 896 columns), so it is most of such a file's bytes: q5
+holds it in 0.75 bytes a weight where q8 took 1.125 (GGUF's: 0.6875). Q5_1 and Q5_K keep q8:
+their codes are 0..31 with an offset, and moving them to -16..15 would round the offset once.
+The scales are float32 (not GGUF's fp16 d times a 6-bit sc, which no 16-bit float holds
+exactly): 4 bytes per group, so a weight costs 1 + 4/G bytes in q8, 0.625 + 4/G in q5 and
+0.5 + 8/G in q4 with offsets (GGUF's Q4_K: 0.5625).
 """
 from __future__ import annotations
 
@@ -42,7 +48,7 @@ if TYPE_CHECKING:  # loaders pass numpy arrays (GGUF's memory map); torch.as_ten
     import numpy as np
 
 PANEL = 64  # output columns per panel (kPanel in csrc/skinny_gemm.cpp)
-FORMATS = ("bf16", "fp16", "q8", "q4")
+FORMATS = ("bf16", "fp16", "q8", "q4", "q5")
 _HALF_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
@@ -54,7 +60,9 @@ class QuantizedWeight:
     codes in quad blocks, a column's 4 consecutive k in adjacent bytes (the int8-activation
     path's integer dot products read them as they lie, the float path picks one byte of four):
     q8 [P, ceil(in / 4), 64 x 4] int8, q4 [P, ceil(in / 4), 32 x 4] bytes, byte 4j + i of a
-    quad holding column j (k = 4q + i) low and column j + 32 high. ``scales`` and ``offsets``
+    quad holding column j (k = 4q + i) low and column j + 32 high; q5 [P, ceil(in / 4), 160]
+    bytes, q4's quad of the codes + 16 (their low 4 bits) and 32 bytes of their fifth bits
+    (``_Q5_PLANE``). ``scales`` and ``offsets``
     float32 [P, in / group_size, 64] (None for bf16/fp16; offsets None: no offset). Zero rows
     pad the last panel, zero codes the last quad."""
 
@@ -109,6 +117,31 @@ class QuantizedWeight:
                    None if offsets_t is None else _to_panels(offsets_t), group_size)
 
     @classmethod
+    def from_q5(cls, codes: np.ndarray | torch.Tensor, scales: np.ndarray | torch.Tensor,
+                offsets: np.ndarray | torch.Tensor | None, group_size: int) -> QuantizedWeight:
+        """``codes`` [out, in] of values -16..15 (any integer dtype), float ``scales`` (and
+        ``offsets`` or None) [out, in / group_size], as for from_q8."""
+        codes_t = torch.as_tensor(codes)
+        if codes_t.dtype.is_floating_point or codes_t.dtype.is_complex or codes_t.dtype == torch.bool:
+            raise ModelLoadError(f"q5 codes must be integers -16..15, got {codes_t.dtype}")
+        if codes_t.numel() and not (int(codes_t.min()) >= -16 and int(codes_t.max()) <= 15):
+            raise ModelLoadError("q5 codes must lie in -16..15")
+        scales_t, offsets_t = _check_groups("q5", codes_t, scales, offsets, group_size)
+        biased = _to_panels((codes_t.to(torch.int16) + 16).to(torch.uint8))  # [P, in, 64]: 0..31
+        half = PANEL // 2
+        nibbles = _to_quads((biased[..., :half] & 15) | ((biased[..., half:] & 15) << 4))
+        # fifth bits by nibble byte b (0..127) of the quad, low (h = 0) and high (h = 1) columns
+        fifth = [_to_quads(biased[..., h * half:(h + 1) * half] >> 4) for h in (0, 1)]
+        num_panels, num_quads, _ = nibbles.shape
+        plane = torch.zeros(num_panels, num_quads, _Q5_PLANE, dtype=torch.uint8)
+        for h in (0, 1):
+            by_run = fifth[h].view(num_panels, num_quads, 4, _Q5_PLANE)  # b = 32 * run + byte
+            for run in range(4):
+                plane |= by_run[:, :, run] << (2 * run + h)
+        return cls("q5", *codes_t.shape, torch.cat((nibbles, plane), dim=2), _to_panels(scales_t),
+                   None if offsets_t is None else _to_panels(offsets_t), group_size)
+
+    @classmethod
     def stack(cls, weights: list[QuantizedWeight]) -> QuantizedWeight:
         """A mixture-of-experts projection: the experts' weights (one format and shape) with
         every tensor stacked along a new leading dim, codes ``[E, ...]`` (the grouped kernel's
@@ -155,10 +188,15 @@ class QuantizedWeight:
         num_panels, num_quads, width = self.codes.shape
         if self.format == "q8":  # [P, in / 4, 64, 4]: column c's 4 k together
             codes = self.codes.view(num_panels, num_quads, PANEL, 4)[panel, :, col]
-        else:  # q4: byte 4j + i holds column j low, column j + 32 high
+        else:  # q4/q5: byte 4j + i holds column j low, column j + 32 high
             half = PANEL // 2
-            quads = self.codes.view(num_panels, num_quads, half, 4)[panel, :, col % half]
-            codes = (quads >> (col >= half).to(torch.uint8).mul(4).view(-1, 1, 1)) & 15
+            high = (col >= half).to(torch.uint8).view(-1, 1, 1)
+            lanes = self.codes.view(num_panels, num_quads, width // 4, 4)  # q5: 32 + 8 lanes
+            codes = (lanes[panel, :, col % half] >> high * 4) & 15  # [T, in / 4, 4]
+            if self.format == "q5":  # byte b = 4 (col % 32) + i: plane byte b % 32, bit 2 (b // 32) + h
+                bit = (2 * (col % half // 8)).to(torch.uint8).view(-1, 1, 1) + high
+                fifth = (lanes[panel, :, half + col % 8] >> bit) & 1
+                codes = codes.to(torch.int16) + 16 * fifth.to(torch.int16) - 16
         codes = codes.reshape(len(ids), -1)[:, :self.in_features].float()  # [T, in]
         groups = (len(ids), self.in_features // self.group_size, self.group_size)
         values = codes.view(groups) * self.scales[panel, :, col].unsqueeze(-1)
@@ -174,7 +212,10 @@ class QuantizedWeight:
             if self.format == "bf16":  # [P, in, 32, 2] pairs -> [P, in, 64] in column order
                 values = values.view(*values.shape[:2], PANEL // 2, 2).transpose(2, 3).reshape(values.shape)
         else:
-            codes = _from_quads(self.codes, self.in_features)  # [P, in, 64 or 32]
+            if self.format == "q5":
+                codes = _q5_codes(self.codes, self.in_features)
+            else:
+                codes = _from_quads(self.codes, self.in_features)  # [P, in, 64 or 32]
             if self.format == "q4":
                 codes = torch.cat((codes & 15, codes >> 4), dim=-1)  # [P, in, 64]
             # [P, in / G, 64] -> [P, in, 64]: each group's row repeated over its G inputs.
@@ -208,6 +249,25 @@ def _from_quads(quads: torch.Tensor, cols: int) -> torch.Tensor:
     num_panels, num_quads, quad_bytes = quads.shape
     per_k = quads.view(num_panels, num_quads, quad_bytes // 4, 4).transpose(2, 3)
     return per_k.reshape(num_panels, num_quads * 4, quad_bytes // 4)[:, :cols]
+
+
+# q5's plane: 32 bytes after a quad's 128 nibble bytes; the fifth bit of nibble h (0 low, 1
+# high) of nibble byte b is bit 2 (b // 32) + h of plane byte b % 32 (csrc/quant_gemm.cpp's
+# Q5Panels: so a vector's fifth bits lie at one bit position).
+_Q5_PLANE = 32
+
+
+def _q5_codes(quads: torch.Tensor, cols: int) -> torch.Tensor:
+    """q5 panels [P, in / 4, 160] -> codes [P, in, 64] int16 (-16..15)."""
+    nibbles = _from_quads(quads[..., :2 * PANEL], cols)  # [P, in, 32]
+    num_panels, num_quads, _ = quads.shape
+    plane = quads[..., 2 * PANEL:]  # [P, in / 4, 32]
+    halves = []
+    for h in (0, 1):
+        runs = [(plane >> (2 * run + h)) & 1 for run in range(4)]  # each [P, in / 4, 32]
+        fifth = _from_quads(torch.cat(runs, dim=2), cols)  # nibble byte b = 32 * run + byte
+        halves.append(((nibbles >> (4 * h)) & 15).to(torch.int16) + 16 * fifth.to(torch.int16) - 16)
+    return torch.cat(halves, dim=-1)
 
 
 def _check_groups(fmt: str, codes: torch.Tensor, scales: np.ndarray | torch.Tensor,
