@@ -101,13 +101,14 @@ inline vfloat quad_nibbles(const void* q, int shift) {
   const __m512i w = _mm512_loadu_si512(q);
   return as_floats(_mm512_and_si512(_mm512_srli_epi32(w, shift), _mm512_set1_epi32(15)));
 }
-inline void quad_i8_4(const void* q, vfloat f[4]) {
-  const __m512i w = _mm512_loadu_si512(q);
+// The 4 signed bytes of each 32-bit lane of w, as 4 vectors of floats (byte j: f[j]).
+inline void lane_bytes_4(__m512i w, vfloat f[4]) {
   f[0] = as_floats(_mm512_srai_epi32(_mm512_slli_epi32(w, 24), 24));
   f[1] = as_floats(_mm512_srai_epi32(_mm512_slli_epi32(w, 16), 24));
   f[2] = as_floats(_mm512_srai_epi32(_mm512_slli_epi32(w, 8), 24));
   f[3] = as_floats(_mm512_srai_epi32(w, 24));
 }
+inline void quad_i8_4(const void* q, vfloat f[4]) { lane_bytes_4(_mm512_loadu_si512(q), f); }
 template <int HIGH>
 inline void quad_nibbles_4(const void* q, vfloat f[4]) {
   const __m512i w = _mm512_loadu_si512(q), m = _mm512_set1_epi32(15);
@@ -127,11 +128,7 @@ inline vfloat widen_fp16(const uint16_t* h) {
 // q5 (the layout: Q5Panels below): 4 k of kW columns, codes -16..15.
 inline void q5_quad_4(const uint8_t* nib, const uint8_t* plane, int t, int h, vfloat f[4]) {
   using namespace int8gemm;
-  const __m512i w = _mm512_sub_epi8(q5_codes(nib, q5_plane(plane), t, h), _mm512_set1_epi8(16));
-  f[0] = as_floats(_mm512_srai_epi32(_mm512_slli_epi32(w, 24), 24));
-  f[1] = as_floats(_mm512_srai_epi32(_mm512_slli_epi32(w, 16), 24));
-  f[2] = as_floats(_mm512_srai_epi32(_mm512_slli_epi32(w, 8), 24));
-  f[3] = as_floats(_mm512_srai_epi32(w, 24));
+  lane_bytes_4(_mm512_sub_epi8(q5_codes(nib, q5_plane(plane), t, h), _mm512_set1_epi8(16)), f);
 }
 #elif defined(__AVX2__) && defined(__F16C__)
 inline vfloat as_floats(__m256i i) { return (vfloat)_mm256_cvtepi32_ps(i); }
@@ -143,12 +140,15 @@ inline vfloat quad_nibbles(const void* q, int shift) {
   const __m256i w = _mm256_loadu_si256(static_cast<const __m256i*>(q));
   return as_floats(_mm256_and_si256(_mm256_srli_epi32(w, shift), _mm256_set1_epi32(15)));
 }
-inline void quad_i8_4(const void* q, vfloat f[4]) {
-  const __m256i w = _mm256_loadu_si256(static_cast<const __m256i*>(q));
+// The 4 signed bytes of each 32-bit lane of w, as 4 vectors of floats (byte j: f[j]).
+inline void lane_bytes_4(__m256i w, vfloat f[4]) {
   f[0] = as_floats(_mm256_srai_epi32(_mm256_slli_epi32(w, 24), 24));
   f[1] = as_floats(_mm256_srai_epi32(_mm256_slli_epi32(w, 16), 24));
   f[2] = as_floats(_mm256_srai_epi32(_mm256_slli_epi32(w, 8), 24));
   f[3] = as_floats(_mm256_srai_epi32(w, 24));
+}
+inline void quad_i8_4(const void* q, vfloat f[4]) {
+  lane_bytes_4(_mm256_loadu_si256(static_cast<const __m256i*>(q)), f);
 }
 template <int HIGH>
 inline void quad_nibbles_4(const void* q, vfloat f[4]) {
@@ -168,11 +168,7 @@ inline vfloat widen_fp16(const uint16_t* h) {
 }
 inline void q5_quad_4(const uint8_t* nib, const uint8_t* plane, int t, int h, vfloat f[4]) {
   using namespace int8gemm;
-  const __m256i w = _mm256_sub_epi8(q5_codes(nib, q5_plane(plane), t, h), _mm256_set1_epi8(16));
-  f[0] = as_floats(_mm256_srai_epi32(_mm256_slli_epi32(w, 24), 24));
-  f[1] = as_floats(_mm256_srai_epi32(_mm256_slli_epi32(w, 16), 24));
-  f[2] = as_floats(_mm256_srai_epi32(_mm256_slli_epi32(w, 8), 24));
-  f[3] = as_floats(_mm256_srai_epi32(w, 24));
+  lane_bytes_4(_mm256_sub_epi8(q5_codes(nib, q5_plane(plane), t, h), _mm256_set1_epi8(16)), f);
 }
 #else  // any other CPU: element by element (correct, untuned; the engine runs torch there)
 template <class F>
