@@ -3,10 +3,10 @@ the engine's native build and, with ``--isa v3 v4``, built for x86-64-v3 (AVX2) 
 (AVX-512) beside it, against oneDNN's prepacked matmul (what vLLM's CPU path uses) and a plain
 ``F.linear`` (MKL sgemm), on the benchmark model's shapes, at decode and prefill row counts,
 calls interleaved. ``--formats`` adds the kernel over weights held in other formats
-(layers/quantization/: bf16, fp16 panels; q8_0, q4_0 quantized at load), each timed against the
-float32 panels' kernel too; their GB/s count the bytes the format holds. ``--int8`` adds q8_0/q4_0
-with int8-quantized activations (csrc/int8_gemm.h), each timed against the same weight's exact
-(float32-activation) path too.
+(layers/quantization/: bf16, fp16 panels; q8_0, q4_0 quantized at load; q5_0, GGUF Q5_0's
+blocks in the q5 panels), each timed against the float32 panels' kernel too; their GB/s count
+the bytes the format holds. ``--int8`` adds the block formats with int8-quantized activations
+(csrc/int8_gemm.h), each timed against the same weight's exact (float32-activation) path too.
 
 Before every timed call the caches are flushed (a pass over a buffer larger than the last-level
 cache), as in the engine, where a step reads ~170 MB of weights and KV and nothing stays cached
@@ -15,7 +15,7 @@ rate (what bounds a decode step's linears), each kernel's GFLOP/s (what bounds a
 the faster library's time over each skinny build's (> 1: the kernel is faster).
 
     python -m benchmarks.linear_kernels [--rows 1 8 16 32 64 256 2048] [--rounds 7] [--isa native v3 v4]
-        [--formats bf16 fp16 q8_0 q4_0] [--int8] [--shapes 4864x896 896x4864] [--threads N]
+        [--formats bf16 fp16 q8_0 q4_0 q5_0] [--int8] [--shapes 4864x896 896x4864] [--threads N]
         [--cpu-time]
 """
 from __future__ import annotations
@@ -63,7 +63,7 @@ def linear_candidates(n: int, k: int, isas: list[str], seed: int = 0) -> dict[st
 def format_candidates(n: int, k: int, formats: list[str], isas: list[str], seed: int = 0,
                       int8: bool = False) -> tuple[dict[str, Callable], dict[str, int]]:
     """name -> x -> x W^T for one random [n, k] weight held in each of ``formats`` ("bf16",
-    "fp16", "q8_0", "q4_0"), per build in ``isas`` ("q8_0 int8 v3": with int8 activations,
+    "fp16", "q8_0", "q4_0", "q5_0"), per build in ``isas`` ("q8_0 int8 v3": with int8 activations,
     when ``int8``); and name -> the bytes each reads."""
     import torch
 
@@ -74,8 +74,12 @@ def format_candidates(n: int, k: int, formats: list[str], isas: list[str], seed:
     out: dict[str, Callable] = {}
     nbytes: dict[str, int] = {}
     for fmt in formats:
-        qw = (QuantizedWeight.from_half(w.to(torch.bfloat16 if fmt == "bf16" else torch.float16))
-              if fmt in ("bf16", "fp16") else quantize_linear(w, fmt))
+        if fmt in ("bf16", "fp16"):
+            qw = QuantizedWeight.from_half(w.to(torch.bfloat16 if fmt == "bf16" else torch.float16))
+        elif fmt == "q5_0":
+            qw = _q5_0(w)
+        else:
+            qw = quantize_linear(w, fmt)
         for isa in isas:
             ops = load_cpu_ops(isa) if can_run(isa) else None
             if ops is not None:
@@ -86,6 +90,19 @@ def format_candidates(n: int, k: int, formats: list[str], isas: list[str], seed:
                         x, qw.codes, qw.scales, qw.offsets, qw.group_size, n, None, act)
                     nbytes[name] = qw.nbytes
     return out, nbytes
+
+
+def _q5_0(w):
+    """``w`` as GGUF Q5_0 blocks would hold it (a scale per 32, codes -16..15; not load-time
+    quantization, which offers q8_0/q4_0: the kernel's speed does not depend on the values)."""
+    import torch
+
+    from pagedllm.layers.quantization import QuantizedWeight
+
+    groups = w.view(w.shape[0], -1, 32)
+    scales = groups.abs().amax(-1) / 16
+    codes = (groups / scales.clamp_min(1e-30)[..., None]).round().clamp(-16, 15).view_as(w)
+    return QuantizedWeight.from_q5(codes.to(torch.int8), scales, None, 32)
 
 
 def time_interleaved(kernels: dict[str, Callable], x, rounds: int, flush,
@@ -111,10 +128,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model-config", default="qwen3-58m", choices=sorted(MODEL_CONFIGS))
     parser.add_argument("--isa", nargs="+", default=["native"], choices=["native", "v3", "v4"],
                         help="builds of the skinny kernel to measure (those this CPU can run)")
-    parser.add_argument("--formats", nargs="*", default=[], choices=["bf16", "fp16", "q8_0", "q4_0"],
+    parser.add_argument("--formats", nargs="*", default=[],
+                        choices=["bf16", "fp16", "q8_0", "q4_0", "q5_0"],
                         help="weight formats to time beside float32 (layers/quantization/)")
     parser.add_argument("--int8", action="store_true",
-                        help="time q8_0/q4_0 with int8 activations too (against their exact path)")
+                        help="time the block formats with int8 activations too (against their "
+                             "exact path)")
     parser.add_argument("--shapes", nargs="*", default=[],
                         help="OUTxIN layer shapes in place of the model config's")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")

@@ -238,7 +238,8 @@ def test_q5_layout_places_each_fifth_bit_by_the_rule():
     scales, offsets = torch.rand(n, 2, generator=gen), torch.randn(n, 2, generator=gen)
     qw = QuantizedWeight.from_q5(codes, scales, offsets, 32)
     per_k = lambda a: a.double().repeat_interleave(32, dim=1)  # noqa: E731
-    assert torch.equal(qw.dequantize(torch.float64), codes.double() * per_k(scales) + per_k(offsets))
+    expected = codes.double() * per_k(scales) + per_k(offsets)
+    assert torch.equal(qw.dequantize(torch.float64), expected)
     # 5/8 of a byte a weight + 8 bytes per 32 (scale, offset); the last panel's padding included
     assert qw.nbytes == 2 * 64 * (64 * 5 // 8 + 2 * 4 * 2)
     with pytest.raises(ModelLoadError, match="-16..15"):

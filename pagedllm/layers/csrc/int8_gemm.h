@@ -26,9 +26,10 @@
 // 16/8/4 dividing G (Q6_K: 16). B divides G, so a block's integer sum has one weight scale per
 // column and the float step is one multiply-add per block: y += S * (w_scale * x_scale) +
 // offset * (x_scale * sum of the block's codes), the offset being q4's mins / Q4_0's -8d / AWQ's
-// zeros (q5 also takes off w_scale * 16 * that sum). Not per weight group: blocks of 128 (AWQ) would give one outlier 128 activations'
-// worth of lost precision; not per row: worse still. A block's scale is amax / 127, its codes
-// round(x / scale) (half to even): tests/models/test_int8_activations.py rebuilds them.
+// zeros (q5 also takes off w_scale * 16 * that sum). Not per weight group: blocks of 128 (AWQ)
+// would give one outlier 128 activations' worth of lost precision; not per row: worse still. A
+// block's scale is amax / 127, its codes round(x / scale) (half to even):
+// tests/models/test_int8_activations.py rebuilds them.
 //
 // Threads: ``panels_gemm`` gives each a run of panels, ``panels_run`` being one thread's share;
 // quant_gemm.cpp's grouped op (a mixture-of-experts layer's experts) quantizes x's rows once
@@ -143,7 +144,8 @@ constexpr bool kVnni = false;
 // The code layouts of quad blocks (quant_gemm.cpp's table): which the kernels' templates read.
 enum class Codes { q8, q4, q5 };
 template <Codes C>
-constexpr int64_t kQuadBytes = C == Codes::q8 ? kPanel * 4 : C == Codes::q4 ? kPanel * 2 : kPanel * 5 / 2;
+constexpr int64_t kQuadBytes =
+    C == Codes::q8 ? kPanel * 4 : C == Codes::q4 ? kPanel * 2 : kPanel * 5 / 2;
 
 // x's rows quantized: codes q [M, K], per block of B k a scale and scale * (sum of its codes).
 struct QuantizedRows {
@@ -199,7 +201,8 @@ constexpr int64_t kBlockK = 256;       // k per block: its codes (<= 16 KiB) sta
 constexpr int64_t kChunkRows = 64;     // rows per chunk: their codes stay in L2 across panels
 constexpr int64_t kPrefetchQuads = 16; // the first tile prefetches the stream this far ahead
 
-// The weight: codes [P, K / 4, quad bytes] (q8: 256, q4: 128, q5: 160), scales/offsets [P, K / G, 64].
+// The weight: codes [P, K / 4, quad bytes] (q8: 256, q4: 128, q5: 160), scales/offsets
+// [P, K / G, 64].
 struct Panels {
   const uint8_t* codes;
   const float* scales;
@@ -272,7 +275,8 @@ inline void tile(const Panels& w, const QuantizedRows& x, int64_t m, int64_t p, 
 #pragma GCC unroll 4
         for (int u = 0; u < U; ++u)
           for (int h = 0; h < 2; ++h)
-            acc[r][u][h] = dot<C>(acc[r][u][h], wu[u][h], C == Codes::q8 ? sign8(xb, raw[u][h]) : xb);
+            acc[r][u][h] =
+                dot<C>(acc[r][u][h], wu[u][h], C == Codes::q8 ? sign8(xb, raw[u][h]) : xb);
       }
     }
     const int64_t group = (p * w.num_groups + b0 / w.group_size) * kPanel;

@@ -203,15 +203,16 @@ inline vfloat bf16_pairs(const uint16_t* h, bool high) {
 inline vfloat widen_fp16(const uint16_t* h) {
   return widen([&](int64_t j) { return c10::detail::fp16_ieee_to_fp32_value(h[j]); });
 }
-// The plane's bit of byte 4 (col + j) + i: the layout's rule itself (quantized_weight.py).
-inline void q5_quad_4(const uint8_t* nib, const uint8_t* plane, int, int h, vfloat f[4]) {
-  const int64_t col = (nib - plane + 128) / 4;  // nib = block + 4 (col % 32), plane = block + 128
+// Nibble byte b = 4 (low + j) + i of the block, its fifth bit found by the layout's rule itself
+// (low, the vector's first lane, from t = low / 4 + h).
+inline void q5_quad_4(const uint8_t* nib, const uint8_t* plane, int t, int h, vfloat f[4]) {
+  const int64_t low = 4 * (t - h);
   for (int i = 0; i < 4; ++i)
     f[i] = widen([&](int64_t j) {
-      const int64_t b = 4 * (col + j) + i;
-      const int low = (nib[4 * j + i] >> (4 * h)) & 15;
+      const int64_t b = 4 * (low + j) + i;
+      const int nibble = (nib[4 * j + i] >> (4 * h)) & 15;
       const int fifth = (plane[b % 32] >> (2 * (b / 32) + h)) & 1;
-      return float(low + 16 * fifth - 16);
+      return float(nibble + 16 * fifth - 16);
     });
 }
 #endif
@@ -454,8 +455,10 @@ at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& codes,
     TORCH_CHECK(codes.size(0) == experts && experts > 0, "codes hold ", codes.size(0),
                 " experts' weights and counts has ", experts, " row counts: one per expert");
   }
-  const int64_t width = q5 ? int8gemm::kQuadBytes<int8gemm::Codes::q5>
-                        : dtype == at::kByte ? kPanel * 2 : dtype == at::kChar ? kPanel * 4 : kPanel;
+  const int64_t width = q5                     ? int8gemm::kQuadBytes<int8gemm::Codes::q5>
+                        : dtype == at::kByte ? kPanel * 2
+                        : dtype == at::kChar ? kPanel * 4
+                                             : kPanel;
   const skinny::PanelCall call = skinny::begin_panel_call(
       x, grouped ? codes.select(0, 0) : codes, width, out_features, quads ? 4 : 1);
   const Experts ex{grouped, grouped ? skinny::row_groups(*counts, call.M) : skinny::RowGroups{}};
@@ -482,9 +485,12 @@ at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& codes,
       const Groups g = check_groups(P, K, scales, offsets, group_size, experts);
       const auto* c = static_cast<const uint8_t*>(cp);
       using int8gemm::Codes;
-      if (q5) quad_panels_gemm<Codes::q5>(xp, M, K, ex, c, stride, g, N, P, int8, yp);
-      else if (dtype == at::kByte) quad_panels_gemm<Codes::q4>(xp, M, K, ex, c, stride, g, N, P, int8, yp);
-      else quad_panels_gemm<Codes::q8>(xp, M, K, ex, c, stride, g, N, P, int8, yp);
+      if (q5)
+        quad_panels_gemm<Codes::q5>(xp, M, K, ex, c, stride, g, N, P, int8, yp);
+      else if (dtype == at::kByte)
+        quad_panels_gemm<Codes::q4>(xp, M, K, ex, c, stride, g, N, P, int8, yp);
+      else
+        quad_panels_gemm<Codes::q8>(xp, M, K, ex, c, stride, g, N, P, int8, yp);
       break;
     }
     default:

@@ -16,7 +16,7 @@ kept in that format in memory and multiplied by pagedllm's CPU kernel (csrc/quan
 """
 from __future__ import annotations
 
-from pagedllm.layers.quantization.linear_method import (BLOCK_METHODS, HalfLinearMethod,
+from pagedllm.layers.quantization.linear_method import (HalfLinearMethod,
                                                         LinearMethod, Q4LinearMethod,
                                                         Q5LinearMethod, Q8LinearMethod,
                                                         check_kernel,
@@ -27,7 +27,7 @@ from pagedllm.layers.quantization.linear_method import (BLOCK_METHODS, HalfLinea
 from pagedllm.layers.quantization.quantized_weight import FORMATS, QuantizedWeight
 from pagedllm.layers.quantization.round_to_nearest import SCHEMES, quantize_linear
 
-__all__ = ["BLOCK_METHODS", "FORMATS", "SCHEMES", "HalfLinearMethod", "LinearMethod",
-           "Q4LinearMethod", "Q5LinearMethod", "Q8LinearMethod", "QuantizedWeight", "check_kernel", "kernel_matches_float64",
-           "method_for", "quantize_linear", "quantized_kernels_available",
+__all__ = ["FORMATS", "SCHEMES", "HalfLinearMethod", "LinearMethod", "Q4LinearMethod",
+           "Q5LinearMethod", "Q8LinearMethod", "QuantizedWeight", "check_kernel",
+           "kernel_matches_float64", "method_for", "quantize_linear", "quantized_kernels_available",
            "set_quantization_activations", "set_quantized_weight"]

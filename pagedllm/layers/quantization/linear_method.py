@@ -4,19 +4,20 @@ the weight (``weight`` is then None), and ``layers/linear.linear`` calls
 ``layer.quant_method.apply(layer, x, bias)``: the model code never branches on the format.
 
 - A loader that reads quantized tensors (GGUF, AWQ, GPTQ) builds a ``QuantizedWeight``
-  (``from_q8`` / ``from_q4`` / ``from_q5``) and calls ``set_quantized_weight(layer, qweight)``. For a
-  stacked layer (qkv_proj, gate_up_proj) it concatenates the parts' codes, scales and offsets
-  along the rows first (groups run along the input, so every part's rows stay whole); a
-  tensor-parallel slice of the input must cut at group boundaries.
+  (``from_q8`` / ``from_q4`` / ``from_q5``) and calls ``set_quantized_weight(layer,
+  qweight)``. For a stacked layer (qkv_proj, gate_up_proj) it concatenates the parts' codes,
+  scales and offsets along the rows first (groups run along the input, so every part's rows
+  stay whole); a tensor-parallel slice of the input must cut at group boundaries.
 - A model loaded as float32 and quantized at load (``--quantization q8_0|q4_0``), or loaded in
   bfloat16/float16 on CPU: the method is set on the layer and
   ``process_weights_after_loading(layer)`` converts its loaded ``weight``.
 
 Every method runs ``pagedllm::quant_linear`` (csrc/quant_gemm.cpp): float32 activations and
 sums whatever the weight's format (x of another dtype is widened, the result narrowed back).
-The block methods (q8, q4, q5) can instead quantize the activations to int8 (``activations="int8"``, the
-engine's ``quantization_activations``; csrc/int8_gemm.h): llama.cpp's integer dot products, on
-the same panels, at every row count (so a row's bits still never depend on its batch).
+The block methods (q8, q4, q5) can instead quantize the activations to int8
+(``activations="int8"``, the engine's ``quantization_activations``; csrc/int8_gemm.h):
+llama.cpp's integer dot products, on the same panels, at every row count (so a row's bits still
+never depend on its batch).
 """
 from __future__ import annotations
 
@@ -128,9 +129,10 @@ def method_for(qweight: QuantizedWeight) -> LinearMethod:
 
 
 def set_quantization_activations(model: nn.Module, activations: str) -> int:
-    """Run every block-quantized (q8/q4/q5) layer of ``model`` (after loading) with ``activations`` ("float32": the
-    exact path, "int8": int8-quantized activations); returns how many layers that is. bf16/fp16
-    and float32 layers are left as they are (their activations stay float32)."""
+    """Run every block-quantized (q8/q4/q5) layer of ``model`` (after loading) with
+    ``activations`` ("float32": the exact path, "int8": int8-quantized activations); returns how
+    many layers that is. bf16/fp16 and float32 layers are left as they are (their activations
+    stay float32)."""
     if activations not in ACTIVATIONS:
         raise ModelLoadError(f"quantization activations {activations!r} are not supported; "
                              f"supported: {', '.join(ACTIVATIONS)}")

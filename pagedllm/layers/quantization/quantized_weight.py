@@ -62,9 +62,9 @@ class QuantizedWeight:
     q8 [P, ceil(in / 4), 64 x 4] int8, q4 [P, ceil(in / 4), 32 x 4] bytes, byte 4j + i of a
     quad holding column j (k = 4q + i) low and column j + 32 high; q5 [P, ceil(in / 4), 160]
     bytes, q4's quad of the codes + 16 (their low 4 bits) and 32 bytes of their fifth bits
-    (``_Q5_PLANE``). ``scales`` and ``offsets``
-    float32 [P, in / group_size, 64] (None for bf16/fp16; offsets None: no offset). Zero rows
-    pad the last panel, zero codes the last quad."""
+    (``_Q5_PLANE``). ``scales`` and ``offsets`` float32 [P, in / group_size, 64] (None for
+    bf16/fp16; offsets None: no offset). Zero rows pad the last panel, zero codes the last
+    quad."""
 
     format: str
     out_features: int
@@ -104,11 +104,7 @@ class QuantizedWeight:
                 offsets: np.ndarray | torch.Tensor | None, group_size: int) -> QuantizedWeight:
         """``codes`` [out, in] of values 0..15 (any integer dtype, one code per element), float
         ``scales`` (and ``offsets`` or None) [out, in / group_size], as for from_q8."""
-        codes_t = torch.as_tensor(codes)
-        if codes_t.dtype.is_floating_point or codes_t.dtype.is_complex or codes_t.dtype == torch.bool:
-            raise ModelLoadError(f"q4 codes must be integers 0..15, got {codes_t.dtype}")
-        if codes_t.numel() and not (int(codes_t.min()) >= 0 and int(codes_t.max()) <= 15):
-            raise ModelLoadError("q4 codes must lie in 0..15")
+        codes_t = _integer_codes("q4", codes, 0, 15)
         scales_t, offsets_t = _check_groups("q4", codes_t, scales, offsets, group_size)
         panels = _to_panels(codes_t.to(torch.uint8))  # [P, in, 64]
         half = PANEL // 2
@@ -121,11 +117,7 @@ class QuantizedWeight:
                 offsets: np.ndarray | torch.Tensor | None, group_size: int) -> QuantizedWeight:
         """``codes`` [out, in] of values -16..15 (any integer dtype), float ``scales`` (and
         ``offsets`` or None) [out, in / group_size], as for from_q8."""
-        codes_t = torch.as_tensor(codes)
-        if codes_t.dtype.is_floating_point or codes_t.dtype.is_complex or codes_t.dtype == torch.bool:
-            raise ModelLoadError(f"q5 codes must be integers -16..15, got {codes_t.dtype}")
-        if codes_t.numel() and not (int(codes_t.min()) >= -16 and int(codes_t.max()) <= 15):
-            raise ModelLoadError("q5 codes must lie in -16..15")
+        codes_t = _integer_codes("q5", codes, -16, 15)
         scales_t, offsets_t = _check_groups("q5", codes_t, scales, offsets, group_size)
         biased = _to_panels((codes_t.to(torch.int16) + 16).to(torch.uint8))  # [P, in, 64]: 0..31
         half = PANEL // 2
@@ -193,7 +185,7 @@ class QuantizedWeight:
             high = (col >= half).to(torch.uint8).view(-1, 1, 1)
             lanes = self.codes.view(num_panels, num_quads, width // 4, 4)  # q5: 32 + 8 lanes
             codes = (lanes[panel, :, col % half] >> high * 4) & 15  # [T, in / 4, 4]
-            if self.format == "q5":  # byte b = 4 (col % 32) + i: plane byte b % 32, bit 2 (b // 32) + h
+            if self.format == "q5":  # byte b = 4 (col % 32) + i: plane b % 32, bit 2 (b // 32) + h
                 bit = (2 * (col % half // 8)).to(torch.uint8).view(-1, 1, 1) + high
                 fifth = (lanes[panel, :, half + col % 8] >> bit) & 1
                 codes = codes.to(torch.int16) + 16 * fifth.to(torch.int16) - 16
@@ -268,6 +260,16 @@ def _q5_codes(quads: torch.Tensor, cols: int) -> torch.Tensor:
         fifth = _from_quads(torch.cat(runs, dim=2), cols)  # nibble byte b = 32 * run + byte
         halves.append(((nibbles >> (4 * h)) & 15).to(torch.int16) + 16 * fifth.to(torch.int16) - 16)
     return torch.cat(halves, dim=-1)
+
+
+def _integer_codes(fmt: str, codes: np.ndarray | torch.Tensor, low: int, high: int) -> torch.Tensor:
+    """``codes`` as a tensor, after checking they are integers in ``low..high``."""
+    codes_t = torch.as_tensor(codes)
+    if codes_t.dtype.is_floating_point or codes_t.dtype.is_complex or codes_t.dtype == torch.bool:
+        raise ModelLoadError(f"{fmt} codes must be integers {low}..{high}, got {codes_t.dtype}")
+    if codes_t.numel() and not (int(codes_t.min()) >= low and int(codes_t.max()) <= high):
+        raise ModelLoadError(f"{fmt} codes must lie in {low}..{high}")
+    return codes_t
 
 
 def _check_groups(fmt: str, codes: torch.Tensor, scales: np.ndarray | torch.Tensor,
