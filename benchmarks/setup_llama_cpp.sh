@@ -15,8 +15,19 @@ LLAMA_CPP_PYTHON_VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
 
 python3 -m venv "$VENV"
 "$VENV/bin/pip" install --upgrade pip
-CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_OPENMP=ON -DLLAMA_CURL=OFF" FORCE_CMAKE=1 \
-    "$VENV/bin/pip" install --no-cache-dir --verbose "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION" numpy
+# On a CPU with AMX (Intel Sapphire Rapids and later), -march=native also compiles llama.cpp's AMX
+# backend, whose matmul segfaults on the first llama_decode on our VMs (llama.cpp#20824, open:
+# both Q8_0 and Q4_K_M files; AMX itself works here). There the build names the AVX-512 levels
+# one by one instead: the same kernels and weight repacking, without the AMX buffer type.
+ARCH="-DGGML_NATIVE=ON"
+if grep -qw amx_int8 /proc/cpuinfo; then
+    ARCH="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
+-DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON"
+fi
+CMAKE_ARGS="$ARCH -DGGML_OPENMP=ON -DLLAMA_CURL=OFF" FORCE_CMAKE=1 \
+    "$VENV/bin/pip" install --no-cache-dir --verbose --force-reinstall --no-deps \
+    "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION"
+"$VENV/bin/pip" install "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION" numpy
 "$VENV/bin/python" -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__, \
 'system info:', llama_cpp.llama_print_system_info().decode())"
 

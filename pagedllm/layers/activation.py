@@ -16,6 +16,9 @@ _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
 }
 
+# The mixture-of-experts kernel's names for them (csrc/fused_moe.cpp: the same ATen functions).
+_KERNEL_NAMES = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh"}
+
 
 class GatedActivation(nn.Module):
     """``[..., 2 * I]`` (gate then up, as the fused projection stacks them) -> ``[..., I]``."""
@@ -32,6 +35,10 @@ class GatedActivation(nn.Module):
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return self._act(gate) * up
+
+    def kernel_activation(self) -> tuple[str, float, float]:
+        """How csrc/fused_moe.cpp names this activation (with its unused alpha and limit)."""
+        return _KERNEL_NAMES[self.hidden_act], 0.0, 0.0
 
     def extra_repr(self) -> str:
         return self.hidden_act

@@ -7,7 +7,9 @@
   same kernel over a mixture-of-experts layer's experts at once (layers/fused_moe.py);
 - ``pagedllm::quant_linear`` (csrc/quant_gemm.cpp): the same kernel over weights held as bf16,
   fp16 or block-quantized panels (layers/quantization/); ``grouped_quant_linear``, over a
-  mixture-of-experts layer's experts held so.
+  mixture-of-experts layer's experts held so;
+- ``pagedllm::fused_experts`` (csrc/fused_moe.cpp): a mixture-of-experts layer's experts in one
+  op, from the routing to each token's weighted sum, over either grouped projection.
 
 Their register tiles are sized per x86 level (csrc/isa.h): x86-64-v4 (AVX-512, 32 vector
 registers) and x86-64-v3 (AVX2 + FMA, 16). On a CPU of neither level the engine uses torch's
@@ -38,9 +40,9 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / "paged_attention.cpp", CSRC / "skinny_gemm.cpp", CSRC / "quant_gemm.cpp",
-           CSRC / "write_kv.cpp"]  # + the headers
+           CSRC / "fused_moe.cpp", CSRC / "write_kv.cpp"]  # + the headers
 OPS = ("paged_attention", "skinny_gemm", "packed_linear", "grouped_packed_linear", "quant_linear",
-       "grouped_quant_linear", "write_kv")
+       "grouped_quant_linear", "fused_experts", "write_kv")
 # The x86 levels the kernels are tuned for (csrc/isa.h): their -march, and the CPU flags a CPU
 # needs to run a build of that level (the Linux /proc/cpuinfo names).
 ISA_MARCH = {"v3": "x86-64-v3", "v4": "x86-64-v4"}
@@ -167,6 +169,7 @@ def _build(isa: str) -> Any:
     torch.library.register_fake(f"{namespace}::packed_linear")(_packed_linear_fake)
     torch.library.register_fake(f"{namespace}::quant_linear")(_quant_linear_fake)
     torch.library.register_fake(f"{namespace}::grouped_quant_linear")(_grouped_quant_linear_fake)
+    torch.library.register_fake(f"{namespace}::fused_experts")(_fused_experts_fake)
     return ops
 
 
@@ -192,6 +195,11 @@ def _grouped_quant_linear_fake(x: torch.Tensor, codes: torch.Tensor, scales: tor
                                offsets: torch.Tensor | None, group_size: int, counts: list[int],
                                out_features: int, int8_activations: bool = False) -> torch.Tensor:
     return x.new_empty((x.shape[0], out_features))  # x [R, K]: every expert's rows
+
+
+def _fused_experts_fake(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                        *weights_and_settings: object) -> torch.Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)  # [T, H]
 
 
 def compile_sources(isa: str, output_dir: Path, sources: list[Path] | None = None) -> None:

@@ -18,21 +18,20 @@ each expert's gate and up and the matching columns of its down, so each rank's r
 partial sum of the layer's output, all-reduced once per layer (after the shared expert's partial
 sum, where the family has one) -- the row-parallel path of the dense MLP.
 
-On CPU the tokens are grouped by expert and each active expert runs once over its tokens. Where
-the skinny kernel runs (layers/linear.py), each projection is one grouped kernel call over every
-active expert's tokens (one parallel region streaming the experts' weights): float32 experts as
-panels (``pagedllm::grouped_packed_linear``, csrc/skinny_gemm.cpp); experts in another format,
-stacked ``QuantizedWeight``s (``pagedllm::grouped_quant_linear``, csrc/quant_gemm.cpp, through
-the layer's ``quant_method``): bfloat16/float16 experts in their precision, and a quantized
-checkpoint's (GGUF, AWQ/GPTQ) as it holds them, handed over per expert by the loader
-(layers/quantization/quantized_layers.py), so their float matrices are never allocated. A row's
-sums run in the same order whatever the number of rows, so a token's output does not depend on
-which other tokens share its step or its expert (torch's matmul picks kernels by the row
-count). Elsewhere (GPU, no kernel for this CPU) each expert is an ``F.linear``.
-
-Under torch.compile the expert loop (its trip count depends on the routing) is one opaque custom
-op per layer, ``pagedllm::fused_moe_experts``, found by number like attention's
-(layers/op_registry.py); the routing around it stays in the graph.
+On CPU, where the skinny kernel runs (layers/linear.py), the experts are held for it: float32
+experts as panels, experts in another format as stacked ``QuantizedWeight``s (bfloat16/float16 in
+their precision, and a quantized checkpoint's (GGUF, AWQ/GPTQ) as it holds them, handed over per
+expert by the loader, layers/quantization/quantized_layers.py, so their float matrices are never
+allocated). The whole layer after the routing is then one C++ op, ``pagedllm::fused_experts``
+(csrc/fused_moe.cpp): the tokens grouped by expert, each projection one grouped kernel call over
+every active expert's tokens (one parallel region streaming the experts' weights), the
+activation, and each token's weighted sum. A row's sums run in the same order whatever the
+number of rows, so a token's output does not depend on which other tokens share its step or its
+expert (torch's matmul picks kernels by the row count). Elsewhere (GPU, no kernel for this CPU)
+the tokens are grouped in Python and each active expert is an ``F.linear``; under torch.compile
+that loop (its trip count depends on the routing) is one opaque custom op per layer,
+``pagedllm::fused_moe_experts``, found by number like attention's (layers/op_registry.py). The
+routing stays in the graph either way.
 """
 from __future__ import annotations
 
@@ -312,7 +311,9 @@ class FusedMoE(nn.Module):
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize,
                                                 self.order)
-        if torch.compiler.is_compiling():
+        if self._experts_in_kernel():
+            out = self._fused_experts(hidden_states, topk_weights, topk_ids)
+        elif torch.compiler.is_compiling():
             out = torch.ops.pagedllm.fused_moe_experts(hidden_states, topk_weights, topk_ids,
                                                        self._op_id)
         else:
@@ -321,26 +322,50 @@ class FusedMoE(nn.Module):
             out = self.tp.all_reduce(out)
         return out
 
+    def _experts_in_kernel(self) -> bool:
+        """Both projections held for the CPU kernels (panels or stacked codes)."""
+        return all(getattr(self, f"packed_{name}") is not None
+                   or getattr(self, f"qweight_{name}") is not None for name in ("gate_up", "down"))
+
+    def _kernel_weight(self, name: str) -> tuple:
+        """Projection ``name`` as fused_experts takes it: (weight, scales, offsets, group size)."""
+        qweight = getattr(self, f"qweight_{name}")
+        if qweight is not None:
+            return qweight.codes, qweight.scales, qweight.offsets, qweight.group_size
+        return getattr(self, f"packed_{name}"), None, None, 0
+
+    def _fused_experts(self, x: torch.Tensor, topk_weights: torch.Tensor,
+                       topk_ids: torch.Tensor) -> torch.Tensor:
+        """Every active expert's gated MLP and each token's weighted sum in one C++ op
+        (``pagedllm::fused_experts``, csrc/fused_moe.cpp): the tokens grouped by expert, each
+        projection one grouped kernel call over all active experts, in float32."""
+        activation, alpha, limit = self.act.kernel_activation()
+        int8 = self.quant_method is not None and self.quant_method.activations == "int8"
+        bias_1, bias_2 = self.gate_up_proj_bias, self.down_proj_bias
+        out = torch.ops.pagedllm.fused_experts(
+            x.float(), topk_weights.float(), topk_ids, *self._kernel_weight("gate_up"),
+            *self._kernel_weight("down"), None if bias_1 is None else bias_1.float(),
+            None if bias_2 is None or self.tp.rank != 0 else bias_2.float(),
+            self.intermediate_size, activation, alpha, limit, int8)
+        return out.to(x.dtype)
+
     def apply_experts(self, x: torch.Tensor, topk_weights: torch.Tensor,
                       topk_ids: torch.Tensor) -> torch.Tensor:
-        """``sum_j w[t, j] * expert_{ids[t, j]}(x[t])`` for every token ``t``."""
+        """``sum_j w[t, j] * expert_{ids[t, j]}(x[t])`` for every token ``t``, expert by expert
+        with ``F.linear`` (where the CPU kernels do not hold the experts)."""
         num_tokens, top_k = topk_ids.shape
         flat_ids = topk_ids.flatten()  # [T * k]: token t's j-th choice at t * k + j
         # Group the (token, choice) pairs by expert; stable, so tokens stay in order within one.
         order = torch.argsort(flat_ids, stable=True)
         counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
         x_sorted = x[order // top_k]  # [T * k, H], expert 0's tokens first
-        if self.gate_up_proj is None and self.down_proj is None:  # both in a grouped kernel
-            biased = self.gate_up_proj_bias is not None or self.down_proj_bias is not None
-            y_sorted = self._grouped_experts(x_sorted, counts, flat_ids[order] if biased else None)
-        else:
-            y_sorted = torch.empty_like(x_sorted)
-            start = 0
-            for expert, count in enumerate(counts):
-                if count:
-                    rows = slice(start, start + count)
-                    y_sorted[rows] = self._expert(expert, x_sorted[rows])
-                    start += count
+        y_sorted = torch.empty_like(x_sorted)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count:
+                rows = slice(start, start + count)
+                y_sorted[rows] = self._expert(expert, x_sorted[rows])
+                start += count
         y = torch.empty_like(y_sorted)
         y[order] = y_sorted  # back to token order: [T * k, H] -> [T, k, H]
         y = y.view(num_tokens, top_k, self.hidden_size)
@@ -350,28 +375,6 @@ class FusedMoE(nn.Module):
         for j in range(1, top_k):
             out = torch.addcmul(out, y[:, j], weights[:, j:j + 1])
         return out
-
-    def _grouped_experts(self, x_sorted: torch.Tensor, counts: list[int],
-                         sorted_ids: torch.Tensor | None) -> torch.Tensor:
-        """Every active expert's gated MLP over its rows of ``x_sorted`` (``counts[e]`` rows
-        for expert e, in order), each projection one kernel call over all of them.
-        ``sorted_ids``: each row's expert (where the experts have biases; else None)."""
-        gate_up = self._grouped("gate_up", x_sorted, counts)
-        if self.gate_up_proj_bias is not None:
-            gate_up.add_(self.gate_up_proj_bias[sorted_ids])
-        y = self._grouped("down", self.act(gate_up), counts)
-        if self.down_proj_bias is not None and self.tp.rank == 0:
-            y.add_(self.down_proj_bias[sorted_ids])
-        return y
-
-    def _grouped(self, name: str, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """Projection ``name`` ("gate_up", "down") of every expert over its rows of ``x``."""
-        qweight = getattr(self, f"qweight_{name}")
-        if qweight is not None:
-            return self.quant_method.apply_grouped(qweight, x, counts)
-        panels = getattr(self, f"packed_{name}")
-        out = 2 * self.intermediate_size if name == "gate_up" else self.hidden_size
-        return torch.ops.pagedllm.grouped_packed_linear(x, panels, counts, out)
 
     def _expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         """One expert's gated MLP on its tokens: ``[n, H] -> [n, H]`` (a partial sum under TP)."""

@@ -43,6 +43,10 @@ class ClampedSwiGLU(nn.Module):
         up = up.clamp(min=-self.limit, max=self.limit)
         return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
+    def kernel_activation(self) -> tuple[str, float, float]:
+        """csrc/fused_moe.cpp's name for it: the ops above, in C++ where the CPU kernels run."""
+        return "swiglu_clamped", self.alpha, self.limit
+
     def extra_repr(self) -> str:
         return f"alpha={self.alpha}, limit={self.limit}"
 

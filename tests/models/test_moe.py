@@ -337,10 +337,14 @@ def test_two_tensor_parallel_ranks_compute_the_unsharded_logits(tmp_path):
 
 
 @pytest.mark.slow  # inductor compiles a graph (~10-60 s on a small shared machine)
-def test_layer_compiles_without_graph_breaks():
-    """The data-dependent expert loop is one opaque op, so the engine's fullgraph compile works."""
+@pytest.mark.parametrize("packed", [False, pytest.param(True, marks=needs_kernel)])
+def test_layer_compiles_without_graph_breaks(packed):
+    """The data-dependent expert loop is one opaque op (the C++ fused_experts where the kernels
+    hold the experts, else the Python loop's custom op), so the engine's fullgraph compile
+    works."""
     layer, w13, w2 = _random_layer(seed=5)
-    layer.process_weights_after_loading()
+    if packed:
+        layer.process_weights_after_loading()
     gen = torch.Generator().manual_seed(6)
     x, logits = torch.randn(9, 48, generator=gen), torch.randn(9, 6, generator=gen) * 4
     compiled = torch.compile(layer, fullgraph=True, dynamic=True)

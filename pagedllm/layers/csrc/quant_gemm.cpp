@@ -77,6 +77,7 @@
 #include <immintrin.h>
 #endif
 
+#include "grouped_linear.h"
 #include "int8_gemm.h"
 #include "skinny_tiles.h"
 
@@ -511,6 +512,10 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes,
   });
 }
 
+}  // namespace
+
+namespace PAGEDLLM_NS {
+
 // The experts of a mixture-of-experts layer whose weights are held in these formats
 // (layers/fused_moe.py), as grouped_packed_linear (skinny_gemm.cpp) for float32 panels: codes
 // (and scales, offsets) stack every expert's QuantizedWeight tensors along a leading dim; x [R,
@@ -525,7 +530,7 @@ at::Tensor grouped_quant_linear(const at::Tensor& x, const at::Tensor& codes,
   return quant_gemm(x, codes, scales, offsets, group_size, out_features, int8_activations, counts);
 }
 
-}  // namespace
+}  // namespace PAGEDLLM_NS
 
 TORCH_LIBRARY_FRAGMENT(PAGEDLLM_NS, m) {
   m.def("quant_linear(Tensor x, Tensor codes, Tensor? scales, Tensor? offsets, int group_size, "
@@ -536,5 +541,5 @@ TORCH_LIBRARY_FRAGMENT(PAGEDLLM_NS, m) {
 
 TORCH_LIBRARY_IMPL(PAGEDLLM_NS, CPU, m) {
   m.impl("quant_linear", &quant_linear);
-  m.impl("grouped_quant_linear", &grouped_quant_linear);
+  m.impl("grouped_quant_linear", &PAGEDLLM_NS::grouped_quant_linear);
 }

@@ -32,6 +32,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "grouped_linear.h"
 #include "skinny_tiles.h"
 
 namespace {
@@ -66,6 +67,10 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& panels, int64_t 
   });
 }
 
+}  // namespace
+
+namespace PAGEDLLM_NS {
+
 // The experts of a mixture-of-experts layer (layers/fused_moe.py): x [R, K] holds the tokens
 // sorted by expert, ``counts[e]`` rows for expert e in order; panels [E, P, K, kPanel] every
 // expert's weight. y [R, out_features]: each row times its expert's weight, in one parallel
@@ -92,7 +97,7 @@ at::Tensor grouped_packed_linear(const at::Tensor& x, const at::Tensor& panels,
   return c.y;
 }
 
-}  // namespace
+}  // namespace PAGEDLLM_NS
 
 TORCH_LIBRARY_FRAGMENT(PAGEDLLM_NS, m) {
   m.def("skinny_gemm(Tensor x, Tensor panels, int out_features) -> Tensor");
@@ -103,5 +108,5 @@ TORCH_LIBRARY_FRAGMENT(PAGEDLLM_NS, m) {
 TORCH_LIBRARY_IMPL(PAGEDLLM_NS, CPU, m) {
   m.impl("skinny_gemm", &skinny_gemm);
   m.impl("packed_linear", &packed_linear);
-  m.impl("grouped_packed_linear", &grouped_packed_linear);
+  m.impl("grouped_packed_linear", &PAGEDLLM_NS::grouped_packed_linear);
 }

@@ -64,17 +64,6 @@ class LinearMethod:
         return y.to(x.dtype)
 
 
-    def apply_grouped(self, qweight: QuantizedWeight, x: torch.Tensor,
-                      counts: list[int]) -> torch.Tensor:
-        """A mixture-of-experts projection: ``qweight`` stacks the experts' weights
-        (``QuantizedWeight.stack``), ``x`` holds ``counts[e]`` rows for expert e, in expert
-        order; each expert's rows get the bits its own ``apply`` would give them."""
-        y = torch.ops.pagedllm.grouped_quant_linear(
-            x.float(), qweight.codes, qweight.scales, qweight.offsets, qweight.group_size,
-            counts, qweight.out_features, self.activations == "int8")
-        return y.to(x.dtype)
-
-
 class HalfLinearMethod(LinearMethod):
     """bfloat16 / float16 weights, widened in registers (never torch's half GEMM, which on a CPU
     without native bf16 converts the whole matrix on every call)."""
