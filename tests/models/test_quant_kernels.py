@@ -179,9 +179,12 @@ def test_grouped_kernels_fake_gives_its_output_shape():
 
 @pytest.mark.slow
 def test_the_avx512_build_compiles(tmp_path):
-    """This CPU may not run x86-64-v4; its build of the linear kernels must still compile."""
-    compile_sources("v4", tmp_path, [CSRC / "skinny_gemm.cpp", CSRC / "quant_gemm.cpp"])
+    """This CPU may not run x86-64-v4; its build of the linear kernels (and of the MoE op that
+    calls them) must still compile."""
+    compile_sources("v4", tmp_path, [CSRC / "skinny_gemm.cpp", CSRC / "quant_gemm.cpp",
+                                     CSRC / "fused_moe.cpp"])
     assert (tmp_path / "quant_gemm.o").stat().st_size > 0
+    assert (tmp_path / "fused_moe.o").stat().st_size > 0
 
 
 def test_packing_holds_the_arrays_exactly():
