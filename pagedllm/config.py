@@ -67,9 +67,11 @@ class ModelConfig:
         "(a full-precision checkpoint quantized at load; CPU); unset: what the checkpoint is.",
         default=None)
     quantization_activations: str = _doc(
-        "Activations of the q8/q4 (GGUF, AWQ/GPTQ, q8_0/q4_0) linears on CPU: float32 (exact: "
-        "the dequantized model's numbers) or int8 (quantized per row in blocks of 32, integer "
-        "dot products as llama.cpp: 1.2-2.8x faster at one row; docs/quantization.md).",
+        "Activations of the quantized and bf16 linears on CPU: float32 (exact: the dequantized "
+        "model's numbers); int8 for q8/q4 weights (GGUF, AWQ/GPTQ, q8_0/q4_0: quantized per "
+        "row in blocks of 32, integer dot products as llama.cpp: 1.2-2.8x faster at one row); "
+        "bfloat16 for bf16 weights (dtype=bfloat16: rounded to bf16, AMX tiles as vLLM's "
+        "oneDNN; CPUs with AMX-BF16); docs/quantization.md.",
         default="float32")
 
     def __post_init__(self) -> None:
@@ -86,8 +88,8 @@ class ModelConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ValidationError(f"quantization {self.quantization!r} is not supported; "
                                   f"supported: {', '.join(QUANTIZATION_METHODS)}", "quantization")
-        if self.quantization_activations not in ("float32", "int8"):
-            raise ValidationError(f"quantization_activations must be float32 or int8, got "
+        if self.quantization_activations not in ("float32", "int8", "bfloat16"):
+            raise ValidationError(f"quantization_activations must be float32, int8 or bfloat16, got "
                                   f"{self.quantization_activations!r}", "quantization_activations")
 
 

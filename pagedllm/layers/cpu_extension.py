@@ -106,6 +106,16 @@ def can_run(isa: str) -> bool:
     return isa == "native" or ISA_FLAGS[isa] <= cpu_flags()
 
 
+# A CPU whose native build runs bf16 activations on AMX tiles (csrc/amx_gemm.h): AMX-BF16 and
+# AVX512-BF16 (the rounding of x), both enabled by -march=native there.
+AMX_FLAGS = {"amx_tile", "amx_bf16", "avx512_bf16"}
+
+
+def has_amx(isa: str = "native") -> bool:
+    """Whether a build of ``isa`` has the AMX path: the native build on a CPU with AMX_FLAGS."""
+    return isa == "native" and AMX_FLAGS <= cpu_flags()
+
+
 def op_namespace(isa: str) -> str:
     return "pagedllm" if isa == "native" else f"pagedllm_{isa}"
 
@@ -187,13 +197,13 @@ def _packed_linear_fake(x: torch.Tensor, panels: torch.Tensor, out_features: int
 
 def _quant_linear_fake(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor | None,
                        offsets: torch.Tensor | None, group_size: int, out_features: int,
-                       bias: torch.Tensor | None, int8_activations: bool = False) -> torch.Tensor:
+                       bias: torch.Tensor | None, narrow_activations: bool = False) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], out_features))
 
 
 def _grouped_quant_linear_fake(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor | None,
                                offsets: torch.Tensor | None, group_size: int, counts: list[int],
-                               out_features: int, int8_activations: bool = False) -> torch.Tensor:
+                               out_features: int, narrow_activations: bool = False) -> torch.Tensor:
     return x.new_empty((x.shape[0], out_features))  # x [R, K]: every expert's rows
 
 

@@ -340,13 +340,13 @@ class FusedMoE(nn.Module):
         (``pagedllm::fused_experts``, csrc/fused_moe.cpp): the tokens grouped by expert, each
         projection one grouped kernel call over all active experts, in float32."""
         activation, alpha, limit = self.act.kernel_activation()
-        int8 = self.quant_method is not None and self.quant_method.activations == "int8"
+        narrow = self.quant_method is not None and self.quant_method.activations != "float32"
         bias_1, bias_2 = self.gate_up_proj_bias, self.down_proj_bias
         out = torch.ops.pagedllm.fused_experts(
             x.float(), topk_weights.float(), topk_ids, *self._kernel_weight("gate_up"),
             *self._kernel_weight("down"), None if bias_1 is None else bias_1.float(),
             None if bias_2 is None or self.tp.rank != 0 else bias_2.float(),
-            self.intermediate_size, activation, alpha, limit, int8)
+            self.intermediate_size, activation, alpha, limit, narrow)
         return out.to(x.dtype)
 
     def apply_experts(self, x: torch.Tensor, topk_weights: torch.Tensor,

@@ -59,19 +59,21 @@ class ModelRunner:
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache_config.kv_cache_dtype, self.dtype)
         torch.manual_seed(mc.seed)
         self.model, self.hf_config = load_model(mc.model, self.dtype, self.device, mc.quantization)
-        if mc.quantization_activations != "float32":
-            # Before the kernels are chosen and the forward compiled: the q8/q4 layers' method.
-            if self.device.type != "cpu" or not set_quantization_activations(
-                    self.model, mc.quantization_activations):
-                raise ModelLoadError(
-                    f"quantization_activations={mc.quantization_activations} applies to q8/q4 "
-                    f"weights on CPU (GGUF, AWQ/GPTQ, quantization=q8_0/q4_0); this model on "
-                    f"{self.device.type} has none: leave it at float32")
         if self.device.type == "cpu":
             # Each layer's weight in the layout of the faster kernel on this CPU, one copy
             # (layers/linear_kernel.py); before the allocator keeps what is freed.
             choose_linear_kernels(self.model)
             _keep_freed_memory()
+        if mc.quantization_activations != "float32":
+            # Before the forward compiles: the q8/q4 (int8) or bf16 (bfloat16) layers' method.
+            if self.device.type != "cpu" or not set_quantization_activations(
+                    self.model, mc.quantization_activations):
+                raise ModelLoadError(
+                    f"quantization_activations={mc.quantization_activations} applies to "
+                    + ("q8/q4 weights on CPU (GGUF, AWQ/GPTQ, quantization=q8_0/q4_0)"
+                       if mc.quantization_activations == "int8" else "bf16 weights on CPU "
+                       "(dtype=bfloat16)")
+                    + f"; this model on {self.device.type} has none: leave it at float32")
         # The compiled forward, or None: eager (see runner/compile.py).
         self.compiled = maybe_compile(self.model, mc.enforce_eager, self.device, warmup_tokens=16)
         self.vocab_size = self.model.vocab_size

@@ -66,6 +66,24 @@ class PagedRunner:
         return out
 
 
+def decode_steps(model: nn.Module, prompts: Sequence[list[int]], steps: int,
+                 forced: Sequence[list[int]] | None = None) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """The prompts as one batch of decode steps: greedy ids (or ``forced``'s: a teacher-forced
+    run comparing two paths on the same context), and each step's log probs [len(prompts),
+    vocab] as float32."""
+    runner = PagedRunner(model, num_blocks=96, block_size=4)
+    ids = [list(p) for p in prompts]
+    out = runner.step([(str(i), list(p)) for i, p in enumerate(prompts)])
+    log_probs = []
+    for t in range(steps):
+        log_probs.append(torch.stack([out[str(i)][-1].float() for i in range(len(prompts))]))
+        for i in range(len(prompts)):
+            greedy = int(log_probs[-1][i].argmax())
+            ids[i].append(greedy if forced is None else forced[i][len(prompts[i]) + t])
+        out = runner.step([(str(i), [ids[i][-1]]) for i in range(len(prompts))])
+    return ids, log_probs
+
+
 def randomize_(model: nn.Module, seed: int = 0) -> None:
     """Weights large enough that the outputs are far from uniform (HF's init with std 0.02
     makes a near-constant model, which would hide mistakes under a 1e-4 tolerance); biases and

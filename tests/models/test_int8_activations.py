@@ -129,7 +129,7 @@ def test_the_option_reaches_the_q8_q4_methods_and_bad_values_are_refused():
     assert torch.equal(model.a(x), _run(ops, x, model.a.qweight, model.a.bias))
     with pytest.raises(ModelLoadError, match="supported: float32, int8"):
         set_quantization_activations(model, "int4")
-    with pytest.raises(ModelLoadError, match="supported: float32, int8"):
+    with pytest.raises(ModelLoadError, match="do not apply to q8 weights; they take float32 or int8"):
         Q8LinearMethod("fp8")
 
 
@@ -138,7 +138,7 @@ def test_the_engine_option_is_checked():
     from pagedllm.errors import ValidationError
 
     assert ModelConfig(model="m").quantization_activations == "float32"
-    with pytest.raises(ValidationError, match="float32 or int8"):
+    with pytest.raises(ValidationError, match="float32, int8 or bfloat16"):
         ModelConfig(model="m", quantization_activations="int4")
 
 
@@ -152,7 +152,7 @@ def test_a_q8_0_llama_decodes_the_same_greedy_ids_with_int8_activations():
     the first near tie (here after 18 tokens: top two 0.03 apart); at least 16 must agree.
     The model is tiny (hidden size 64: two activation blocks per row), so its errors are the
     large end of what a real model sees."""
-    from paged_helpers import STORIES_DIR, PagedRunner
+    from paged_helpers import STORIES_DIR, decode_steps
 
     from pagedllm.models import load_model
 
@@ -160,20 +160,9 @@ def test_a_q8_0_llama_decodes_the_same_greedy_ids_with_int8_activations():
     likely_bound, vocab_bound = 0.25, 0.5
 
     def run(activations: str, forced: list[list[int]] | None) -> tuple[list[list[int]], list[torch.Tensor]]:
-        """Greedy ids (or ``forced``'s), and each step's log probs [3, vocab]."""
         model, _ = load_model(str(STORIES_DIR / "hf"), torch.float32, torch.device("cpu"), "q8_0")
         assert set_quantization_activations(model, activations) > 0
-        runner = PagedRunner(model, num_blocks=96, block_size=4)
-        ids = [list(p) for p in prompts]
-        out = runner.step([(str(i), p) for i, p in enumerate(prompts)])
-        steps = []
-        for t in range(32):
-            steps.append(torch.stack([out[str(i)][-1] for i in range(len(prompts))]))
-            for i in range(len(prompts)):
-                greedy = int(steps[-1][i].argmax())
-                ids[i].append(greedy if forced is None else forced[i][len(prompts[i]) + t])
-            out = runner.step([(str(i), [ids[i][-1]]) for i in range(len(prompts))])
-        return ids, steps
+        return decode_steps(model, prompts, 32, forced)
 
     exact_ids, exact_steps = run("float32", None)
     int8_ids, int8_steps = run("int8", exact_ids)

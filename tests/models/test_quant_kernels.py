@@ -14,20 +14,22 @@ import torch.nn.functional as F
 from pagedllm.errors import ModelLoadError, ValidationError
 from pagedllm.layers import Linear, ParallelLMHead, VocabParallelEmbedding
 from pagedllm.layers import linear_kernel
-from pagedllm.layers.cpu_extension import CSRC, can_run, compile_sources, load_cpu_ops, native_isa
+from pagedllm.layers.cpu_extension import (CSRC, can_run, compile_sources, has_amx, load_cpu_ops,
+                                          native_isa)
 from pagedllm.layers.linear import linear
 from pagedllm.layers.quantization import QuantizedWeight, quantize_linear, set_quantized_weight
-from pagedllm.layers.quantization.quantized_weight import _from_quads, _q5_codes
+from pagedllm.layers.quantization.quantized_weight import _from_kgroups, _q5_codes
 
 pytestmark = pytest.mark.skipif(load_cpu_ops() is None, reason="no C++ compiler: no CPU kernels")
 
 ISAS = [pytest.param(isa, marks=pytest.mark.skipif(not can_run(isa), reason=f"this CPU cannot run {isa}"))
         for isa in ("native", "v3")]
-# Every tile on both levels (AVX2: 1 x 8 vectors up to 12 rows, 6 x 2 above; AVX-512: 12 x 2 up
-# to 64 rows, 6 x 4 above), several chunks of rows (257).
+# Every tile on both levels (AVX2: 1 x 8 vectors up to 12 rows, 6 x 2 above; AVX-512: 6 x 4 up to
+# 12 rows, 12 x 2 up to 64, 6 x 4 above), several chunks of rows (257).
 ROWS = (1, 2, 5, 8, 33, 72, 257)
 # (format, out, in, group size, offsets): out not a multiple of the 64-column panel, in not one
 # of the 64-k block, groups of GGUF's sizes (16: Q6_K, 32) and AWQ/GPTQ's (128).
+HALF_FORMATS = ("bf16", "fp16")
 CASES = [("bf16", 100, 96, 0, False), ("fp16", 5, 37, 0, False), ("q8", 130, 320, 32, False),
          ("q8", 33, 48, 16, True), ("q4", 70, 256, 128, True), ("q4", 100, 96, 32, False),
          ("q4", 64, 160, 32, True), ("q5", 130, 320, 32, False), ("q5", 70, 96, 16, True),
@@ -119,12 +121,20 @@ def test_grouped_kernel_gives_each_expert_the_bits_of_its_own_call(isa, fmt, n, 
     """grouped_quant_linear (a mixture-of-experts layer's experts in one call) splits its
     (expert, panel) items over the threads by cost; each expert's rows still get exactly what
     quant_linear gives them alone, whatever the other experts' row counts and the thread count,
-    on the float path and the int8-activation one (x quantized once for every expert; where
-    that path does not apply, half formats and groups of 6, the flag runs the float path)."""
+    on the float path and the narrow-activation one: int8 (x quantized once for every expert;
+    groups of 6, where it does not apply, run the float path) or, for bf16, AMX tiles (on a
+    CPU with AMX-BF16; elsewhere, and for fp16, the flag is refused)."""
     ops = load_cpu_ops(isa)
     gen = torch.Generator().manual_seed(n * 1000 + k + group)
     experts = [_weight(fmt, n, k, group, offsets, gen) for _ in range(5)]
     codes, scales, offs = _stacked(experts)
+    if int8 and fmt == "bf16":  # narrow: the AMX path, on the weights in its layout
+        experts = [qw.to_vnni() for qw in experts]
+        codes, scales, offs = _stacked(experts)
+    if int8 and fmt in HALF_FORMATS and not (fmt == "bf16" and has_amx(isa)):
+        with pytest.raises(RuntimeError, match="bf16 activations|fp16 weights have none"):
+            ops.grouped_quant_linear(torch.randn(1, k), codes, scales, offs, group, [1, 0, 0, 0, 0], n, True)
+        return
     threads = torch.get_num_threads()
     try:
         for counts in GROUPED_COUNTS:
@@ -219,7 +229,19 @@ def test_packing_holds_the_arrays_exactly():
     assert half.codes.shape == (2, k, 64) and torch.equal(half.dequantize(torch.bfloat16), w)
     assert torch.equal(half.codes[0, :, 0], w[0]) and torch.equal(half.codes[0, :, 1], w[32])
     assert torch.equal(half.codes[1, :, 2], w[65]) and not half.codes[1, :, 3].any()  # row 97: padding
-
+    # bf16_vnni (the AMX path's): k pairs, column c's k = 2q + i at 2c + i of pair row q
+    vnni = half.to_vnni()
+    assert vnni.codes.shape == (2, k // 2, 128) and torch.equal(vnni.dequantize(torch.bfloat16), w)
+    assert torch.equal(vnni.codes[0, :, 0], w[0, 0::2]) and torch.equal(vnni.codes[0, :, 1], w[0, 1::2])
+    assert torch.equal(vnni.codes[1, :, 2], w[65, 0::2]) and not vnni.codes[1, :, 66].any()  # row 97
+    ids = torch.tensor([0, 65, 31, 32])
+    assert torch.equal(vnni.rows(ids), w[ids]) and torch.equal(half.rows(ids), w[ids])
+    # in odd: a zero k pads the last pair, dropped by dequantize; stacked experts convert whole
+    odd = QuantizedWeight.from_half(w[:, :41]).to_vnni()
+    assert odd.codes.shape == (2, 21, 128) and not odd.codes[:, 20, 1::2].any()
+    assert torch.equal(odd.dequantize(torch.bfloat16), w[:, :41])
+    stacked = QuantizedWeight.stack([half, QuantizedWeight.from_half(-w)]).to_vnni()
+    assert torch.equal(stacked.expert(1).dequantize(torch.bfloat16), -w)
 
 def test_q5_layout_places_each_fifth_bit_by_the_rule():
     """q5 (GGUF Q5_0): a quad block is q4's 128 nibble bytes of code + 16, then 32 plane bytes;
@@ -265,7 +287,7 @@ def test_rows_are_the_lookup_of_the_dequantized_weight(fmt, n, k, group, offsets
     if fmt == "q5":
         codes = _q5_codes(qw.codes, k)
     else:
-        codes = _from_quads(qw.codes, k)
+        codes = _from_kgroups(qw.codes, k, 4)
     if fmt == "q4":
         codes = torch.cat((codes & 15, codes >> 4), dim=-1)
     codes = codes.transpose(1, 2).reshape(-1, k)[:n].float()  # [n, k] as the loader had them

@@ -49,11 +49,11 @@ void add_expert_bias(at::Tensor& y, const std::optional<at::Tensor>& bias,
 at::Tensor project(const at::Tensor& x, const at::Tensor& weight,
                    const std::optional<at::Tensor>& scales,
                    const std::optional<at::Tensor>& offsets, int64_t group_size,
-                   c10::IntArrayRef counts, int64_t out_features, bool int8_activations) {
+                   c10::IntArrayRef counts, int64_t out_features, bool narrow_activations) {
   if (weight.scalar_type() == at::kFloat)
     return PAGEDLLM_NS::grouped_packed_linear(x, weight, counts, out_features);
   return PAGEDLLM_NS::grouped_quant_linear(x, weight, scales, offsets, group_size, counts,
-                                           out_features, int8_activations);
+                                           out_features, narrow_activations);
 }
 
 // [R, 2I] (gate half, up half) -> [R, I]. "silu", "gelu", "gelu_tanh": GatedActivation
@@ -85,7 +85,7 @@ at::Tensor fused_experts(const at::Tensor& x, const at::Tensor& topk_weights,
                          const std::optional<at::Tensor>& gate_up_bias,
                          const std::optional<at::Tensor>& down_bias, int64_t intermediate_size,
                          c10::string_view activation, double alpha, double limit,
-                         bool int8_activations) {
+                         bool narrow_activations) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be 2-D float32");
   TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == x.size(0) &&
                   topk_ids.scalar_type() == at::kLong,
@@ -117,11 +117,11 @@ at::Tensor fused_experts(const at::Tensor& x, const at::Tensor& topk_weights,
 
   // 2-4. the experts' MLPs over their rows
   at::Tensor h = project(xs, gate_up, gate_up_scales, gate_up_offsets, gate_up_group_size, counts,
-                         2 * I, int8_activations);
+                         2 * I, narrow_activations);
   add_expert_bias(h, gate_up_bias, start, counts);
   const at::Tensor a = gated(h, I, activation, alpha, limit).contiguous();
   at::Tensor y = project(a, down, down_scales, down_offsets, down_group_size, counts, H,
-                         int8_activations);
+                         narrow_activations);
   add_expert_bias(y, down_bias, start, counts);
 
   // 5. out[t] = sum over j, in order, of w[t, j] * (token t's row of its j-th expert)
@@ -152,7 +152,7 @@ TORCH_LIBRARY_FRAGMENT(PAGEDLLM_NS, m) {
         "Tensor? gate_up_scales, Tensor? gate_up_offsets, int gate_up_group_size, Tensor down, "
         "Tensor? down_scales, Tensor? down_offsets, int down_group_size, Tensor? gate_up_bias, "
         "Tensor? down_bias, int intermediate_size, str activation, float alpha, float limit, "
-        "bool int8_activations) -> Tensor");
+        "bool narrow_activations) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(PAGEDLLM_NS, CPU, m) { m.impl("fused_experts", &fused_experts); }

@@ -21,6 +21,6 @@ at::Tensor grouped_quant_linear(const at::Tensor& x, const at::Tensor& codes,
                                 const std::optional<at::Tensor>& scales,
                                 const std::optional<at::Tensor>& offsets, int64_t group_size,
                                 c10::IntArrayRef counts, int64_t out_features,
-                                bool int8_activations);
+                                bool narrow_activations);
 
 }  // namespace PAGEDLLM_NS

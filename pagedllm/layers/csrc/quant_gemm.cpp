@@ -6,6 +6,8 @@
 //   bfloat16     [P, K, 32 x 2]     the bf16 widened (its bits are a float's high half); the
 //                                   32-bit lane j of row k holds column j in its low half and
 //                                   column j + 32 in its high one
+//   bfloat16     [P, K/2, 64 x 2]   (the AMX path's, amx_gemm.h: Intel's VNNI layout) lane c of
+//                                   pair row q holds column c's k = 2q low and k = 2q + 1 high
 //   float16      [P, K, 64]         the fp16 widened (F16C's vcvtph2ps)
 //   int8  (q8)   [P, K/4, 64 x 4]   code * scale (+ offset), per group of G k; column c's k =
 //                                   4q + i at byte 4c + i of quad q
@@ -15,9 +17,9 @@
 //   uint8 (q5)   [P, K/4, 160]      code * scale (+ offset), code -16..15: q4's 128 bytes of
 //                                   nibbles, then 32 bytes of fifth bits (Q5Panels below)
 //
-// (K/4 rounded up, zero bytes padding the last quad: never read, the float path stops at K and
-// the int8 one takes whole groups of 4k.) scales (and the optional offsets) are
-// float32 [P, K / G, 64]: one per group of G consecutive k of an output row
+// (K/4 and K/2 rounded up, zeros padding the last quad or pair: the float path stops at K, the
+// int8 one takes whole groups of 4 k, the AMX one whole pairs.) scales (and the optional
+// offsets) are float32 [P, K / G, 64]: one per group of G consecutive k of an output row
 // (layers/quantization/ maps GGUF's block types and AWQ/GPTQ groups to these two layouts).
 // q8/q4 keep a column's 4 consecutive k together for the int8-activation path (int8_gemm.h:
 // integer dot products of 4 k per 32-bit lane, the codes used as they lie); the float path
@@ -41,9 +43,11 @@
 // thread, q8 5-8, float32 9-11). The quad layout left these as they were (new over old exact
 // path, same machine, medians of 5 interleaved cold calls, two runs: 0.89-1.3x at 1-256 rows).
 //
-// The int8-activation path (``int8_activations``, the engine's quantization_activations=int8;
-// int8_gemm.h): x quantized per row in blocks of 32 k, integer dot products, one float step
-// per block. Same machine (AMD EPYC Zen 3, AVX2 build, shared: noisy), one thread, CPU time,
+// The narrow-activation paths (``narrow_activations``): bf16 weights on AMX tiles with x
+// rounded to bf16 (amx_gemm.h, the engine's quantization_activations=bfloat16), and q8/q4/q5
+// with x quantized to int8 (the engine's quantization_activations=int8; int8_gemm.h). The
+// int8 one: x quantized per row in blocks of 32 k, integer dot products, one float step per
+// block. Same machine (AMD EPYC Zen 3, AVX2 build, shared: noisy), one thread, CPU time,
 // weights quantized q8_0 / q4_0 at load, medians of 7 interleaved cold calls
 // (benchmarks/linear_kernels.py --int8 --threads 1 --cpu-time), exact -> int8:
 //                 1 row (GB/s of the weight)   8 rows        32 rows        256 rows
@@ -77,6 +81,7 @@
 #include <immintrin.h>
 #endif
 
+#include "amx_gemm.h"
 #include "grouped_linear.h"
 #include "int8_gemm.h"
 #include "skinny_tiles.h"
@@ -424,6 +429,34 @@ void quad_panels_gemm(const float* xp, int64_t M, int64_t K, const Experts& ex,
   float_gemm(xp, M, K, ex, source, N, P, yp);
 }
 
+// bf16 panels (VNNI layout) times x rounded to bf16 on AMX tiles (amx_gemm.h): x float32 or
+// bf16 (In: float / uint16_t), y float32 or, with bf16 x (Out: uint16_t), bf16 with ``bias``
+// added before the rounding; ``expert_elems``: the codes of one expert's weight (grouped).
+template <class In, class Out>
+void amx_gemm(const In* xp, int64_t M, int64_t K, const Experts& ex, const uint16_t* codes,
+              int64_t expert_elems, int64_t N, int64_t P, Out* yp, const float* bias) {
+#if defined(PAGEDLLM_AMX)
+  TORCH_CHECK(amx::permitted(), "the kernel refused AMX: Linux did not grant this process the "
+              "tile state (arch_prctl ARCH_REQ_XCOMP_PERM)");
+  if (!ex.grouped) {
+    const amx::Bf16Tiles xb = amx::round_rows(xp, K, {0}, {M});
+    at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+      amx::panels_run(codes, K, xb, 0, M, N, yp, p0, p1, bias);
+    });
+    return;
+  }
+  const std::vector<int64_t>& start = ex.rows.start;
+  const amx::Bf16Tiles xb = amx::round_rows(xp, K, start, ex.rows.rows);
+  skinny::split_grouped_panels(ex.rows.rows, P, [&](int64_t e, int64_t p0, int64_t p1) {
+    amx::panels_run(codes + e * expert_elems, K, xb, e, ex.rows.rows[e], N, yp + start[e] * N,
+                    p0, p1, bias);
+  });
+#else
+  TORCH_CHECK(false, "bf16 activations run on AMX tiles, and this build has none (a CPU with "
+              "AMX-BF16, such as Intel Sapphire Rapids, built with -march=native)");
+#endif
+}
+
 template <int8gemm::Codes C>
 void quad_panels_gemm(const float* xp, int64_t M, int64_t K, const Experts& ex,
                       const uint8_t* codes, int64_t expert_bytes, const Groups& g, int64_t N,
@@ -436,12 +469,14 @@ void quad_panels_gemm(const float* xp, int64_t M, int64_t K, const Experts& ex,
 
 // x [M, K] float32 times the weight held as ``codes`` (+ scales, offsets): [M, N] float32. With
 // ``counts`` (grouped_quant_linear): the tensors hold one weight per expert along a leading
-// dim, x's rows sorted by expert, counts[e] of them for expert e.
+// dim, x's rows sorted by expert, counts[e] of them for expert e. On the AMX path (bf16 codes,
+// ``narrow``) x may be bf16: y is then bf16, ``bias`` (float32 [N]) added before the rounding.
 at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& codes,
                       const std::optional<at::Tensor>& scales,
                       const std::optional<at::Tensor>& offsets, int64_t group_size,
-                      int64_t out_features, bool int8,
-                      std::optional<c10::IntArrayRef> counts = std::nullopt) {
+                      int64_t out_features, bool narrow,
+                      std::optional<c10::IntArrayRef> counts = std::nullopt,
+                      const std::optional<at::Tensor>& bias = std::nullopt) {
   const auto dtype = codes.scalar_type();
   const bool quads = dtype == at::kChar || dtype == at::kByte;
   // uint8 codes are q4 or q5 quad blocks, told apart by their width (128 or 160 bytes)
@@ -459,20 +494,37 @@ at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& codes,
   const int64_t width = q5                     ? int8gemm::kQuadBytes<int8gemm::Codes::q5>
                         : dtype == at::kByte ? kPanel * 2
                         : dtype == at::kChar ? kPanel * 4
+                        : dtype == at::kBFloat16 && narrow ? kPanel * 2  // k pairs
                                              : kPanel;
+  const bool amx = dtype == at::kBFloat16 && narrow;
   const skinny::PanelCall call = skinny::begin_panel_call(
-      x, grouped ? codes.select(0, 0) : codes, width, out_features, quads ? 4 : 1);
+      x, grouped ? codes.select(0, 0) : codes, width, out_features, quads ? 4 : amx ? 2 : 1, amx);
   const Experts ex{grouped, grouped ? skinny::row_groups(*counts, call.M) : skinny::RowGroups{}};
   if (call.done) return call.y;
   const int64_t M = call.M, K = call.K, N = call.N, P = call.P;
-  const float* xp = call.x.data_ptr<float>();
-  float* yp = call.y.data_ptr<float>();
+  const bool bf16_x = call.x.scalar_type() == at::kBFloat16;  // the AMX path only
+  TORCH_CHECK(!bias || (bf16_x && bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
+                        bias->numel() == N),
+              "a fused bias is bf16 y's: float32, contiguous, out_features long");
+  const float* xp = bf16_x ? nullptr : call.x.data_ptr<float>();
+  float* yp = bf16_x ? nullptr : call.y.data_ptr<float>();
   const void* cp = codes.data_ptr();
   const int64_t stride = grouped ? codes.stride(0) : 0;  // codes of one expert (elements)
   switch (dtype) {
     case at::kBFloat16:
     case at::kHalf: {
       const auto* h = static_cast<const uint16_t*>(cp);
+      TORCH_CHECK(!narrow || dtype == at::kBFloat16, "narrow activations: fp16 weights have none "
+                  "(bf16 ones: bf16 activations on AMX)");
+      if (narrow && bf16_x) {
+        amx_gemm(static_cast<const uint16_t*>(call.x.data_ptr()), M, K, ex, h, stride, N, P,
+                 static_cast<uint16_t*>(call.y.data_ptr()), bias ? bias->data_ptr<float>() : nullptr);
+        break;
+      }
+      if (narrow) {
+        amx_gemm(xp, M, K, ex, h, stride, N, P, yp, nullptr);
+        break;
+      }
       if (dtype == at::kBFloat16)
         float_gemm(xp, M, K, ex, [&](int64_t e) { return HalfPanels<true>{h + e * stride, K}; },
                    N, P, yp);
@@ -487,11 +539,11 @@ at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& codes,
       const auto* c = static_cast<const uint8_t*>(cp);
       using int8gemm::Codes;
       if (q5)
-        quad_panels_gemm<Codes::q5>(xp, M, K, ex, c, stride, g, N, P, int8, yp);
+        quad_panels_gemm<Codes::q5>(xp, M, K, ex, c, stride, g, N, P, narrow, yp);
       else if (dtype == at::kByte)
-        quad_panels_gemm<Codes::q4>(xp, M, K, ex, c, stride, g, N, P, int8, yp);
+        quad_panels_gemm<Codes::q4>(xp, M, K, ex, c, stride, g, N, P, narrow, yp);
       else
-        quad_panels_gemm<Codes::q8>(xp, M, K, ex, c, stride, g, N, P, int8, yp);
+        quad_panels_gemm<Codes::q8>(xp, M, K, ex, c, stride, g, N, P, narrow, yp);
       break;
     }
     default:
@@ -506,9 +558,16 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes,
                         const std::optional<at::Tensor>& scales,
                         const std::optional<at::Tensor>& offsets, int64_t group_size,
                         int64_t out_features, const std::optional<at::Tensor>& bias,
-                        bool int8_activations) {
-  return skinny::linear_over_rows(x, out_features, bias, [&](const at::Tensor& rows) {
-    return quant_gemm(rows, codes, scales, offsets, group_size, out_features, int8_activations);
+                        bool narrow_activations) {
+  // bf16 x on the AMX path: bf16 y, the bias added in the kernel, before the rounding (a bf16 y
+  // is half the bytes of a float32 one, and no conversion pass follows it)
+  const bool bf16_io = narrow_activations && x.scalar_type() == at::kBFloat16;
+  const std::optional<at::Tensor> fused =
+      bf16_io && bias ? std::optional<at::Tensor>(bias->to(at::kFloat).contiguous()) : std::nullopt;
+  return skinny::linear_over_rows(x, out_features, bf16_io ? std::nullopt : bias,
+                                  [&](const at::Tensor& rows) {
+    return quant_gemm(rows, codes, scales, offsets, group_size, out_features, narrow_activations,
+                      std::nullopt, fused);
   });
 }
 
@@ -526,17 +585,17 @@ at::Tensor grouped_quant_linear(const at::Tensor& x, const at::Tensor& codes,
                                 const std::optional<at::Tensor>& scales,
                                 const std::optional<at::Tensor>& offsets, int64_t group_size,
                                 c10::IntArrayRef counts, int64_t out_features,
-                                bool int8_activations) {
-  return quant_gemm(x, codes, scales, offsets, group_size, out_features, int8_activations, counts);
+                                bool narrow_activations) {
+  return quant_gemm(x, codes, scales, offsets, group_size, out_features, narrow_activations, counts);
 }
 
 }  // namespace PAGEDLLM_NS
 
 TORCH_LIBRARY_FRAGMENT(PAGEDLLM_NS, m) {
   m.def("quant_linear(Tensor x, Tensor codes, Tensor? scales, Tensor? offsets, int group_size, "
-        "int out_features, Tensor? bias, bool int8_activations=False) -> Tensor");
+        "int out_features, Tensor? bias, bool narrow_activations=False) -> Tensor");
   m.def("grouped_quant_linear(Tensor x, Tensor codes, Tensor? scales, Tensor? offsets, "
-        "int group_size, int[] counts, int out_features, bool int8_activations=False) -> Tensor");
+        "int group_size, int[] counts, int out_features, bool narrow_activations=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(PAGEDLLM_NS, CPU, m) {

@@ -37,6 +37,7 @@ exactly): 4 bytes per group, so a weight costs 1 + 4/G bytes in q8, 0.625 + 4/G 
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -48,7 +49,7 @@ if TYPE_CHECKING:  # loaders pass numpy arrays (GGUF's memory map); torch.as_ten
     import numpy as np
 
 PANEL = 64  # output columns per panel (kPanel in csrc/skinny_gemm.cpp)
-FORMATS = ("bf16", "fp16", "q8", "q4", "q5")
+FORMATS = ("bf16", "fp16", "bf16_vnni", "q8", "q4", "q5")
 _HALF_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
@@ -56,7 +57,9 @@ _HALF_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 class QuantizedWeight:
     """A weight [out_features, in_features] as panels: bf16/fp16 ``codes`` [P, in, 64] (bf16's
     columns in pairs: column j at 2j, column j + 32 at 2j + 1, each pair one float's worth of
-    bits the kernel widens with one shift or one mask; fp16 in column order); q8/q4
+    bits the kernel widens with one shift or one mask; fp16 in column order); bf16_vnni, the
+    AMX path's bf16 (``to_vnni``: Intel's VNNI layout), [P, ceil(in / 2), 64 x 2] in k pairs,
+    column c's k = 2q + i at 2c + i of pair row q, a zero k padding an odd in; q8/q4
     codes in quad blocks, a column's 4 consecutive k in adjacent bytes (the int8-activation
     path's integer dot products read them as they lie, the float path picks one byte of four):
     q8 [P, ceil(in / 4), 64 x 4] int8, q4 [P, ceil(in / 4), 32 x 4] bytes, byte 4j + i of a
@@ -84,8 +87,18 @@ class QuantizedWeight:
                                  f"tensor, got {weight.dtype} {tuple(weight.shape)}")
         panels = _to_panels(weight.detach())  # [P, in, 64]
         if fmt == "bf16":  # [P, in, 2, 32] -> [P, in, 32, 2]: columns j and j + 32 side by side
-            panels = panels.view(*panels.shape[:2], 2, PANEL // 2).transpose(2, 3).reshape(panels.shape)
+            panels = _pair_columns(panels)
         return cls(fmt, *weight.shape, panels.contiguous())
+
+    def to_vnni(self) -> QuantizedWeight:
+        """A bf16 weight (stacked experts too) in the AMX path's layout, bf16_vnni: each
+        column's k pairs adjacent, the B operand of AMX's bf16 tile product as it lies."""
+        if self.format != "bf16":
+            raise ModelLoadError(f"only bf16 weights have a VNNI layout, not {self.format}")
+        columns = _pair_columns(self.codes, undo=True)  # [..., in, 64] in column order
+        flat = columns.reshape(-1, *columns.shape[-2:])
+        pairs = _to_kgroups(flat, 2).reshape(*columns.shape[:-2], -1, 2 * PANEL)
+        return dataclasses.replace(self, format="bf16_vnni", codes=pairs)
 
     @classmethod
     def from_q8(cls, codes: np.ndarray | torch.Tensor, scales: np.ndarray | torch.Tensor,
@@ -96,7 +109,7 @@ class QuantizedWeight:
         if codes_t.dtype != torch.int8:
             raise ModelLoadError(f"q8 codes must be int8, got {codes_t.dtype}")
         scales_t, offsets_t = _check_groups("q8", codes_t, scales, offsets, group_size)
-        return cls("q8", *codes_t.shape, _to_quads(_to_panels(codes_t)), _to_panels(scales_t),
+        return cls("q8", *codes_t.shape, _to_kgroups(_to_panels(codes_t), 4), _to_panels(scales_t),
                    None if offsets_t is None else _to_panels(offsets_t), group_size)
 
     @classmethod
@@ -109,7 +122,7 @@ class QuantizedWeight:
         panels = _to_panels(codes_t.to(torch.uint8))  # [P, in, 64]
         half = PANEL // 2
         packed = panels[..., :half] | (panels[..., half:] << 4)  # [P, in, 32]
-        return cls("q4", *codes_t.shape, _to_quads(packed), _to_panels(scales_t),
+        return cls("q4", *codes_t.shape, _to_kgroups(packed, 4), _to_panels(scales_t),
                    None if offsets_t is None else _to_panels(offsets_t), group_size)
 
     @classmethod
@@ -121,9 +134,9 @@ class QuantizedWeight:
         scales_t, offsets_t = _check_groups("q5", codes_t, scales, offsets, group_size)
         biased = _to_panels((codes_t.to(torch.int16) + 16).to(torch.uint8))  # [P, in, 64]: 0..31
         half = PANEL // 2
-        nibbles = _to_quads((biased[..., :half] & 15) | ((biased[..., half:] & 15) << 4))
+        nibbles = _to_kgroups((biased[..., :half] & 15) | ((biased[..., half:] & 15) << 4), 4)
         # fifth bits by nibble byte b (0..127) of the quad, low (h = 0) and high (h = 1) columns
-        fifth = [_to_quads(biased[..., h * half:(h + 1) * half] >> 4) for h in (0, 1)]
+        fifth = [_to_kgroups(biased[..., h * half:(h + 1) * half] >> 4, 4) for h in (0, 1)]
         num_panels, num_quads, _ = nibbles.shape
         plane = torch.zeros(num_panels, num_quads, _Q5_PLANE, dtype=torch.uint8)
         for h in (0, 1):
@@ -177,6 +190,9 @@ class QuantizedWeight:
             return self.codes[panel, :, col]
         if self.format == "bf16":  # column j at 2j, column j + 32 at 2j + 1
             return self.codes[panel, :, 2 * (col % (PANEL // 2)) + col // (PANEL // 2)]
+        if self.format == "bf16_vnni":  # column c's k pair at 2c, 2c + 1 of each pair row
+            pairs = self.codes.view(*self.codes.shape[:2], PANEL, 2)[panel, :, col]  # [T, in / 2, 2]
+            return pairs.reshape(len(ids), -1)[:, :self.in_features]
         num_panels, num_quads, width = self.codes.shape
         if self.format == "q8":  # [P, in / 4, 64, 4]: column c's 4 k together
             codes = self.codes.view(num_panels, num_quads, PANEL, 4)[panel, :, col]
@@ -199,15 +215,17 @@ class QuantizedWeight:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight [out, in] the kernel multiplies by (the reference of the tests), computed
         in float64 and rounded once to ``dtype``."""
-        if self.format in ("bf16", "fp16"):
+        if self.format in ("bf16", "fp16", "bf16_vnni"):
             values = self.codes.double()  # [P, in, 64]
             if self.format == "bf16":  # [P, in, 32, 2] pairs -> [P, in, 64] in column order
-                values = values.view(*values.shape[:2], PANEL // 2, 2).transpose(2, 3).reshape(values.shape)
+                values = _pair_columns(values, undo=True)
+            elif self.format == "bf16_vnni":  # [P, in / 2, 64 x 2] k pairs -> [P, in, 64]
+                values = _from_kgroups(values, self.in_features, 2)
         else:
             if self.format == "q5":
                 codes = _q5_codes(self.codes, self.in_features)
             else:
-                codes = _from_quads(self.codes, self.in_features)  # [P, in, 64 or 32]
+                codes = _from_kgroups(self.codes, self.in_features, 4)  # [P, in, 64 or 32]
             if self.format == "q4":
                 codes = torch.cat((codes & 15, codes >> 4), dim=-1)  # [P, in, 64]
             # [P, in / G, 64] -> [P, in, 64]: each group's row repeated over its G inputs.
@@ -220,6 +238,14 @@ class QuantizedWeight:
         return rows.to(dtype)
 
 
+def _pair_columns(panels: torch.Tensor, undo: bool = False) -> torch.Tensor:
+    """[..., 64] in column order -> bf16's pairs (column j at 2j, column j + 32 at 2j + 1):
+    [..., 2, 32] -> [..., 32, 2]; ``undo``: back."""
+    shape = panels.shape
+    rows, cols = (PANEL // 2, 2) if undo else (2, PANEL // 2)
+    return panels.reshape(*shape[:-1], rows, cols).transpose(-1, -2).reshape(shape)
+
+
 def _to_panels(matrix: torch.Tensor) -> torch.Tensor:
     """[out, cols] -> [ceil(out / 64), cols, 64] contiguous, zero rows padding the last panel."""
     out_features, cols = matrix.shape
@@ -227,20 +253,20 @@ def _to_panels(matrix: torch.Tensor) -> torch.Tensor:
     return padded.view(-1, PANEL, cols).transpose(1, 2).contiguous()
 
 
-def _to_quads(panels: torch.Tensor) -> torch.Tensor:
-    """[P, in, width] -> [P, ceil(in / 4), width * 4]: each column's 4 consecutive k adjacent,
-    zero k padding the last quad."""
+def _to_kgroups(panels: torch.Tensor, n: int) -> torch.Tensor:
+    """[P, in, width] -> [P, ceil(in / n), width * n]: each column's n consecutive k adjacent
+    (q8/q4's quads: n = 4; bf16's pairs: n = 2), zero k padding the last group."""
     num_panels, cols, width = panels.shape
-    padded = torch.cat((panels, panels.new_zeros(num_panels, -cols % 4, width)), dim=1)
-    # [P, in / 4, 4 (k), width] -> [P, in / 4, width, 4 (k)]
-    return padded.view(num_panels, -1, 4, width).transpose(2, 3).reshape(num_panels, -1, width * 4)
+    padded = torch.cat((panels, panels.new_zeros(num_panels, -cols % n, width)), dim=1)
+    # [P, in / n, n (k), width] -> [P, in / n, width, n (k)]
+    return padded.view(num_panels, -1, n, width).transpose(2, 3).reshape(num_panels, -1, width * n)
 
 
-def _from_quads(quads: torch.Tensor, cols: int) -> torch.Tensor:
-    """_to_quads undone: [P, in / 4, width * 4] -> [P, in, width]."""
-    num_panels, num_quads, quad_bytes = quads.shape
-    per_k = quads.view(num_panels, num_quads, quad_bytes // 4, 4).transpose(2, 3)
-    return per_k.reshape(num_panels, num_quads * 4, quad_bytes // 4)[:, :cols]
+def _from_kgroups(groups: torch.Tensor, cols: int, n: int) -> torch.Tensor:
+    """_to_kgroups undone: [P, in / n, width * n] -> [P, in, width]."""
+    num_panels, num_groups, group_width = groups.shape
+    per_k = groups.view(num_panels, num_groups, group_width // n, n).transpose(2, 3)
+    return per_k.reshape(num_panels, num_groups * n, group_width // n)[:, :cols]
 
 
 # q5's plane: 32 bytes after a quad's 128 nibble bytes; the fifth bit of nibble h (0 low, 1
@@ -251,13 +277,13 @@ _Q5_PLANE = 32
 
 def _q5_codes(quads: torch.Tensor, cols: int) -> torch.Tensor:
     """q5 panels [P, in / 4, 160] -> codes [P, in, 64] int16 (-16..15)."""
-    nibbles = _from_quads(quads[..., :2 * PANEL], cols)  # [P, in, 32]
+    nibbles = _from_kgroups(quads[..., :2 * PANEL], cols, 4)  # [P, in, 32]
     num_panels, num_quads, _ = quads.shape
     plane = quads[..., 2 * PANEL:]  # [P, in / 4, 32]
     halves = []
     for h in (0, 1):
         runs = [(plane >> (2 * run + h)) & 1 for run in range(4)]  # each [P, in / 4, 32]
-        fifth = _from_quads(torch.cat(runs, dim=2), cols)  # nibble byte b = 32 * run + byte
+        fifth = _from_kgroups(torch.cat(runs, dim=2), cols, 4)  # nibble byte b = 32 * run + byte
         halves.append(((nibbles >> (4 * h)) & 15).to(torch.int16) + 16 * fifth.to(torch.int16) - 16)
     return torch.cat(halves, dim=-1)
 

@@ -1,0 +1,256 @@
+// bf16 panels times activations rounded to bf16, on AMX tiles (Intel Sapphire Rapids and
+// later: AMX-BF16). Why: on these CPUs a bf16 tile product (tdpbf16ps: 16 rows x 16 columns x
+// 32 k per instruction, float32 sums) does in one instruction what the float path's widening
+// FMAs do in 32, and vLLM's oneDNN uses it for every bf16 matmul. The float path (quant_gemm.cpp)
+// stays the exact one; this path is the engine's quantization_activations=bfloat16, the
+// activations in the weights' own precision as vLLM and transformers run a bf16 model.
+//
+// The weight: bf16 panels in Intel's VNNI layout (QuantizedWeight.to_vnni, "bf16_vnni"),
+// [P, ceil(K / 2), 64 x 2]: a pair row q holds column c's k = 2q, 2q + 1 at 2c, 2c + 1, which is
+// the B operand of tdpbf16ps (a row of B: 16 columns' k pairs, 64 bytes), so 16 pair rows from
+// column 16t of a panel, with the pair rows' 256 bytes as stride, are one B tile. (The float
+// path's bf16 panels pair columns j and j + 32 instead: read in k pairs, its one-row path ran
+// at 0.8x, 8192 x 2048 on 2 Sapphire Rapids cores, so each path keeps its layout and a model
+// holds the one its activations need.) x's rows are rounded to bf16 once per call (round to
+// nearest even) into whole A tiles (Bf16Tiles); the last k block of a panel is copied into a
+// zero-padded tile on the stack when K is not a multiple of 32 (the panels end at K / 2 pairs).
+//
+// Tiles: C0..C3 the 4 column tiles of a 64-column panel (16 rows x 16 float32 each), A a 16
+// x 32 block of x's bf16, B one column tile's k block; per 32 k: one A load and, per column
+// tile, one B load and one tdpbf16ps. Every call uses the same tile shapes (16 rows, zero rows
+// padding a partial block), so a row's sums never depend on how many rows share its tile: a
+// row's result does not depend on its batch, as on every path of these kernels. It differs
+// from the float path's by the rounding of x to bf16 (2^-9 relative per activation) and by
+// the tile's order of sums (float32).
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define PAGEDLLM_AMX 1
+#endif
+
+#include "skinny_tiles.h"
+
+namespace amx {
+
+using skinny::kPanel;
+
+#if defined(PAGEDLLM_AMX)
+constexpr bool kAvailable = true;
+constexpr int64_t kTileRows = 16;       // rows of x per tile (and of C)
+constexpr int64_t kTileK = 32;          // k per tile: 32 bf16 = 64 bytes, 16 pair rows of B
+constexpr int64_t kColTile = 16;        // columns per C tile
+constexpr int64_t kPairRowBytes = kPanel * 2 * 2;  // 64 columns x 2 k x 2 bytes
+constexpr int64_t kChunkRows = 128;
+
+// Linux hands out AMX's tile state only to a process that asks (arch_prctl
+// ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); torch's oneDNN asks too, once per process.
+inline bool permitted() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                 18 /* XFEATURE_XTILEDATA */) == 0;
+  return ok;
+}
+
+// The palette of every call: 8 tiles of 16 rows x 64 bytes (C: 16 float32, A: 32 bf16 k, B:
+// 16 pair rows of 16 columns).
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+  TileConfig() {
+    for (int t = 0; t < 8; ++t) {
+      colsb[t] = 64;
+      rows[t] = kTileRows;
+    }
+  }
+};
+
+// x's rows rounded to bf16, as A tiles: per group of rows (a grouped call's experts; one
+// group otherwise) ceil(rows / 32) * 2 row blocks, each [ceil(K / 32) k blocks][16 rows][32 k],
+// zeros padding. Each tile's 1 KiB is contiguous: tile loads of A and B both strided (x's rows,
+// the panels' pair rows) ran at 0.4x those with one side contiguous (2 Sapphire Rapids cores, a
+// 64 KiB panel and 128 KiB of x: 616 against 1,470-1,510 GFLOP/s per core; 2,500 with both
+// tiles in L1).
+struct Bf16Tiles {
+  std::vector<uint16_t> data;
+  std::vector<int64_t> first_block;  // per group: its first row block
+  int64_t k_blocks;
+  const char* tile(int64_t row_block, int64_t k_block) const {
+    return reinterpret_cast<const char*>(data.data() +
+                                         (row_block * k_blocks + k_block) * kTileRows * kTileK);
+  }
+};
+
+// Rows [start[g], start[g] + rows[g]) of x [*, K] as group g's tiles: float32 x rounded, bf16
+// x (uint16_t bits: a bf16 model's activations) as it is.
+template <class In>
+inline Bf16Tiles round_rows(const In* xp, int64_t K, const std::vector<int64_t>& start,
+                            const std::vector<int64_t>& rows) {
+  const int64_t G = static_cast<int64_t>(rows.size());
+  const int64_t k_blocks = (K + kTileK - 1) / kTileK;
+  std::vector<int64_t> first(G + 1, 0);
+  for (int64_t g = 0; g < G; ++g)
+    first[g + 1] = first[g] + (rows[g] + 2 * kTileRows - 1) / (2 * kTileRows) * 2;
+  Bf16Tiles t{std::vector<uint16_t>(first[G] * k_blocks * kTileRows * kTileK, 0), first, k_blocks};
+  at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t m = 0; m < rows[g]; ++m) {
+        const In* x = xp + (start[g] + m) * K;
+        uint16_t* out = t.data.data() +
+                        ((first[g] + m / kTileRows) * k_blocks * kTileRows + m % kTileRows) * kTileK;
+        for (int64_t kb = 0; kb < k_blocks; ++kb, out += kTileRows * kTileK) {
+          const int64_t k0 = kb * kTileK, kl = std::min(kTileK, K - k0);
+          if constexpr (std::is_same_v<In, uint16_t>) {
+            std::memcpy(out, x + k0, kl * sizeof(uint16_t));
+            continue;
+          }
+          int64_t k = 0;
+          for (; k + 16 <= kl; k += 16) {
+            const __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(x + k0 + k));
+            std::memcpy(out + k, &h, sizeof h);
+          }
+          for (; k < kl; ++k) out[k] = c10::BFloat16(x[k0 + k]).x;  // round to nearest even
+        }
+      }
+  });
+  return t;
+}
+
+// One tile step over k block b: C (tiles 0-3) += A (tile 4 from ``a``) x B (the panel's 4
+// column tiles from ``blk``, through tiles 5-6): 16 rows x 64 columns.
+inline void rows16_step(const char* a, const char* blk) {
+  _tile_loadd(4, a, kTileK * 2);
+  _tile_loadd(5, blk, kPairRowBytes);
+  _tile_dpbf16ps(0, 4, 5);
+  _tile_loadd(6, blk + 1 * kColTile * 4, kPairRowBytes);
+  _tile_dpbf16ps(1, 4, 6);
+  _tile_loadd(5, blk + 2 * kColTile * 4, kPairRowBytes);
+  _tile_dpbf16ps(2, 4, 5);
+  _tile_loadd(6, blk + 3 * kColTile * 4, kPairRowBytes);
+  _tile_dpbf16ps(3, 4, 6);
+}
+// 32 rows x 32 columns: C tiles 0-1 rows 0-15, 2-3 rows 16-31; A tiles 4-5, B tiles 6-7.
+inline void rows32_step(const char* a0, const char* a1, const char* blk) {
+  _tile_loadd(4, a0, kTileK * 2);
+  _tile_loadd(6, blk, kPairRowBytes);
+  _tile_dpbf16ps(0, 4, 6);
+  _tile_loadd(7, blk + kColTile * 4, kPairRowBytes);
+  _tile_dpbf16ps(1, 4, 7);
+  _tile_loadd(5, a1, kTileK * 2);
+  _tile_dpbf16ps(2, 5, 6);
+  _tile_dpbf16ps(3, 5, 7);
+}
+
+// ``rows`` rows of C (``c``, rows of kPanel floats) into y's [rows, cols] at ``y`` (rows of N):
+// float32 as they are; bf16 (uint16_t) plus ``bias`` (the panel's, or nullptr), rounded once.
+inline void write_rows(const float* c, int64_t rows, int64_t cols, float* y, int64_t N,
+                       const float*) {
+  for (int64_t m = 0; m < rows; ++m) std::memcpy(y + m * N, c + m * kPanel, cols * sizeof(float));
+}
+inline void write_rows(const float* c, int64_t rows, int64_t cols, uint16_t* y, int64_t N,
+                       const float* bias) {
+  alignas(64) uint16_t row[kPanel];
+  for (int64_t m = 0; m < rows; ++m) {
+    for (int64_t j = 0; j < kPanel; j += 16) {
+      __m512 v = _mm512_loadu_ps(c + m * kPanel + j);
+      if (bias) {  // the panel's columns < cols only: the bias ends at N
+        const int64_t valid = std::clamp<int64_t>(cols - j, 0, 16);
+        v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(__mmask16((1u << valid) - 1), bias + j));
+      }
+      const __m256bh h = _mm512_cvtneps_pbh(v);
+      std::memcpy(row + j, &h, sizeof h);
+    }
+    std::memcpy(y + m * N, row, cols * sizeof(uint16_t));
+  }
+}
+
+// y[0:M, panels p0..p1) for group g's M rows of ``x`` (y at its first row's output) and one
+// weight of panels ``w`` (bf16 pairs, K / 2 rounded up pair rows each): one thread's share.
+// Out: float (float32 y, a bias added by the caller) or uint16_t (bf16 y, ``bias`` [N] added
+// here before the rounding, or nullptr).
+template <class Out>
+inline void panels_run(const uint16_t* w, int64_t K, const Bf16Tiles& x, int64_t g, int64_t M,
+                       int64_t N, Out* yp, int64_t p0, int64_t p1, const float* bias = nullptr) {
+  const int64_t pair_rows = (K + 1) / 2;
+  const int64_t full_blocks = K / kTileK;  // k blocks read in place; a partial one is copied
+  const bool partial = K % kTileK != 0;
+  const TileConfig config;
+  _tile_loadconfig(&config);
+  alignas(64) float c[2 * kTileRows * kPanel];
+  alignas(64) uint16_t tail[kTileK / 2 * kPanel * 2];  // the last k block, zero-padded pairs
+  const bool wide = M > kTileRows;
+  for (int64_t r0 = 0; r0 < M; r0 += kChunkRows) {
+    const int64_t chunk = std::min(kChunkRows, M - r0);
+    for (int64_t p = p0; p < p1; ++p) {
+      const char* panel = reinterpret_cast<const char*>(w + p * pair_rows * kPanel * 2);
+      if (partial) {
+        const int64_t q0 = full_blocks * kTileK / 2;
+        std::memset(tail, 0, sizeof tail);
+        std::memcpy(tail, panel + q0 * kPairRowBytes, (pair_rows - q0) * kPairRowBytes);
+      }
+      const auto block = [&](int64_t b) {
+        return b < full_blocks ? panel + b * (kTileK / 2) * kPairRowBytes
+                               : reinterpret_cast<const char*>(tail);
+      };
+      const int64_t cols = std::min(kPanel, N - p * kPanel);
+      const int64_t step = wide ? 2 * kTileRows : kTileRows;
+      for (int64_t m0 = 0; m0 < chunk; m0 += step) {
+        const int64_t rb = x.first_block[g] + (r0 + m0) / kTileRows;
+        // float32 C tiles straight into y where they fit whole (storing through a buffer and
+        // copying took half the time at 2,048 rows), else (and bf16 y) through ``c``.
+        const int64_t rows = std::min(step, chunk - m0);
+        const bool whole = std::is_same_v<Out, float> && rows == step && cols == kPanel;
+        float* out = whole ? reinterpret_cast<float*>(yp) + (r0 + m0) * N + p * kPanel : c;
+        const int64_t ld = whole ? N : kPanel;  // floats
+        const int64_t ldb = ld * 4;
+        if (wide) {
+          for (int64_t half = 0; half < 2; ++half) {
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t b = 0; b < full_blocks + partial; ++b)
+              rows32_step(x.tile(rb, b), x.tile(rb + 1, b), block(b) + half * 2 * kColTile * 4);
+            float* oh = out + half * 2 * kColTile;
+            _tile_stored(0, oh, ldb);
+            _tile_stored(1, oh + kColTile, ldb);
+            _tile_stored(2, oh + kTileRows * ld, ldb);
+            _tile_stored(3, oh + kTileRows * ld + kColTile, ldb);
+          }
+        } else {
+          _tile_zero(0);
+          _tile_zero(1);
+          _tile_zero(2);
+          _tile_zero(3);
+          for (int64_t b = 0; b < full_blocks + partial; ++b)
+            rows16_step(x.tile(rb, b), block(b));
+          _tile_stored(0, out + 0 * kColTile, ldb);
+          _tile_stored(1, out + 1 * kColTile, ldb);
+          _tile_stored(2, out + 2 * kColTile, ldb);
+          _tile_stored(3, out + 3 * kColTile, ldb);
+        }
+        if (!whole)
+          write_rows(c, rows, cols, yp + (r0 + m0) * N + p * kPanel, N,
+                     bias ? bias + p * kPanel : nullptr);
+      }
+    }
+  }
+  _tile_release();
+}
+#else
+constexpr bool kAvailable = false;
+inline bool permitted() { return false; }
+#endif
+
+}  // namespace amx
