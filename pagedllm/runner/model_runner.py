@@ -61,11 +61,11 @@ class ModelRunner:
         self.model, self.hf_config = load_model(mc.model, self.dtype, self.device, mc.quantization)
         if self.device.type == "cpu":
             # Each layer's weight in the layout of the faster kernel on this CPU, one copy
-            # (layers/linear_kernel.py); before the allocator keeps what is freed.
+            # (layers/linear_kernel.py).
             choose_linear_kernels(self.model)
-            _keep_freed_memory()
         if mc.quantization_activations != "float32":
-            # Before the forward compiles: the q8/q4 (int8) or bf16 (bfloat16) layers' method.
+            # Before the forward compiles: the q8/q4 (int8) or bf16 (bfloat16, its weights
+            # converted once more) layers' method.
             if self.device.type != "cpu" or not set_quantization_activations(
                     self.model, mc.quantization_activations):
                 raise ModelLoadError(
@@ -74,6 +74,8 @@ class ModelRunner:
                        if mc.quantization_activations == "int8" else "bf16 weights on CPU "
                        "(dtype=bfloat16)")
                     + f"; this model on {self.device.type} has none: leave it at float32")
+        if self.device.type == "cpu":
+            _keep_freed_memory()  # after every load-time conversion: what they freed goes back
         # The compiled forward, or None: eager (see runner/compile.py).
         self.compiled = maybe_compile(self.model, mc.enforce_eager, self.device, warmup_tokens=16)
         self.vocab_size = self.model.vocab_size

@@ -12,16 +12,17 @@
 // path's bf16 panels pair columns j and j + 32 instead: read in k pairs, its one-row path ran
 // at 0.8x, 8192 x 2048 on 2 Sapphire Rapids cores, so each path keeps its layout and a model
 // holds the one its activations need.) x's rows are rounded to bf16 once per call (round to
-// nearest even) into whole A tiles (Bf16Tiles); the last k block of a panel is copied into a
-// zero-padded tile on the stack when K is not a multiple of 32 (the panels end at K / 2 pairs).
+// nearest even) into whole A tiles (Bf16Tiles); the last k block of each panel is copied into
+// a zero-padded tile when K is not a multiple of 32 (the panels end at K / 2 pairs).
 //
-// Tiles: C0..C3 the 4 column tiles of a 64-column panel (16 rows x 16 float32 each), A a 16
-// x 32 block of x's bf16, B one column tile's k block; per 32 k: one A load and, per column
-// tile, one B load and one tdpbf16ps. Every call uses the same tile shapes (16 rows, zero rows
-// padding a partial block), so a row's sums never depend on how many rows share its tile: a
-// row's result does not depend on its batch, as on every path of these kernels. It differs
-// from the float path's by the rounding of x to bf16 (2^-9 relative per activation) and by
-// the tile's order of sums (float32).
+// Tiles: up to 16 rows, C0..C3 the 4 column tiles of a 64-column panel (16 rows x 16 float32
+// each), A a 16 x 32 block of x's bf16, B one column tile's k block: per 32 k, one A load and,
+// per column tile, one B load and one tdpbf16ps. More rows: 2 x 2 C tiles (32 rows x 32
+// columns), each panel in two halves. Every tile has 16 rows (zero rows padding a partial
+// block) and sums its k blocks in order, so a row's sums never depend on how many rows share
+// its tile: a row's result does not depend on its batch, as on every path of these kernels. It
+// differs from the float path's by the rounding of x to bf16 (2^-9 relative per activation)
+// and by the tile's order of sums (float32).
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -47,7 +48,6 @@ namespace amx {
 using skinny::kPanel;
 
 #if defined(PAGEDLLM_AMX)
-constexpr bool kAvailable = true;
 constexpr int64_t kTileRows = 16;       // rows of x per tile (and of C)
 constexpr int64_t kTileK = 32;          // k per tile: 32 bf16 = 64 bytes, 16 pair rows of B
 constexpr int64_t kColTile = 16;        // columns per C tile
@@ -264,9 +264,6 @@ inline void panels_run(const uint16_t* w, int64_t K, const Bf16Tiles& x, int64_t
   }
   _tile_release();
 }
-#else
-constexpr bool kAvailable = false;
-inline bool permitted() { return false; }
 #endif
 
 }  // namespace amx

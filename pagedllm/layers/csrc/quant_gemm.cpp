@@ -491,12 +491,12 @@ at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& codes,
     TORCH_CHECK(codes.size(0) == experts && experts > 0, "codes hold ", codes.size(0),
                 " experts' weights and counts has ", experts, " row counts: one per expert");
   }
+  const bool amx = dtype == at::kBFloat16 && narrow;  // bf16 in k pairs (VNNI), on AMX tiles
   const int64_t width = q5                     ? int8gemm::kQuadBytes<int8gemm::Codes::q5>
                         : dtype == at::kByte ? kPanel * 2
                         : dtype == at::kChar ? kPanel * 4
-                        : dtype == at::kBFloat16 && narrow ? kPanel * 2  // k pairs
+                        : amx                ? kPanel * 2
                                              : kPanel;
-  const bool amx = dtype == at::kBFloat16 && narrow;
   const skinny::PanelCall call = skinny::begin_panel_call(
       x, grouped ? codes.select(0, 0) : codes, width, out_features, quads ? 4 : amx ? 2 : 1, amx);
   const Experts ex{grouped, grouped ? skinny::row_groups(*counts, call.M) : skinny::RowGroups{}};
@@ -516,13 +516,12 @@ at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& codes,
       const auto* h = static_cast<const uint16_t*>(cp);
       TORCH_CHECK(!narrow || dtype == at::kBFloat16, "narrow activations: fp16 weights have none "
                   "(bf16 ones: bf16 activations on AMX)");
-      if (narrow && bf16_x) {
-        amx_gemm(static_cast<const uint16_t*>(call.x.data_ptr()), M, K, ex, h, stride, N, P,
-                 static_cast<uint16_t*>(call.y.data_ptr()), bias ? bias->data_ptr<float>() : nullptr);
-        break;
-      }
-      if (narrow) {
-        amx_gemm(xp, M, K, ex, h, stride, N, P, yp, nullptr);
+      if (amx) {
+        if (bf16_x)
+          amx_gemm(static_cast<const uint16_t*>(call.x.data_ptr()), M, K, ex, h, stride, N, P,
+                   static_cast<uint16_t*>(call.y.data_ptr()), bias ? bias->data_ptr<float>() : nullptr);
+        else
+          amx_gemm(xp, M, K, ex, h, stride, N, P, yp, nullptr);
         break;
       }
       if (dtype == at::kBFloat16)

@@ -150,13 +150,13 @@ def set_quantization_activations(model: nn.Module, activations: str) -> int:
         method = getattr(module, "quant_method", None)
         if method is None:
             continue
+        if activations not in ("float32", method.narrow_activations):
+            continue
         names = [name for name in ("qweight", "qweight_gate_up", "qweight_down")
                  if getattr(module, name, None) is not None]
         if any(getattr(module, name).format == "bf16_vnni" for name in names):
             raise ModelLoadError("bf16 layers converted for bfloat16 activations keep them; "
                                  "load the model again for other activations")
-        if activations not in ("float32", method.narrow_activations):
-            continue
         if activations == "bfloat16":
             names = [name for name in names if getattr(module, name).format == "bf16"]
             if not names:
