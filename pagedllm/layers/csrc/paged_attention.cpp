@@ -335,10 +335,7 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
 #pragma omp simd
             for (int64_t j = lo; j < vis; ++j) sr[j] = cap * tanh_approx(sr[j] * inv_cap);
           }
-          float tile_max = sr[lo];
-#pragma omp simd reduction(max : tile_max)
-          for (int64_t j = lo + 1; j < vis; ++j) tile_max = std::max(tile_max, sr[j]);
-          const float new_max = std::max(row_max[r], tile_max);
+          const float new_max = std::max(row_max[r], tile_max(sr, lo, vis));
           const float alpha = std::exp(row_max[r] - new_max);  // 0 on the first tile
           float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
