@@ -337,12 +337,7 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
           }
           const float new_max = std::max(row_max[r], tile_max(sr, lo, vis));
           const float alpha = std::exp(row_max[r] - new_max);  // 0 on the first tile
-          float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-          for (int64_t j = lo; j < vis; ++j) {
-            sr[j] = exp_nonpositive(sr[j] - new_max);
-            sum += sr[j];
-          }
+          const float sum = exp_tile(sr, lo, vis, new_max);
           row_sum[r] = row_sum[r] * alpha + sum;
           row_max[r] = new_max;
           if (alpha != 1.f) {

@@ -423,6 +423,40 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
+// exp_nonpositive of eight lanes, the same steps in vector arithmetic.
+inline vfloat exp_nonpositive(vfloat x) {
+  const vfloat floor = vfloat{} - 87.f, magic = vfloat{} + 12582912.f;
+  x = x < floor ? floor : x;
+  const vfloat t = x * 1.44269504f + magic;
+  const vfloat n = t - magic;
+  const vfloat r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
+  const vfloat p = 1.f + r * (1.f + r * (0.5f + r * (1.f / 6 + r * (1.f / 24 + r * (1.f / 120 + r * (1.f / 720))))));
+  vu32 bits;
+  std::memcpy(&bits, &t, sizeof bits);
+  const vu32 scale_bits = (bits - 0x4B400000u + 127u) << 23;
+  vfloat scale;
+  std::memcpy(&scale, &scale_bits, sizeof scale);
+  return p * scale;
+}
+
+// A row's softmax weights in a tile: s[j] = e^(s[j] - row_max) for j in [lo, hi), 0 elsewhere in
+// the tile's kKeyTile scores; returns their sum (lane sums over the four vectors, then the lanes
+// in order: the same on every ISA). Written out because GCC left the plain loop scalar in the
+// x86-64-v3 build (~25 scalar instructions per score; AVX-512's masks let it vectorise there).
+inline float exp_tile(float* s, int64_t lo, int64_t hi, float row_max) {
+  const vfloat lanes = {0, 1, 2, 3, 4, 5, 6, 7};
+  const vfloat flo = vfloat{} + static_cast<float>(lo), fhi = vfloat{} + static_cast<float>(hi);
+  vfloat sum = vfloat{};
+  for (int64_t c = 0; c < kKeyTile; c += kW) {
+    const vfloat idx = lanes + static_cast<float>(c);
+    const vfloat e = exp_nonpositive(load(s + c) - row_max);
+    const vfloat w = (idx >= flo && idx < fhi) ? e : vfloat{};
+    store(s + c, w);
+    sum += w;
+  }
+  return hsum(sum);
+}
+
 // tanh(x), relative error ~3e-7, vectorisable (glibc's tanhf is a call per element; soft-capping
 // takes one per score): (1 - e^-2|x|) / (1 + e^-2|x|) by exp_nonpositive, except below 0.25,
 // where that difference would cancel and tanh's odd Taylor series to x^9 is exact to ~1e-8.
