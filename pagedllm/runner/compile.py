@@ -36,6 +36,7 @@ import logging
 import os
 import shutil
 import time
+import types
 from collections.abc import Callable
 
 import torch
@@ -80,6 +81,10 @@ class CompiledForward:
         self.model = model
         self.compile_seconds = 0.0
         self._warm = False
+        # Once warm: the bytecode dynamo made of ``forward`` for this model (it calls the
+        # compiled graph), as a function of (model, input_ids, positions), called without dynamo
+        # (see __call__).
+        self._direct: Callable[..., torch.Tensor] | None = None
         # fullgraph: a graph break would be a silent slowdown (and a second graph); fail loudly.
         # dynamic=False: only the token dimension is symbolic, marked per call below.
         # No size/alignment asserts: the generated wrapper checks every output of every opaque op
@@ -91,15 +96,20 @@ class CompiledForward:
             options={"size_asserts": False, "alignment_asserts": False})
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # Once warm, the one graph serves every step: dynamo's guards would only confirm it. Even
+        # the "differentiating" guards that skip_guard_eval_unsafe keeps check every weight
+        # tensor the graph reads, each reached through the module tree: 0.35-0.57 ms a step
+        # (the 0.5B MoE, float32 and GGUF Q4_K_M; ~5% of a batch-1 decode step). So the warm
+        # forward calls dynamo's bytecode for it directly, as vLLM's compile wrapper does;
+        # tests/runner/test_compile.py holds it to eager and checks nothing recompiles.
+        if self._direct is not None:
+            return self._direct(self.model, input_ids, positions)
         # Every step's tensors are new objects: the mark must be on each (a flag on the tensor).
         _mark_tokens_unbacked(input_ids, positions)
         if not self._warm:
             return self._forward(input_ids, positions)
-        # Once warm, the one graph serves every step: dynamo's guards (shapes, dtypes, the layers'
-        # op ids, ~0.4 ms a step on the 58M model) would only confirm it. Skipping them runs just
-        # those that tell this model's cache entry from other models' (the same forward code of
-        # another instance in this process); tests/runner/test_compile.py checks that the warm
-        # graph is never recompiled, the condition torch states for this setting.
+        # Warm, but without the bytecode (dynamo made more than one graph while warming up):
+        # only the guards that tell the graphs apart.
         with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
             return self._forward(input_ids, positions)
 
@@ -108,10 +118,25 @@ class CompiledForward:
         """Compile with a ``num_tokens`` batch and run it once more at one token (the decode
         shape, which must hit the same graph); returns the seconds spent."""
         start = time.perf_counter()
-        for n in (max(num_tokens, 2), 1):
-            ids = torch.zeros(n, dtype=torch.long, device=device)
-            self(ids, torch.arange(n, device=device))
+        forward = type(self.model).forward
+        made: list[types.CodeType] = []  # the bytecode dynamo makes of forward while warming up
+
+        def keep(code: types.CodeType, new_code: types.CodeType) -> None:
+            if code is forward.__code__:
+                made.append(new_code)
+
+        hook = torch._dynamo.convert_frame.register_bytecode_hook(keep)
+        try:
+            for n in (max(num_tokens, 2), 1):
+                ids = torch.zeros(n, dtype=torch.long, device=device)
+                self(ids, torch.arange(n, device=device))
+        finally:
+            hook.remove()
         self._warm = True
+        if len(made) == 1:  # one graph for both token counts, as the mark promises
+            # forward's globals: where dynamo put the compiled graph that the bytecode calls.
+            self._direct = types.FunctionType(made[0], forward.__globals__, forward.__name__,
+                                              forward.__defaults__, forward.__closure__)
         self.compile_seconds = time.perf_counter() - start
         return self.compile_seconds
 
