@@ -327,9 +327,11 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
           const int64_t vis = visible(r);
           const int64_t lo = kFeatures ? first_visible(r) : 0;  // visible: [lo, vis)
           float* sr = &scores[r * kKeyTile];
-          std::fill(sr, sr + lo, 0.f);          // masked keys: weight 0, never exp(-inf)
-          std::fill(sr + vis, sr + tile, 0.f);
-          if (vis == lo) continue;              // nothing visible in this tile: no update
+          if (vis == lo) {  // nothing visible in this tile: weights 0, no update
+            std::fill(sr, sr + tile, 0.f);
+            continue;
+          }
+          // Otherwise exp_tile gives the masked keys (outside [lo, vis)) weight 0.
           if (kFeatures && features.soft_cap > 0.f) {  // after the scale, before the softmax
             const float cap = features.soft_cap, inv_cap = 1.f / cap;
 #pragma omp simd

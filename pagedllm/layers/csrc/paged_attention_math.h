@@ -185,20 +185,22 @@ inline void load_into(vfloat16& out, const Fp8<M, B>* p) {
 }
 
 
+// Lanes [c, c + kW) of a tile's row: which of them lie in [lo, hi).
+inline auto lanes_within(int64_t c, int64_t lo, int64_t hi) {
+  const vfloat idx = vfloat{0, 1, 2, 3, 4, 5, 6, 7} + static_cast<float>(c);
+  return idx >= static_cast<float>(lo) && idx < static_cast<float>(hi);
+}
+
 // The largest of s[lo, hi) (lo < hi <= kKeyTile), s a row of a tile's kKeyTile scores: four
 // vectors, the lanes outside [lo, hi) set to -inf. Written out because GCC left the plain loop's
 // max reduction scalar, a 4-cycle dependency per key and row that cost as much as the scores at
 // decode's few rows. The max is exact, so any order gives the same result.
 inline float tile_max(const float* s, int64_t lo, int64_t hi) {
   static_assert(kKeyTile == 4 * kW, "a row of scores is four vectors");
-  const vfloat lanes = {0, 1, 2, 3, 4, 5, 6, 7};
-  const vfloat flo = vfloat{} + static_cast<float>(lo), fhi = vfloat{} + static_cast<float>(hi);
-  const vfloat neg_inf = vfloat{} - std::numeric_limits<float>::infinity();
-  vfloat m = neg_inf;
+  vfloat m = vfloat{} - std::numeric_limits<float>::infinity();
   for (int64_t c = 0; c < kKeyTile; c += kW) {
-    const vfloat idx = lanes + static_cast<float>(c);
     const vfloat v = load(s + c);
-    m = (idx >= flo && idx < fhi) ? (v > m ? v : m) : m;
+    m = lanes_within(c, lo, hi) ? (v > m ? v : m) : m;
   }
   float out = m[0];
   for (int64_t i = 1; i < kW; ++i) out = std::max(out, m[i]);
@@ -444,13 +446,10 @@ inline vfloat exp_nonpositive(vfloat x) {
 // in order: the same on every ISA). Written out because GCC left the plain loop scalar in the
 // x86-64-v3 build (~25 scalar instructions per score; AVX-512's masks let it vectorise there).
 inline float exp_tile(float* s, int64_t lo, int64_t hi, float row_max) {
-  const vfloat lanes = {0, 1, 2, 3, 4, 5, 6, 7};
-  const vfloat flo = vfloat{} + static_cast<float>(lo), fhi = vfloat{} + static_cast<float>(hi);
   vfloat sum = vfloat{};
   for (int64_t c = 0; c < kKeyTile; c += kW) {
-    const vfloat idx = lanes + static_cast<float>(c);
     const vfloat e = exp_nonpositive(load(s + c) - row_max);
-    const vfloat w = (idx >= flo && idx < fhi) ? e : vfloat{};
+    const vfloat w = lanes_within(c, lo, hi) ? e : vfloat{};
     store(s + c, w);
     sum += w;
   }
