@@ -438,18 +438,12 @@ void amx_gemm(const In* xp, int64_t M, int64_t K, const Experts& ex, const uint1
 #if defined(PAGEDLLM_AMX)
   TORCH_CHECK(amx::permitted(), "the kernel refused AMX: Linux did not grant this process the "
               "tile state (arch_prctl ARCH_REQ_XCOMP_PERM)");
-  if (!ex.grouped) {
-    const amx::Bf16Tiles xb = amx::round_rows(xp, K, {0}, {M});
-    at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-      amx::panels_run(codes, K, xb, 0, M, N, yp, p0, p1, bias);
-    });
-    return;
-  }
-  const std::vector<int64_t>& start = ex.rows.start;
-  const amx::Bf16Tiles xb = amx::round_rows(xp, K, start, ex.rows.rows);
-  skinny::split_grouped_panels(ex.rows.rows, P, [&](int64_t e, int64_t p0, int64_t p1) {
-    amx::panels_run(codes + e * expert_elems, K, xb, e, ex.rows.rows[e], N, yp + start[e] * N,
-                    p0, p1, bias);
+  // one weight: one group of all the rows
+  const skinny::RowGroups r = ex.grouped ? ex.rows : skinny::RowGroups{{0}, {M}};
+  const amx::Bf16Tiles xb = amx::round_rows(xp, K, r.start, r.rows);
+  skinny::split_grouped_panels(r.rows, P, [&](int64_t e, int64_t p0, int64_t p1) {
+    amx::panels_run(codes + e * expert_elems, K, xb, e, r.rows[e], N, yp + r.start[e] * N, p0,
+                    p1, bias);
   });
 #else
   TORCH_CHECK(false, "bf16 activations run on AMX tiles, and this build has none (a CPU with "
