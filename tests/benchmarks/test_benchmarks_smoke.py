@@ -216,3 +216,26 @@ def test_half_decode_times_each_dtype_against_float32(tmp_path, capsys):
     assert nbytes["float32"] == 2 * nbytes["bfloat16"] > 0
     assert r["same_leading_ids"]["float32"] == half_decode.MAX_TOKENS
     assert 0 <= r["same_leading_ids"]["bfloat16"] <= half_decode.MAX_TOKENS
+
+
+def test_checkout_ab_alternates_two_checkouts(tiny_model, tmp_path, capsys):
+    """This checkout against itself: two engine processes, alternating rounds, the same ids."""
+    from benchmarks import checkout_ab
+
+    root = str(Path(checkout_ab.__file__).resolve().parent.parent)
+    out = tmp_path / "ab.json"
+    checkout_ab.main(["--baseline", root, "--candidate", root, "--model", tiny_model,
+                      "--workload", "small", "--rounds", "2", "--json", str(out),
+                      "--engine-arg", "enforce_eager=True", *SMALL_KV])
+    line = _one_line(capsys, "checkout_ab small")
+    r = json.loads(out.read_text())
+    assert r["same_ids"] and "same ids: yes" in line
+    assert all(len(t) == 2 and min(t) > 0 for t in r["times_s"].values())
+    assert r["speedup"] > 0
+
+
+def test_checkout_ab_refuses_a_folder_that_is_no_checkout(tmp_path):
+    from benchmarks import checkout_ab
+
+    with pytest.raises(SystemExit, match="not a pagedllm source checkout"):
+        checkout_ab.main(["--baseline", str(tmp_path), "--model", "unused"])

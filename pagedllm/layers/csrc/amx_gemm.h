@@ -18,9 +18,11 @@
 // Tiles: up to 16 rows, C0..C3 the 4 column tiles of a 64-column panel (16 rows x 16 float32
 // each), A a 16 x 32 block of x's bf16, B one column tile's k block: per 32 k, one A load and,
 // per column tile, one B load and one tdpbf16ps. More rows: 2 x 2 C tiles (32 rows x 32
-// columns), each panel in two halves. Every tile has 16 rows (zero rows padding a partial
-// block) and sums its k blocks in order, so a row's sums never depend on how many rows share
-// its tile: a row's result does not depend on its batch, as on every path of these kernels. It
+// columns), each panel in two halves. A tile holds the call's rows up to 16 (TileConfig), 16
+// with zero rows padding a partial block past that, and sums its k blocks in order; a row of a
+// tile product is that row of A times B alone, so a row's sums never depend on how many rows
+// share its tile: a row's result does not depend on its batch, as on every path of these
+// kernels. It
 // differs from the float path's by the rounding of x to bf16 (2^-9 relative per activation)
 // and by the tile's order of sums (float32).
 #pragma once
