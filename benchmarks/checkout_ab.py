@@ -7,10 +7,13 @@ once to warm up and then waits. The two then generate the workload in turns (ABB
 whole ``generate()`` each, timed inside the process: on a VM whose speed drifts by 2-3x within
 minutes, only alternating rounds compare like with like, and a change measured as two separate
 runs can look 10-20% better or worse than it is. The waiting process sleeps on a pipe.
-Prints each checkout's median time and the ratio baseline / candidate (> 1: the candidate is
-faster), and whether the two generated the same token ids.
+This is done twice, the second time with fresh processes started in the other order: on the
+2-core Xeon VM the process started second ran 3-9% faster for its whole life (the same checkout
+against itself, the dense and MoE models), so one start order alone can fake or hide a change.
+Prints each checkout's median time over both halves, the ratio baseline / candidate (> 1: the
+candidate is faster) and each half's, and whether all runs generated the same token ids.
 
-    python -m benchmarks.checkout_ab --baseline /tmp/base [--candidate DIR] [--rounds 6]
+    python -m benchmarks.checkout_ab --baseline /tmp/base [--candidate DIR] [--rounds 4]
         [--model-config qwen3-moe-0.5b | --model DIR] [--workload cpu] [--num-requests 8]
         [--dtype bfloat16] [--engine-arg quantization_activations=bfloat16]
 """
@@ -71,12 +74,40 @@ def _start(root: Path, job: dict, workdir: str) -> subprocess.Popen:
     return proc
 
 
+def _alternate(roots: dict[str, Path], start_order: list[str], job: dict, rounds: int,
+               digests: set[str]) -> dict[str, list[float]]:
+    """One process per checkout, started in ``start_order``; ``rounds`` timed generate() calls
+    each, alternating ABBA. Returns the times per checkout; adds the ids' digests."""
+    times: dict[str, list[float]] = {name: [] for name in roots}
+    with tempfile.TemporaryDirectory() as workdir:
+        procs = {}
+        try:
+            for name in start_order:
+                log(f"{name}: {roots[name]}: loading and warming up")
+                procs[name] = _start(roots[name], job, workdir)
+            for r in range(rounds):
+                for name in start_order if r % 2 == 0 else reversed(start_order):
+                    procs[name].stdin.write("go\n")
+                    procs[name].stdin.flush()
+                    seconds, digest = procs[name].stdout.readline().split()
+                    times[name].append(float(seconds))
+                    digests.add(digest)
+                log(f"round {r + 1}/{rounds}: " +
+                    ", ".join(f"{n} {times[n][-1]:.3f} s" for n in start_order))
+        finally:
+            for proc in procs.values():
+                proc.stdin.close()
+                proc.wait(timeout=120)
+    return times
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--baseline", required=True, help="the checkout to compare against")
     parser.add_argument("--candidate", default=str(Path(__file__).resolve().parent.parent),
                         help="the checkout with the change (default: this one)")
-    parser.add_argument("--rounds", type=int, default=6, help="timed generate() calls per checkout")
+    parser.add_argument("--rounds", type=int, default=4,
+                        help="timed generate() calls per checkout and start order")
     add_model_args(parser)
     parser.add_argument("--workload", default="cpu", choices=sorted(WORKLOADS))
     parser.add_argument("--num-requests", type=int, default=None, help="fewer requests than the workload's")
@@ -90,39 +121,27 @@ def main(argv: list[str] | None = None) -> dict:
     job = {"model": model, "kwargs": engine_args(args), "prompts": workload.prompts,
            "output_lens": workload.output_lens}
     times: dict[str, list[float]] = {name: [] for name in roots}
-    digests: dict[str, set[str]] = {name: set() for name in roots}
-    with tempfile.TemporaryDirectory() as workdir:
-        procs = {}
-        try:
-            for name, root in roots.items():
-                log(f"{name}: {root}: loading and warming up")
-                procs[name] = _start(root, job, workdir)
-            for r in range(args.rounds):
-                order = list(roots) if r % 2 == 0 else list(reversed(roots))
-                for name in order:
-                    procs[name].stdin.write("go\n")
-                    procs[name].stdin.flush()
-                    seconds, digest = procs[name].stdout.readline().split()
-                    times[name].append(float(seconds))
-                    digests[name].add(digest)
-                log(f"round {r + 1}/{args.rounds}: " +
-                    ", ".join(f"{n} {times[n][-1]:.3f} s" for n in roots))
-        finally:
-            for proc in procs.values():
-                proc.stdin.close()
-                proc.wait(timeout=120)
+    digests: set[str] = set()
+    halves = []  # the ratio baseline / candidate of each start order
+    for first in ("baseline", "candidate"):
+        order = [first] + [n for n in roots if n != first]
+        half = _alternate(roots, order, job, args.rounds, digests)
+        for name, t in half.items():
+            times[name].extend(t)
+        halves.append(statistics.median(half["baseline"]) / statistics.median(half["candidate"]))
     med = {name: statistics.median(t) for name, t in times.items()}
     ratio = med["baseline"] / med["candidate"]
-    same = len(digests["baseline"] | digests["candidate"]) == 1
+    same = len(digests) == 1
     tokens = sum(workload.output_lens)
     print(f"checkout_ab {args.workload} ({workload.num_requests} req, {tokens} tokens, median of "
-          f"{args.rounds} alternating rounds): baseline {med['baseline']:.3f} s, candidate "
+          f"2 x {args.rounds} alternating rounds): baseline {med['baseline']:.3f} s, candidate "
           f"{med['candidate']:.3f} s, candidate {ratio:.3f}x "
-          f"({tokens / med['baseline']:.1f} -> {tokens / med['candidate']:.1f} tok/s); "
+          f"({tokens / med['baseline']:.1f} -> {tokens / med['candidate']:.1f} tok/s; "
+          f"baseline started first {halves[0]:.3f}x, second {halves[1]:.3f}x); "
           f"same ids: {'yes' if same else 'no'}")
     result = {"baseline": str(roots["baseline"]), "candidate": str(roots["candidate"]),
-              "times_s": times, "median_s": med, "speedup": ratio, "same_ids": same,
-              "num_tokens": tokens}
+              "times_s": times, "median_s": med, "speedup": ratio,
+              "speedup_by_start_order": halves, "same_ids": same, "num_tokens": tokens}
     write_json(args.json, result)
     return result
 

@@ -230,8 +230,8 @@ def test_checkout_ab_alternates_two_checkouts(tiny_model, tmp_path, capsys):
     line = _one_line(capsys, "checkout_ab small")
     r = json.loads(out.read_text())
     assert r["same_ids"] and "same ids: yes" in line
-    assert all(len(t) == 2 and min(t) > 0 for t in r["times_s"].values())
-    assert r["speedup"] > 0
+    assert all(len(t) == 4 and min(t) > 0 for t in r["times_s"].values())  # 2 rounds x 2 orders
+    assert r["speedup"] > 0 and len(r["speedup_by_start_order"]) == 2
 
 
 def test_checkout_ab_refuses_a_folder_that_is_no_checkout(tmp_path):

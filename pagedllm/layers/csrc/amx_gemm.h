@@ -61,11 +61,14 @@ constexpr int64_t kBlockBytes = kTileK / 2 * kPairRowBytes;  // a panel's 32 k: 
 // each walking the panels one by one, wrote y as 128-byte pieces a row apart: at 2,048 rows of
 // 3072x512 the writes took half the time.)
 constexpr int64_t kGroupBytes = 1 << 20;
-// Up to 16 rows (decode steps, bound by the weights' stream) the tile steps prefetch the
-// weights this many k blocks (4 KiB each) ahead: one tile load waits for 16 lines of a cold
-// stream at once, and the prefetches keep the next ones in flight. Measured on a MoE layer's
-// experts alone (16 cold bf16 layers, 1-8 tokens, 2 Sapphire Rapids class cores), with the
-// stream loads and the tile rows below: 1.03-1.05x at 4 blocks ahead, even at 8, 0.9x at 16.
+// The first pass over a panel (its first 16 or 32 rows' tile steps: a whole decode step's)
+// prefetches the weights this many k blocks (4 KiB each) ahead: one tile load waits for 16
+// lines of a cold stream at once, and the prefetches keep the next ones in flight. Measured on
+// a MoE layer's experts alone (16 cold bf16 layers, 1-8 tokens, 2 Sapphire Rapids class cores),
+// with the stream loads and the tile rows below: 1.03-1.05x at 4 blocks ahead, even at 8, 0.9x
+// at 16. In the 32-row pass too: the dense bf16 engine at 32 requests 1.066x
+// (benchmarks/checkout_ab.py, 1.074x and 1.058x by start order). Two panels' streams at once
+// (2 C tiles each, in two passes) in place of the prefetches: 0.65-0.8x; with them: 0.93-0.97x.
 constexpr int64_t kPrefetchBlocks = 4;
 
 // Linux hands out AMX's tile state only to a process that asks (arch_prctl
@@ -251,8 +254,13 @@ inline void panels_run(const uint16_t* w, int64_t K, const Bf16Tiles& x, int64_t
             _tile_zero(1);
             _tile_zero(2);
             _tile_zero(3);
-            for (int64_t b = 0; b < full_blocks + partial; ++b)
+            for (int64_t b = 0; b < full_blocks + partial; ++b) {
+              if (m0 == 0 && half == 0) {  // (the second half reads the block from L1/L2)
+                const char* ahead = panel + (b + kPrefetchBlocks) * kBlockBytes;
+                for (int64_t l = 0; l < kBlockBytes; l += 64) _mm_prefetch(ahead + l, _MM_HINT_T0);
+              }
               rows32_step(x.tile(rb, b), x.tile(rb + 1, b), block(b) + half * 2 * kColTile * 4);
+            }
             float* oh = out + half * 2 * kColTile;
             _tile_stored(0, oh, ldb);
             _tile_stored(1, oh + kColTile, ldb);
