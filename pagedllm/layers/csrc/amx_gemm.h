@@ -147,6 +147,13 @@ inline Bf16Tiles round_rows(const In* xp, int64_t K, const std::vector<int64_t>&
   return t;
 }
 
+// The k block kPrefetchBlocks after block b of ``panel`` into L1 (past the thread's last panel:
+// harmless, a prefetch never faults).
+inline void prefetch_ahead(const char* panel, int64_t b) {
+  const char* ahead = panel + (b + kPrefetchBlocks) * kBlockBytes;
+  for (int64_t l = 0; l < kBlockBytes; l += 64) _mm_prefetch(ahead + l, _MM_HINT_T0);
+}
+
 // One tile step over k block b: C (tiles 0-3) += A (tile 4 from ``a``) x B (the panel's 4
 // column tiles from ``blk``, through tiles 5-6): 16 rows x 64 columns. B is read with the
 // streaming hint: each weight is used by one tile product per pass and should not evict x's
@@ -255,10 +262,7 @@ inline void panels_run(const uint16_t* w, int64_t K, const Bf16Tiles& x, int64_t
             _tile_zero(2);
             _tile_zero(3);
             for (int64_t b = 0; b < full_blocks + partial; ++b) {
-              if (m0 == 0 && half == 0) {  // (the second half reads the block from L1/L2)
-                const char* ahead = panel + (b + kPrefetchBlocks) * kBlockBytes;
-                for (int64_t l = 0; l < kBlockBytes; l += 64) _mm_prefetch(ahead + l, _MM_HINT_T0);
-              }
+              if (m0 == 0 && half == 0) prefetch_ahead(panel, b);  // (half 1: from L1/L2)
               rows32_step(x.tile(rb, b), x.tile(rb + 1, b), block(b) + half * 2 * kColTile * 4);
             }
             float* oh = out + half * 2 * kColTile;
@@ -273,9 +277,7 @@ inline void panels_run(const uint16_t* w, int64_t K, const Bf16Tiles& x, int64_t
           _tile_zero(2);
           _tile_zero(3);
           for (int64_t b = 0; b < full_blocks + partial; ++b) {
-            // (past the thread's last panel: harmless, a prefetch never faults)
-            const char* ahead = panel + (b + kPrefetchBlocks) * kBlockBytes;
-            for (int64_t l = 0; l < kBlockBytes; l += 64) _mm_prefetch(ahead + l, _MM_HINT_T0);
+            prefetch_ahead(panel, b);
             rows16_step(x.tile(rb, b), block(b));
           }
           _tile_stored(0, out + 0 * kColTile, ldb);

@@ -372,24 +372,21 @@ Groups check_groups(int64_t P, int64_t K, const std::optional<at::Tensor>& scale
                 group_size, G};
 }
 
-// Which weight x's rows meet: one weight, every row (quant_linear: threads over its panels,
-// skinny::panels_gemm); or, ``grouped``, one weight per expert, each over its own rows
-// (``rows``), the (expert, panel) items split by cost in one parallel region on either path
-// (skinny::split_grouped_panels). A grouped call's tensors hold the experts' weights along a
-// leading dim; the Source or int8gemm::Panels of expert e points at its part.
+// Which weight x's rows meet: one weight, every row (quant_linear: one group of all the rows);
+// or, ``grouped``, one weight per expert, each over its own rows (``rows``). Either way the
+// (expert, panel) items are split by cost in one parallel region (skinny::split_grouped_panels).
+// A grouped call's tensors hold the experts' weights along a leading dim; the Source or
+// int8gemm::Panels of expert e points at its part.
 struct Experts {
   bool grouped;
-  skinny::RowGroups rows;  // grouped only
+  skinny::RowGroups rows;
 };
 
 // The float path over ``source(e)``, expert e's weight (a single weight: e = 0).
 template <class SourceOf>
-void float_gemm(const float* xp, int64_t M, int64_t K, const Experts& ex, const SourceOf& source,
-                int64_t N, int64_t P, float* yp) {
-  if (ex.grouped)
-    skinny::grouped_panels_gemm(xp, K, ex.rows.start, ex.rows.rows, source, N, P, yp);
-  else
-    skinny::panels_gemm(xp, M, K, source(0), N, P, yp);
+void float_gemm(const float* xp, int64_t K, const Experts& ex, const SourceOf& source, int64_t N,
+                int64_t P, float* yp) {
+  skinny::grouped_panels_gemm(xp, K, ex.rows.start, ex.rows.rows, source, N, P, yp);
 }
 
 // The float path over q8/q4/q5 quad panels, or with ``int8`` (and a group size of a multiple of
@@ -426,7 +423,7 @@ void quad_panels_gemm(const float* xp, int64_t M, int64_t K, const Experts& ex,
   const auto source = [&](int64_t e) {
     return Source{codes + e * expert_bytes, K4, g.expert(e, P)};
   };
-  float_gemm(xp, M, K, ex, source, N, P, yp);
+  float_gemm(xp, K, ex, source, N, P, yp);
 }
 
 // bf16 panels (VNNI layout) times x rounded to bf16 on AMX tiles (amx_gemm.h): x float32 or
@@ -438,8 +435,7 @@ void amx_gemm(const In* xp, int64_t M, int64_t K, const Experts& ex, const uint1
 #if defined(PAGEDLLM_AMX)
   TORCH_CHECK(amx::permitted(), "the kernel refused AMX: Linux did not grant this process the "
               "tile state (arch_prctl ARCH_REQ_XCOMP_PERM)");
-  // one weight: one group of all the rows
-  const skinny::RowGroups r = ex.grouped ? ex.rows : skinny::RowGroups{{0}, {M}};
+  const skinny::RowGroups& r = ex.rows;
   const amx::Bf16Tiles xb = amx::round_rows(xp, K, r.start, r.rows);
   skinny::split_grouped_panels(r.rows, P, [&](int64_t e, int64_t p0, int64_t p1) {
     amx::panels_run(codes + e * expert_elems, K, xb, e, r.rows[e], N, yp + r.start[e] * N, p0,
@@ -493,7 +489,8 @@ at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& codes,
                                              : kPanel;
   const skinny::PanelCall call = skinny::begin_panel_call(
       x, grouped ? codes.select(0, 0) : codes, width, out_features, quads ? 4 : amx ? 2 : 1, amx);
-  const Experts ex{grouped, grouped ? skinny::row_groups(*counts, call.M) : skinny::RowGroups{}};
+  const Experts ex{grouped, grouped ? skinny::row_groups(*counts, call.M)
+                                       : skinny::RowGroups{{0}, {call.M}}};
   if (call.done) return call.y;
   const int64_t M = call.M, K = call.K, N = call.N, P = call.P;
   const bool bf16_x = call.x.scalar_type() == at::kBFloat16;  // the AMX path only
@@ -519,10 +516,10 @@ at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& codes,
         break;
       }
       if (dtype == at::kBFloat16)
-        float_gemm(xp, M, K, ex, [&](int64_t e) { return HalfPanels<true>{h + e * stride, K}; },
+        float_gemm(xp, K, ex, [&](int64_t e) { return HalfPanels<true>{h + e * stride, K}; },
                    N, P, yp);
       else
-        float_gemm(xp, M, K, ex, [&](int64_t e) { return HalfPanels<false>{h + e * stride, K}; },
+        float_gemm(xp, K, ex, [&](int64_t e) { return HalfPanels<false>{h + e * stride, K}; },
                    N, P, yp);
       break;
     }

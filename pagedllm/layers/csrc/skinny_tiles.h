@@ -390,20 +390,8 @@ void split_grouped_panels(const std::vector<int64_t>& rows, int64_t P, const Run
   });
 }
 
-// y [M, N] = x [M, K] W^T for W held as P panels by ``src``. Threads take contiguous runs of
-// panels (split_grouped_panels, one group): each streams its own part of the weights. Rows go
-// in chunks, each over all of the run's panels (one chunk at decode sizes); the tile by the row
-// count.
-template <class Source>
-void panels_gemm(const float* xp, int64_t M, int64_t K, const Source& src, int64_t N, int64_t P,
-                 float* yp) {
-  split_grouped_panels({M}, P, [&](int64_t, int64_t p0, int64_t p1) {
-    panels_run(xp, M, K, src, N, yp, p0, p1);
-  });
-}
-
-// The grouped walk over the float tiles: group g's weight is ``source(g)``, its rows computed
-// by ``panels_run`` as ``panels_gemm`` would.
+// The walk over the float tiles: group g's weight is ``source(g)``, its rows computed by
+// ``panels_run``, the tile chosen by the group's row count.
 template <class SourceOf>
 void grouped_panels_gemm(const float* xp, int64_t K, const std::vector<int64_t>& start,
                          const std::vector<int64_t>& rows, const SourceOf& source, int64_t N,
@@ -411,6 +399,15 @@ void grouped_panels_gemm(const float* xp, int64_t K, const std::vector<int64_t>&
   split_grouped_panels(rows, P, [&](int64_t g, int64_t p0, int64_t p1) {
     panels_run(xp + start[g] * K, rows[g], K, source(g), N, yp + start[g] * N, p0, p1);
   });
+}
+
+// y [M, N] = x [M, K] W^T for W held as P panels by ``src``: the grouped walk over one group of
+// all the rows. Rows go in chunks, each over all of a thread's run of panels (one chunk at
+// decode sizes); the tile by the row count.
+template <class Source>
+void panels_gemm(const float* xp, int64_t M, int64_t K, const Source& src, int64_t N, int64_t P,
+                 float* yp) {
+  grouped_panels_gemm(xp, K, {0}, {M}, [&](int64_t) { return src; }, N, P, yp);
 }
 
 // x's M rows of a grouped call by group: ``counts[g]`` consecutive rows for group g, the groups
