@@ -89,6 +89,7 @@ constexpr int64_t kPrefetchRows = 32;
 // has no pairs: a panel row is 8 ymm there, two panels' would be 16 accumulators, every register.
 constexpr int64_t kPairRows = kTileAcc / (2 * (kPanel / kW));
 constexpr int64_t kPairedRows = kPairRows > 0 ? 6 : 0;
+
 constexpr int64_t kPrefetchFloats = kBlockK * kPanel;
 constexpr int64_t kLineFloats = 16;         // a 64-byte cache line
 // Rows per chunk. A panel is walked once per chunk, so a chunk's rows of x (<= 120 x K floats)
@@ -243,21 +244,24 @@ inline const float* convert_block(const Source& src, int64_t p, int64_t k0, int6
   return buf;
 }
 
-// One row times panel p's k block, the weights converted in registers (no block buffer): a
-// single row uses each converted value once, so storing it to L1 and loading it back would be
-// half the work. A group's scales and offsets stay in registers across its k, so a scaled
-// format's panel row goes in parts of kPart vectors (AVX2: two halves; 4 accumulators + 8
-// scales and offsets); an unscaled one (bf16/fp16) goes whole, kRowVecs independent sums.
-// Bit for bit the tiles' result on convert_block's floats: the same values (``value``), summed
-// per column from zero over the block in k order, then added to c.
-template <class Source>
+// One row times the k block of NP neighbouring panels p.. (c_j = c + j * c_stride), the weights
+// converted in registers (no block buffer): a single row uses each converted value once, so
+// storing it to L1 and loading it back would be half the work. A group's scales and offsets
+// stay in registers across its k, so a scaled format's panel row goes in parts of kPart vectors
+// (AVX2: two halves; 4 accumulators + 8 scales and offsets); an unscaled one (bf16/fp16) goes
+// whole, kRowVecs independent sums. Two panels at once are two weight streams, as the float32
+// pairs (panels_times_x). Bit for bit the tiles' result on convert_block's floats: the same
+// values (``value``), summed per column from zero over the block in k order, then added to c.
+template <class Source, int NP = 1>
 inline void row_times_block(const float* __restrict x, const Source& src, int64_t p, int64_t k0,
-                            int64_t kl, float* __restrict c) {
+                            int64_t kl, float* __restrict c, int64_t c_stride = 0) {
   constexpr int kPart = kRowVecs < 4 || !Source::kScaled ? kRowVecs : 4;
   for (int v0 = 0; v0 < kRowVecs; v0 += kPart) {
-    vfloat acc[kPart], s[kPart], o[kPart];
+    vfloat acc[NP][kPart], s[NP][kPart], o[NP][kPart];
+#pragma GCC unroll 2
+    for (int j = 0; j < NP; ++j)
 #pragma GCC unroll 8
-    for (int v = 0; v < kPart; ++v) acc[v] = s[v] = o[v] = vfloat{};
+      for (int v = 0; v < kPart; ++v) acc[j][v] = s[j][v] = o[j][v] = vfloat{};
     if constexpr (Source::kQuads) {
       // A quad's 4 k from one load, in the same k order per column; groups start at quads
       // (a multiple of 4 k; others take the row-by-row loop below).
@@ -265,56 +269,86 @@ inline void row_times_block(const float* __restrict x, const Source& src, int64_
         for (int64_t k = k0; k < k0 + kl; k += 4) {
           const int rows = int(std::min<int64_t>(4, k0 + kl - k));  // < 4: the end of K
           if (v0 == 0)
-            for (int j = 0; j < rows; ++j) prefetch_next_block(src, p, k + j);
+            for (int j = 0; j < NP; ++j)
+              for (int i = 0; i < rows; ++i) prefetch_next_block(src, p + j, k + i);
           if (k == k0 || k % src.group_size() == 0) {
+#pragma GCC unroll 2
+            for (int j = 0; j < NP; ++j)
 #pragma GCC unroll 4
-            for (int v = 0; v < kPart; ++v) {
-              s[v] = load(src.scale_row(p, k) + (v0 + v) * kW);
-              if constexpr (Source::kOffset) o[v] = load(src.offset_row(p, k) + (v0 + v) * kW);
-            }
+              for (int v = 0; v < kPart; ++v) {
+                s[j][v] = load(src.scale_row(p + j, k) + (v0 + v) * kW);
+                if constexpr (Source::kOffset)
+                  o[j][v] = load(src.offset_row(p + j, k) + (v0 + v) * kW);
+              }
           }
           const float* a = x + (k - k0);
+#pragma GCC unroll 2
+          for (int j = 0; j < NP; ++j)
+#pragma GCC unroll 4
+            for (int v = 0; v < kPart; ++v) {
+              vfloat f[4];
+              src.quad(p + j, k / 4, v0 + v, f);
+              if (rows == 4) {
+#pragma GCC unroll 4
+                for (int i = 0; i < 4; ++i)
+                  acc[j][v] += a[i] * value_of<Source>(f[i], s[j][v], o[j][v]);
+              } else {
+                for (int i = 0; i < rows; ++i)
+                  acc[j][v] += a[i] * value_of<Source>(f[i], s[j][v], o[j][v]);
+              }
+            }
+        }
+#pragma GCC unroll 2
+        for (int j = 0; j < NP; ++j)
 #pragma GCC unroll 4
           for (int v = 0; v < kPart; ++v) {
-            vfloat f[4];
-            src.quad(p, k / 4, v0 + v, f);
-            if (rows == 4) {
-#pragma GCC unroll 4
-              for (int j = 0; j < 4; ++j) acc[v] += a[j] * value_of<Source>(f[j], s[v], o[v]);
-            } else {
-              for (int j = 0; j < rows; ++j) acc[v] += a[j] * value_of<Source>(f[j], s[v], o[v]);
-            }
+            float* dst = c + j * c_stride + (v0 + v) * kW;
+            store(dst, k0 == 0 ? acc[j][v] : load(dst) + acc[j][v]);
           }
-        }
-#pragma GCC unroll 4
-        for (int v = 0; v < kPart; ++v) {
-          float* dst = c + (v0 + v) * kW;
-          store(dst, k0 == 0 ? acc[v] : load(dst) + acc[v]);
-        }
         continue;
       }
     }
     for (int64_t k = k0; k < k0 + kl; ++k) {
-      if (v0 == 0) prefetch_next_block(src, p, k);
+      if (v0 == 0)
+        for (int j = 0; j < NP; ++j) prefetch_next_block(src, p + j, k);
       if constexpr (Source::kScaled) {
         if (k == k0 || k % src.group_size() == 0) {  // a new group: its scales (and offsets)
+#pragma GCC unroll 2
+          for (int j = 0; j < NP; ++j)
 #pragma GCC unroll 4
-          for (int v = 0; v < kPart; ++v) {
-            s[v] = load(src.scale_row(p, k) + (v0 + v) * kW);
-            if constexpr (Source::kOffset) o[v] = load(src.offset_row(p, k) + (v0 + v) * kW);
-          }
+            for (int v = 0; v < kPart; ++v) {
+              s[j][v] = load(src.scale_row(p + j, k) + (v0 + v) * kW);
+              if constexpr (Source::kOffset)
+                o[j][v] = load(src.offset_row(p + j, k) + (v0 + v) * kW);
+            }
         }
       }
       const float a = x[k - k0];
+#pragma GCC unroll 2
+      for (int j = 0; j < NP; ++j)
 #pragma GCC unroll 8
-      for (int v = 0; v < kPart; ++v) acc[v] += a * value(src, p, k, v0 + v, s[v], o[v]);
+        for (int v = 0; v < kPart; ++v) acc[j][v] += a * value(src, p + j, k, v0 + v, s[j][v], o[j][v]);
     }
+#pragma GCC unroll 2
+    for (int j = 0; j < NP; ++j)
 #pragma GCC unroll 8
-    for (int v = 0; v < kPart; ++v) {
-      float* dst = c + (v0 + v) * kW;
-      store(dst, k0 == 0 ? acc[v] : load(dst) + acc[v]);
-    }
+      for (int v = 0; v < kPart; ++v) {
+        float* dst = c + j * c_stride + (v0 + v) * kW;
+        store(dst, k0 == 0 ? acc[j][v] : load(dst) + acc[j][v]);
+      }
   }
+}
+
+// Whether a chunk of ``rows`` rows goes over the panels in pairs: float32 panels up to
+// kPairedRows rows (the tiles), another format at one row where its Source says so
+// (``kPairedRow``, row_times_block). At one row, two panels' streams against one (2 Sapphire
+// Rapids class cores, cold 4096 x 4096 and 1024 x 3072 weights, native / v3 build): bf16
+// 1.12 / 1.19-1.32x and 1.08-1.12 / 1.14-1.22x, q8 1.15-1.23 / 1.14x and 1.03-1.18 / 1.07x;
+// q4 0.75-0.84x, so not there.
+template <class Source>
+constexpr bool in_pairs(int64_t rows) {
+  if constexpr (Source::kInPlace) return rows <= kPairedRows;
+  else return Source::kPairedRow && rows == 1;
 }
 
 // y[0:M, panels p0..p1) for one tile shape: V vectors per tile (a panel row in kPanel / (V * kW)
@@ -333,7 +367,7 @@ void panels_times_x(const float* xp, int64_t M, int64_t K, const Source& src, in
   for (int64_t r0 = 0; r0 < M; r0 += CHUNK) {
     const int64_t rows = std::min(CHUNK, M - r0);
     const float* xr = xp + r0 * K;
-    const bool pairs = Source::kInPlace && rows <= kPairedRows;
+    const bool pairs = in_pairs<Source>(rows);
     for (int64_t p = p0, np = 1; p < p1; p += np) {
       np = pairs && p + 1 < p1 ? 2 : 1;
       for (int64_t k0 = 0; k0 < K; k0 += kBlockK) {
@@ -358,6 +392,8 @@ void panels_times_x(const float* xp, int64_t M, int64_t K, const Source& src, in
               tile_rows<1, V>(std::min(TILE, rows - m0), k0 == 0, m0 < kPrefetchRows,
                               xr + m0 * K + k0, K, w, kl, cm);
             }
+        } else if (rows == 1 && np == 2) {
+          row_times_block<Source, 2>(xr + k0, src, p, k0, kl, c.data(), c1 - c.data());
         } else if (rows == 1) {
           row_times_block(xr + k0, src, p, k0, kl, c.data());
         } else {
