@@ -125,7 +125,8 @@ def _cflags(isa: str) -> list[str]:
     return [*_COMMON_CFLAGS, f"-march={march}", f"-DPAGEDLLM_NS={op_namespace(isa)}"]
 
 
-def _build_tag(isa: str) -> str:
+def build_tag(isa: str = "native") -> str:
+    """A hash of the sources, flags (and for "native" this CPU's features) of a build: its name."""
     digest = hashlib.sha1(" ".join(sorted(cpu_flags())).encode() if isa == "native" else b"")
     digest.update(" ".join(_cflags(isa) + _LDFLAGS).encode())
     for path in sorted(CSRC.iterdir()):
@@ -160,7 +161,7 @@ def _build(isa: str) -> Any:
     if shutil.which(compiler) is None:
         raise RuntimeError(f"no C++ compiler ({compiler!r} is not on PATH)")
     _ensure_ninja_on_path()
-    name = f"pagedllm_cpu_{isa}_{_build_tag(isa)}"
+    name = f"pagedllm_cpu_{isa}_{build_tag(isa)}"
     build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
     # An flock, released by the OS even if the process dies: parallel pytest workers build once,
     # one after the other. torch's own lock file is a plain file a killed build leaves behind

@@ -42,6 +42,7 @@ from collections.abc import Callable
 import torch
 
 from pagedllm.config import env_flag
+from pagedllm.layers.cpu_extension import build_tag
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +65,24 @@ def compile_disabled_reason(enforce_eager: bool | None, device: torch.device) ->
     else:
         return f"no compiled mode on {device.type}"
     return None
+
+
+def use_own_inductor_cache() -> str:
+    """Point inductor's cache at a folder of this version of pagedllm's kernels (unless the user
+    chose one with TORCHINDUCTOR_CACHE_DIR) and return it. Inductor's FX graph cache keys a
+    graph by its code, not by the schemas of the custom ops it calls: after an argument of
+    ``pagedllm::quant_linear`` was renamed, a graph that an older checkout had cached on the same
+    machine was hit and its generated code called the op by the old name, and every compiled
+    step failed ("Unknown keyword argument 'int8_activations'"). The ops' schemas live in the
+    kernels' sources, so a folder per build tag keeps graphs apart across versions (vLLM keeps
+    its compile cache by a hash of its code for the same reason)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    default = os.path.abspath(default_cache_dir())
+    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if chosen is None or os.path.abspath(chosen) == default:  # unset, or torch's own default
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(default, f"pagedllm-{build_tag()}")
+    return os.environ["TORCHINDUCTOR_CACHE_DIR"]
 
 
 def _mark_tokens_unbacked(*tensors: torch.Tensor) -> None:
@@ -91,6 +110,7 @@ class CompiledForward:
         # (attention, the packed linears) against its fake implementation on every call, ~1%
         # of a decode step of the 58M model; tests/runner/test_compile.py holds the compiled
         # outputs to the eager ones instead.
+        use_own_inductor_cache()
         self._forward: Callable[..., torch.Tensor] = torch.compile(
             model.forward, fullgraph=True, dynamic=False,
             options={"size_asserts": False, "alignment_asserts": False})

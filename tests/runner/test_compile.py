@@ -186,3 +186,19 @@ def test_paged_attention_kernel_is_opaque_to_dynamo():
                                                                       qsl, seq_lens)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1
+
+
+def test_inductor_cache_is_a_folder_per_kernel_build(monkeypatch, tmp_path):
+    """Inductor's graph cache does not key on the custom ops' schemas: a graph cached by another
+    version of the kernels must never be hit (its code may call an op by old argument names)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from pagedllm.layers.cpu_extension import build_tag
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    default = os.path.abspath(default_cache_dir())
+    assert compile_mod.use_own_inductor_cache() == os.path.join(default, f"pagedllm-{build_tag()}")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default)  # torch's own default: replaced too
+    assert compile_mod.use_own_inductor_cache().startswith(os.path.join(default, "pagedllm-"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # the user's choice: kept
+    assert compile_mod.use_own_inductor_cache() == str(tmp_path)
