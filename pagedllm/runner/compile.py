@@ -27,7 +27,7 @@ prefill.
 (Before the linears were opaque ops, inductor lowered them to plain sgemm, which re-packs the
 weight every call: decode was 0.45-0.59x as fast compiled, and CPU defaulted to eager.) The
 startup compile takes 15-40 s with a cold inductor cache and 7-8 s with a warm one (it lives in
-the user's temp directory, as torch's default).
+a folder per build of the kernels under torch's default, ``use_own_inductor_cache``).
 """
 from __future__ import annotations
 
