@@ -199,7 +199,7 @@ constexpr int kManyR = 4, kManyU = 1;
 #endif
 // One row goes over two panels at once where their accumulators (2 x kUnits x 2) fit in 8
 // registers: AVX-512 (see panels_run).
-constexpr bool kPairedRow = 2 * kUnits * 2 <= 8;
+constexpr bool kRowInPairs = 2 * kUnits * 2 <= 8;
 constexpr int64_t kBlockK = 256;       // k per block: its codes (<= 16 KiB) stay in L1 across tiles
 constexpr int64_t kChunkRows = 64;     // rows per chunk: their codes stay in L2 across panels
 constexpr int64_t kPrefetchQuads = 16; // the first tile prefetches the stream this far ahead
@@ -339,23 +339,24 @@ void panels_run(const Panels& w, const QuantizedRows& x, int64_t row0, int64_t M
   // outputs of the second after the first's. One row of a 4096 x 4096 weight (2 Sapphire
   // Rapids class cores, VNNI): q8 1.12-1.24x, q4 1.05-1.08x, q5 1.07-1.10x one panel at a
   // time; the pairs without the prefetch 0.97-1.09x. Smaller weights (1024 x 3072) even.
-  // AVX-512 only (kPairedRow): AVX2's pair would hold 16 accumulators, every ymm register; its
+  // AVX-512 only (kRowInPairs): AVX2's pair would hold 16 accumulators, every ymm register; its
   // build on the same CPU gave q8 1.08-1.16x but q4 0.93-1.06x.
+  // The outputs of the panels in hand, each panel's rows after the previous panel's.
   std::vector<float> c(std::max<int64_t>(2, std::min(M, kChunkRows)) * kPanel);
   for (int64_t r0 = 0; r0 < M; r0 += kChunkRows) {
     const int64_t rows = std::min(kChunkRows, M - r0);
     for (int64_t p = p0, np = 1; p < p1; p += np) {
-      np = kPairedRow && rows == 1 && p + 1 < p1 ? 2 : 1;
-      std::fill(c.begin(), c.begin() + std::max(rows, np) * kPanel, 0.f);
+      np = kRowInPairs && rows == 1 && p + 1 < p1 ? 2 : 1;
+      std::fill(c.begin(), c.begin() + np * rows * kPanel, 0.f);
       for (int64_t k0 = 0; k0 < x.K; k0 += kBlockK) {
         const int64_t kl = std::min(kBlockK, x.K - k0);
-        if constexpr (kPairedRow) {
-          if (np == 2) {
-            tile<C, OFFSET, 1, kUnits, 2>(w, x, row0 + r0, p, 0, k0, kl, c.data(), true, kPanel);
-            continue;
-          }
-        }
         if (rows == 1) {
+          if constexpr (kRowInPairs) {
+            if (np == 2) {
+              tile<C, OFFSET, 1, kUnits, 2>(w, x, row0 + r0, p, 0, k0, kl, c.data(), true, kPanel);
+              continue;
+            }
+          }
           tile<C, OFFSET, 1, kUnits>(w, x, row0 + r0, p, 0, k0, kl, c.data(), true);
           continue;
         }
@@ -364,10 +365,10 @@ void panels_run(const Panels& w, const QuantizedRows& x, int64_t row0, int64_t M
             tile_rows<C, OFFSET>(std::min<int64_t>(kManyR, rows - m0), w, x, row0 + r0 + m0, p,
                                   u0, k0, kl, c.data() + m0 * kPanel, m0 == 0 && u0 == 0);
       }
-      for (int64_t j = 0; j < np; ++j) {  // np == 2: one row, panel p + 1's after p's
+      for (int64_t j = 0; j < np; ++j) {  // panel p + j's outputs into y
         const int64_t cols = std::min(kPanel, N - (p + j) * kPanel);
         for (int64_t m = 0; m < rows; ++m)
-          std::memcpy(yp + (r0 + m) * N + (p + j) * kPanel, c.data() + (j + m) * kPanel,
+          std::memcpy(yp + (r0 + m) * N + (p + j) * kPanel, c.data() + (j * rows + m) * kPanel,
                       cols * sizeof(float));
       }
     }

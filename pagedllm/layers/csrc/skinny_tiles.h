@@ -392,10 +392,9 @@ void panels_times_x(const float* xp, int64_t M, int64_t K, const Source& src, in
               tile_rows<1, V>(std::min(TILE, rows - m0), k0 == 0, m0 < kPrefetchRows,
                               xr + m0 * K + k0, K, w, kl, cm);
             }
-        } else if (rows == 1 && np == 2) {
-          row_times_block<Source, 2>(xr + k0, src, p, k0, kl, c.data(), c1 - c.data());
         } else if (rows == 1) {
-          row_times_block(xr + k0, src, p, k0, kl, c.data());
+          np == 2 ? row_times_block<Source, 2>(xr + k0, src, p, k0, kl, c.data(), c1 - c.data())
+                  : row_times_block<Source, 1>(xr + k0, src, p, k0, kl, c.data());
         } else {
           const float* block = convert_block(src, p, k0, kl, buf);
           for (int64_t col = 0; col < kPanel; col += V * kW)
