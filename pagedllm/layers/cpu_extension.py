@@ -145,9 +145,30 @@ def _ensure_ninja_on_path() -> None:
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
-def _build(isa: str) -> Any:
+def build_library(name: str, sources: list[Path], cflags: list[str], ldflags: list[str]) -> str:
+    """Compile ``sources`` into the shared library ``name`` in torch's extension cache (once per
+    machine: a later process finds it built) and load it; its path. Raises RuntimeError when
+    there is no compiler, or the compiler's error."""
     from torch.utils import cpp_extension
 
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        raise RuntimeError(f"no C++ compiler ({compiler!r} is not on PATH)")
+    _ensure_ninja_on_path()
+    build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
+    # An flock, released by the OS even if the process dies: parallel pytest workers build once,
+    # one after the other. torch's own lock file is a plain file a killed build leaves behind
+    # (every later build would wait on it forever); under our lock nobody else is building, so
+    # a leftover one is stale.
+    with open(build_dir / "pagedllm.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        (build_dir / "lock").unlink(missing_ok=True)
+        return cpp_extension.load(name, sources=[str(p) for p in sources], extra_cflags=cflags,
+                                  extra_ldflags=ldflags, build_directory=str(build_dir),
+                                  is_python_module=False, verbose=False)
+
+
+def _build(isa: str) -> Any:
     namespace = op_namespace(isa)
     ops = getattr(torch.ops, namespace)
     if all(hasattr(ops, op) for op in OPS):
@@ -157,22 +178,7 @@ def _build(isa: str) -> Any:
     if not can_run(isa):
         raise RuntimeError(f"this CPU cannot run x86-64-{isa} code")
 
-    compiler = os.environ.get("CXX", "c++")
-    if shutil.which(compiler) is None:
-        raise RuntimeError(f"no C++ compiler ({compiler!r} is not on PATH)")
-    _ensure_ninja_on_path()
-    name = f"pagedllm_cpu_{isa}_{build_tag(isa)}"
-    build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
-    # An flock, released by the OS even if the process dies: parallel pytest workers build once,
-    # one after the other. torch's own lock file is a plain file a killed build leaves behind
-    # (every later build would wait on it forever); under our lock nobody else is building, so
-    # a leftover one is stale.
-    with open(build_dir / "pagedllm.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        (build_dir / "lock").unlink(missing_ok=True)
-        cpp_extension.load(name, sources=[str(p) for p in SOURCES], extra_cflags=_cflags(isa),
-                           extra_ldflags=_LDFLAGS, build_directory=str(build_dir),
-                           is_python_module=False, verbose=False)
+    build_library(f"pagedllm_cpu_{isa}_{build_tag(isa)}", SOURCES, _cflags(isa), _LDFLAGS)
     # The outputs' shapes for dynamo and inductor, so the kernels can sit in a compiled graph as
     # opaque nodes (the model's graph reaches paged_attention through pagedllm::attention,
     # attention/layer.py).
@@ -230,7 +236,7 @@ def compile_sources(isa: str, output_dir: Path, sources: list[Path] | None = Non
                "-o", str(output_dir / f"{source.stem}.o")]
         result = subprocess.run(cmd, capture_output=True, text=True)
         if result.returncode != 0:
-            raise RuntimeError(f"{source.name} for {isa}: " + _first_error_line(
+            raise RuntimeError(f"{source.name} for {isa}: " + first_error_line(
                 RuntimeError(result.stderr)))
 
 
@@ -244,7 +250,7 @@ def load_cpu_ops(isa: str = "native") -> Any | None:
     except Exception as exc:  # any build failure means "use torch's own ops", never a crash
         logger.warning("pagedllm: cannot build the C++ CPU kernels of the cpu_paged attention backend "
                        "and the linears (%s); using the torch attention backend and F.linear "
-                       "instead", _first_error_line(exc))
+                       "instead", first_error_line(exc))
         return None
 
 
@@ -253,7 +259,7 @@ def load_paged_attention_op() -> Callable[..., torch.Tensor] | None:
     return None if ops is None else ops.paged_attention
 
 
-def _first_error_line(exc: Exception) -> str:
+def first_error_line(exc: Exception) -> str:
     """A compiler's log is long; its first diagnostic (``...: error: ...``) says what went
     wrong, else the last line does."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [repr(exc)]

@@ -24,6 +24,7 @@ from pagedllm.layers.linear_kernel import choose_linear_kernels
 from pagedllm.layers.quantization import set_quantization_activations
 from pagedllm.models.loader import load_model
 from pagedllm.runner.compile import maybe_compile
+from pagedllm.runner.frame_chunks import keep_frame_chunks
 from pagedllm.runner.grammar_bitmask import apply_grammar_bitmask
 from pagedllm.runner.input_batch import CachedRequestState, InputBatch, ScheduledRequest
 from pagedllm.runner.kv_cache_groups import group_layers, layer_placement, num_kv_tensors
@@ -76,6 +77,7 @@ class ModelRunner:
                     + f"; this model on {self.device.type} has none: leave it at float32")
         if self.device.type == "cpu":
             _keep_freed_memory()  # after every load-time conversion: what they freed goes back
+        keep_frame_chunks()  # before the first forward: Python's frame stack stays mapped
         # The compiled forward, or None: eager (see runner/compile.py).
         self.compiled = maybe_compile(self.model, mc.enforce_eager, self.device, warmup_tokens=16)
         self.vocab_size = self.model.vocab_size
