@@ -23,6 +23,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("frame_chunks.cpp")
+CFLAGS = ["-O2"]
 
 
 @functools.cache
@@ -33,8 +34,9 @@ def keep_frame_chunks() -> bool:
     from pagedllm.layers.cpu_extension import build_library, first_error_line
 
     try:
-        tag = hashlib.sha1(SOURCE.read_bytes()).hexdigest()[:10]
-        path = build_library(f"pagedllm_frame_chunks_{tag}", [SOURCE], ["-O2"], [])
+        # Named by what it is built from, so a changed source or flag is a new build.
+        tag = hashlib.sha1(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:10]
+        path = build_library(f"pagedllm_frame_chunks_{tag}", [SOURCE], CFLAGS, [])
         ctypes.PyDLL(path).pagedllm_keep_frame_chunks()
     except Exception as exc:  # a missing compiler costs speed, never the engine
         logger.debug("pagedllm: Python's frame stack is mapped and unmapped as CPython does it "
