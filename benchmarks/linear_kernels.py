@@ -3,8 +3,8 @@ the engine's native build and, with ``--isa v3 v4``, built for x86-64-v3 (AVX2) 
 (AVX-512) beside it, against oneDNN's prepacked matmul (what vLLM's CPU path uses) and a plain
 ``F.linear`` (MKL sgemm), on the benchmark model's shapes, at decode and prefill row counts,
 calls interleaved. ``--formats`` adds the kernel over weights held in other formats
-(layers/quantization/: bf16, fp16 panels; q8_0, q4_0 quantized at load; q5_0, GGUF Q5_0's
-blocks in the q5 panels), each timed against the float32 panels' kernel too; their GB/s count
+(layers/quantization/: bf16, fp16 panels; q8_0, q4_0 quantized at load; q5_0 and q6_k, GGUF
+Q5_0's and Q6_K's blocks in the q5 and q6 panels), each timed against the float32 panels' kernel too; their GB/s count
 the bytes the format holds. ``--int8`` adds the block formats with int8-quantized activations
 (csrc/int8_gemm.h), each timed against the same weight's exact (float32-activation) path too;
 ``--amx`` adds bf16 with bf16 activations on AMX tiles (csrc/amx_gemm.h, on CPUs with AMX-BF16),
@@ -17,7 +17,7 @@ rate (what bounds a decode step's linears), each kernel's GFLOP/s (what bounds a
 the faster library's time over each skinny build's (> 1: the kernel is faster).
 
     python -m benchmarks.linear_kernels [--rows 1 8 16 32 64 256 2048] [--rounds 7] [--isa native v3 v4]
-        [--formats bf16 fp16 q8_0 q4_0 q5_0] [--int8] [--amx] [--shapes 4864x896 896x4864]
+        [--formats bf16 fp16 q8_0 q4_0 q5_0 q6_k] [--int8] [--amx] [--shapes 4864x896 896x4864]
         [--threads N] [--cpu-time]
 """
 from __future__ import annotations
@@ -65,7 +65,7 @@ def linear_candidates(n: int, k: int, isas: list[str], seed: int = 0) -> dict[st
 def format_candidates(n: int, k: int, formats: list[str], isas: list[str], seed: int = 0,
                       int8: bool = False, amx: bool = False) -> tuple[dict[str, Callable], dict[str, int]]:
     """name -> x -> x W^T for one random [n, k] weight held in each of ``formats`` ("bf16",
-    "fp16", "q8_0", "q4_0", "q5_0"), per build in ``isas`` ("q8_0 int8 v3": with int8 activations,
+    "fp16", "q8_0", "q4_0", "q5_0", "q6_k"), per build in ``isas`` ("q8_0 int8 v3": with int8 activations,
     when ``int8``; "bf16 amx native": bf16 activations on AMX tiles, and "onednn bf16", torch's
     bf16 F.linear, when ``amx``); and name -> the bytes each reads."""
     import torch
@@ -82,6 +82,8 @@ def format_candidates(n: int, k: int, formats: list[str], isas: list[str], seed:
             qw = QuantizedWeight.from_half(w.to(torch.bfloat16 if fmt == "bf16" else torch.float16))
         elif fmt == "q5_0":
             qw = _q5_0(w)
+        elif fmt == "q6_k":
+            qw = _q6_k(w)
         else:
             qw = quantize_linear(w, fmt)
         for isa in isas:
@@ -118,6 +120,26 @@ def _q5_0(w):
     return QuantizedWeight.from_q5(codes.to(torch.int8), scales, None, 32)
 
 
+def _q6_k(w):
+    """``w`` as GGUF Q6_K super-blocks would hold it (codes -32..31 per group of 16, an int8
+    sub-scale per group and an fp16 d per 256: held as q6 with super-block records)."""
+    import torch
+
+    from pagedllm.layers.quantization import QuantizedWeight
+    from pagedllm.layers.quantization.quantized_weight import GroupScales
+
+    if w.shape[1] % 256:
+        raise SystemExit(f"q6_k takes rows of whole 256-element super-blocks, not {w.shape[1]}")
+    groups = w.view(w.shape[0], -1, 16)
+    scales = groups.abs().amax(-1) / 32  # [n, k / 16]
+    d = (scales.view(w.shape[0], -1, 16).amax(-1) / 127).half()  # [n, k / 256]
+    sub = (scales / d.float().repeat_interleave(16, dim=1).clamp_min(1e-30)).round().clamp(1, 127)
+    exact = d.float().repeat_interleave(16, dim=1) * sub
+    codes = (groups / exact.clamp_min(1e-30)[..., None]).round().clamp(-32, 31).view_as(w)
+    return QuantizedWeight.from_q6(codes.to(torch.int8),
+                                   GroupScales(d.numpy(), sub.to(torch.int8).numpy()), None, 16)
+
+
 def time_interleaved(kernels: dict[str, Callable], x, rounds: int, flush,
                      clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
     """Median seconds per call of each kernel on ``x``, caches flushed before every call, the
@@ -142,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--isa", nargs="+", default=["native"], choices=["native", "v3", "v4"],
                         help="builds of the skinny kernel to measure (those this CPU can run)")
     parser.add_argument("--formats", nargs="*", default=[],
-                        choices=["bf16", "fp16", "q8_0", "q4_0", "q5_0"],
+                        choices=["bf16", "fp16", "q8_0", "q4_0", "q5_0", "q6_k"],
                         help="weight formats to time beside float32 (layers/quantization/)")
     parser.add_argument("--int8", action="store_true",
                         help="time the block formats with int8 activations too (against their "

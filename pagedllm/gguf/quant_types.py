@@ -12,11 +12,13 @@ offset) per group of G consecutive input elements of a row: ``value = code * sca
     Q5_1   32 x 5 bit       q8  G=32  codes 0..31       d              m
     Q4_K   256 = 8 x 32     q4  G=32  codes 0..15       d * sc[j]      -dmin * m[j]
     Q5_K   256 = 8 x 32     q8  G=32  codes 0..31       d * sc[j]      -dmin * m[j]
-    Q6_K   256 = 16 x 16    q8  G=16  codes -32..31     d * sc[j]      none
+    Q6_K   256 = 16 x 16    q6  G=16  codes -32..31     d * sc[j]      none
 
-The products that form scales and offsets are exact in float32 (an fp16 times an integer of at
-most 8 bits), so ``code * scale + offset`` in float32 is bit for bit what ggml's (and the
-``gguf`` package's) dequantization computes. F32, F16 and BF16 stay plain arrays.
+The K-quants' scales and offsets stay as the file holds them, an fp16 per super-block times an
+integer per group (``GroupScales``; the kernels keep them so), the others are the file's fp16.
+The products are exact in float32 (an fp16 times an integer of at most 8 bits), so ``code *
+scale + offset`` in float32 is bit for bit what ggml's (and the ``gguf`` package's)
+dequantization computes. F32, F16 and BF16 stay plain arrays.
 
 All unpacking is vectorised numpy over whole tensors (no Python loop per block).
 """
@@ -26,6 +28,7 @@ import numpy as np
 
 # the unpacked form, shared with the AWQ/GPTQ loaders (layers/quantization/)
 from pagedllm.layers.quantization.quantized_layers import GroupQuant
+from pagedllm.layers.quantization.quantized_weight import GroupScales
 
 # ggml type ids (ggml.h's enum ggml_type), the ones pagedllm reads.
 F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 30
@@ -63,8 +66,15 @@ def unpack(type_id: int, data: np.ndarray, shape: tuple[int, ...]) -> GroupQuant
     # [rows * blocks per row, bytes per block]: the blocks of a row are consecutive
     blocks = np.ascontiguousarray(data).view(np.uint8).reshape(rows * (cols // block), size)
     kind, codes, scales, offsets, group = _UNPACKERS[type_id](blocks)
-    return GroupQuant(kind, codes.reshape(rows, cols), scales.reshape(rows, cols // group),
-                      None if offsets is None else offsets.reshape(rows, cols // group), group)
+    return GroupQuant(kind, codes.reshape(rows, cols), _by_rows(scales, rows),
+                      None if offsets is None else _by_rows(offsets, rows), group)
+
+
+def _by_rows(values: np.ndarray | GroupScales, rows: int) -> GroupScales:
+    """A block type's group floats, [blocks, per block] (plain or GroupScales), as [rows, ...]."""
+    if not isinstance(values, GroupScales):
+        return GroupScales(values.reshape(rows, -1))
+    return GroupScales(values.d.reshape(rows, -1), values.multipliers.reshape(rows, -1))
 
 
 def _float(type_id: int, data: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
@@ -78,8 +88,8 @@ def _float(type_id: int, data: np.ndarray, shape: tuple[int, ...]) -> np.ndarray
 
 
 def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
-    """The fp16 at byte ``start`` of every block, as float32 ``[n, 1]``."""
-    return blocks[:, start:start + 2].copy().view(np.float16).astype(np.float32)
+    """The fp16 at byte ``start`` of every block, ``[n, 1]``."""
+    return blocks[:, start:start + 2].copy().view(np.float16)
 
 
 def _nibbles(packed: np.ndarray, width: int) -> np.ndarray:
@@ -98,7 +108,7 @@ def _q8_0(blocks):
 def _q4_0(blocks):
     d = _f16(blocks, 0)
     codes = _nibbles(blocks[:, 2:], 16)
-    return "q4", codes, d, d * np.float32(-8), 32
+    return "q4", codes, d, d.astype(np.float32) * np.float32(-8), 32
 
 
 def _q4_1(blocks):
@@ -133,13 +143,15 @@ def _k_scales_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     first, second, low = packed[:, 0:4], packed[:, 4:8], packed[:, 8:12]
     scales = np.concatenate((first & 0x3F, (low & 0x0F) | ((first >> 6) << 4)), axis=1)
     mins = np.concatenate((second & 0x3F, (low >> 4) | ((second >> 6) << 4)), axis=1)
-    return scales.astype(np.float32), mins.astype(np.float32)
+    return scales.astype(np.int8), mins.astype(np.int8)  # 0..63
 
 
 def _k_scale_offset(blocks):
+    """Scales d * sc[j] and offsets -dmin * m[j] of a Q4_K/Q5_K super-block, as the file holds
+    them (an fp16 and eight 6-bit multipliers each)."""
     d, dmin = _f16(blocks, 0), _f16(blocks, 2)
     sc, m = _k_scales_mins(blocks[:, 4:16])
-    return d * sc, -(dmin * m)  # [n, 8] each, exact products
+    return GroupScales(d, sc), GroupScales(-dmin, m)
 
 
 def _q4_k(blocks):
@@ -161,8 +173,7 @@ def _q5_k(blocks):
 
 def _q6_k(blocks):
     n = blocks.shape[0]
-    d = _f16(blocks, 208)
-    scales = d * blocks[:, 192:208].view(np.int8).astype(np.float32)  # [n, 16]
+    scales = GroupScales(_f16(blocks, 208), blocks[:, 192:208].view(np.int8).copy())  # d * sc[j]
     # Two halves of 128 elements; a half has 64 bytes of low nibbles (runs of 32: elements
     # 0-31 and 32-63 low nibbles, 64-95 and 96-127 high) and 32 bytes of 2-bit pairs.
     low = blocks[:, 0:128].reshape(n, 2, 1, 64)
@@ -170,7 +181,7 @@ def _q6_k(blocks):
     shifts = np.array([0, 2, 4, 6], dtype=np.uint8)[None, None, :, None]
     high = blocks[:, 128:192].reshape(n, 2, 1, 32) >> shifts  # [n, 2, 4, 32]
     codes = ((low | ((high & 3) << 4)).astype(np.int16) - 32).astype(np.int8)
-    return "q8", codes, scales, None, 16
+    return "q6", codes, scales, None, 16
 
 
 _UNPACKERS = {Q8_0: _q8_0, Q4_0: _q4_0, Q4_1: _q4_1, Q5_0: _q5_0, Q5_1: _q5_1, Q4_K: _q4_k,

@@ -112,8 +112,9 @@ def test_process_memory_after_loading_is_the_checkpoint_size(tmp_path):
 
 
 @needs_kernels
-@pytest.mark.parametrize("scheme,bytes_per_weight", [("q8_0", 1 + 4 / 32),        # code, scale
-                                                     ("q4_0", 0.5 + 8 / 32)])     # + offset
+# code, an fp16 scale (llama.cpp's d: held as fp16, csrc/group_scales.h) and q4_0's offset
+@pytest.mark.parametrize("scheme,bytes_per_weight", [("q8_0", 1 + 2 / 32),
+                                                     ("q4_0", 0.5 + 4 / 32)])
 def test_load_time_quantization_holds_the_format_size(tmp_path, scheme, bytes_per_weight):
     """quantization=q8_0|q4_0: every decoder linear holds its codes and per-32 scales (panels
     of 64 rows), no float matrix left beside them; embeddings, norms and the lm_head stay

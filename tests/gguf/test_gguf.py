@@ -53,8 +53,13 @@ def test_unpack_is_bit_exact(type_id):
     kind, group, low, high = {T.Q8_0: ("q8", 32, -128, 127), T.Q4_0: ("q4", 32, 0, 15),
                               T.Q4_1: ("q4", 32, 0, 15), T.Q4_K: ("q4", 32, 0, 15),
                               T.Q5_0: ("q5", 32, -16, 15), T.Q5_1: ("q8", 32, 0, 31),
-                              T.Q5_K: ("q8", 32, 0, 31), T.Q6_K: ("q8", 16, -32, 31)}[type_id]
-    assert (ours.kind, ours.group_size, ours.scales.shape) == (kind, group, (rows, cols // group))
+                              T.Q5_K: ("q8", 32, 0, 31), T.Q6_K: ("q6", 16, -32, 31)}[type_id]
+    assert (ours.kind, ours.group_size, ours.scales.values().shape) == (kind, group,
+                                                                        (rows, cols // group))
+    # the K-quants' floats as the file holds them: an fp16 d per 256 and a multiplier per group
+    k_quant = type_id in (T.Q4_K, T.Q5_K, T.Q6_K)
+    assert ours.scales.per_super == (256 // group if k_quant else 1)
+    assert ours.scales.d.dtype == np.float16
     assert low <= ours.codes.min() and ours.codes.max() <= high
     assert ours.codes.dtype == (np.uint8 if kind == "q4" else np.int8)  # q5: int8 -16..15
     np.testing.assert_array_equal(ours.dequantize(), ref)  # bit for bit

@@ -223,7 +223,8 @@ def test_family_gguf_matches_transformers(name, spec, tmp_path):
                 assert m.qweight_gate_up.format == m.qweight_down.format == held
                 for q in (m.qweight_gate_up, m.qweight_down):  # the format's size, no more
                     rows = -(-q.out_features // 64) * 64  # whole panels
-                    per_weight = {"q8": 1 + 4 / 32, "q4": 0.5 + 8 / 32}[held]  # codes, scales(, offsets)
+                    # codes, then the file's fp16 scales (and Q4_0's offsets, -8 d)
+                    per_weight = {"q8": 1 + 2 / 32, "q4": 0.5 + 4 / 32}[held]
                     assert q.nbytes == m.num_experts * rows * q.in_features * per_weight
 
 

@@ -7,6 +7,8 @@ load-time quantization equals llama.cpp's reference quantizers (gguf's numpy por
 Linear and a bfloat16 model's layers go through ``linear`` unchanged."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,7 +20,8 @@ from pagedllm.layers.cpu_extension import (CSRC, can_run, compile_sources, has_a
                                           native_isa)
 from pagedllm.layers.linear import linear
 from pagedllm.layers.quantization import QuantizedWeight, quantize_linear, set_quantized_weight
-from pagedllm.layers.quantization.quantized_weight import _from_kgroups, _q5_codes
+from pagedllm.layers.quantization.quantized_weight import (GroupScales, _from_kgroups,
+                                                           _high_bit_codes)
 
 pytestmark = pytest.mark.skipif(load_cpu_ops() is None, reason="no C++ compiler: no CPU kernels")
 
@@ -33,7 +36,8 @@ HALF_FORMATS = ("bf16", "fp16")
 CASES = [("bf16", 100, 96, 0, False), ("fp16", 5, 37, 0, False), ("q8", 130, 320, 32, False),
          ("q8", 33, 48, 16, True), ("q4", 70, 256, 128, True), ("q4", 100, 96, 32, False),
          ("q4", 64, 160, 32, True), ("q5", 130, 320, 32, False), ("q5", 70, 96, 16, True),
-         ("q5", 33, 42, 6, True)]
+         ("q5", 33, 42, 6, True), ("q6", 130, 512, 16, False), ("q6", 70, 96, 32, True),
+         ("q6", 33, 42, 6, True)]
 
 
 def _weight(fmt: str, n: int, k: int, group: int, offsets: bool, gen: torch.Generator) -> QuantizedWeight:
@@ -45,9 +49,11 @@ def _weight(fmt: str, n: int, k: int, group: int, offsets: bool, gen: torch.Gene
     if fmt == "q8":
         codes = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
         return QuantizedWeight.from_q8(codes, scales, offs, group)
-    if fmt == "q5":
-        codes = torch.randint(-16, 16, (n, k), generator=gen, dtype=torch.int8)
-        return QuantizedWeight.from_q5(codes, scales, offs, group)
+    if fmt in ("q5", "q6"):
+        bias = 16 if fmt == "q5" else 32
+        codes = torch.randint(-bias, bias, (n, k), generator=gen, dtype=torch.int8)
+        build = QuantizedWeight.from_q5 if fmt == "q5" else QuantizedWeight.from_q6
+        return build(codes, scales, offs, group)
     codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
     return QuantizedWeight.from_q4(codes, scales, offs, group)
 
@@ -77,7 +83,7 @@ def test_kernel_matches_float64_of_the_dequantized_weight(isa, fmt, n, k, group,
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("fmt", ["bf16", "fp16", "q8", "q4", "q5"])
+@pytest.mark.parametrize("fmt", ["bf16", "fp16", "q8", "q4", "q5", "q6"])
 def test_a_rows_result_does_not_depend_on_its_batch(isa, fmt):
     ops = load_cpu_ops(isa)
     gen = torch.Generator().manual_seed(3)
@@ -97,7 +103,8 @@ GROUPED_CASES = [("bf16", 130, 37, 0, False), ("fp16", 130, 37, 0, False),
                  ("q8", 130, 42, 6, False), ("q8", 130, 42, 6, True), ("q4", 130, 42, 6, False),
                  ("q4", 130, 42, 6, True), ("q8", 130, 96, 32, False), ("q8", 130, 96, 32, True),
                  ("q4", 130, 96, 32, False), ("q4", 130, 96, 32, True), ("q5", 130, 42, 6, True),
-                 ("q5", 130, 96, 32, False), ("q5", 130, 96, 32, True)]
+                 ("q5", 130, 96, 32, False), ("q5", 130, 96, 32, True), ("q6", 130, 42, 6, True),
+                 ("q6", 130, 96, 16, False), ("q6", 130, 96, 32, True)]
 # Five experts' rows: none, one, every tile size on both levels and paths (1, 3, 7, 13, 70:
 # several chunks), a lone expert, no rows at all.
 GROUPED_COUNTS = ([1, 0, 3, 7, 13], [0, 70, 0, 1, 0], [13, 3, 1, 0, 70], [0, 0, 0, 0, 7],
@@ -167,7 +174,7 @@ def test_grouped_kernel_refuses_operands_that_do_not_fit():
         ops.grouped_quant_linear(x, experts[0].codes, scales, offs, 32, [4], 130)
     with pytest.raises(RuntimeError, match=r"scales must be .*\[experts, P"):
         ops.grouped_quant_linear(x, codes, experts[0].scales, offs, 32, [4, 0, 0], 130)
-    with pytest.raises(RuntimeError, match="offsets must be .* shaped like scales"):
+    with pytest.raises(RuntimeError, match=r"offsets must be .* shaped \[3, 3, 3, 64\]"):
         ops.grouped_quant_linear(x, codes, scales, offs[:2], 32, [4, 0, 0], 130)
     with pytest.raises(RuntimeError, match="x has 64 columns, the weight 24 rows"):
         ops.grouped_quant_linear(torch.randn(4, 64), codes, scales, offs, 32, [4, 0, 0], 130)
@@ -246,7 +253,7 @@ def test_packing_holds_the_arrays_exactly():
 def test_q5_layout_places_each_fifth_bit_by_the_rule():
     """q5 (GGUF Q5_0): a quad block is q4's 128 nibble bytes of code + 16, then 32 plane bytes;
     the fifth bit of nibble h of nibble byte b = 4j + i (column j + 32h, k = 4q + i) is bit
-    2 (b // 32) + h of plane byte b % 32 (what csrc/quant_gemm.cpp's Q5Panels reads)."""
+    2 (b // 32) + h of plane byte b % 32 (what csrc/quant_gemm.cpp's HighBitPanels reads)."""
     n, k = 70, 12
     for column, kk in ((0, 0), (32, 1), (8, 0), (40, 2), (31, 3), (63, 9), (64, 5)):
         codes = torch.full((n, k), -16, dtype=torch.int8)  # code + 16 = 0: no bit set
@@ -271,6 +278,113 @@ def test_q5_layout_places_each_fifth_bit_by_the_rule():
         QuantizedWeight.from_q5(codes + 1, scales, None, 32)
 
 
+def test_q6_layout_places_each_bit_pair_by_the_rule():
+    """q6 (GGUF Q6_K): q4's 128 nibble bytes of code + 32, then 64 plane bytes; the high bit
+    pair of nibble h of nibble byte b = 4j + i (column j + 32h, k = 4q + i) is bits
+    2 (2 (b // 64) + h), + 1 of plane byte b % 64 (csrc/quant_gemm.cpp's HighBitPanels)."""
+    n, k = 70, 12
+    for column, kk, pair in ((0, 0, 1), (32, 1, 2), (16, 0, 3), (48, 2, 1), (31, 3, 2),
+                             (63, 9, 3), (64, 5, 1)):
+        codes = torch.full((n, k), -32, dtype=torch.int8)  # code + 32 = 0: no bit set
+        codes[column, kk] = 16 * pair - 32  # the pair alone
+        qw = QuantizedWeight.from_q6(codes, torch.ones(n, k // 4), None, 4)
+        assert qw.codes.shape == (2, k // 4, 192) and not qw.codes[..., :128].any()
+        j, h, quad = column % 64 % 32, column % 64 // 32, kk // 4
+        b = 4 * j + kk % 4
+        plane = qw.codes[column // 64, :, 128:]
+        assert plane[quad, b % 64] == pair << (2 * (2 * (b // 64) + h))
+        assert int(plane.count_nonzero()) == 1
+        assert torch.equal(qw.dequantize(torch.float64), codes.double())
+    gen = torch.Generator().manual_seed(7)
+    codes = torch.randint(-32, 32, (n, 64), generator=gen)
+    scales = torch.rand(n, 4, generator=gen)
+    qw = QuantizedWeight.from_q6(codes, scales, None, 16)
+    assert torch.equal(qw.dequantize(torch.float64),
+                       codes.double() * scales.double().repeat_interleave(16, dim=1))
+    assert qw.nbytes == 2 * 64 * (64 * 6 // 8 + 4 * 4)  # 3/4 of a byte a weight + the scales
+    with pytest.raises(ModelLoadError, match="-32..31"):
+        QuantizedWeight.from_q6(codes + 1, scales, None, 16)
+
+
+# (format, group size, groups per super-block): GGUF's K-quants (Q4_K: q4 32 x 8; Q5_K: q8 32 x
+# 8; Q6_K: q6 16 x 16) and q5, whose records no GGUF type makes but the kernel reads alike.
+FORM_CASES = [("q4", 32, 8), ("q8", 32, 8), ("q6", 16, 16), ("q5", 32, 8), ("q4", 64, 2)]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt,group,per_super", FORM_CASES)
+def test_every_form_of_the_group_floats_gives_the_same_bits(isa, fmt, group, per_super):
+    """Scales and offsets held as super-block records (an fp16 d and int8 multipliers: GGUF's
+    K-quants) or as float16 give bit for bit what the same floats held as float32 give, on the
+    float path and the int8 one, alone and grouped; and they take the bytes their form says."""
+    ops = load_cpu_ops(isa)
+    gen = torch.Generator().manual_seed(group + per_super)
+    n, k, num_experts = 130, 2 * group * per_super, 2
+    supers = k // (group * per_super)
+
+    def weight(records: bool) -> QuantizedWeight:
+        low, high = {"q4": (0, 16), "q5": (-16, 16), "q6": (-32, 32), "q8": (-128, 128)}[fmt]
+        codes = torch.randint(low, high, (n, k), generator=gen,
+                              dtype=torch.uint8 if fmt == "q4" else torch.int8)
+        d = (torch.rand(n, supers, generator=gen) / 50).half().numpy()
+        dmin = (torch.rand(n, supers, generator=gen) / 50).half().numpy()
+        multipliers = torch.randint(-64, 64, (n, k // group), generator=gen, dtype=torch.int8)
+        mins = torch.randint(0, 64, (n, k // group), generator=gen, dtype=torch.int8)
+        scales, offsets = GroupScales(d, multipliers.numpy()), GroupScales(-dmin, mins.numpy())
+        build = {"q4": QuantizedWeight.from_q4, "q5": QuantizedWeight.from_q5,
+                 "q6": QuantizedWeight.from_q6, "q8": QuantizedWeight.from_q8}[fmt]
+        qw = build(codes, scales, offsets, group)
+        assert qw.scales.dtype == qw.offsets.dtype == torch.uint8  # records
+        assert qw.scales.shape == (3, supers, 64 * (2 + per_super))
+        if records:
+            return qw
+        # the same floats as float32 panels
+        as_f32 = build(codes, torch.as_tensor(scales.values()), torch.as_tensor(offsets.values()),
+                       group)
+        assert as_f32.scales.dtype == torch.float32 and torch.equal(
+            as_f32.dequantize(torch.float64), qw.dequantize(torch.float64))
+        return dataclasses.replace(qw, scales=as_f32.scales, offsets=as_f32.offsets)
+
+    pairs = []
+    for _ in range(num_experts):
+        state = gen.get_state()
+        compact = weight(True)
+        gen.set_state(state)
+        pairs.append((compact, weight(False)))
+    compact, wide = pairs[0]
+    code_bytes = {"q4": 0.5, "q5": 0.625, "q6": 0.75, "q8": 1}[fmt]
+    assert compact.nbytes == 3 * 64 * (k * code_bytes + 2 * (2 * supers + k // group))
+    ids = torch.tensor([129, 0, 64, 7])
+    assert torch.equal(compact.rows(ids), wide.rows(ids))
+    # plain fp16-exact floats are held as float16
+    halves = torch.rand(n, k // group, generator=gen).half().float()
+    q8 = QuantizedWeight.from_q8(torch.ones(n, k, dtype=torch.int8), halves, 2 * halves, group)
+    assert q8.scales.dtype == q8.offsets.dtype == torch.float16
+    assert torch.equal(q8.dequantize(), (3 * halves).repeat_interleave(group, dim=1))
+    for int8 in (False, True):
+        for rows in (1, 5, 33, 257):
+            x = torch.randn(rows, k, generator=gen)
+            y = ops.quant_linear(x, compact.codes, compact.scales, compact.offsets, group, n, None,
+                                 int8)
+            assert torch.equal(y, ops.quant_linear(x, wide.codes, wide.scales, wide.offsets,
+                                                   group, n, None, int8)), (int8, rows)
+        x, counts = torch.randn(9, k, generator=gen), [4, 5]
+        for kind in (0, 1):
+            stacked = QuantizedWeight.stack([pair[kind] for pair in pairs])
+            assert (stacked.scales.dtype == torch.uint8) == (kind == 0)
+            y = ops.grouped_quant_linear(x, stacked.codes, stacked.scales, stacked.offsets, group,
+                                         counts, n, int8)
+            if kind == 0:
+                reference = y
+            else:
+                assert torch.equal(y, reference), int8
+    # the float path against float64 on the dequantized weight
+    x, w64 = torch.randn(5, k, generator=gen), compact.dequantize(torch.float64)
+    y = ops.quant_linear(x, compact.codes, compact.scales, compact.offsets, group, n, None, False)
+    scale = (x.double().abs() @ w64.abs().T).amax()  # float32 rounding of the sums
+    assert (y.double() - x.double() @ w64.T).abs().max() <= 2e-6 * scale
+
+
 @pytest.mark.parametrize("fmt,n,k,group,offsets", CASES)
 def test_rows_are_the_lookup_of_the_dequantized_weight(fmt, n, k, group, offsets):
     """QuantizedWeight.rows (a tied embedding reading from its quantized head) gives the rows a
@@ -284,8 +398,8 @@ def test_rows_are_the_lookup_of_the_dequantized_weight(fmt, n, k, group, offsets
         assert rows.dtype == qw.codes.dtype
         assert torch.equal(rows.double(), qw.dequantize(torch.float64)[ids])
         return
-    if fmt == "q5":
-        codes = _q5_codes(qw.codes, k)
+    if fmt in ("q5", "q6"):
+        codes = _high_bit_codes(qw.codes, k, 1 if fmt == "q5" else 2)
     else:
         codes = _from_kgroups(qw.codes, k, 4)
     if fmt == "q4":

@@ -1,4 +1,4 @@
-// The q8/q4 panels times activations quantized to int8 (llama.cpp's strategy for its quantized
+// The q8/q4/q5/q6 panels times activations quantized to int8 (llama.cpp's strategy for its quantized
 // matmuls; the float path is quant_gemm.cpp's, on the same panels). Why a second path: with
 // float32 activations every code is widened to a float before its multiply-add, and at a few
 // rows that conversion, not the memory stream, bounds the kernel. Here each x row is quantized
@@ -8,17 +8,18 @@
 //   q8 quad block [64 columns][4 k] int8: one vector = kW columns x 4 k;
 //   q4 quad block [32 bytes][4 k]: byte (j, i) holds column j, k = 4q + i in its low nibble and
 //   column j + 32 in its high one, so one vector gives the low columns j.. and the high j + 32..
-//   q5 quad block: q4's, then 32 bytes of fifth bits (quant_gemm.cpp's Q5Panels), which
-//   q5_codes ORs onto each nibble: one vector of bytes b = code + 16 (0..31).
+//   q5 quad block: q4's, then 32 bytes of fifth bits (quant_gemm.cpp's HighBitPanels), which
+//   q5_codes ORs onto each nibble: one vector of bytes b = code + 16 (0..31); q6 alike, with
+//   64 bytes of bit pairs: b = code + 32 (0..63).
 //
 // AVX2: _mm256_maddubs_epi16 (unsigned x signed bytes, pairs summed to int16) then
 // _mm256_madd_epi16 by ones (the two pairs to int32); AVX-512: the same on 512 bits, or one
 // _mm512_dpbusd_epi32 with VNNI. maddubs wants one unsigned operand: q4 codes are (0..15), q5's
 // enter as b = code + 16 (0..31; the block's sum then owes 16 x the sum of its x, taken off in
-// the float step); q8 codes are signed, so they enter as |w| with w's sign moved onto x
+// the float step), q6's as code + 32; q8 codes are signed, so they enter as |w| with w's sign moved onto x
 // (llama.cpp's sign trick). Nothing saturates: x is in -127..127 (never -128, so its negation
-// fits); q8's pair sums are at most 2 x 128 x 127 = 32512, q5's 2 x 31 x 127, both widened per
-// quad, and q4 sums its pairs in int16 over a block of at most 8 quads (8 x 2 x 15 x 127 =
+// fits); q8's pair sums are at most 2 x 128 x 127 = 32512, q5's 2 x 31 x 127, q6's 2 x 63 x
+// 127, all widened per quad, and q4 sums its pairs in int16 over a block of at most 8 quads (8 x 2 x 15 x 127 =
 // 30480) before widening them once.
 //
 // Activation blocks: x is quantized per row in blocks of B k, B = 32 where the weight's group
@@ -26,7 +27,7 @@
 // 16/8/4 dividing G (Q6_K: 16). B divides G, so a block's integer sum has one weight scale per
 // column and the float step is one multiply-add per block: y += S * (w_scale * x_scale) +
 // offset * (x_scale * sum of the block's codes), the offset being q4's mins / Q4_0's -8d / AWQ's
-// zeros (q5 also takes off w_scale * 16 * that sum). Not per weight group: blocks of 128 (AWQ)
+// zeros (q5 also takes off w_scale * 16 * that sum, q6 32 times it). Not per weight group: blocks of 128 (AWQ)
 // would give one outlier 128 activations' worth of lost precision; not per row: worse still. A
 // block's scale is amax / 127, its codes round(x / scale) (half to even):
 // tests/models/test_int8_activations.py rebuilds them.
@@ -55,6 +56,7 @@
 #include <immintrin.h>
 #endif
 
+#include "group_scales.h"
 #include "skinny_tiles.h"
 
 namespace int8gemm {
@@ -102,6 +104,17 @@ inline ivec q5_codes(const uint8_t* nib, ivec plane, int t, int h) {
   return _mm512_or_si512(_mm512_and_si512(w, _mm512_set1_epi8(15)),
                          _mm512_and_si512(fifth, _mm512_set1_epi8(16)));
 }
+// Bytes b = code + 32 (0..63) of a q6 vector: nibble ``h`` of each byte at ``nib``, its two
+// high bits from bits s, s + 1 of the plane's bytes at ``plane`` (quant_gemm.cpp's HighBitPanels).
+inline ivec q6_codes(const uint8_t* nib, const uint8_t* plane, int s, int h) {
+  ivec w = iload(nib);
+  if (h) w = _mm512_srli_epi16(w, 4);
+  const ivec p = iload(plane);
+  const ivec high = s >= 4 ? _mm512_srl_epi16(p, _mm_cvtsi32_si128(s - 4))
+                           : _mm512_sll_epi16(p, _mm_cvtsi32_si128(4 - s));
+  return _mm512_or_si512(_mm512_and_si512(w, _mm512_set1_epi8(15)),
+                         _mm512_and_si512(high, _mm512_set1_epi8(0x30)));
+}
 #if defined(__AVX512VNNI__)
 constexpr bool kVnni = true;
 inline ivec dpbusd(ivec acc, ivec u, ivec s) { return _mm512_dpbusd_epi32(acc, u, s); }
@@ -132,6 +145,15 @@ inline ivec q5_codes(const uint8_t* nib, ivec plane, int t, int h) {
   return _mm256_or_si256(_mm256_and_si256(w, _mm256_set1_epi8(15)),
                          _mm256_and_si256(fifth, _mm256_set1_epi8(16)));
 }
+inline ivec q6_codes(const uint8_t* nib, const uint8_t* plane, int s, int h) {
+  ivec w = iload(nib);
+  if (h) w = _mm256_srli_epi16(w, 4);
+  const ivec p = iload(plane);
+  const ivec high = s >= 4 ? _mm256_srl_epi16(p, _mm_cvtsi32_si128(s - 4))
+                           : _mm256_sll_epi16(p, _mm_cvtsi32_si128(4 - s));
+  return _mm256_or_si256(_mm256_and_si256(w, _mm256_set1_epi8(15)),
+                         _mm256_and_si256(high, _mm256_set1_epi8(0x30)));
+}
 #else
 // Any other CPU: no int8 path (quant_gemm.cpp runs the float one; the engine uses torch there).
 constexpr bool kAvailable = false;
@@ -142,10 +164,15 @@ constexpr bool kVnni = false;
 #endif
 
 // The code layouts of quad blocks (quant_gemm.cpp's table): which the kernels' templates read.
-enum class Codes { q8, q4, q5 };
+enum class Codes { q8, q4, q5, q6 };
 template <Codes C>
-constexpr int64_t kQuadBytes =
-    C == Codes::q8 ? kPanel * 4 : C == Codes::q4 ? kPanel * 2 : kPanel * 5 / 2;
+constexpr int64_t kQuadBytes = C == Codes::q8   ? kPanel * 4
+                               : C == Codes::q4 ? kPanel * 2
+                               : C == Codes::q5 ? kPanel * 5 / 2
+                                                : kPanel * 3;
+// q6: a vector of nibble bytes from byte o of the quad's 128 (o a multiple of kW x 4, so
+// within one half of 64) finds its high bits at byte o % 64 of the plane, bits s, s + 1.
+inline int q6_shift(int64_t o, int h) { return int(2 * (2 * (o / 64) + h)); }
 
 // x's rows quantized: codes q [M, K], per block of B k a scale and scale * (sum of its codes).
 struct QuantizedRows {
@@ -205,13 +232,12 @@ constexpr int64_t kChunkRows = 64;     // rows per chunk: their codes stay in L2
 constexpr int64_t kPrefetchQuads = 16; // the first tile prefetches the stream this far ahead
 
 
-// The weight: codes [P, K / 4, quad bytes] (q8: 256, q4: 128, q5: 160), scales/offsets
-// [P, K / G, 64].
+// The weight: codes [P, K / 4, quad bytes] (q8: 256, q4: 128, q5: 160, q6: 192), its groups' scales
+// and offsets in any of group_scales.h's forms.
 struct Panels {
   const uint8_t* codes;
-  const float* scales;
-  const float* offsets;
-  int64_t K4, group_size, num_groups;
+  gscale::Groups g;
+  int64_t K4;
 };
 
 // acc += per column, the dot product of its 4 codes (unsigned bytes u) with x's 4 (signed s).
@@ -237,9 +263,10 @@ inline ivec finish(ivec acc) {
 // [k0, k0 + kl), block by block (kl a multiple of B), for NP neighbouring panels j at once
 // (c_j = c + j * c_stride): two panels are two weight streams, as the float tiles' pairs
 // (skinny_tiles.h). Each column's integer sums and float steps are the same whatever NP.
-template <Codes C, bool OFFSET, int R, int U, int NP = 1>
-inline void tile(const Panels& w, const QuantizedRows& x, int64_t m, int64_t p, int u0, int64_t k0,
-                 int64_t kl, float* __restrict c, bool prefetch, int64_t c_stride = 0) {
+template <Codes C, bool OFFSET, int R, int U, int NP = 1, class GroupFloats>
+inline void tile(const Panels& w, const GroupFloats& gf, const QuantizedRows& x, int64_t m,
+                 int64_t p, int u0, int64_t k0, int64_t kl, float* __restrict c, bool prefetch,
+                 int64_t c_stride = 0) {
   constexpr int64_t kBytes = kQuadBytes<C>;
   const int64_t B = x.B;
   for (int64_t b0 = k0; b0 < k0 + kl; b0 += B) {
@@ -265,6 +292,10 @@ inline void tile(const Panels& w, const QuantizedRows& x, int64_t m, int64_t p, 
             const ivec bytes = iload(quad + (u0 + u) * kW * 4);
             wu[j][u][0] = low_nibbles(bytes);
             wu[j][u][1] = high_nibbles(bytes);
+          } else if constexpr (C == Codes::q6) {
+            const int64_t o = (u0 + u) * kW * 4;  // the unit's nibble bytes
+            for (int h = 0; h < 2; ++h)
+              wu[j][u][h] = q6_codes(quad + o, quad + kPanel * 2 + o % 64, q6_shift(o, h), h);
           } else if constexpr (C == Codes::q5) {
             // unit u's columns (u * kW) % 32..: their fifth bits at bit 2 ((u * kW) / 8) + h
             const ivec plane = q5_plane(quad + kPanel * 2);
@@ -293,38 +324,40 @@ inline void tile(const Panels& w, const QuantizedRows& x, int64_t m, int64_t p, 
                                        C == Codes::q8 ? sign8(xb, raw[j][u][h]) : xb);
       }
     }
-    const int64_t block = b0 / B;
+    const int64_t block = b0 / B, group = b0 / w.g.group_size;
 #pragma GCC unroll 2
-    for (int j = 0; j < NP; ++j) {
-      const int64_t group = ((p + j) * w.num_groups + b0 / w.group_size) * kPanel;
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
-        const float xs = x.scale[(m + r) * x.num_blocks + block];
-        const float xsum = x.sum[(m + r) * x.num_blocks + block];
+    for (int j = 0; j < NP; ++j)
 #pragma GCC unroll 4
-        for (int u = 0; u < U; ++u)
-          for (int h = 0; h < 2; ++h) {
-            const int64_t col = (u0 + u) * kW + h * (kPanel / 2);
+      for (int u = 0; u < U; ++u)
+        for (int h = 0; h < 2; ++h) {
+          const int64_t col = (u0 + u) * kW + h * (kPanel / 2);
+          const vfloat ws = gf.group_scale(p + j, group, col);
+          const vfloat wo = OFFSET ? gf.group_offset(p + j, group, col) : vfloat{};
+#pragma GCC unroll 8
+          for (int r = 0; r < R; ++r) {
+            const float xs = x.scale[(m + r) * x.num_blocks + block];
+            const float xsum = x.sum[(m + r) * x.num_blocks + block];
             float* dst = c + j * c_stride + r * kPanel + col;
-            const vfloat ws = load(w.scales + group + col);
             vfloat v = load(dst) + to_floats(finish<C>(acc[j][r][u][h])) * (ws * xs);
             if constexpr (C == Codes::q5) v -= ws * (16.f * xsum);  // the bytes were code + 16
-            if constexpr (OFFSET) v += load(w.offsets + group + col) * xsum;
+            if constexpr (C == Codes::q6) v -= ws * (32.f * xsum);  // code + 32
+            if constexpr (OFFSET) v += wo * xsum;
             store(dst, v);
           }
-      }
-    }
+        }
   }
 }
 
 // 1..R rows of the many-rows tile (the row count a compile-time constant, as skinny::tile_rows).
 template <Codes C, bool OFFSET, int R = kManyR>
-inline void tile_rows(int64_t rows, const Panels& w, const QuantizedRows& x, int64_t m, int64_t p,
-                      int u0, int64_t k0, int64_t kl, float* c, bool prefetch) {
+inline void tile_rows(int64_t rows, const Panels& w, const gscale::BlockGroups& bg,
+                      const QuantizedRows& x, int64_t m, int64_t p, int u0, int64_t k0,
+                      int64_t kl, float* c, bool prefetch) {
   if constexpr (R > 1) {
-    if (rows < R) return tile_rows<C, OFFSET, R - 1>(rows, w, x, m, p, u0, k0, kl, c, prefetch);
+    if (rows < R)
+      return tile_rows<C, OFFSET, R - 1>(rows, w, bg, x, m, p, u0, k0, kl, c, prefetch);
   }
-  tile<C, OFFSET, R, kManyU>(w, x, m, p, u0, k0, kl, c, prefetch);
+  tile<C, OFFSET, R, kManyU>(w, bg, x, m, p, u0, k0, kl, c, prefetch);
 }
 
 // y[0:M, panels p0..p1) for rows row0..row0 + M of x (quantized into ``x``; y at row0's
@@ -343,6 +376,7 @@ void panels_run(const Panels& w, const QuantizedRows& x, int64_t row0, int64_t M
   // build on the same CPU gave q8 1.08-1.16x but q4 0.93-1.06x.
   // The outputs of the panels in hand, each panel's rows after the previous panel's.
   std::vector<float> c(std::max<int64_t>(2, std::min(M, kChunkRows)) * kPanel);
+  std::vector<float> group_floats(w.g.block_floats(1, kBlockK));
   for (int64_t r0 = 0; r0 < M; r0 += kChunkRows) {
     const int64_t rows = std::min(kChunkRows, M - r0);
     for (int64_t p = p0, np = 1; p < p1; p += np) {
@@ -350,20 +384,25 @@ void panels_run(const Panels& w, const QuantizedRows& x, int64_t row0, int64_t M
       std::fill(c.begin(), c.begin() + np * rows * kPanel, 0.f);
       for (int64_t k0 = 0; k0 < x.K; k0 += kBlockK) {
         const int64_t kl = std::min(kBlockK, x.K - k0);
+        // One row reads each group's floats once, straight from the weight's tensors; more
+        // rows share them, decoded once per block (group_scales.h's forms take a few
+        // instructions a vector to read: decoded per 4-row tile, 0.93-0.96x at 32-256 rows).
         if (rows == 1) {
           if constexpr (kRowInPairs) {
             if (np == 2) {
-              tile<C, OFFSET, 1, kUnits, 2>(w, x, row0 + r0, p, 0, k0, kl, c.data(), true, kPanel);
+              tile<C, OFFSET, 1, kUnits, 2>(w, w.g, x, row0 + r0, p, 0, k0, kl, c.data(), true,
+                                            kPanel);
               continue;
             }
           }
-          tile<C, OFFSET, 1, kUnits>(w, x, row0 + r0, p, 0, k0, kl, c.data(), true);
+          tile<C, OFFSET, 1, kUnits>(w, w.g, x, row0 + r0, p, 0, k0, kl, c.data(), true);
           continue;
         }
+        const gscale::BlockGroups bg = w.g.block(p, 1, k0, kl, group_floats.data());
         for (int u0 = 0; u0 < kUnits; u0 += kManyU)
           for (int64_t m0 = 0; m0 < rows; m0 += kManyR)
-            tile_rows<C, OFFSET>(std::min<int64_t>(kManyR, rows - m0), w, x, row0 + r0 + m0, p,
-                                  u0, k0, kl, c.data() + m0 * kPanel, m0 == 0 && u0 == 0);
+            tile_rows<C, OFFSET>(std::min<int64_t>(kManyR, rows - m0), w, bg, x, row0 + r0 + m0,
+                                 p, u0, k0, kl, c.data() + m0 * kPanel, m0 == 0 && u0 == 0);
       }
       for (int64_t j = 0; j < np; ++j) {  // panel p + j's outputs into y
         const int64_t cols = std::min(kPanel, N - (p + j) * kPanel);

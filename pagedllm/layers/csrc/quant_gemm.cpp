@@ -15,12 +15,16 @@
 //                                   j (k = 4q + i) in its low nibble and column j + 32 in its
 //                                   high one
 //   uint8 (q5)   [P, K/4, 160]      code * scale (+ offset), code -16..15: q4's 128 bytes of
-//                                   nibbles, then 32 bytes of fifth bits (Q5Panels below)
+//                                   nibbles, then 32 bytes of fifth bits (HighBitPanels below)
+//   uint8 (q6)   [P, K/4, 192]      code * scale (+ offset), code -32..31: q4's 128 bytes of
+//                                   nibbles, then 64 bytes of bit pairs (HighBitPanels below)
 //
 // (K/4 and K/2 rounded up, zeros padding the last quad or pair: the float path stops at K, the
 // int8 one takes whole groups of 4 k, the AMX one whole pairs.) scales (and the optional
-// offsets) are float32 [P, K / G, 64]: one per group of G consecutive k of an output row
-// (layers/quantization/ maps GGUF's block types and AWQ/GPTQ groups to these two layouts).
+// offsets) give one float per group of G consecutive k of an output row, as float32 or float16
+// [P, K / G, 64] or as GGUF's K-quants hold them, an fp16 per super-block times an int8 per
+// group (group_scales.h; layers/quantization/ maps GGUF's block types and AWQ/GPTQ groups to
+// these layouts and picks the smallest exact form).
 // q8/q4 keep a column's 4 consecutive k together for the int8-activation path (int8_gemm.h:
 // integer dot products of 4 k per 32-bit lane, the codes used as they lie); the float path
 // below reads the same bytes, one quad load giving 4 k of kW columns. One copy of the weights
@@ -82,6 +86,7 @@
 #endif
 
 #include "amx_gemm.h"
+#include "group_scales.h"
 #include "grouped_linear.h"
 #include "int8_gemm.h"
 #include "skinny_tiles.h"
@@ -93,6 +98,8 @@ using skinny::kRowVecs;
 using skinny::kW;
 using skinny::load;
 using skinny::vfloat;
+using gscale::Groups;
+using gscale::widen_fp16;
 
 // kW codes widened to a vector of floats. Intrinsics, not __builtin_convertvector: GCC 12
 // converts a byte vector to floats one element at a time (measured 3x slower at one row).
@@ -128,13 +135,14 @@ inline vfloat bf16_pairs(const uint16_t* h, bool high) {
   return (vfloat)_mm512_castsi512_ps(high ? _mm512_and_si512(w, _mm512_set1_epi32(-65536))
                                           : _mm512_slli_epi32(w, 16));
 }
-inline vfloat widen_fp16(const uint16_t* h) {
-  return (vfloat)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
-}
-// q5 (the layout: Q5Panels below): 4 k of kW columns, codes -16..15.
+// q5 (the layout: HighBitPanels below): 4 k of kW columns, codes -16..15.
 inline void q5_quad_4(const uint8_t* nib, const uint8_t* plane, int t, int h, vfloat f[4]) {
   using namespace int8gemm;
   lane_bytes_4(_mm512_sub_epi8(q5_codes(nib, q5_plane(plane), t, h), _mm512_set1_epi8(16)), f);
+}
+// q6 (HighBitPanels below): 4 k of kW columns, codes -32..31.
+inline void q6_quad_4(const uint8_t* nib, const uint8_t* plane, int s, int h, vfloat f[4]) {
+  lane_bytes_4(_mm512_sub_epi8(int8gemm::q6_codes(nib, plane, s, h), _mm512_set1_epi8(32)), f);
 }
 #elif defined(__AVX2__) && defined(__F16C__)
 inline vfloat as_floats(__m256i i) { return (vfloat)_mm256_cvtepi32_ps(i); }
@@ -169,12 +177,12 @@ inline vfloat bf16_pairs(const uint16_t* h, bool high) {
   return (vfloat)_mm256_castsi256_ps(high ? _mm256_and_si256(w, _mm256_set1_epi32(-65536))
                                           : _mm256_slli_epi32(w, 16));
 }
-inline vfloat widen_fp16(const uint16_t* h) {
-  return (vfloat)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
-}
 inline void q5_quad_4(const uint8_t* nib, const uint8_t* plane, int t, int h, vfloat f[4]) {
   using namespace int8gemm;
   lane_bytes_4(_mm256_sub_epi8(q5_codes(nib, q5_plane(plane), t, h), _mm256_set1_epi8(16)), f);
+}
+inline void q6_quad_4(const uint8_t* nib, const uint8_t* plane, int s, int h, vfloat f[4]) {
+  lane_bytes_4(_mm256_sub_epi8(int8gemm::q6_codes(nib, plane, s, h), _mm256_set1_epi8(32)), f);
 }
 #else  // any other CPU: element by element (correct, untuned; the engine runs torch there)
 template <class F>
@@ -206,9 +214,6 @@ inline vfloat bf16_pairs(const uint16_t* h, bool high) {
     return f;
   });
 }
-inline vfloat widen_fp16(const uint16_t* h) {
-  return widen([&](int64_t j) { return c10::detail::fp16_ieee_to_fp32_value(h[j]); });
-}
 // Nibble byte b = 4 (low + j) + i of the block, its fifth bit found by the layout's rule itself
 // (low, the vector's first lane, from t = low / 4 + h).
 inline void q5_quad_4(const uint8_t* nib, const uint8_t* plane, int t, int h, vfloat f[4]) {
@@ -219,6 +224,16 @@ inline void q5_quad_4(const uint8_t* nib, const uint8_t* plane, int t, int h, vf
       const int nibble = (nib[4 * j + i] >> (4 * h)) & 15;
       const int fifth = (plane[b % 32] >> (2 * (b / 32) + h)) & 1;
       return float(nibble + 16 * fifth - 16);
+    });
+}
+// The vector's nibble bytes from the block's byte o = nib - block, their bit pairs at byte
+// o % 64 + 4 j + i of the plane, bits s, s + 1.
+inline void q6_quad_4(const uint8_t* nib, const uint8_t* plane, int s, int h, vfloat f[4]) {
+  for (int i = 0; i < 4; ++i)
+    f[i] = widen([&](int64_t j) {
+      const int nibble = (nib[4 * j + i] >> (4 * h)) & 15;
+      const int high = (plane[4 * j + i] >> s) & 3;
+      return float(nibble + 16 * high - 32);
     });
 }
 #endif
@@ -245,22 +260,9 @@ struct HalfPanels {
     if constexpr (BF16) return bf16_pairs(row + 2 * (v * kW % 32), v * kW >= 32);
     return widen_fp16(row + v * kW);
   }
-  const float* scale_row(int64_t, int64_t) const { return nullptr; }
-  const float* offset_row(int64_t, int64_t) const { return nullptr; }
+  vfloat scale(int64_t, int64_t, int) const { return vfloat{}; }
+  vfloat offset(int64_t, int64_t, int) const { return vfloat{}; }
   int64_t group_size() const { return 1; }
-};
-
-// The groups' scales and offsets, float32 [P, K / G, 64] each (offsets may be absent); the
-// grouped op's [experts, P, K / G, 64], ``expert(e, P)`` giving expert e's.
-struct Groups {
-  const float* scales;
-  const float* offsets;
-  int64_t group_size, num_groups;
-  int64_t row_of(int64_t p, int64_t k) const { return (p * num_groups + k / group_size) * kPanel; }
-  Groups expert(int64_t e, int64_t P) const {
-    const int64_t before = e * P * num_groups * kPanel;
-    return Groups{scales + before, offsets ? offsets + before : nullptr, group_size, num_groups};
-  }
 };
 
 // q8 and q4 codes in quad blocks, [P, K / 4, quad bytes] (K rounded up to 4 with zero codes):
@@ -284,8 +286,8 @@ struct Q8Panels {
   void quad(int64_t p, int64_t q, int v, vfloat f[4]) const {
     quad_i8_4(codes + ((p * K4 + q) * kPanel + v * kW) * 4, f);
   }
-  const float* scale_row(int64_t p, int64_t k) const { return g.scales + g.row_of(p, k); }
-  const float* offset_row(int64_t p, int64_t k) const { return g.offsets + g.row_of(p, k); }
+  vfloat scale(int64_t p, int64_t k, int v) const { return g.scale(p, k, v * kW); }
+  vfloat offset(int64_t p, int64_t k, int v) const { return g.offset(p, k, v * kW); }
   int64_t group_size() const { return g.group_size; }
 };
 
@@ -312,22 +314,27 @@ struct Q4Panels {
     const uint8_t* c = codes + ((p * K4 + q) * kRowBytes + col % kRowBytes) * 4;
     col >= kRowBytes ? quad_nibbles_4<4>(c, f) : quad_nibbles_4<0>(c, f);
   }
-  const float* scale_row(int64_t p, int64_t k) const { return g.scales + g.row_of(p, k); }
-  const float* offset_row(int64_t p, int64_t k) const { return g.offsets + g.row_of(p, k); }
+  vfloat scale(int64_t p, int64_t k, int v) const { return g.scale(p, k, v * kW); }
+  vfloat offset(int64_t p, int64_t k, int v) const { return g.offset(p, k, v * kW); }
   int64_t group_size() const { return g.group_size; }
 };
 
-// q5: [P, K / 4, 160] bytes, a q4 quad block (128 bytes of nibbles) and a plane of 32 bytes of
-// fifth bits: the code of nibble h (0 low, 1 high) of byte b = 4j + i is ``nibble + 16 *
-// fifth - 16`` (-16..15), its fifth bit being bit 2 (b / 32) + h of plane byte b % 32. So the
-// fifth bits of any kW columns' 4 k (AVX2: a quarter of the nibble bytes, AVX-512 half) lie at
-// one bit position of the plane's bytes (AVX-512: after q5_plane's shift of its upper half),
-// and one load of the plane serves a quad.
-template <bool OFFSET>
-struct Q5Panels {
+// q5 and q6 (BITS 1, 2): [P, K / 4, 128 + 32 x BITS] bytes, a q4 quad block of the codes'
+// low 4 bits (128 bytes of nibbles) and a plane of their high bits.
+// q5: the code of nibble h (0 low, 1 high) of byte b = 4j + i is ``nibble + 16 * fifth - 16``
+// (-16..15), its fifth bit being bit 2 (b / 32) + h of plane byte b % 32. So the fifth bits of
+// any kW columns' 4 k (AVX2: a quarter of the nibble bytes, AVX-512 half) lie at one bit
+// position of the plane's bytes (AVX-512: after q5_plane's shift of its upper half), and one
+// load of the plane serves a quad.
+// q6: the code is ``nibble + 16 * high - 32`` (-32..31: GGUF's Q6_K), the high bit pair of
+// nibble h of byte b being bits s, s + 1 of plane byte b % 64, s = 2 (2 (b / 64) + h). So a
+// vector of nibble bytes (AVX2: 32 of them, AVX-512: 64, never across the 64-byte halves)
+// finds its bit pairs in one load of the plane, at one bit position.
+template <int BITS, bool OFFSET>
+struct HighBitPanels {
   static constexpr bool kInPlace = false, kScaled = true, kOffset = OFFSET, kQuads = true;
   static constexpr bool kPairedRow = false;  // q4's nibbles and more
-  static constexpr int64_t kQuadBytes = kPanel * 5 / 2;
+  static constexpr int64_t kQuadBytes = kPanel * 2 + 32 * BITS;
   static constexpr int64_t kRowBytes = kQuadBytes / 4;
   const uint8_t* codes;
   int64_t K4;
@@ -336,44 +343,66 @@ struct Q5Panels {
     return reinterpret_cast<const char*>(codes + p * K4 * kQuadBytes + k * kRowBytes);
   }
   void quad(int64_t p, int64_t q, int v, vfloat f[4]) const {
-    const int64_t col = v * kW, low = col % (kPanel / 2);
+    const int64_t col = v * kW, low = col % (kPanel / 2), o = low * 4;  // the nibble bytes
     const uint8_t* block = codes + (p * K4 + q) * kQuadBytes;
     const int h = col >= kPanel / 2 ? 1 : 0;
-    q5_quad_4(block + low * 4, block + kPanel * 2, int(2 * (low / 8)) + h, h, f);
+    if constexpr (BITS == 1)
+      q5_quad_4(block + o, block + kPanel * 2, int(2 * (low / 8)) + h, h, f);
+    else
+      q6_quad_4(block + o, block + kPanel * 2 + o % 64, int8gemm::q6_shift(o, h), h, f);
   }
   vfloat code(int64_t p, int64_t k, int v) const {  // groups not of whole quads only
     vfloat f[4];
     quad(p, k / 4, v, f);
     return f[k % 4];
   }
-  const float* scale_row(int64_t p, int64_t k) const { return g.scales + g.row_of(p, k); }
-  const float* offset_row(int64_t p, int64_t k) const { return g.offsets + g.row_of(p, k); }
+  vfloat scale(int64_t p, int64_t k, int v) const { return g.scale(p, k, v * kW); }
+  vfloat offset(int64_t p, int64_t k, int v) const { return g.offset(p, k, v * kW); }
   int64_t group_size() const { return g.group_size; }
 };
 
-// ``experts`` > 0: the grouped op's, one [P, K / G, 64] per expert along a leading dim.
+// One of scales / offsets (``name``) in one of group_scales.h's forms, checked against the
+// weight's shape: ``experts`` > 0, the grouped op's, one weight's tensor per expert along a
+// leading dim.
+gscale::Values check_values(const char* name, const at::Tensor& t, int64_t P, int64_t G,
+                            int64_t experts) {
+  std::vector<int64_t> lead{P};
+  if (experts > 0) lead.insert(lead.begin(), experts);
+  const auto dtype = t.scalar_type();
+  gscale::Values v{static_cast<const uint8_t*>(t.data_ptr()), gscale::Form::f32, G, 0};
+  std::vector<int64_t> shape = lead;
+  if (dtype == at::kByte) {  // super-block records [.., P, K / S, 64 x (2 + S / G)]
+    const int64_t width = t.dim() == int64_t(lead.size()) + 2 ? t.size(-1) : 0;
+    const int64_t per_super = width % kPanel == 0 ? width / kPanel - 2 : 0;
+    v.form = gscale::Form::records;
+    while ((int64_t(1) << v.per_super_log2) < per_super) ++v.per_super_log2;
+    TORCH_CHECK(per_super > 0 && v.per_super() == per_super && G % per_super == 0, name,
+                ": super-block records must be [", experts > 0 ? "experts, " : "",
+                "P, in / S, 64 x (2 + S / group_size)] uint8, S / group_size a power of two "
+                "dividing in_features / group_size; got ", t.sizes());
+    shape.insert(shape.end(), {G / per_super, width});
+  } else {
+    TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf, name, " must be float32 or float16 "
+                "[P, in / group_size, 64], or uint8 super-block records; got ", dtype);
+    v.form = dtype == at::kFloat ? gscale::Form::f32 : gscale::Form::f16;
+    shape.insert(shape.end(), {G, kPanel});
+  }
+  TORCH_CHECK(t.is_contiguous() && t.sizes() == at::IntArrayRef(shape), name, " must be a "
+              "contiguous ", dtype, " tensor shaped ", at::IntArrayRef(shape), " here (",
+              experts > 0 ? "[experts, " : "[", "P, groups, ...]), got ", t.sizes());
+  return v;
+}
+
 Groups check_groups(int64_t P, int64_t K, const std::optional<at::Tensor>& scales,
                     const std::optional<at::Tensor>& offsets, int64_t group_size,
                     int64_t experts = 0) {
-  TORCH_CHECK(scales.has_value(), "q8/q4 codes need scales");
+  TORCH_CHECK(scales.has_value(), "q8/q4/q5/q6 codes need scales");
   TORCH_CHECK(group_size > 0 && K % group_size == 0, "group_size ", group_size,
               " must divide in_features ", K);
   const int64_t G = K / group_size;
-  std::vector<int64_t> shape{P, G, kPanel};
-  if (experts > 0) shape.insert(shape.begin(), experts);
-  TORCH_CHECK(scales->scalar_type() == at::kFloat && scales->is_contiguous() &&
-                  scales->sizes() == at::IntArrayRef(shape),
-              "scales must be a contiguous float32 ", experts > 0 ? "[experts, " : "[",
-              "P, in / group_size, 64] tensor (", at::IntArrayRef(shape), " here), got ",
-              scales->scalar_type(), " ", scales->sizes());
-  if (offsets) {
-    TORCH_CHECK(offsets->scalar_type() == at::kFloat && offsets->is_contiguous() &&
-                    offsets->sizes() == at::IntArrayRef(shape),
-                "offsets must be a contiguous float32 tensor shaped like scales (",
-                at::IntArrayRef(shape), "), got ", offsets->scalar_type(), " ", offsets->sizes());
-  }
-  return Groups{scales->data_ptr<float>(), offsets ? offsets->data_ptr<float>() : nullptr,
-                group_size, G};
+  Groups g{check_values("scales", *scales, P, G, experts), {}, group_size, G};
+  if (offsets) g.offsets = check_values("offsets", *offsets, P, G, experts);
+  return g;
 }
 
 // Which weight x's rows meet: one weight, every row (quant_linear: one group of all the rows);
@@ -408,9 +437,7 @@ void quad_panels_gemm(const float* xp, int64_t M, int64_t K, const Experts& ex,
     // row alone, so they are the ones its expert's own call would compute.
     const int8gemm::QuantizedRows xq = int8gemm::quantize_rows(xp, M, K, B);
     const auto weight = [&](int64_t e) {
-      const Groups ge = g.expert(e, P);
-      return int8gemm::Panels{codes + e * expert_bytes, ge.scales, ge.offsets, K4, g.group_size,
-                              g.num_groups};
+      return int8gemm::Panels{codes + e * expert_bytes, g.expert(e, P), K4};
     };
     if (!ex.grouped) return int8gemm::panels_gemm<C, OFFSET>(weight(0), xq, M, N, P, yp);
     const std::vector<int64_t>& start = ex.rows.start;
@@ -421,9 +448,12 @@ void quad_panels_gemm(const float* xp, int64_t M, int64_t K, const Experts& ex,
     });
   }
 #endif
+  using int8gemm::Codes;
   using Source = std::conditional_t<
-      C == int8gemm::Codes::q4, Q4Panels<OFFSET>,
-      std::conditional_t<C == int8gemm::Codes::q5, Q5Panels<OFFSET>, Q8Panels<OFFSET>>>;
+      C == Codes::q4, Q4Panels<OFFSET>,
+      std::conditional_t<C == Codes::q5, HighBitPanels<1, OFFSET>,
+                         std::conditional_t<C == Codes::q6, HighBitPanels<2, OFFSET>,
+                                            Q8Panels<OFFSET>>>>;
   const auto source = [&](int64_t e) {
     return Source{codes + e * expert_bytes, K4, g.expert(e, P)};
   };
@@ -455,7 +485,7 @@ template <int8gemm::Codes C>
 void quad_panels_gemm(const float* xp, int64_t M, int64_t K, const Experts& ex,
                       const uint8_t* codes, int64_t expert_bytes, const Groups& g, int64_t N,
                       int64_t P, bool int8, float* yp) {
-  if (g.offsets)
+  if (g.offsets.data)
     quad_panels_gemm<C, true>(xp, M, K, ex, codes, expert_bytes, g, N, P, int8, yp);
   else
     quad_panels_gemm<C, false>(xp, M, K, ex, codes, expert_bytes, g, N, P, int8, yp);
@@ -473,9 +503,13 @@ at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& codes,
                       const std::optional<at::Tensor>& bias = std::nullopt) {
   const auto dtype = codes.scalar_type();
   const bool quads = dtype == at::kChar || dtype == at::kByte;
-  // uint8 codes are q4 or q5 quad blocks, told apart by their width (128 or 160 bytes)
-  const bool q5 = dtype == at::kByte && codes.dim() >= 1 &&
-                  codes.size(-1) == int8gemm::kQuadBytes<int8gemm::Codes::q5>;
+  // uint8 codes are q4, q5 or q6 quad blocks, told apart by their width (128, 160 or 192
+  // bytes; anything else is taken for q4, whose check then names the width it wants)
+  using int8gemm::Codes;
+  const int64_t last = dtype == at::kByte && codes.dim() >= 1 ? codes.size(-1) : 0;
+  const Codes byte_codes = last == int8gemm::kQuadBytes<Codes::q5>   ? Codes::q5
+                           : last == int8gemm::kQuadBytes<Codes::q6> ? Codes::q6
+                                                                     : Codes::q4;
   const bool grouped = counts.has_value();
   const int64_t experts = grouped ? static_cast<int64_t>(counts->size()) : 0;
   if (grouped) {
@@ -486,8 +520,9 @@ at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& codes,
                 " experts' weights and counts has ", experts, " row counts: one per expert");
   }
   const bool amx = dtype == at::kBFloat16 && narrow;  // bf16 in k pairs (VNNI), on AMX tiles
-  const int64_t width = q5                     ? int8gemm::kQuadBytes<int8gemm::Codes::q5>
-                        : dtype == at::kByte ? kPanel * 2
+  const int64_t width = dtype == at::kByte ? (byte_codes == Codes::q5   ? int8gemm::kQuadBytes<Codes::q5>
+                                              : byte_codes == Codes::q6 ? int8gemm::kQuadBytes<Codes::q6>
+                                                                        : kPanel * 2)
                         : dtype == at::kChar ? kPanel * 4
                         : amx                ? kPanel * 2
                                              : kPanel;
@@ -531,18 +566,19 @@ at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& codes,
     case at::kByte: {
       const Groups g = check_groups(P, K, scales, offsets, group_size, experts);
       const auto* c = static_cast<const uint8_t*>(cp);
-      using int8gemm::Codes;
-      if (q5)
-        quad_panels_gemm<Codes::q5>(xp, M, K, ex, c, stride, g, N, P, narrow, yp);
-      else if (dtype == at::kByte)
-        quad_panels_gemm<Codes::q4>(xp, M, K, ex, c, stride, g, N, P, narrow, yp);
-      else
+      if (dtype == at::kChar)
         quad_panels_gemm<Codes::q8>(xp, M, K, ex, c, stride, g, N, P, narrow, yp);
+      else if (byte_codes == Codes::q5)
+        quad_panels_gemm<Codes::q5>(xp, M, K, ex, c, stride, g, N, P, narrow, yp);
+      else if (byte_codes == Codes::q6)
+        quad_panels_gemm<Codes::q6>(xp, M, K, ex, c, stride, g, N, P, narrow, yp);
+      else
+        quad_panels_gemm<Codes::q4>(xp, M, K, ex, c, stride, g, N, P, narrow, yp);
       break;
     }
     default:
       TORCH_CHECK(false, "codes of dtype ", dtype, " are not a weight format (bfloat16, float16, "
-                  "int8 q8, uint8 q4 / q5)");
+                  "int8 q8, uint8 q4 / q5 / q6)");
   }
   return call.y;
 }

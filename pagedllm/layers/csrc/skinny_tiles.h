@@ -5,8 +5,9 @@
 //
 // A weight format is a Source. Float32 panels (kInPlace) give ``block(p, k0)``, a pointer to
 // rows k0.. of panel p as [k][kPanel] floats. Any other format gives ``code(p, k, v)``, vector v
-// of row k of panel p widened to floats, with (kScaled, kOffset) ``scale_row(p, k)`` /
-// ``offset_row(p, k)`` and ``group_size()``, and ``row_bytes(p, k)``, where the row lies
+// of row k of panel p widened to floats, with (kScaled, kOffset) ``scale(p, k, v)`` /
+// ``offset(p, k, v)``, vector v of row k's group's, and ``group_size()``, and
+// ``row_bytes(p, k)``, where the row lies
 // (kRowBytes long): a k block is converted into an L1 buffer (kBlockK x kPanel floats) that
 // every row tile of the chunk reads, or, for a single row, straight into registers. Formats
 // whose codes lie in quads of 4 k (kQuads: q8/q4) also give ``quad(p, k / 4, v, f)``, the 4
@@ -179,7 +180,7 @@ constexpr int64_t kRowVecs = kPanel / kW;  // vectors per panel row (one k)
 
 // The float32 values of row k of panel p from ``src``'s codes: ``code`` widened, times the
 // group's scale, plus its offset, in one fused multiply-add (the formats without them: the
-// code itself). ``s`` and ``o`` point at the group's scales and offsets for the row's column 0.
+// code itself). ``s`` and ``o``: the group's scales and offsets of the vector's columns.
 template <class Source>
 inline vfloat value_of(const vfloat& f, const vfloat& s, const vfloat& o) {
   if constexpr (Source::kOffset) return f * s + o;
@@ -206,14 +207,19 @@ template <class Source>
 inline const float* convert_block(const Source& src, int64_t p, int64_t k0, int64_t kl,
                                   float* __restrict buf) {
   if constexpr (Source::kQuads) {
+    // Where groups are whole quads, a group's scales (and offsets) are read at its first quad
+    // and kept for the rest (reading some forms takes a few instructions: group_scales.h).
+    const bool whole_quads = src.group_size() % 4 == 0;
+    vfloat s[kRowVecs] = {}, o[kRowVecs] = {};
     for (int64_t k = k0; k < k0 + kl; k += 4) {
       const int rows = int(std::min<int64_t>(4, k0 + kl - k));  // < 4: the end of K
-      const float* s[4] = {};
-      const float* o[4] = {};
-      for (int j = 0; j < rows; ++j) {
-        prefetch_next_block(src, p, k + j);
-        if constexpr (Source::kScaled) s[j] = src.scale_row(p, k + j);
-        if constexpr (Source::kOffset) o[j] = src.offset_row(p, k + j);
+      for (int j = 0; j < rows; ++j) prefetch_next_block(src, p, k + j);
+      if (whole_quads && (k == k0 || k % src.group_size() == 0)) {
+#pragma GCC unroll 8
+        for (int v = 0; v < kRowVecs; ++v) {
+          if constexpr (Source::kScaled) s[v] = src.scale(p, k, v);
+          if constexpr (Source::kOffset) o[v] = src.offset(p, k, v);
+        }
       }
 #pragma GCC unroll 8
       for (int v = 0; v < kRowVecs; ++v) {
@@ -222,8 +228,11 @@ inline const float* convert_block(const Source& src, int64_t p, int64_t k0, int6
 #pragma GCC unroll 4
         for (int j = 0; j < 4; ++j) {
           if (j >= rows) break;
-          const vfloat sv = Source::kScaled ? load(s[j] + v * kW) : vfloat{};
-          const vfloat ov = Source::kOffset ? load(o[j] + v * kW) : vfloat{};
+          vfloat sv = s[v], ov = o[v];
+          if (!whole_quads) {
+            if constexpr (Source::kScaled) sv = src.scale(p, k + j, v);
+            if constexpr (Source::kOffset) ov = src.offset(p, k + j, v);
+          }
           store(buf + (k + j - k0) * kPanel + v * kW, value_of<Source>(f[j], sv, ov));
         }
       }
@@ -232,12 +241,10 @@ inline const float* convert_block(const Source& src, int64_t p, int64_t k0, int6
   }
   for (int64_t k = k0; k < k0 + kl; ++k) {
     prefetch_next_block(src, p, k);
-    const float* s = Source::kScaled ? src.scale_row(p, k) : nullptr;
-    const float* o = Source::kOffset ? src.offset_row(p, k) : nullptr;
 #pragma GCC unroll 8
     for (int v = 0; v < kRowVecs; ++v) {
-      const vfloat sv = Source::kScaled ? load(s + v * kW) : vfloat{};
-      const vfloat ov = Source::kOffset ? load(o + v * kW) : vfloat{};
+      const vfloat sv = Source::kScaled ? src.scale(p, k, v) : vfloat{};
+      const vfloat ov = Source::kOffset ? src.offset(p, k, v) : vfloat{};
       store(buf + (k - k0) * kPanel + v * kW, value(src, p, k, v, sv, ov));
     }
   }
@@ -276,9 +283,8 @@ inline void row_times_block(const float* __restrict x, const Source& src, int64_
             for (int j = 0; j < NP; ++j)
 #pragma GCC unroll 4
               for (int v = 0; v < kPart; ++v) {
-                s[j][v] = load(src.scale_row(p + j, k) + (v0 + v) * kW);
-                if constexpr (Source::kOffset)
-                  o[j][v] = load(src.offset_row(p + j, k) + (v0 + v) * kW);
+                s[j][v] = src.scale(p + j, k, v0 + v);
+                if constexpr (Source::kOffset) o[j][v] = src.offset(p + j, k, v0 + v);
               }
           }
           const float* a = x + (k - k0);
@@ -317,9 +323,8 @@ inline void row_times_block(const float* __restrict x, const Source& src, int64_
           for (int j = 0; j < NP; ++j)
 #pragma GCC unroll 4
             for (int v = 0; v < kPart; ++v) {
-              s[j][v] = load(src.scale_row(p + j, k) + (v0 + v) * kW);
-              if constexpr (Source::kOffset)
-                o[j][v] = load(src.offset_row(p + j, k) + (v0 + v) * kW);
+              s[j][v] = src.scale(p + j, k, v0 + v);
+              if constexpr (Source::kOffset) o[j][v] = src.offset(p + j, k, v0 + v);
             }
         }
       }

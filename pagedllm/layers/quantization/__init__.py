@@ -1,8 +1,9 @@
-"""Weight formats of linear layers other than float32: bf16/fp16 and block-quantized (q8, q4, q5),
+"""Weight formats of linear layers other than float32: bf16/fp16 and block-quantized (q8, q4, q5,
+q6),
 kept in that format in memory and multiplied by pagedllm's CPU kernel (csrc/quant_gemm.cpp).
 
 - quantized_weight.py  ``QuantizedWeight``: the packed weight, built from plain arrays
-                       (``from_half``, ``from_q8/q4/q5``), ``dequantize()``, ``nbytes``;
+                       (``from_half``, ``from_q8/q4/q5/q6``), ``dequantize()``, ``nbytes``;
                        the table of GGUF/AWQ/GPTQ types and the layout each maps to
 - linear_method.py     one ``LinearMethod`` per format, ``set_quantized_weight(layer, qweight)``,
                        ``set_quantization_activations(model, "int8")`` (csrc/int8_gemm.h)
@@ -18,7 +19,8 @@ from __future__ import annotations
 
 from pagedllm.layers.quantization.linear_method import (HalfLinearMethod,
                                                         LinearMethod, Q4LinearMethod,
-                                                        Q5LinearMethod, Q8LinearMethod,
+                                                        Q5LinearMethod, Q6LinearMethod,
+                                                        Q8LinearMethod,
                                                         check_kernel,
                                                         kernel_matches_float64, method_for,
                                                         quantized_kernels_available,
@@ -28,6 +30,6 @@ from pagedllm.layers.quantization.quantized_weight import FORMATS, QuantizedWeig
 from pagedllm.layers.quantization.round_to_nearest import SCHEMES, quantize_linear
 
 __all__ = ["FORMATS", "SCHEMES", "HalfLinearMethod", "LinearMethod", "Q4LinearMethod",
-           "Q5LinearMethod", "Q8LinearMethod", "QuantizedWeight", "check_kernel",
+           "Q5LinearMethod", "Q6LinearMethod", "Q8LinearMethod", "QuantizedWeight", "check_kernel",
            "kernel_matches_float64", "method_for", "quantize_linear", "quantized_kernels_available",
            "set_quantization_activations", "set_quantized_weight"]

@@ -4,7 +4,7 @@ the weight (``weight`` is then None), and ``layers/linear.linear`` calls
 ``layer.quant_method.apply(layer, x, bias)``: the model code never branches on the format.
 
 - A loader that reads quantized tensors (GGUF, AWQ, GPTQ) builds a ``QuantizedWeight``
-  (``from_q8`` / ``from_q4`` / ``from_q5``) and calls ``set_quantized_weight(layer,
+  (``from_q8`` / ``from_q4`` / ``from_q5`` / ``from_q6``) and calls ``set_quantized_weight(layer,
   qweight)``. For a stacked layer (qkv_proj, gate_up_proj) it concatenates the parts' codes,
   scales and offsets along the rows first (groups run along the input, so every part's rows
   stay whole); a tensor-parallel slice of the input must cut at group boundaries.
@@ -14,7 +14,7 @@ the weight (``weight`` is then None), and ``layers/linear.linear`` calls
 
 Every method runs ``pagedllm::quant_linear`` (csrc/quant_gemm.cpp): float32 activations and
 sums whatever the weight's format (x of another dtype is widened, the result narrowed back).
-The block methods (q8, q4, q5) can instead quantize the activations to int8
+The block methods (q8, q4, q5, q6) can instead quantize the activations to int8
 (``activations="int8"``, the engine's ``quantization_activations``; csrc/int8_gemm.h):
 llama.cpp's integer dot products, on the same panels, at every row count (so a row's bits still
 never depend on its batch). bf16 weights can take activations rounded to bf16
@@ -91,7 +91,7 @@ class BlockLinearMethod(LinearMethod):
 
 
 class Q8LinearMethod(BlockLinearMethod):
-    """int8 codes with a scale (and optional offset) per group: GGUF Q8_0, Q6_K, Q5_K; at load,
+    """int8 codes with a scale (and optional offset) per group: GGUF Q8_0, Q5_K; at load,
     llama.cpp's q8_0 round-to-nearest."""
 
     formats = ("q8",)
@@ -118,8 +118,15 @@ class Q5LinearMethod(BlockLinearMethod):
     formats = ("q5",)
 
 
+class Q6LinearMethod(BlockLinearMethod):
+    """6-bit codes -32..31 with a scale per group: GGUF Q6_K (Q4_K_M's attn_v, half its ffn_down
+    and often its lm_head). Loaded only, as Q5LinearMethod."""
+
+    formats = ("q6",)
+
+
 # The methods of block-quantized codes: the ones int8 activations apply to.
-BLOCK_METHODS = (Q8LinearMethod, Q4LinearMethod, Q5LinearMethod)
+BLOCK_METHODS = (Q8LinearMethod, Q4LinearMethod, Q5LinearMethod, Q6LinearMethod)
 _METHODS = {fmt: cls for cls in (HalfLinearMethod, *BLOCK_METHODS) for fmt in cls.formats}
 
 
@@ -135,7 +142,7 @@ def method_for(qweight: QuantizedWeight) -> LinearMethod:
 
 def set_quantization_activations(model: nn.Module, activations: str) -> int:
     """Run every layer of ``model`` (after loading and choose_linear_kernels) that takes
-    ``activations`` with them: "int8", the block-quantized (q8/q4/q5) layers; "bfloat16", the
+    ``activations`` with them: "int8", the block-quantized (q8/q4/q5/q6) layers; "bfloat16", the
     bf16 ones, dense and experts, their weights converted to the AMX path's layout
     (``QuantizedWeight.to_vnni``; a tied embedding follows its head) and each shape first
     checked against float64 (``check_kernel``); "float32", the block layers back on their exact

@@ -11,11 +11,10 @@ for a fused checkpoint tensor whose every piece fills one layer (Phi-3's qkv_pro
 
 The parts of a fused layer may come in different formats: GGUF Q4_K_M files hold ``attn_v``
 (and some ``ffn_down``) as Q6_K beside Q4_K for the rest. The layer then takes the smallest
-format that holds every part exactly: q4 and q5 parts widen to q8 (their codes fit int8) unless
-every part has the one format, groups split
-to the smallest group size (a scale repeated), a missing offset is zero. Those layers cost more
-memory than their parts did (a q4 part held as q8 doubles its code bytes); the values are the
-same.
+format that holds every part exactly: the widest of the parts' formats, each one's codes
+fitting the next's (q4 0..15, q5 -16..15, q6 -32..31, q8 int8); groups split to the smallest
+group size (a scale repeated), a missing offset is zero. Those layers cost more memory than
+their parts did (a q4 part held as q6 takes 6 bits a code); the values are the same.
 """
 from __future__ import annotations
 
@@ -30,10 +29,12 @@ from torch import nn
 from pagedllm.errors import ModelLoadError
 # The loaders ask it here (the rule lives with the methods that need the kernels).
 from pagedllm.layers.quantization.linear_method import quantized_kernels_available  # noqa: F401
+from pagedllm.layers.quantization.quantized_weight import GroupScales
 
 if TYPE_CHECKING:
     from pagedllm.layers.quantization import QuantizedWeight
 
+_WIDER = ("q4", "q5", "q6", "q8")  # each format's codes fit the next's
 _PANEL = 64  # output rows per panel of the quantized kernel (QuantizedWeight's PANEL)
 _CHECK_ROWS = 3 * _PANEL  # layers up to this size are checked whole
 
@@ -43,13 +44,22 @@ class GroupQuant:
     """Codes of a ``[rows, cols]`` matrix with a scale (and optional offset) per group of
     ``group_size`` columns: ``value[r, c] = codes[r, c] * scales[r, c // G] + offsets[r, c // G]``.
 
-    ``kind`` "q4": uint8 codes 0..15; "q5": int8 codes -16..15; "q8": int8 codes."""
+    ``kind`` "q4": uint8 codes 0..15; "q5": int8 codes -16..15; "q6": int8 codes -32..31;
+    "q8": int8 codes. ``scales``
+    and ``offsets`` are GroupScales (plain float arrays [rows, cols // G] are taken as such):
+    GGUF's K-quants keep their fp16 d per super-block and integer multipliers per group."""
 
     kind: str
-    codes: np.ndarray                 # [rows, cols] uint8 (q4) or int8 (q5, q8)
-    scales: np.ndarray                # [rows, cols // G] float32
-    offsets: np.ndarray | None        # [rows, cols // G] float32, or None (zero)
+    codes: np.ndarray                 # [rows, cols] uint8 (q4) or int8 (q5, q6, q8)
+    scales: GroupScales
+    offsets: GroupScales | None       # None: zero
     group_size: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.scales, GroupScales):
+            self.scales = GroupScales(self.scales)
+        if self.offsets is not None and not isinstance(self.offsets, GroupScales):
+            self.offsets = GroupScales(self.offsets)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -61,15 +71,16 @@ class GroupQuant:
         groups = cols // self.group_size
         # [rows, groups, G]: one scale broadcast over each group
         out = self.codes.reshape(rows, groups, self.group_size).astype(np.float32)
-        out *= self.scales[:, :, None]
+        out *= self.scales.values()[:, :, None]
         if self.offsets is not None:
-            out += self.offsets[:, :, None]
+            out += self.offsets.values()[:, :, None]
         return out.reshape(rows, cols)
 
     def rows(self, index: np.ndarray | slice) -> GroupQuant:
         """The same format for a subset (or reordering) of the rows."""
-        offsets = None if self.offsets is None else self.offsets[index]
-        return GroupQuant(self.kind, self.codes[index], self.scales[index], offsets, self.group_size)
+        offsets = None if self.offsets is None else self.offsets.rows(index)
+        return GroupQuant(self.kind, self.codes[index], self.scales.rows(index), offsets,
+                          self.group_size)
 
 
 @dataclass(frozen=True)
@@ -192,30 +203,30 @@ def this_rank(value: GroupQuant, part: Part) -> GroupQuant:
         raise ModelLoadError(f"a tensor-parallel split at input column {part.start} cuts a "
                              f"quantization group of {g}; use a tensor-parallel size that "
                              "keeps whole groups")
-    groups = slice(part.start // g, (part.start + part.size) // g)
-    offsets = None if value.offsets is None else value.offsets[:, groups]
+    groups = (part.start // g, (part.start + part.size) // g)
+    offsets = None if value.offsets is None else value.offsets.groups(*groups)
     return GroupQuant(value.kind, value.codes[:, part.start:part.start + part.size],
-                      value.scales[:, groups], offsets, g)
+                      value.scales.groups(*groups), offsets, g)
 
 
 def combine(parts: list[GroupQuant]) -> GroupQuant:
     """The parts stacked by rows in one format that holds each exactly (module docstring)."""
     kinds = {p.kind for p in parts}
-    kind = kinds.pop() if len(kinds) == 1 else "q8"
+    kind = max(kinds, key=_WIDER.index)
     group = math.gcd(*(p.group_size for p in parts))
     with_offsets = any(p.offsets is not None for p in parts)
     codes, scales, offsets = [], [], []
     for p in parts:
         repeat = p.group_size // group
         codes.append(p.codes if p.kind == kind else p.codes.astype(np.int8))
-        scales.append(np.repeat(p.scales, repeat, axis=1) if repeat > 1 else p.scales)
+        scales.append(p.scales.split(repeat))
         if with_offsets:
-            off = p.offsets if p.offsets is not None else np.zeros_like(p.scales)
-            offsets.append(np.repeat(off, repeat, axis=1) if repeat > 1 else off)
+            off = p.offsets if p.offsets is not None else p.scales.zeros(p.codes.shape[0])
+            offsets.append(off.split(repeat))
     if len(parts) == 1:
         return GroupQuant(kind, codes[0], scales[0], offsets[0] if with_offsets else None, group)
-    return GroupQuant(kind, np.concatenate(codes), np.concatenate(scales),
-                      np.concatenate(offsets) if with_offsets else None, group)
+    return GroupQuant(kind, np.concatenate(codes), GroupScales.concat(scales),
+                      GroupScales.concat(offsets) if with_offsets else None, group)
 
 
 def add_parts(pending: dict[tuple[str, str, int | None], dict[int, GroupQuant]],
@@ -273,10 +284,12 @@ class QuantizedAttacher:
         from pagedllm.layers.quantization import QuantizedWeight, kernel_matches_float64
 
         build = {"q4": QuantizedWeight.from_q4, "q5": QuantizedWeight.from_q5,
-                 "q8": QuantizedWeight.from_q8}[value.kind]
+                 "q6": QuantizedWeight.from_q6, "q8": QuantizedWeight.from_q8}[value.kind]
         qweight = build(value.codes, value.scales, value.offsets, value.group_size)
         rows = value.codes.shape[0]
-        key = (qweight.format, qweight.in_features, qweight.group_size, qweight.offsets is None,
+        key = (qweight.format, qweight.in_features, qweight.group_size,
+               *((t.dtype, t.shape[-1]) if t is not None else None
+                 for t in (qweight.scales, qweight.offsets)),
                bias is None, rows % _PANEL, rows > _CHECK_ROWS)
         if key not in self._checked:
             # The kernel's paths depend on the input size, the format and whether the last
@@ -301,6 +314,10 @@ def _pad_rows(value: GroupQuant, rows: int) -> GroupQuant:
     def pad(a: np.ndarray) -> np.ndarray:
         return np.concatenate((a, np.zeros((rows, a.shape[1]), a.dtype)))
 
-    return GroupQuant(value.kind, pad(value.codes), pad(value.scales),
-                      None if value.offsets is None else pad(value.offsets), value.group_size)
+    def pad_groups(g: GroupScales) -> GroupScales:
+        return GroupScales.concat([g, g.zeros(rows)])
+
+    return GroupQuant(value.kind, pad(value.codes), pad_groups(value.scales),
+                      None if value.offsets is None else pad_groups(value.offsets),
+                      value.group_size)
 
