@@ -158,6 +158,15 @@ def test_gguf_matches_transformers(arch, spec, overrides, tmp_path):
         assert all(getattr(m, "qweight", None) is None for m in linears)
     else:  # every linear holds its quantized weight only
         assert linears and all(m.qweight is not None and m.weight is None for m in linears)
+    if spec == "k_quants":  # Q4_K and Q6_K held at the file's size (panels of 64 rows aside)
+        for m in linears:
+            qw, k = m.qweight, m.qweight.in_features
+            rows = -(-qw.out_features // 64) * 64
+            records = 2 * k // 256 + k // qw.group_size  # fp16 d per 256, int8 per group
+            per_row = {"q4": k // 2 + 2 * records, "q6": k * 3 // 4 + records}.get(qw.format)
+            if per_row is not None:  # the fused qkv mixes three types: held as q8
+                assert qw.nbytes == rows * per_row, (qw.format, qw.out_features, k)
+        assert {m.qweight.format for m in linears} >= {"q4", "q6"}
     if spec not in ("f32", "f16") and hf_model.config.tie_word_embeddings:
         # one copy of the tied matrix, in the file's format: the embedding reads the head's
         embedding = model.decoder.embed_tokens

@@ -109,7 +109,8 @@ struct Values {
     constexpr int kVecs = int(kPanel / kW);
     if (form != Form::records) {
       for (int64_t g = 0; g < n; ++g)
-        for (int v = 0; v < kVecs; ++v) skinny::store(out + g * kPanel + v * kW, at(p, first + g, v * kW));
+        for (int v = 0; v < kVecs; ++v)
+          skinny::store(out + g * kPanel + v * kW, at(p, first + g, v * kW));
       return;
     }
     for (int64_t g = 0; g < n;) {
@@ -121,7 +122,8 @@ struct Values {
         d[v] = widen_fp16(reinterpret_cast<const uint16_t*>(record) + v * kW);
       for (int64_t row = group & (per_super() - 1); row < per_super() && g < n; ++row, ++g)
         for (int v = 0; v < kVecs; ++v)
-          skinny::store(out + g * kPanel + v * kW, d[v] * widen_i8(multipliers + row * kPanel + v * kW));
+          skinny::store(out + g * kPanel + v * kW,
+                        d[v] * widen_i8(multipliers + row * kPanel + v * kW));
     }
   }
 };
@@ -152,7 +154,9 @@ struct Groups {
   vfloat offset(int64_t p, int64_t k, int64_t col) const {
     return offsets.at(p, k / group_size, col);
   }
-  vfloat group_scale(int64_t p, int64_t group, int64_t col) const { return scales.at(p, group, col); }
+  vfloat group_scale(int64_t p, int64_t group, int64_t col) const {
+    return scales.at(p, group, col);
+  }
   vfloat group_offset(int64_t p, int64_t group, int64_t col) const {
     return offsets.at(p, group, col);
   }

@@ -1,5 +1,5 @@
-// The q8/q4/q5/q6 panels times activations quantized to int8 (llama.cpp's strategy for its quantized
-// matmuls; the float path is quant_gemm.cpp's, on the same panels). Why a second path: with
+// The q8/q4/q5/q6 panels times activations quantized to int8 (llama.cpp's strategy for its
+// quantized matmuls; the float path is quant_gemm.cpp's, on the same panels). Why a second path: with
 // float32 activations every code is widened to a float before its multiply-add, and at a few
 // rows that conversion, not the memory stream, bounds the kernel. Here each x row is quantized
 // once per call, and a column's codes meet it in integer dot products of 4 k at a time, the
@@ -16,19 +16,20 @@
 // _mm256_madd_epi16 by ones (the two pairs to int32); AVX-512: the same on 512 bits, or one
 // _mm512_dpbusd_epi32 with VNNI. maddubs wants one unsigned operand: q4 codes are (0..15), q5's
 // enter as b = code + 16 (0..31; the block's sum then owes 16 x the sum of its x, taken off in
-// the float step), q6's as code + 32; q8 codes are signed, so they enter as |w| with w's sign moved onto x
-// (llama.cpp's sign trick). Nothing saturates: x is in -127..127 (never -128, so its negation
+// the float step), q6's as code + 32; q8 codes are signed, so they enter as |w| with w's sign
+// moved onto x (llama.cpp's sign trick). Nothing saturates: x is in -127..127 (never -128, so its negation
 // fits); q8's pair sums are at most 2 x 128 x 127 = 32512, q5's 2 x 31 x 127, q6's 2 x 63 x
-// 127, all widened per quad, and q4 sums its pairs in int16 over a block of at most 8 quads (8 x 2 x 15 x 127 =
-// 30480) before widening them once.
+// 127, all widened per quad, and q4 sums its pairs in int16 over a block of at most 8 quads
+// (8 x 2 x 15 x 127 = 30480) before widening them once.
 //
 // Activation blocks: x is quantized per row in blocks of B k, B = 32 where the weight's group
 // size G is a multiple of 32 (Q8_0, Q4_0/1, Q4_K, Q5_K, AWQ/GPTQ's 64/128), else the largest of
 // 16/8/4 dividing G (Q6_K: 16). B divides G, so a block's integer sum has one weight scale per
 // column and the float step is one multiply-add per block: y += S * (w_scale * x_scale) +
 // offset * (x_scale * sum of the block's codes), the offset being q4's mins / Q4_0's -8d / AWQ's
-// zeros (q5 also takes off w_scale * 16 * that sum, q6 32 times it). Not per weight group: blocks of 128 (AWQ)
-// would give one outlier 128 activations' worth of lost precision; not per row: worse still. A
+// zeros (q5 also takes off w_scale * 16 * that sum, q6 32 times it). Not per weight group:
+// blocks of 128 (AWQ) would give one outlier 128 activations' worth of lost precision; not per
+// row: worse still. A
 // block's scale is amax / 127, its codes round(x / scale) (half to even):
 // tests/models/test_int8_activations.py rebuilds them.
 //
@@ -232,8 +233,8 @@ constexpr int64_t kChunkRows = 64;     // rows per chunk: their codes stay in L2
 constexpr int64_t kPrefetchQuads = 16; // the first tile prefetches the stream this far ahead
 
 
-// The weight: codes [P, K / 4, quad bytes] (q8: 256, q4: 128, q5: 160, q6: 192), its groups' scales
-// and offsets in any of group_scales.h's forms.
+// The weight: codes [P, K / 4, quad bytes] (q8: 256, q4: 128, q5: 160, q6: 192), its groups'
+// scales and offsets in any of group_scales.h's forms.
 struct Panels {
   const uint8_t* codes;
   gscale::Groups g;
@@ -263,6 +264,8 @@ inline ivec finish(ivec acc) {
 // [k0, k0 + kl), block by block (kl a multiple of B), for NP neighbouring panels j at once
 // (c_j = c + j * c_stride): two panels are two weight streams, as the float tiles' pairs
 // (skinny_tiles.h). Each column's integer sums and float steps are the same whatever NP.
+// ``gf`` gives the groups' scales and offsets (group_scale / group_offset): the weight's own
+// gscale::Groups, or a block of them decoded for the many-row tiles (gscale::BlockGroups).
 template <Codes C, bool OFFSET, int R, int U, int NP = 1, class GroupFloats>
 inline void tile(const Panels& w, const GroupFloats& gf, const QuantizedRows& x, int64_t m,
                  int64_t p, int u0, int64_t k0, int64_t kl, float* __restrict c, bool prefetch,
