@@ -128,17 +128,17 @@ struct Values {
   }
 };
 
-// The group floats of a k block of neighbouring panels p0.. as float32 [panels][groups][64],
-// from group ``first``, ``stride`` floats per panel (Groups::block); read as Groups' are.
+// The group floats of one panel's k block as float32 [groups][64] from group ``first``
+// (Groups::block), read as Groups' are (``p``: that panel, the tiles' own index).
 struct BlockGroups {
   const float* scales;
   const float* offsets;
-  int64_t p0, first, stride;
-  vfloat group_scale(int64_t p, int64_t group, int64_t col) const {
-    return load(scales + (p - p0) * stride + (group - first) * kPanel + col);
+  int64_t first;
+  vfloat group_scale(int64_t, int64_t group, int64_t col) const {
+    return load(scales + (group - first) * kPanel + col);
   }
-  vfloat group_offset(int64_t p, int64_t group, int64_t col) const {
-    return load(offsets + (p - p0) * stride + (group - first) * kPanel + col);
+  vfloat group_offset(int64_t, int64_t group, int64_t col) const {
+    return load(offsets + (group - first) * kPanel + col);
   }
 };
 
@@ -160,26 +160,26 @@ struct Groups {
   vfloat group_offset(int64_t p, int64_t group, int64_t col) const {
     return offsets.at(p, group, col);
   }
-  // Floats of ``buf`` that ``block`` needs for np panels' k blocks of at most kl k.
-  int64_t block_floats(int64_t np, int64_t kl) const {
-    return 2 * np * ((kl + group_size - 1) / group_size + 1) * kPanel;
+  // Floats of ``buf`` that ``block`` needs for a k block of at most kl k: none where both
+  // forms are float32.
+  int64_t block_floats(int64_t kl) const {
+    const bool f32 = scales.form == Form::f32 && (!offsets.data || offsets.form == Form::f32);
+    return f32 ? 0 : 2 * ((kl + group_size - 1) / group_size + 1) * kPanel;
   }
-  // k0..k0 + kl of panels p..p + np - 1: the tensors' own floats where both are float32, else
-  // decoded into ``buf`` (block_floats long) once for every tile over the block.
-  BlockGroups block(int64_t p, int64_t np, int64_t k0, int64_t kl, float* buf) const {
+  // k0..k0 + kl of panel p: the tensors' own floats where both are float32, else decoded into
+  // ``buf`` (block_floats long) once for every tile over the block.
+  BlockGroups block(int64_t p, int64_t k0, int64_t kl, float* buf) const {
     const int64_t first = k0 / group_size, n = (k0 + kl - 1) / group_size - first + 1;
-    if (scales.form == Form::f32 && (!offsets.data || offsets.form == Form::f32)) {
+    if (block_floats(kl) == 0) {
       const int64_t at = (p * num_groups + first) * kPanel;
       const auto* s = reinterpret_cast<const float*>(scales.data);
       const auto* o = reinterpret_cast<const float*>(offsets.data);
-      return BlockGroups{s + at, o ? o + at : nullptr, p, first, num_groups * kPanel};
+      return BlockGroups{s + at, o ? o + at : nullptr, first};
     }
-    float* o = offsets.data ? buf + np * n * kPanel : nullptr;
-    for (int64_t j = 0; j < np; ++j) {
-      scales.decode(p + j, first, n, buf + j * n * kPanel);
-      if (o) offsets.decode(p + j, first, n, o + j * n * kPanel);
-    }
-    return BlockGroups{buf, o, p, first, n * kPanel};
+    float* o = offsets.data ? buf + n * kPanel : nullptr;
+    scales.decode(p, first, n, buf);
+    if (o) offsets.decode(p, first, n, o);
+    return BlockGroups{buf, o, first};
   }
   // Expert e's of a grouped op's stack of P-panel weights.
   Groups expert(int64_t e, int64_t P) const {

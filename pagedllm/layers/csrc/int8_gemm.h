@@ -379,7 +379,8 @@ void panels_run(const Panels& w, const QuantizedRows& x, int64_t row0, int64_t M
   // build on the same CPU gave q8 1.08-1.16x but q4 0.93-1.06x.
   // The outputs of the panels in hand, each panel's rows after the previous panel's.
   std::vector<float> c(std::max<int64_t>(2, std::min(M, kChunkRows)) * kPanel);
-  std::vector<float> group_floats(w.g.block_floats(1, kBlockK));
+  // the many-row tiles' decoded group floats (one row reads them in place)
+  std::vector<float> group_floats(M > 1 ? w.g.block_floats(kBlockK) : 0);
   for (int64_t r0 = 0; r0 < M; r0 += kChunkRows) {
     const int64_t rows = std::min(kChunkRows, M - r0);
     for (int64_t p = p0, np = 1; p < p1; p += np) {
@@ -401,7 +402,7 @@ void panels_run(const Panels& w, const QuantizedRows& x, int64_t row0, int64_t M
           tile<C, OFFSET, 1, kUnits>(w, w.g, x, row0 + r0, p, 0, k0, kl, c.data(), true);
           continue;
         }
-        const gscale::BlockGroups bg = w.g.block(p, 1, k0, kl, group_floats.data());
+        const gscale::BlockGroups bg = w.g.block(p, k0, kl, group_floats.data());
         for (int u0 = 0; u0 < kUnits; u0 += kManyU)
           for (int64_t m0 = 0; m0 < rows; m0 += kManyR)
             tile_rows<C, OFFSET>(std::min<int64_t>(kManyR, rows - m0), w, bg, x, row0 + r0 + m0,
