@@ -47,7 +47,7 @@ from pagedllm.errors import ModelLoadError, UnsupportedModelError
 from pagedllm.layers.activation import GatedActivation
 from pagedllm.layers.linear import WeightSlice, pack_weight
 from pagedllm.layers.moe_router import RoutingOrder, check_routing, select_experts
-from pagedllm.layers.op_registry import LayerRegistry
+from pagedllm.layers.op_registry import LayerRegistry, layer_op
 from pagedllm.layers.quantization import (HalfLinearMethod, LinearMethod, QuantizedWeight,
                                           kernel_matches_float64, method_for,
                                           quantized_kernels_available)
@@ -265,7 +265,7 @@ class FusedMoE(nn.Module):
         floats = [name for name in floats if name not in halves]
         # Every projection goes through a grouped kernel or none (apply_experts): each float
         # shape is checked against float64 once, on expert 0.
-        firsts = {name: pack_weight(getattr(self, name)[0], None, check=True) for name in floats}
+        firsts = {name: pack_weight(getattr(self, name)[0], None, narrow=False) for name in floats}
         if any(first is None for first in firsts.values()):
             if len(floats) < len(self.PROJECTIONS):  # the other one is held in another format
                 raise ModelLoadError(f"the experts' {', '.join(floats)} cannot run in the CPU "
@@ -277,7 +277,7 @@ class FusedMoE(nn.Module):
             panels = torch.empty((self.num_experts, *first.shape), dtype=first.dtype)
             panels[0] = first
             for e in range(1, self.num_experts):  # one expert's transient copy at a time
-                panels[e] = pack_weight(weight[e], None, check=False)
+                panels[e] = pack_weight(weight[e], None, check=False, narrow=False)
             # The plain weight goes at once: at most one projection of one layer held twice.
             setattr(self, f"packed_{name.removesuffix('_proj')}", panels)
             setattr(self, name, None)
@@ -389,14 +389,14 @@ class FusedMoE(nn.Module):
 _layers_by_op_id: LayerRegistry[FusedMoE] = LayerRegistry()
 
 
-@torch.library.custom_op("pagedllm::fused_moe_experts", mutates_args=())
+@layer_op("fused_moe_experts")
 def fused_moe_experts_op(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                          layer_id: int) -> torch.Tensor:
     """``FusedMoE.apply_experts`` of layer ``layer_id``, eager inside a compiled graph."""
     return _layers_by_op_id[layer_id].apply_experts(x, topk_weights, topk_ids)
 
 
-@fused_moe_experts_op.register_fake
+@torch.library.register_fake("pagedllm::fused_moe_experts")
 def _fused_moe_experts_fake(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                             layer_id: int) -> torch.Tensor:
     return torch.empty_like(x)

@@ -48,6 +48,7 @@ if TYPE_CHECKING:  # quantization/ builds on this module's layers, not the rever
 
 # Output columns per panel of the packed weight (kPanel in csrc/skinny_gemm.cpp).
 _PANEL = 64
+_NARROW_STEP = 16  # a narrow panel's width is a multiple of this (one AVX-512 vector)
 
 
 def linear(layer: Linear | nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -190,10 +191,13 @@ class RowParallelLinear(Linear):
         return [WeightSlice(param, None, 1, self.tp.rank * self.in_features, self.full_in_features)]
 
 
-def pack_weight(weight: torch.Tensor, bias: torch.Tensor | None,
-                check: bool = True) -> torch.Tensor | None:
+def pack_weight(weight: torch.Tensor, bias: torch.Tensor | None, check: bool = True,
+                narrow: bool = True) -> torch.Tensor | None:
     """``weight`` [out, in] as skinny_gemm's panels [ceil(out / 64), in, 64] (zero rows pad the
-    last), or None when the kernel cannot run here: not float32 on CPU, or not built. With
+    last), or with ``narrow`` one narrow panel [1, in, 16 | 32 | 48] for a layer of at most 48
+    outputs (a router's experts: packed_linear reads it unpadded; the experts' grouped kernel
+    takes 64-wide panels only), or None when the kernel cannot run here: not float32 on CPU,
+    or not built. With
     ``check``, the kernel is first checked against float64 on it: a kernel whose error is not
     that of float32 rounding is never used (one check per shape suffices: the layout and the
     kernel's path depend on the shape, not on the values)."""
@@ -203,8 +207,11 @@ def pack_weight(weight: torch.Tensor, bias: torch.Tensor | None,
     if ops is None:
         return None
     out_features, in_features = weight.shape
-    padded = F.pad(weight.detach(), (0, 0, 0, -out_features % _PANEL))
-    packed = padded.view(-1, _PANEL, in_features).transpose(1, 2).contiguous()
+    width = _PANEL
+    if narrow and out_features <= _PANEL - _NARROW_STEP:
+        width = -(-out_features // _NARROW_STEP) * _NARROW_STEP
+    padded = F.pad(weight.detach(), (0, 0, 0, -out_features % width))
+    packed = padded.view(-1, width, in_features).transpose(1, 2).contiguous()
     if not check:
         return packed
     # The first two panels and the last (partial) one: every path of the kernel, at a fraction

@@ -25,11 +25,13 @@ ISAS = [pytest.param(isa, marks=pytest.mark.skipif(not can_run(isa), reason=f"th
 # Every tile (1 row: the whole panel; 4-row tiles and their remainders), several chunks (257).
 ROWS = (1, 2, 3, 4, 5, 8, 33, 72, 257)
 # (format, out, in, group size, offsets): out not a multiple of the 64-column panel; groups of
-# Q6_K (16), Q8_0/Q4_x (32), AWQ/GPTQ (128) and an odd one (48: activation blocks of 16).
+# Q6_K (16), Q8_0/Q4_x (32), AWQ/GPTQ (128) and odd ones (48, 24, 20: activation blocks of 16,
+# 8 and 4, which AVX-512 quantizes in vectors, in AVX2 vectors and in scalar code).
 CASES = [("q8", 130, 320, 32, False), ("q8", 33, 48, 16, True), ("q8", 70, 256, 128, True),
          ("q8", 100, 96, 48, False), ("q4", 70, 256, 128, True), ("q4", 100, 96, 32, False),
          ("q4", 64, 160, 16, True), ("q4", 129, 384, 32, True), ("q5", 130, 320, 32, False),
-         ("q5", 70, 256, 128, True), ("q5", 33, 48, 16, False)]
+         ("q5", 70, 256, 128, True), ("q5", 33, 48, 16, False), ("q8", 40, 96, 24, False),
+         ("q8", 20, 80, 20, True)]
 
 
 def _block(group: int) -> int:

@@ -30,15 +30,19 @@ def _reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torc
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("out_features,in_features", [(96, 64), (100, 37), (5, 3), (33, 200), (64, 1536)])
+@pytest.mark.parametrize("out_features,in_features", [(96, 64), (100, 37), (5, 3), (33, 200), (64, 1536),
+                                                      (16, 1024), (8, 301), (48, 77), (49, 40)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_skinny_kernel_matches_float64_at_every_tile_size(isa, out_features, in_features, with_bias):
+    """Wide layers as panels of 64 columns; up to 48 outputs (a router's experts) as one narrow
+    panel of 16, 32 or 48, which the kernel reads unpadded."""
     ops = _ops(isa)
     gen = torch.Generator().manual_seed(out_features * 1000 + in_features)
     w = torch.randn(out_features, in_features, generator=gen)
     b = torch.randn(out_features, generator=gen) if with_bias else None
     packed = pack_weight(w, b)
-    assert packed is not None and packed.shape == (-(-out_features // _PANEL), in_features, _PANEL)
+    width = _PANEL if out_features > 48 else -(-out_features // 16) * 16
+    assert packed is not None and packed.shape == (-(-out_features // width), in_features, width)
     # Every tile (AVX2: 1 x 8 vectors up to 12 rows, 6 x 2 above; AVX-512: 12 x 2 up to 64 rows,
     # 6 x 4 above) at every remainder of rows.
     for rows in [1, 2, 3, 4, 5, 6, 7, 11, 12, 13, 24, 25, 32, 33, 37, 64, 65, 66, 70, 71, 125, 300]:
@@ -51,18 +55,20 @@ def test_skinny_kernel_matches_float64_at_every_tile_size(isa, out_features, in_
 
 
 @pytest.mark.parametrize("isa", ISAS)
-def test_a_rows_result_does_not_depend_on_its_batch(isa):
+@pytest.mark.parametrize("out_features", [200, 16, 40])
+def test_a_rows_result_does_not_depend_on_its_batch(isa, out_features):
     """Every output is summed in the same order whatever the number of rows and the row's
-    place in its tile: the same input row gives the same bits alone or in any batch."""
+    place in its tile: the same input row gives the same bits alone or in any batch (panels
+    and narrow panels: a router's logits choose a token's experts)."""
     ops = _ops(isa)
     gen = torch.Generator().manual_seed(3)
-    w = torch.randn(200, 512, generator=gen)
+    w = torch.randn(out_features, 513, generator=gen)
     packed = pack_weight(w, None)
-    x = torch.randn(300, 512, generator=gen)  # 300 rows: several chunks of the many-rows tile
-    full = ops.skinny_gemm(x, packed, 200)
+    x = torch.randn(300, 513, generator=gen)  # 300 rows: several chunks of the many-rows tile
+    full = ops.skinny_gemm(x, packed, out_features)
     for rows in (1, 2, 3, 4, 5, 6, 7, 12, 13, 30, 64, 65, 66, 130):
         for start in (0, 5, 300 - rows):
-            part = ops.skinny_gemm(x[start:start + rows], packed, 200)
+            part = ops.skinny_gemm(x[start:start + rows], packed, out_features)
             assert torch.equal(part, full[start:start + rows]), (rows, start)
 
 
@@ -152,6 +158,9 @@ def test_rows_of_packed_is_the_embedding_lookup():
     packed = pack_weight(w, None)
     ids = torch.tensor([0, 63, 64, 129, 5, 5])
     assert torch.equal(rows_of_packed(packed, ids), w[ids])
+    narrow = torch.randn(20, 24, generator=gen)  # one panel of 32
+    ids = torch.tensor([0, 19, 7])
+    assert torch.equal(rows_of_packed(pack_weight(narrow, None), ids), narrow[ids])
 
 
 def test_pack_skips_what_the_kernel_cannot_take():

@@ -20,7 +20,7 @@ from torch import nn
 from pagedllm.errors import ModelLoadError
 from pagedllm.layers.attention.torch_backend import attend_sequence
 from pagedllm.layers.forward_context import get_attn_metadata
-from pagedllm.layers.op_registry import LayerRegistry
+from pagedllm.layers.op_registry import LayerRegistry, layer_op
 
 
 class Attention(nn.Module):
@@ -99,7 +99,7 @@ class Attention(nn.Module):
 _layers_by_op_id: LayerRegistry[Attention] = LayerRegistry()
 
 
-@torch.library.custom_op("pagedllm::attention", mutates_args=())
+@layer_op("attention")
 def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
     """Attention layer ``layer_id`` on the current forward context. It writes the step's K/V into
     that layer's cache, a tensor outside the graph: nothing in the graph reads the cache, and
@@ -108,6 +108,6 @@ def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: in
     return _layers_by_op_id[layer_id].attend(q, k, v).contiguous()  # a no-op unless it is not
 
 
-@attention_op.register_fake
+@torch.library.register_fake("pagedllm::attention")
 def _attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
     return q.new_empty((q.shape[0], q.shape[1] * q.shape[2]))

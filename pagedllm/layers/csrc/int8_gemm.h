@@ -189,6 +189,74 @@ inline int64_t block_size(int64_t group_size) {
   return 0;
 }
 
+// A block of x's B k: the largest |x|, and its codes q = round(x * id) clamped to -127..127
+// with their sum. Vector code where B is a multiple of the vector width (every group size but
+// the odd 4 and 8), the scalar loop's numbers exactly: the convert rounds half to even as
+// nearbyint does, and the max ignores a NaN as std::max does (NaN as the first operand).
+// Scalar, the loops cost 3-4 us for a row of 1024 (3% of a batch-1 decode step of the 0.5B MoE).
+inline float block_amax(const float* xb, int64_t B) {
+#if defined(__AVX512F__)
+  if (B % 16 == 0) {
+    __m512 m = _mm512_setzero_ps();
+    for (int64_t k = 0; k < B; k += 16) m = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(xb + k)), m);
+    return _mm512_reduce_max_ps(m);
+  }
+#elif defined(__AVX2__)
+  if (B % 8 == 0) {
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 m = _mm256_setzero_ps();
+    for (int64_t k = 0; k < B; k += 8)
+      m = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(xb + k)), m);
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+  }
+#endif
+  float amax = 0.f;
+  for (int64_t k = 0; k < B; ++k) amax = std::max(amax, std::fabs(xb[k]));
+  return amax;
+}
+
+inline int32_t quantize_block(const float* xb, int64_t B, float id, int8_t* q) {
+#if defined(__AVX512F__)
+  if (B % 16 == 0) {
+    const __m512 scale = _mm512_set1_ps(id);
+    const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+    __m512i sum = _mm512_setzero_si512();
+    for (int64_t k = 0; k < B; k += 16) {
+      __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + k), scale));
+      c = _mm512_max_epi32(_mm512_min_epi32(c, hi), lo);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k), _mm512_cvtepi32_epi8(c));
+      sum = _mm512_add_epi32(sum, c);
+    }
+    return _mm512_reduce_add_epi32(sum);
+  }
+#elif defined(__AVX2__)
+  if (B % 8 == 0) {
+    const __m256 scale = _mm256_set1_ps(id);
+    const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
+    __m256i sum = _mm256_setzero_si256();
+    for (int64_t k = 0; k < B; k += 8) {
+      __m256i c = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + k), scale));
+      c = _mm256_max_epi32(_mm256_min_epi32(c, hi), lo);
+      const __m128i c16 = _mm_packs_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(q + k), _mm_packs_epi16(c16, c16));
+      sum = _mm256_add_epi32(sum, c);
+    }
+    __m128i h = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
+    return _mm_cvtsi128_si32(_mm_add_epi32(h, _mm_shuffle_epi32(h, 0xb1)));
+  }
+#endif
+  int32_t sum = 0;
+  for (int64_t k = 0; k < B; ++k) {
+    const float v = std::clamp(std::nearbyint(xb[k] * id), -127.f, 127.f);
+    q[k] = static_cast<int8_t>(v);
+    sum += static_cast<int32_t>(v);
+  }
+  return sum;
+}
+
 inline QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K, int64_t B) {
   QuantizedRows r{std::vector<int8_t>(M * K), std::vector<float>(M * (K / B)),
                   std::vector<float>(M * (K / B)), K, B, K / B};
@@ -196,15 +264,8 @@ inline QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K, int64_t
     for (int64_t m = m0; m < m1; ++m)
       for (int64_t b = 0; b < r.num_blocks; ++b) {
         const float* xb = x + m * K + b * B;
-        float amax = 0.f;
-        for (int64_t k = 0; k < B; ++k) amax = std::max(amax, std::fabs(xb[k]));
-        const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
-        int32_t sum = 0;
-        for (int64_t k = 0; k < B; ++k) {
-          const float v = std::clamp(std::nearbyint(xb[k] * id), -127.f, 127.f);
-          r.q[m * K + b * B + k] = static_cast<int8_t>(v);
-          sum += static_cast<int32_t>(v);
-        }
+        const float d = block_amax(xb, B) / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+        const int32_t sum = quantize_block(xb, B, id, r.q.data() + m * K + b * B);
         r.scale[m * r.num_blocks + b] = d;
         r.sum[m * r.num_blocks + b] = d * static_cast<float>(sum);
       }

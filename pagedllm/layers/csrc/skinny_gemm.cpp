@@ -30,6 +30,7 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "grouped_linear.h"
@@ -47,8 +48,66 @@ struct F32Panels {
   const float* block(int64_t p, int64_t k0) const { return w + (p * K + k0) * kPanel; }
 };
 
+// A layer narrower than a panel (a mixture-of-experts router's 8-32 experts) is held as one
+// panel of its own width, 16, 32 or 48 columns, not 64 (layers/linear.py's pack_weight): padded,
+// the 0.5B MoE's 16-expert router read 4x its bytes at one row, on one thread of the two
+// (17 us a call, 4% of a batch-1 decode step). Each row here: a column's products over k in C
+// chains (k mod C), added in chain order at the end; the same for every row count, so a row's
+// result does not depend on its batch (the router's choice of experts must not).
+template <int V>
+void narrow_rows(const float* x, int64_t M, int64_t K, const float* w, int64_t N, float* y) {
+  using skinny::kW;
+  using skinny::load;
+  using skinny::vfloat;
+  constexpr int64_t kWidth = V * kW;
+  constexpr int C = V * 4 <= 16 ? 4 : 2;  // chains: C x V accumulators stay in registers
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const float* xm = x + m * K;
+      vfloat acc[C][V];
+      for (int c = 0; c < C; ++c)
+        for (int v = 0; v < V; ++v) acc[c][v] = vfloat{};
+      int64_t k = 0;
+      for (; k + C <= K; k += C)
+        for (int c = 0; c < C; ++c)
+          for (int v = 0; v < V; ++v) acc[c][v] += xm[k + c] * load(w + (k + c) * kWidth + v * kW);
+      for (; k < K; ++k)
+        for (int v = 0; v < V; ++v) acc[0][v] += xm[k] * load(w + k * kWidth + v * kW);
+      float row[kWidth];
+      for (int v = 0; v < V; ++v) {
+        vfloat sum = acc[0][v];
+        for (int c = 1; c < C; ++c) sum += acc[c][v];
+        skinny::store(row + v * kW, sum);
+      }
+      std::memcpy(y + m * N, row, N * sizeof(float));
+    }
+  });
+}
+
+at::Tensor narrow_gemm(const at::Tensor& x, const at::Tensor& panel, int64_t out_features) {
+  const int64_t width = panel.size(2);
+  TORCH_CHECK(panel.size(0) == 1 && width % 16 == 0 && width < kPanel && out_features <= width &&
+                  out_features > width - 16,
+              "a narrow weight must be one panel [1, K, 16 | 32 | 48] of its out_features");
+  const skinny::PanelCall c = skinny::begin_panel_call(x, panel, width, out_features);
+  if (c.done) return c.y;
+  const float* w = panel.data_ptr<float>();
+  float* y = c.y.data_ptr<float>();
+  const float* xp = c.x.data_ptr<float>();
+  switch (width / skinny::kW) {  // vectors per k: AVX-512 1-3, AVX2 2-6
+    case 1: narrow_rows<1>(xp, c.M, c.K, w, c.N, y); break;
+    case 2: narrow_rows<2>(xp, c.M, c.K, w, c.N, y); break;
+    case 3: narrow_rows<3>(xp, c.M, c.K, w, c.N, y); break;
+    case 4: narrow_rows<4>(xp, c.M, c.K, w, c.N, y); break;
+    case 6: narrow_rows<6>(xp, c.M, c.K, w, c.N, y); break;
+    default: TORCH_CHECK(false, "no narrow kernel for width ", width);
+  }
+  return c.y;
+}
+
 at::Tensor skinny_gemm(const at::Tensor& x, const at::Tensor& panels, int64_t out_features) {
   TORCH_CHECK(panels.scalar_type() == at::kFloat, "panels must be float32");
+  if (panels.dim() == 3 && panels.size(2) != kPanel) return narrow_gemm(x, panels, out_features);
   const skinny::PanelCall c = skinny::begin_panel_call(x, panels, kPanel, out_features);
   if (c.done) return c.y;
   skinny::panels_gemm(c.x.data_ptr<float>(), c.M, c.K, F32Panels{panels.data_ptr<float>(), c.K},
