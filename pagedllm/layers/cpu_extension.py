@@ -1,7 +1,7 @@
 """Builds and loads pagedllm's C++ CPU kernels (csrc/), once per machine, as one extension:
 
-- ``pagedllm::paged_attention`` and ``pagedllm::write_kv`` (csrc/paged_attention.cpp,
-  csrc/write_kv.cpp): the cpu_paged attention backend, and its store of each step's K/V;
+- ``pagedllm::paged_attention`` (csrc/paged_attention.cpp, which stores the step's K/V with
+  csrc/store_kv.h before it reads them): the cpu_paged attention backend;
 - ``pagedllm::packed_linear`` and ``pagedllm::skinny_gemm`` (csrc/skinny_gemm.cpp): the linears
   of packed layers, in pagedllm's own kernel (layers/linear.py); ``grouped_packed_linear``, the
   same kernel over a mixture-of-experts layer's experts at once (layers/fused_moe.py);
@@ -40,9 +40,9 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / "paged_attention.cpp", CSRC / "skinny_gemm.cpp", CSRC / "quant_gemm.cpp",
-           CSRC / "fused_moe.cpp", CSRC / "write_kv.cpp"]  # + the headers
+           CSRC / "fused_moe.cpp"]  # + the headers
 OPS = ("paged_attention", "skinny_gemm", "packed_linear", "grouped_packed_linear", "quant_linear",
-       "grouped_quant_linear", "fused_experts", "write_kv")
+       "grouped_quant_linear", "fused_experts")
 # The x86 levels the kernels are tuned for (csrc/isa.h): their -march, and the CPU flags a CPU
 # needs to run a build of that level (the Linux /proc/cpuinfo names).
 ISA_MARCH = {"v3": "x86-64-v3", "v4": "x86-64-v4"}
@@ -193,7 +193,9 @@ def _build(isa: str) -> Any:
 def _paged_attention_fake(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                           query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                           scale: float, sliding_window: int = 0, logits_soft_cap: float = 0.0,
-                          sinks: torch.Tensor | None = None) -> torch.Tensor:
+                          sinks: torch.Tensor | None = None, key: torch.Tensor | None = None,
+                          value: torch.Tensor | None = None,
+                          slot_mapping: torch.Tensor | None = None) -> torch.Tensor:
     return torch.empty_like(query, memory_format=torch.contiguous_format)  # [T, H, D]
 
 

@@ -98,33 +98,38 @@ def test_cpu_paged_bfloat16(cpu_paged):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_tokens", [1, 7, 300])  # 300: more than one thread's share
 def test_cpu_paged_writes_kv_as_the_torch_backend_does(cpu_paged, dtype, num_tokens):
-    """The C++ store of a step's K/V leaves the cache bit for bit as index_copy_ does, for k/v
-    that are strided views of a fused qkv output (as the model passes them); a slot outside
-    the cache is an error that writes nothing."""
+    """The kernel's store of a step's K/V (before it attends) leaves the cache bit for bit as
+    index_copy_ does, for k/v that are strided views of a fused qkv output (as the model passes
+    them); a slot outside the cache is an error that writes nothing."""
     heads, kv_heads, head_dim, block_size, num_blocks = 4, 2, 24, 4, 100
     gen = torch.Generator().manual_seed(num_tokens)
     qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
     q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    q = qkv[:, :q_size].view(num_tokens, heads, head_dim)
     k = qkv[:, q_size:q_size + kv_size].view(num_tokens, kv_heads, head_dim)
     v = qkv[:, q_size + kv_size:].view(num_tokens, kv_heads, head_dim)
     assert num_tokens == 1 or not k.is_contiguous()  # a single row is contiguous either way
-    md = build_attention_metadata([num_tokens], [0], [list(range(num_blocks))], block_size,
-                                  backend=cpu_paged)
+    # One request whose context is the whole cache (every block in its table), past the step's
+    # own tokens: the kernel attends (its output is not compared), so the store runs inside a
+    # call that also reads.
+    md = build_attention_metadata([num_tokens], [num_blocks * block_size - num_tokens],
+                                  [list(range(num_blocks))], block_size, backend=cpu_paged)
     md.slot_mapping = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
     start = torch.randn(kv_cache_shape(num_blocks, block_size, kv_heads, head_dim), generator=gen).to(dtype)
-    layers = {}
-    for backend in (cpu_paged, get_attn_backend("torch")):
-        layers[backend.name] = layer = Attention(heads, kv_heads, head_dim, scale=1.0, layer_idx=0)
-        bind_kv_caches(torch.nn.ModuleList([layer]), [start.clone()])
-        backend.write_kv(layer, k, v, md)
-    ours, ref = layers["cpu_paged"].kv_cache, layers["torch"].kv_cache
+    layer = Attention(heads, kv_heads, head_dim, scale=1.0, layer_idx=0)
+    bind_kv_caches(torch.nn.ModuleList([layer]), [start.clone()])
+    cpu_paged.forward(layer, q, k, v, md)
+    ref = start.clone()
+    reference_layer = Attention(heads, kv_heads, head_dim, scale=1.0, layer_idx=0)
+    bind_kv_caches(torch.nn.ModuleList([reference_layer]), [ref])
+    get_attn_backend("torch").write_kv(reference_layer, k, v, md)
     assert not torch.equal(ref, start)
-    assert torch.equal(ours, ref)
-    before = ours.clone()
+    assert torch.equal(layer.kv_cache, ref)
+    before = layer.kv_cache.clone()
     md.slot_mapping[-1] = num_blocks * block_size  # one past the end
     with pytest.raises(RuntimeError, match="outside the cache"):
-        cpu_paged.write_kv(layers["cpu_paged"], k, v, md)
-    assert torch.equal(layers["cpu_paged"].kv_cache, before)
+        cpu_paged.forward(layer, q, k, v, md)
+    assert torch.equal(layer.kv_cache, before)
 
 
 def test_cpu_paged_reads_only_the_requests_own_positions(cpu_paged):

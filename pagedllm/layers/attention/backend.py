@@ -1,9 +1,9 @@
 """The attention backend interface, and the per-step metadata it reads (vLLM's abstract.py).
 
-A backend stores one layer's K/V of a step in the paged cache, then computes that layer's
-attention from the query and the cache. It also says what per-step metadata it needs:
-the torch backend gathers blocks and needs gather tables and masks; the cpu_paged kernel reads
-the block tables in place and needs none of that. Backends are stateless singletons, carried by
+A backend's ``forward`` stores one layer's K/V of a step in the paged cache, then computes that
+layer's attention from the query and the cache (one call, as in vLLM's backends). It also says
+what per-step metadata it needs: the torch backend gathers blocks and needs gather tables and
+masks; the cpu_paged kernel reads the block tables in place and needs none of that. Backends are stateless singletons, carried by
 the step's ``AttentionMetadata`` so that every layer of a step uses the same one.
 
 This module sits below everything else in attention: the backends (one module each) import it,
@@ -19,7 +19,6 @@ from typing import ClassVar, Protocol
 
 import torch
 
-from pagedllm.layers.attention.kv_cache_dtype import storage, to_cache_dtype
 
 class AttentionLayer(Protocol):
     """What a backend reads from the layer it attends for (``layer.Attention`` is one)."""
@@ -101,22 +100,12 @@ class AttentionBackend(ABC):
         ``md.backend_data``."""
         return None
 
-    def write_kv(self, layer: AttentionLayer, k: torch.Tensor, v: torch.Tensor,
-                 md: AttentionMetadata) -> None:
-        """Store this step's ``k/v [T, Hkv, D]`` in ``layer.kv_cache`` at the flat slots
-        ``md.slot_mapping``: torch's index_copy_ into a slot-indexed view, on any device, in the
-        cache's dtype (kv_cache_dtype.py)."""
-        cache = layer.kv_cache
-        _, num_blocks, block_size, num_kv_heads, head_dim = cache.shape
-        flat = storage(cache).view(2, num_blocks * block_size, num_kv_heads, head_dim)
-        flat[0].index_copy_(0, md.slot_mapping, storage(to_cache_dtype(k, cache.dtype)))
-        flat[1].index_copy_(0, md.slot_mapping, storage(to_cache_dtype(v, cache.dtype)))
-
     @abstractmethod
     def forward(self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 md: AttentionMetadata) -> torch.Tensor:
-        """``q [T, H, D]`` and this step's ``k/v [T, Hkv, D]`` (already in ``layer.kv_cache``)
-        -> ``[T, H, D]``."""
+        """``q [T, H, D]`` and this step's ``k/v [T, Hkv, D]`` -> ``[T, H, D]``: stores k/v in
+        ``layer.kv_cache`` at ``md.slot_mapping`` first. Requests scheduled in the same step may
+        share blocks (identical prompts), and every reader must see every writer's K/V."""
 
     def __repr__(self) -> str:
         return f"<attention backend {self.name}>"

@@ -1,8 +1,8 @@
 """The CPU default: a C++ kernel (layers/csrc/paged_attention.cpp) that reads K/V in place from the
 paged cache through the block tables, for the whole flat batch in one call per layer: decodes and
 prefill chunks over a cached prefix. No gather, no second copy of the cache, no per-step masks:
-causality comes from each request's query and sequence lengths. The step's K/V go into the
-cache through a second small kernel (layers/csrc/write_kv.cpp), two memcpy per token.
+causality comes from each request's query and sequence lengths. The same call first stores the
+step's K/V in the cache (layers/csrc/store_kv.h), two memcpy per token: one op per layer.
 
 Prompts without a cached prefix need nothing from the cache: their own K/V (just written) go to
 torch's SDPA, whose GEMM-based flash kernel is 1.5-3x faster than ours at prefill shapes (many
@@ -38,44 +38,36 @@ class CpuPagedBackend(AttentionBackend):
         ops = load_cpu_ops()
         if ops is None:
             raise RuntimeError("the cpu_paged attention kernel is not available")
-        self._op, self._write_kv = ops.paged_attention, ops.write_kv
-
-    def write_kv(self, layer: AttentionLayer, k: torch.Tensor, v: torch.Tensor,
-                 md: AttentionMetadata) -> None:
-        # Two memcpy per token (csrc/write_kv.cpp): index_copy_ was 3% of a decode step. A
-        # narrower cache dtype is cast first (one pass over the step's K/V).
-        dtype = layer.kv_cache.dtype
-        self._write_kv(layer.kv_cache, to_cache_dtype(k, dtype), to_cache_dtype(v, dtype), md.slot_mapping)
+        self._op = ops.paged_attention
 
     def prepare(self, md: AttentionMetadata) -> _Plan:
         qsl, computed = md.query_start_loc, md.num_computed_tokens
         fresh = [i for i in range(len(computed)) if computed[i] == 0 and qsl[i + 1] - qsl[i] > 1]
         if not fresh:
-            return _Plan(md.seq_lens_tensor, [], len(computed))
+            return _Plan(md.seq_lens_tensor, [])
         seq_lens = list(md.seq_lens)
         for i in fresh:
             seq_lens[i] = 0
         kernel_seq_lens = torch.tensor(seq_lens, dtype=torch.long, device=md.seq_lens_tensor.device)
-        return _Plan(kernel_seq_lens, [slice(qsl[i], qsl[i + 1]) for i in fresh],
-                     len(computed) - len(fresh))
+        return _Plan(kernel_seq_lens, [slice(qsl[i], qsl[i + 1]) for i in fresh])
 
     def forward(self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 md: AttentionMetadata) -> torch.Tensor:
+        # The kernel stores k/v (a narrower cache dtype cast first: one pass over the step's K/V).
+        dtype = layer.kv_cache.dtype
+        store = (to_cache_dtype(k, dtype), to_cache_dtype(v, dtype), md.slot_mapping)
         if not is_plain(layer):
             sinks = layer.sinks
             if sinks is not None:  # the kernel reads float32 logits (a copy only if cast to bf16)
                 sinks = sinks.detach().float()
             return self._op(q, layer.kv_cache, md.block_tables, md.query_start_loc_tensor,
                             md.seq_lens_tensor, layer.scale, layer.sliding_window or 0,
-                            layer.logits_soft_cap or 0.0, sinks)
+                            layer.logits_soft_cap or 0.0, sinks, *store)
         plan: _Plan = md.backend_data
-        if plan.num_paged == 0:
-            out = q.new_empty(q.shape)  # [T, H, D]
-        else:
-            out = self._op(q, layer.kv_cache, md.block_tables, md.query_start_loc_tensor,
-                           plan.seq_lens, layer.scale)
+        # With only fresh prompts (no row for the kernel) the call stores and attends nothing.
+        out = self._op(q, layer.kv_cache, md.block_tables, md.query_start_loc_tensor,
+                       plan.seq_lens, layer.scale, 0, 0.0, None, *store)
         # Fresh prompts attend their K/V rounded as stored, as every later read of them will.
-        dtype = layer.kv_cache.dtype
         for rows in plan.fresh_rows:
             out[rows] = attend_causal(q[rows], as_stored(k[rows], dtype), as_stored(v[rows], dtype),
                                       layer.scale)
@@ -86,4 +78,3 @@ class CpuPagedBackend(AttentionBackend):
 class _Plan:
     seq_lens: torch.Tensor         # [B] long: the kernel's view, 0 for the fresh prompts it skips
     fresh_rows: list[slice]        # the fresh prompts' rows of the flat batch
-    num_paged: int                 # requests the kernel attends

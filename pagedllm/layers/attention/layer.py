@@ -1,5 +1,5 @@
-"""The attention layer models use: writes the step's K/V into the paged cache, then lets the
-step's backend attend.
+"""The attention layer models use: the step's backend writes the step's K/V into the paged
+cache, then attends.
 
 KV cache of one layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (index 0 = keys,
 1 = values). Writing first matters: requests scheduled in the same step may share blocks
@@ -92,7 +92,6 @@ class Attention(nn.Module):
                                "call bind_kv_caches(model, kv_caches) first")
         if md.group_metadata is not None:  # several KV cache groups: read this layer's own
             md = md.group_metadata[self.kv_cache_group]
-        md.backend.write_kv(self, k, v, md)
         return md.backend.forward(self, q, k, v, md).reshape(num_tokens, -1)  # [T, H * D]
 
 

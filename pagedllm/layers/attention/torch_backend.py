@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from pagedllm.layers.attention.backend import (AttentionBackend, AttentionLayer, AttentionMetadata,
                                                DecodeBatch, PrefillChunk, is_plain)
-from pagedllm.layers.attention.kv_cache_dtype import as_stored, read_blocks
+from pagedllm.layers.attention.kv_cache_dtype import as_stored, read_blocks, storage, to_cache_dtype
 
 
 def attend_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -88,6 +88,7 @@ class TorchBackend(AttentionBackend):
 
     def forward(self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 md: AttentionMetadata) -> torch.Tensor:
+        self.write_kv(layer, k, v, md)
         decode = md.decode
         if decode is not None and not md.prefills:  # all decodes, in batch order: no shuffling
             return self._decode(layer, q, decode)
@@ -98,6 +99,18 @@ class TorchBackend(AttentionBackend):
             rows = slice(chunk.token_start, chunk.token_end)
             out[rows] = self._prefill(layer, q[rows], k[rows], v[rows], chunk)
         return out
+
+    @staticmethod
+    def write_kv(layer: AttentionLayer, k: torch.Tensor, v: torch.Tensor,
+                 md: AttentionMetadata) -> None:
+        """Store this step's ``k/v [T, Hkv, D]`` in ``layer.kv_cache`` at the flat slots
+        ``md.slot_mapping``: torch's index_copy_ into a slot-indexed view, on any device, in the
+        cache's dtype (kv_cache_dtype.py)."""
+        cache = layer.kv_cache
+        _, num_blocks, block_size, num_kv_heads, head_dim = cache.shape
+        flat = storage(cache).view(2, num_blocks * block_size, num_kv_heads, head_dim)
+        flat[0].index_copy_(0, md.slot_mapping, storage(to_cache_dtype(k, cache.dtype)))
+        flat[1].index_copy_(0, md.slot_mapping, storage(to_cache_dtype(v, cache.dtype)))
 
     def _decode(self, layer: AttentionLayer, q: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
         """``q [Bd, H, D]`` (one token per request) -> ``[Bd, H, D]``, one SDPA for the batch."""

@@ -4,8 +4,9 @@
 // to its first seq_lens[b] cached positions; its query row i sits at position
 // seq_lens[b] - n + i (n = its number of query rows) and sees keys at positions <= its own
 // (causal over the cached prefix and the chunk itself). A request with seq_lens[b] == 0 is
-// skipped: its output rows are left for the caller to fill. The step's K/V are already in the
-// cache (the backend's write_kv, csrc/write_kv.cpp, runs first), so the kernel only reads.
+// skipped: its output rows are left for the caller to fill. Given the step's key, value and
+// slot_mapping, the kernel first stores them in the cache (store_kv.h), then reads; without
+// them the cache already holds them.
 //
 // Work items (see plan_items): a decode item is one request with all its kv heads, so each slot
 // is read once, front to back, and every query head of a kv head's group (GQA) is scored
@@ -38,6 +39,7 @@
 
 #include "isa.h"
 #include "paged_attention_math.h"
+#include "store_kv.h"
 
 namespace {
 
@@ -402,7 +404,9 @@ void dispatch_cache(const at::Tensor& query, const at::Tensor& kv_cache, const a
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
                            const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                            const at::Tensor& seq_lens, double scale, int64_t sliding_window,
-                           double logits_soft_cap, const std::optional<at::Tensor>& sinks) {
+                           double logits_soft_cap, const std::optional<at::Tensor>& sinks,
+                           const std::optional<at::Tensor>& key, const std::optional<at::Tensor>& value,
+                           const std::optional<at::Tensor>& slot_mapping) {
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "query must be [T, H, D], D contiguous");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
               "kv_cache must be a contiguous [2, blocks, block_size, Hkv, D]");
@@ -421,6 +425,9 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
                 "sinks must be a contiguous float32 [num_heads]");
   const Features features{sliding_window, static_cast<float>(logits_soft_cap),
                           sinks.has_value() ? sinks->const_data_ptr<float>() : nullptr};
+  TORCH_CHECK(key.has_value() == value.has_value() && key.has_value() == slot_mapping.has_value(),
+              "key, value and slot_mapping come together (the step's K/V to store) or not at all");
+  if (key.has_value()) paged_store::store_kv(kv_cache, *key, *value, *slot_mapping);
   at::Tensor out = at::empty_like(query, at::MemoryFormat::Contiguous);
   switch (query.scalar_type()) {
     case at::kFloat: dispatch_cache<float>(query, kv_cache, block_tables, query_start_loc, seq_lens, scale, features, out); break;
@@ -434,9 +441,10 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(PAGEDLLM_NS, m) {
-  m.def("paged_attention(Tensor query, Tensor kv_cache, Tensor block_tables, "
+  m.def("paged_attention(Tensor query, Tensor(a!) kv_cache, Tensor block_tables, "
         "Tensor query_start_loc, Tensor seq_lens, float scale, int sliding_window=0, "
-        "float logits_soft_cap=0., Tensor? sinks=None) -> Tensor");
+        "float logits_soft_cap=0., Tensor? sinks=None, Tensor? key=None, Tensor? value=None, "
+        "Tensor? slot_mapping=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(PAGEDLLM_NS, CPU, m) { m.impl("paged_attention", &paged_attention); }

@@ -1,26 +1,27 @@
 // Stores a step's keys and values in the paged KV cache (vLLM's reshape_and_cache):
 // kv_cache[0][s] = key[t] and kv_cache[1][s] = value[t] for s = slot_mapping[t], all kv heads.
+// paged_attention (paged_attention.cpp) calls it before it reads the cache, so that a layer is
+// one op: as a second op it cost a dispatch and a return to Python per layer (~15 us of a
+// decode step's layer, most of it code brought back into a cache the weights had flushed).
 //
 // Why not index_copy_ into a slot-indexed view: at decode sizes it cost 75-150 us per layer in
 // the engine (32 tokens of the 58M benchmark model: 3% of a step), most of it TensorIterator's
 // element-wise loop over cache lines that miss. Here a token's kv heads are one contiguous run
 // in the source (a row of the fused qkv projection's output) and in the cache (a slot), so
 // each token is two memcpy calls, which stream whole lines.
+#pragma once
+
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <torch/library.h>
 
 #include <cstdint>
 #include <cstring>
 
-#include "isa.h"
+namespace paged_store {
 
-namespace {
-
-void write_kv(at::Tensor& kv_cache, const at::Tensor& key, const at::Tensor& value,
-              const at::Tensor& slot_mapping) {
-  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
-              "kv_cache must be a contiguous [2, blocks, block_size, Hkv, D]");
+// Checks every argument before anything is written: a bad slot writes nothing.
+inline void store_kv(const at::Tensor& kv_cache, const at::Tensor& key, const at::Tensor& value,
+                     const at::Tensor& slot_mapping) {
   TORCH_CHECK(key.dim() == 3 && key.sizes() == value.sizes() && key.size(1) == kv_cache.size(3) &&
                   key.size(2) == kv_cache.size(4),
               "key and value must be [T, Hkv, D] with the cache's Hkv and D");
@@ -48,19 +49,14 @@ void write_kv(at::Tensor& kv_cache, const at::Tensor& key, const at::Tensor& val
   const char* k_src = static_cast<const char*>(k.const_data_ptr());
   const char* v_src = static_cast<const char*>(v.const_data_ptr());
   const int64_t k_step = k.stride(0) * item, v_step = v.stride(0) * item;
-  // Threads for prefill-sized writes only: a decode's few tokens take a microsecond or two.
-  at::parallel_for(0, num_tokens, 256, [&](int64_t t0, int64_t t1) {
+  auto store = [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       std::memcpy(k_cache + slots[t] * slot_bytes, k_src + t * k_step, slot_bytes);
       std::memcpy(v_cache + slots[t] * slot_bytes, v_src + t * v_step, slot_bytes);
     }
-  });
+  };
+  // Threads for prefill-sized writes only: a decode's few tokens take a microsecond or two.
+  at::parallel_for(0, num_tokens, 256, store);
 }
 
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(PAGEDLLM_NS, m) {
-  m.def("write_kv(Tensor(a!) kv_cache, Tensor key, Tensor value, Tensor slot_mapping) -> ()");
-}
-
-TORCH_LIBRARY_IMPL(PAGEDLLM_NS, CPU, m) { m.impl("write_kv", &write_kv); }
+}  // namespace paged_store
