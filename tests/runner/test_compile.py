@@ -29,24 +29,47 @@ TOL = 1e-4
 CPU = torch.device("cpu")
 
 
+# What the tiny random models share: 2 layers of 4 query heads on 2 kv heads (GQA).
+_TINY = dict(vocab_size=32000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
+             tie_word_embeddings=False, initializer_range=0.1)
+
+
+def _saved(model, folder: Path) -> Path:
+    """``model`` saved as a Hugging Face folder with the synthetic 32K tokenizer."""
+    model.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(TOKENIZER / name, folder / name)
+    return folder
+
+
 def _tiny_llama(folder: Path) -> Path:
     """A random 2-layer Llama with GQA (4 query heads on 2 kv heads), randomised norm weights."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=32000, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
-                         tie_word_embeddings=False, initializer_range=0.1)
-    model = LlamaForCausalLM(config)
+    model = LlamaForCausalLM(LlamaConfig(**_TINY, intermediate_size=128))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
-    model.save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(TOKENIZER / name, folder / name)
-    return folder
+    return _saved(model, folder)
+
+
+def _tiny_qwen3_moe(folder: Path) -> Path:
+    """A random 2-layer Qwen3-MoE (layer 0 dense, layer 1 top-2 of 8 experts), router weights
+    scaled up so that no expert choice rests on a rounding difference."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        **_TINY, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+        num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[0], head_dim=16))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.mul_(8.0)
+    return _saved(model, folder)
 
 
 # -- when it compiles ---------------------------------------------------------------------------
@@ -116,16 +139,11 @@ def _recording(runner, sizes: set[int]) -> None:
     runner.compiled._direct = direct
 
 
-def _compare(model: str, vocab_size: int) -> None:
-    compiled, eager = _engines(model)
+def _compare_outputs(compiled: LLM, eager: LLM, vocab_size: int) -> set[int]:
+    """The compiled engine's greedy ids and logprobs against the eager one's, over two passes
+    of the workload (the second hits the prefix cache); no frame converted and no new graph in
+    the steady state."""
     runner = compiled.llm_engine.executor.runner
-    assert runner.compiled is not None and runner.compiled.compile_seconds > 0
-    assert eager.llm_engine.executor.runner.compiled is None
-    # The compiled forward multiplies through the packed weights, as eager does: every linear
-    # of the decoder is packed (_engines forces it), and the graph calls each as the opaque op
-    # (counted below).
-    linears = [m for m in runner.model.model.modules() if isinstance(m, Linear)]
-    assert linears and all(m.packed_weight is not None and m.weight is None for m in linears)
     sizes: set[int] = set()
     _recording(runner, sizes)
     counters = torch._dynamo.utils.counters
@@ -148,9 +166,37 @@ def _compare(model: str, vocab_size: int) -> None:
     assert len(sizes) >= 6 and 1 in sizes and max(sizes) == 16, sorted(sizes)
     assert counters["frames"]["total"] == frames
     assert counters["stats"]["unique_graphs"] == graphs
+
+
+def _compare(model: str, vocab_size: int) -> None:
+    compiled, eager = _engines(model)
+    runner = compiled.llm_engine.executor.runner
+    assert runner.compiled is not None and runner.compiled.compile_seconds > 0
+    assert eager.llm_engine.executor.runner.compiled is None
+    # The compiled forward multiplies through the packed weights, as eager does: every linear
+    # of the decoder is packed (_engines forces it), and the graph calls each as the opaque op
+    # (counted below).
+    linears = [m for m in runner.model.model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.packed_weight is not None and m.weight is None for m in linears)
+    _compare_outputs(compiled, eager, vocab_size)
     with torch.inference_mode(), torch.profiler.profile() as prof:  # one forward, no step: no cache
         runner.compiled(torch.zeros(3, dtype=torch.long), torch.arange(3))
     assert sum(e.count for e in prof.key_averages() if e.key == "pagedllm::packed_linear") == len(linears)
+
+
+@pytest.mark.slow
+def test_compiled_matches_eager_quantized_moe(tmp_path):
+    """Weights quantized at load (q4_0 codes and scales, tensors the layers hold outside
+    nn.Parameters, which the graph takes as inputs) and a MoE layer's fused experts: the
+    compiled engine gives the eager engine's ids and logprobs."""
+    model = str(_tiny_qwen3_moe(tmp_path / "tiny-qwen3-moe"))
+    kwargs = dict(device="cpu", block_size=4, max_num_batched_tokens=16, max_num_seqs=6,
+                  quantization="q4_0")
+    compiled, eager = LLM(model, enforce_eager=False, **kwargs), LLM(model, enforce_eager=True, **kwargs)
+    runner = compiled.llm_engine.executor.runner
+    assert runner.compiled is not None
+    assert any(getattr(m, "qweight", None) is not None for m in runner.model.modules())
+    _compare_outputs(compiled, eager, 32000)
 
 
 @pytest.mark.slow
