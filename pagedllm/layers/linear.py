@@ -197,10 +197,9 @@ def pack_weight(weight: torch.Tensor, bias: torch.Tensor | None, check: bool = T
     last), or with ``narrow`` one narrow panel [1, in, 16 | 32 | 48] for a layer of at most 48
     outputs (a router's experts: packed_linear reads it unpadded; the experts' grouped kernel
     takes 64-wide panels only), or None when the kernel cannot run here: not float32 on CPU,
-    or not built. With
-    ``check``, the kernel is first checked against float64 on it: a kernel whose error is not
-    that of float32 rounding is never used (one check per shape suffices: the layout and the
-    kernel's path depend on the shape, not on the values)."""
+    or not built. With ``check``, the kernel is first checked against float64 on it: a kernel
+    whose error is not that of float32 rounding is never used (one check per shape suffices:
+    the layout and the kernel's path depend on the shape, not on the values)."""
     if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2:
         return None
     ops = load_cpu_ops()
