@@ -236,17 +236,24 @@ def test_packing_holds_the_arrays_exactly():
     assert half.codes.shape == (2, k, 64) and torch.equal(half.dequantize(torch.bfloat16), w)
     assert torch.equal(half.codes[0, :, 0], w[0]) and torch.equal(half.codes[0, :, 1], w[32])
     assert torch.equal(half.codes[1, :, 2], w[65]) and not half.codes[1, :, 3].any()  # row 97: padding
-    # bf16_vnni (the AMX path's): k pairs, column c's k = 2q + i at 2c + i of pair row q
+    # bf16_vnni (the AMX path's): per block b of 32 k, 4 tiles t of 16 columns, each 16 pair rows
+    # q of 16 columns c: column 16t + c's k = 32b + 2q + i at (b, t, q, c, i)
     vnni = half.to_vnni()
-    assert vnni.codes.shape == (2, k // 2, 128) and torch.equal(vnni.dequantize(torch.bfloat16), w)
-    assert torch.equal(vnni.codes[0, :, 0], w[0, 0::2]) and torch.equal(vnni.codes[0, :, 1], w[0, 1::2])
-    assert torch.equal(vnni.codes[1, :, 2], w[65, 0::2]) and not vnni.codes[1, :, 66].any()  # row 97
+    assert vnni.codes.shape == (2, k // 32, 2048) and torch.equal(vnni.dequantize(torch.bfloat16), w)
+    tiles = vnni.codes.view(2, k // 32, 4, 16, 16, 2)
+    assert torch.equal(tiles[0, 0, 0, :, 0, 0], w[0, 0:32:2]) and torch.equal(tiles[0, 0, 0, :, 0, 1], w[0, 1:32:2])
+    assert torch.equal(tiles[0, 1, 2, :, 5, 1], w[37, 33:64:2])
+    assert torch.equal(tiles[1, 0, 0, :, 1].flatten(), w[65, :32]) and not tiles[1, :, 2, :, 1].any()  # row 97
     ids = torch.tensor([0, 65, 31, 32])
     assert torch.equal(vnni.rows(ids), w[ids]) and torch.equal(half.rows(ids), w[ids])
-    # in odd: a zero k pads the last pair, dropped by dequantize; stacked experts convert whole
+    # in not a multiple of 32: zero k pad the last block, dropped by dequantize; stacked experts
+    # convert whole
     odd = QuantizedWeight.from_half(w[:, :41]).to_vnni()
-    assert odd.codes.shape == (2, 21, 128) and not odd.codes[:, 20, 1::2].any()
+    odd_tiles = odd.codes.view(2, 2, 4, 16, 16, 2)
+    assert odd.codes.shape == (2, 2, 2048) and not odd_tiles[:, 1, :, 4, :, 1].any()  # k = 41
+    assert not odd_tiles[:, 1, :, 5:].any() and odd_tiles[:, 1, :, 4, :, 0].any()  # k 42-63 / 40
     assert torch.equal(odd.dequantize(torch.bfloat16), w[:, :41])
+    assert torch.equal(odd.rows(ids), w[ids, :41])
     stacked = QuantizedWeight.stack([half, QuantizedWeight.from_half(-w)]).to_vnni()
     assert torch.equal(stacked.expert(1).dequantize(torch.bfloat16), -w)
 

@@ -5,15 +5,15 @@
 // stays the exact one; this path is the engine's quantization_activations=bfloat16, the
 // activations in the weights' own precision as vLLM and transformers run a bf16 model.
 //
-// The weight: bf16 panels in Intel's VNNI layout (QuantizedWeight.to_vnni, "bf16_vnni"),
-// [P, ceil(K / 2), 64 x 2]: a pair row q holds column c's k = 2q, 2q + 1 at 2c, 2c + 1, which is
-// the B operand of tdpbf16ps (a row of B: 16 columns' k pairs, 64 bytes), so 16 pair rows from
-// column 16t of a panel, with the pair rows' 256 bytes as stride, are one B tile. (The float
+// The weight: bf16 panels in Intel's VNNI layout cut into whole B tiles (QuantizedWeight.to_vnni,
+// "bf16_vnni"), [P, ceil(K / 32), 2048]: k block b of a panel is its 4 column tiles in turn,
+// each 16 pair rows q of 16 columns c, column 16t + c's k = 32b + 2q, 2q + 1 at (t, q, c, 0..1):
+// a row of B of tdpbf16ps (16 columns' k pairs, 64 bytes), so a B tile is 1 KiB in one piece
+// and a panel is read in order, one 4 KiB block after another, zero k padding the last. (The float
 // path's bf16 panels pair columns j and j + 32 instead: read in k pairs, its one-row path ran
 // at 0.8x, 8192 x 2048 on 2 Sapphire Rapids cores, so each path keeps its layout and a model
 // holds the one its activations need.) x's rows are rounded to bf16 once per call (round to
-// nearest even) into whole A tiles (Bf16Tiles); the last k block of each panel is copied into
-// a zero-padded tile when K is not a multiple of 32 (the panels end at K / 2 pairs).
+// nearest even) into whole A tiles (Bf16Tiles), zeros padding K to whole blocks.
 //
 // Tiles: up to 16 rows, C0..C3 the 4 column tiles of a 64-column panel (16 rows x 16 float32
 // each), A a 16 x 32 block of x's bf16, B one column tile's k block: per 32 k, one A load and,
@@ -53,8 +53,9 @@ using skinny::kPanel;
 constexpr int64_t kTileRows = 16;       // rows of x per tile (and of C)
 constexpr int64_t kTileK = 32;          // k per tile: 32 bf16 = 64 bytes, 16 pair rows of B
 constexpr int64_t kColTile = 16;        // columns per C tile
-constexpr int64_t kPairRowBytes = kPanel * 2 * 2;  // 64 columns x 2 k x 2 bytes
-constexpr int64_t kBlockBytes = kTileK / 2 * kPairRowBytes;  // a panel's 32 k: 4 KiB
+constexpr int64_t kBRowBytes = kColTile * 2 * 2;  // a row of B: 16 columns x 2 k x 2 bytes
+constexpr int64_t kBTileBytes = kTileK / 2 * kBRowBytes;  // 16 pair rows: 1 KiB
+constexpr int64_t kBlockBytes = kPanel / kColTile * kBTileBytes;  // a panel's 32 k: 4 KiB
 // Panels per group: the thread's panels go in groups of about kGroupBytes of weights; each
 // group is walked once per 16 or 32 rows of x, so its weights stay in L2 across the rows and
 // each row's outputs are written as one run of the group's columns. (Rows in chunks of 128,
@@ -62,13 +63,16 @@ constexpr int64_t kBlockBytes = kTileK / 2 * kPairRowBytes;  // a panel's 32 k: 
 // 3072x512 the writes took half the time.)
 constexpr int64_t kGroupBytes = 1 << 20;
 // The first pass over a panel (its first 16 or 32 rows' tile steps: a whole decode step's)
-// prefetches the weights this many k blocks (4 KiB each) ahead: one tile load waits for 16
-// lines of a cold stream at once, and the prefetches keep the next ones in flight. Measured on
-// a MoE layer's experts alone (16 cold bf16 layers, 1-8 tokens, 2 Sapphire Rapids class cores),
-// with the stream loads and the tile rows below: 1.03-1.05x at 4 blocks ahead, even at 8, 0.9x
-// at 16. In the 32-row pass too: the dense bf16 engine at 32 requests 1.066x
-// (benchmarks/checkout_ab.py, 1.074x and 1.058x by start order). Two panels' streams at once
-// (2 C tiles each, in two passes) in place of the prefetches: 0.65-0.8x; with them: 0.93-0.97x.
+// touches the first two lines of the k block kPrefetchBlocks ahead: the hardware's streamer
+// fetches within a 4 KiB page, one block, and learns a new page from its first accesses, so
+// the touch starts each page's stream before the tiles need it; the tiles then read the block
+// in order (its 4 B tiles one after another), as the streamer fetches it. Measured on a MoE
+// layer's experts alone (16 cold bf16 layers, 1-16 tokens, 2 Sapphire Rapids class cores,
+// runs alternating): 1.07-1.19x the earlier layout (B tiles in pair rows across the panel,
+// each tile's rows 256 bytes apart) with the whole block prefetched into L1, whose prefetches
+// waited for the L1's line fill buffers (84% of the kernel's samples sat on them); each change
+// alone 0.9-1.0x; two streams per thread (a panel's column halves at once) no faster. In the
+// engine's bf16 MoE decode: within the run-to-run noise (35.2-36.6 ms a step of 8 both ways).
 constexpr int64_t kPrefetchBlocks = 4;
 
 // Linux hands out AMX's tile state only to a process that asks (arch_prctl
@@ -147,11 +151,12 @@ inline Bf16Tiles round_rows(const In* xp, int64_t K, const std::vector<int64_t>&
   return t;
 }
 
-// The k block kPrefetchBlocks after block b of ``panel`` into L1 (past the thread's last panel:
-// harmless, a prefetch never faults).
+// The first two lines of the k block kPrefetchBlocks after block b of ``panel`` (past the
+// thread's last panel: harmless, a prefetch never faults).
 inline void prefetch_ahead(const char* panel, int64_t b) {
   const char* ahead = panel + (b + kPrefetchBlocks) * kBlockBytes;
-  for (int64_t l = 0; l < kBlockBytes; l += 64) _mm_prefetch(ahead + l, _MM_HINT_T0);
+  _mm_prefetch(ahead, _MM_HINT_T0);
+  _mm_prefetch(ahead + 64, _MM_HINT_T0);
 }
 
 // One tile step over k block b: C (tiles 0-3) += A (tile 4 from ``a``) x B (the panel's 4
@@ -160,21 +165,22 @@ inline void prefetch_ahead(const char* panel, int64_t b) {
 // tiles and the outputs.
 inline void rows16_step(const char* a, const char* blk) {
   _tile_loadd(4, a, kTileK * 2);
-  _tile_stream_loadd(5, blk, kPairRowBytes);
+  _tile_stream_loadd(5, blk, kBRowBytes);
   _tile_dpbf16ps(0, 4, 5);
-  _tile_stream_loadd(6, blk + 1 * kColTile * 4, kPairRowBytes);
+  _tile_stream_loadd(6, blk + 1 * kBTileBytes, kBRowBytes);
   _tile_dpbf16ps(1, 4, 6);
-  _tile_stream_loadd(5, blk + 2 * kColTile * 4, kPairRowBytes);
+  _tile_stream_loadd(5, blk + 2 * kBTileBytes, kBRowBytes);
   _tile_dpbf16ps(2, 4, 5);
-  _tile_stream_loadd(6, blk + 3 * kColTile * 4, kPairRowBytes);
+  _tile_stream_loadd(6, blk + 3 * kBTileBytes, kBRowBytes);
   _tile_dpbf16ps(3, 4, 6);
 }
-// 32 rows x 32 columns: C tiles 0-1 rows 0-15, 2-3 rows 16-31; A tiles 4-5, B tiles 6-7.
+// 32 rows x 32 columns (``blk``: the half's first B tile): C tiles 0-1 rows 0-15, 2-3 rows
+// 16-31; A tiles 4-5, B tiles 6-7.
 inline void rows32_step(const char* a0, const char* a1, const char* blk) {
   _tile_loadd(4, a0, kTileK * 2);
-  _tile_stream_loadd(6, blk, kPairRowBytes);
+  _tile_stream_loadd(6, blk, kBRowBytes);
   _tile_dpbf16ps(0, 4, 6);
-  _tile_stream_loadd(7, blk + kColTile * 4, kPairRowBytes);
+  _tile_stream_loadd(7, blk + kBTileBytes, kBRowBytes);
   _tile_dpbf16ps(1, 4, 7);
   _tile_loadd(5, a1, kTileK * 2);
   _tile_dpbf16ps(2, 5, 6);
@@ -210,44 +216,27 @@ inline void write_rows(const float* c, int64_t rows, int64_t cols, uint16_t* y, 
 }
 
 // y[0:M, panels p0..p1) for group g's M rows of ``x`` (y at its first row's output) and one
-// weight of panels ``w`` (bf16 pairs, K / 2 rounded up pair rows each): one thread's share.
+// weight of panels ``w`` (bf16_vnni, ceil(K / 32) blocks each): one thread's share.
 // Out: float (float32 y, a bias added by the caller) or uint16_t (bf16 y, ``bias`` [N] added
 // here before the rounding, or nullptr).
 template <class Out>
 inline void panels_run(const uint16_t* w, int64_t K, const Bf16Tiles& x, int64_t g, int64_t M,
                        int64_t N, Out* yp, int64_t p0, int64_t p1, const float* bias = nullptr) {
-  const int64_t pair_rows = (K + 1) / 2;
-  const int64_t full_blocks = K / kTileK;  // k blocks read in place; a partial one is copied
-  const bool partial = K % kTileK != 0;
-  const int64_t panel_bytes = pair_rows * kPairRowBytes;
+  const int64_t k_blocks = (K + kTileK - 1) / kTileK;
+  const int64_t panel_bytes = k_blocks * kBlockBytes;
   const int64_t group = std::max<int64_t>(1, kGroupBytes / panel_bytes);
   const bool wide = M > kTileRows;
   const TileConfig config(wide ? kTileRows : M);
   _tile_loadconfig(&config);
   alignas(64) float c[2 * kTileRows * kPanel];
-  // the last k block of each panel of a group, zero-padded pairs (K not a multiple of 32)
-  std::vector<uint16_t> tails(partial ? group * kTileK / 2 * kPanel * 2 : 0);
   const int64_t step = wide ? 2 * kTileRows : kTileRows;
   for (int64_t g0 = p0; g0 < p1; g0 += group) {
     const int64_t g1 = std::min(p1, g0 + group);
-    if (partial) {
-      const int64_t q0 = full_blocks * kTileK / 2;
-      std::fill(tails.begin(), tails.end(), 0);
-      for (int64_t p = g0; p < g1; ++p)
-        std::memcpy(tails.data() + (p - g0) * kTileK / 2 * kPanel * 2,
-                    reinterpret_cast<const char*>(w) + p * panel_bytes + q0 * kPairRowBytes,
-                    (pair_rows - q0) * kPairRowBytes);
-    }
     for (int64_t m0 = 0; m0 < M; m0 += step) {
       const int64_t rb = x.first_block[g] + m0 / kTileRows;
       const int64_t rows = std::min(step, M - m0);
       for (int64_t p = g0; p < g1; ++p) {
         const char* panel = reinterpret_cast<const char*>(w) + p * panel_bytes;
-        const char* tail = reinterpret_cast<const char*>(tails.data() +
-                                                         (p - g0) * kTileK / 2 * kPanel * 2);
-        const auto block = [&](int64_t b) {
-          return b < full_blocks ? panel + b * kBlockBytes : tail;
-        };
         const int64_t cols = std::min(kPanel, N - p * kPanel);
         // float32 C tiles straight into y where they fit whole, else (and bf16 y) through
         // ``c`` and write_rows.
@@ -261,9 +250,10 @@ inline void panels_run(const uint16_t* w, int64_t K, const Bf16Tiles& x, int64_t
             _tile_zero(1);
             _tile_zero(2);
             _tile_zero(3);
-            for (int64_t b = 0; b < full_blocks + partial; ++b) {
+            for (int64_t b = 0; b < k_blocks; ++b) {
               if (m0 == 0 && half == 0) prefetch_ahead(panel, b);  // (half 1: from L1/L2)
-              rows32_step(x.tile(rb, b), x.tile(rb + 1, b), block(b) + half * 2 * kColTile * 4);
+              rows32_step(x.tile(rb, b), x.tile(rb + 1, b),
+                          panel + b * kBlockBytes + half * 2 * kBTileBytes);
             }
             float* oh = out + half * 2 * kColTile;
             _tile_stored(0, oh, ldb);
@@ -276,9 +266,9 @@ inline void panels_run(const uint16_t* w, int64_t K, const Bf16Tiles& x, int64_t
           _tile_zero(1);
           _tile_zero(2);
           _tile_zero(3);
-          for (int64_t b = 0; b < full_blocks + partial; ++b) {
+          for (int64_t b = 0; b < k_blocks; ++b) {
             prefetch_ahead(panel, b);
-            rows16_step(x.tile(rb, b), block(b));
+            rows16_step(x.tile(rb, b), panel + b * kBlockBytes);
           }
           _tile_stored(0, out + 0 * kColTile, ldb);
           _tile_stored(1, out + 1 * kColTile, ldb);

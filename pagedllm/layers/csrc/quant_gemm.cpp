@@ -6,8 +6,9 @@
 //   bfloat16     [P, K, 32 x 2]     the bf16 widened (its bits are a float's high half); the
 //                                   32-bit lane j of row k holds column j in its low half and
 //                                   column j + 32 in its high one
-//   bfloat16     [P, K/2, 64 x 2]   (the AMX path's, amx_gemm.h: Intel's VNNI layout) lane c of
-//                                   pair row q holds column c's k = 2q low and k = 2q + 1 high
+//   bfloat16     [P, K/32, 2048]    (the AMX path's, amx_gemm.h: Intel's VNNI pairs as whole B
+//                                   tiles) per block of 32 k, 4 tiles of 16 columns, each 16 pair
+//                                   rows q: column 16t + c's k = 2q, 2q + 1 at (t, q, c, 0..1)
 //   float16      [P, K, 64]         the fp16 widened (F16C's vcvtph2ps)
 //   int8  (q8)   [P, K/4, 64 x 4]   code * scale (+ offset), per group of G k; column c's k =
 //                                   4q + i at byte 4c + i of quad q
@@ -19,8 +20,8 @@
 //   uint8 (q6)   [P, K/4, 192]      code * scale (+ offset), code -32..31: q4's 128 bytes of
 //                                   nibbles, then 64 bytes of bit pairs (HighBitPanels below)
 //
-// (K/4 and K/2 rounded up, zeros padding the last quad or pair: the float path stops at K, the
-// int8 one takes whole groups of 4 k, the AMX one whole pairs.) scales (and the optional
+// (K/4 and K/32 rounded up, zeros padding the last quad or block: the float path stops at K,
+// the int8 one takes whole groups of 4 k, the AMX one whole blocks.) scales (and the optional
 // offsets) give one float per group of G consecutive k of an output row, as float32 or float16
 // [P, K / G, 64] or as GGUF's K-quants hold them, an fp16 per super-block times an int8 per
 // group (group_scales.h; layers/quantization/ maps GGUF's block types and AWQ/GPTQ groups to
@@ -519,15 +520,15 @@ at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& codes,
     TORCH_CHECK(codes.size(0) == experts && experts > 0, "codes hold ", codes.size(0),
                 " experts' weights and counts has ", experts, " row counts: one per expert");
   }
-  const bool amx = dtype == at::kBFloat16 && narrow;  // bf16 in k pairs (VNNI), on AMX tiles
+  const bool amx = dtype == at::kBFloat16 && narrow;  // bf16 B tiles (VNNI), on AMX tiles
   const int64_t width = dtype == at::kByte ? (byte_codes == Codes::q5   ? int8gemm::kQuadBytes<Codes::q5>
                                               : byte_codes == Codes::q6 ? int8gemm::kQuadBytes<Codes::q6>
                                                                         : kPanel * 2)
                         : dtype == at::kChar ? kPanel * 4
-                        : amx                ? kPanel * 2
+                        : amx                ? kPanel * 32  // a block of 32 k
                                              : kPanel;
   const skinny::PanelCall call = skinny::begin_panel_call(
-      x, grouped ? codes.select(0, 0) : codes, width, out_features, quads ? 4 : amx ? 2 : 1, amx);
+      x, grouped ? codes.select(0, 0) : codes, width, out_features, quads ? 4 : amx ? 32 : 1, amx);
   const Experts ex{grouped, grouped ? skinny::row_groups(*counts, call.M)
                                        : skinny::RowGroups{{0}, {call.M}}};
   if (call.done) return call.y;

@@ -125,8 +125,10 @@ class QuantizedWeight:
     """A weight [out_features, in_features] as panels: bf16/fp16 ``codes`` [P, in, 64] (bf16's
     columns in pairs: column j at 2j, column j + 32 at 2j + 1, each pair one float's worth of
     bits the kernel widens with one shift or one mask; fp16 in column order); bf16_vnni, the
-    AMX path's bf16 (``to_vnni``: Intel's VNNI layout), [P, ceil(in / 2), 64 x 2] in k pairs,
-    column c's k = 2q + i at 2c + i of pair row q, a zero k padding an odd in; q8/q4
+    AMX path's bf16 (``to_vnni``: Intel's VNNI pairs in whole AMX tiles), [P, ceil(in / 32),
+    2048]: per k block of 32, the panel's 4 column tiles one after the other, each [16 pair rows
+    q][16 columns c][2]: column 16t + c's k = 32b + 2q + i at (t, q, c, i) of block b, zero k
+    padding in to whole blocks; q8/q4
     codes in quad blocks, a column's 4 consecutive k in adjacent bytes (the int8-activation
     path's integer dot products read them as they lie, the float path picks one byte of four):
     q8 [P, ceil(in / 4), 64 x 4] int8, q4 [P, ceil(in / 4), 32 x 4] bytes, byte 4j + i of a
@@ -164,9 +166,9 @@ class QuantizedWeight:
         if self.format != "bf16":
             raise ModelLoadError(f"only bf16 weights have a VNNI layout, not {self.format}")
         columns = _pair_columns(self.codes, undo=True)  # [..., in, 64] in column order
-        flat = columns.reshape(-1, *columns.shape[-2:])
-        pairs = _to_kgroups(flat, 2).reshape(*columns.shape[:-2], -1, 2 * PANEL)
-        return dataclasses.replace(self, format="bf16_vnni", codes=pairs)
+        blocks = _to_vnni_blocks(columns.reshape(-1, *columns.shape[-2:]))
+        return dataclasses.replace(self, format="bf16_vnni",
+                                   codes=blocks.reshape(*columns.shape[:-2], *blocks.shape[1:]))
 
     @classmethod
     def from_q8(cls, codes: np.ndarray | torch.Tensor, scales: Groupwise,
@@ -281,8 +283,9 @@ class QuantizedWeight:
             return self.codes[panel, :, col]
         if self.format == "bf16":  # column j at 2j, column j + 32 at 2j + 1
             return self.codes[panel, :, 2 * (col % (PANEL // 2)) + col // (PANEL // 2)]
-        if self.format == "bf16_vnni":  # column c's k pair at 2c, 2c + 1 of each pair row
-            pairs = self.codes.view(*self.codes.shape[:2], PANEL, 2)[panel, :, col]  # [T, in / 2, 2]
+        if self.format == "bf16_vnni":  # column 16t + c at (t, q, c, i) of each k block
+            tiles = self.codes.view(*self.codes.shape[:2], *_VNNI_TILES)
+            pairs = tiles[panel, :, col // _VNNI_COLS, :, col % _VNNI_COLS]  # [T, in / 32, 16, 2]
             return pairs.reshape(len(ids), -1)[:, :self.in_features]
         num_panels, num_quads, width = self.codes.shape
         if self.format == "q8":  # [P, in / 4, 64, 4]: column c's 4 k together
@@ -318,8 +321,8 @@ class QuantizedWeight:
             values = self.codes.double()  # [P, in, 64]
             if self.format == "bf16":  # [P, in, 32, 2] pairs -> [P, in, 64] in column order
                 values = _pair_columns(values, undo=True)
-            elif self.format == "bf16_vnni":  # [P, in / 2, 64 x 2] k pairs -> [P, in, 64]
-                values = _from_kgroups(values, self.in_features, 2)
+            elif self.format == "bf16_vnni":  # [P, in / 32, 2048] tiles -> [P, in, 64]
+                values = _from_vnni_blocks(values, self.in_features)
         else:
             if self.format in _HIGH_BITS:
                 codes = _high_bit_codes(self.codes, self.in_features, _HIGH_BITS[self.format])
@@ -358,7 +361,7 @@ def _to_panels(matrix: torch.Tensor) -> torch.Tensor:
 
 def _to_kgroups(panels: torch.Tensor, n: int) -> torch.Tensor:
     """[P, in, width] -> [P, ceil(in / n), width * n]: each column's n consecutive k adjacent
-    (q8/q4's quads: n = 4; bf16's pairs: n = 2), zero k padding the last group."""
+    (q8/q4's quads: n = 4), zero k padding the last group."""
     num_panels, cols, width = panels.shape
     padded = torch.cat((panels, panels.new_zeros(num_panels, -cols % n, width)), dim=1)
     # [P, in / n, n (k), width] -> [P, in / n, width, n (k)]
@@ -370,6 +373,34 @@ def _from_kgroups(groups: torch.Tensor, cols: int, n: int) -> torch.Tensor:
     num_panels, num_groups, group_width = groups.shape
     per_k = groups.view(num_panels, num_groups, group_width // n, n).transpose(2, 3)
     return per_k.reshape(num_panels, num_groups * n, group_width // n)[:, :cols]
+
+
+# bf16_vnni: a k block of 32 of a panel is [4 column tiles t][16 pair rows q][16 columns c][2
+# k i], so each B tile of AMX's bf16 tile product (16 pair rows of 16 columns' k pairs) is 1 KiB
+# that lies in one piece, and a panel is read in order, one block after another (csrc/amx_gemm.h:
+# with pair rows across the panel, each tile's 16 rows 256 bytes apart, a MoE layer's experts
+# streamed at 0.84-0.93x).
+_VNNI_BLOCK_K = 32
+_VNNI_COLS = 16
+_VNNI_TILES = (PANEL // _VNNI_COLS, _VNNI_BLOCK_K // 2, _VNNI_COLS, 2)  # (t, q, c, i)
+
+
+def _to_vnni_blocks(panels: torch.Tensor) -> torch.Tensor:
+    """[P, in, 64] in column order -> [P, ceil(in / 32), 2048], bf16_vnni's tiles (zero k
+    padding the last block)."""
+    num_panels, cols, _ = panels.shape
+    padded = torch.cat((panels, panels.new_zeros(num_panels, -cols % _VNNI_BLOCK_K, PANEL)), dim=1)
+    # [P, b, q, i, t, c] -> [P, b, t, q, c, i]
+    per_k = padded.view(num_panels, -1, _VNNI_BLOCK_K // 2, 2, PANEL // _VNNI_COLS, _VNNI_COLS)
+    return per_k.permute(0, 1, 4, 2, 5, 3).reshape(num_panels, -1, _VNNI_BLOCK_K * PANEL)
+
+
+def _from_vnni_blocks(blocks: torch.Tensor, cols: int) -> torch.Tensor:
+    """_to_vnni_blocks undone: [P, in / 32, 2048] -> [P, in, 64]."""
+    num_panels, num_blocks, _ = blocks.shape
+    tiles = blocks.view(num_panels, num_blocks, *_VNNI_TILES)  # [P, b, t, q, c, i]
+    per_k = tiles.permute(0, 1, 3, 5, 2, 4)  # [P, b, q, i, t, c]
+    return per_k.reshape(num_panels, num_blocks * _VNNI_BLOCK_K, PANEL)[:, :cols]
 
 
 # q5 and q6 hold a code + 8 << bits (0..31, 0..63) as q4's 128 nibble bytes and a plane of
