@@ -3,8 +3,9 @@
 A backend's ``forward`` stores one layer's K/V of a step in the paged cache, then computes that
 layer's attention from the query and the cache (one call, as in vLLM's backends). It also says
 what per-step metadata it needs: the torch backend gathers blocks and needs gather tables and
-masks; the cpu_paged kernel reads the block tables in place and needs none of that. Backends are stateless singletons, carried by
-the step's ``AttentionMetadata`` so that every layer of a step uses the same one.
+masks; the cpu_paged kernel reads the block tables in place and needs none of that. Backends
+are stateless singletons, carried by the step's ``AttentionMetadata`` so that every layer of a
+step uses the same one.
 
 This module sits below everything else in attention: the backends (one module each) import it,
 ``selector.py`` picks one and imports it lazily, ``attention_metadata.py`` builds the metadata.

@@ -49,14 +49,13 @@ inline void store_kv(const at::Tensor& kv_cache, const at::Tensor& key, const at
   const char* k_src = static_cast<const char*>(k.const_data_ptr());
   const char* v_src = static_cast<const char*>(v.const_data_ptr());
   const int64_t k_step = k.stride(0) * item, v_step = v.stride(0) * item;
-  auto store = [&](int64_t t0, int64_t t1) {
+  // Threads for prefill-sized writes only: a decode's few tokens take a microsecond or two.
+  at::parallel_for(0, num_tokens, 256, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       std::memcpy(k_cache + slots[t] * slot_bytes, k_src + t * k_step, slot_bytes);
       std::memcpy(v_cache + slots[t] * slot_bytes, v_src + t * v_step, slot_bytes);
     }
-  };
-  // Threads for prefill-sized writes only: a decode's few tokens take a microsecond or two.
-  at::parallel_for(0, num_tokens, 256, store);
+  });
 }
 
 }  // namespace paged_store
