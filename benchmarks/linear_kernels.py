@@ -7,8 +7,8 @@ calls interleaved. ``--formats`` adds the kernel over weights held in other form
 Q5_0's and Q6_K's blocks in the q5 and q6 panels), each timed against the float32 panels' kernel too; their GB/s count
 the bytes the format holds. ``--int8`` adds the block formats with int8-quantized activations
 (csrc/int8_gemm.h), each timed against the same weight's exact (float32-activation) path too;
-``--amx`` adds bf16 with bf16 activations on AMX tiles (csrc/amx_gemm.h, on CPUs with AMX-BF16),
-against its exact path and oneDNN's bf16 ``F.linear`` (vLLM's bf16 matmul on such CPUs).
+``--bf16-activations`` (or ``--amx``) adds bf16 with bf16 activations (csrc/bf16_gemm.h: AMX tiles,
+or AVX512-BF16 dot products on CPUs without AMX), against its exact path and oneDNN's bf16 ``F.linear`` (vLLM's bf16 matmul on such CPUs).
 
 Before every timed call the caches are flushed (a pass over a buffer larger than the last-level
 cache), as in the engine, where a step reads ~170 MB of weights and KV and nothing stays cached
@@ -17,7 +17,7 @@ rate (what bounds a decode step's linears), each kernel's GFLOP/s (what bounds a
 the faster library's time over each skinny build's (> 1: the kernel is faster).
 
     python -m benchmarks.linear_kernels [--rows 1 8 16 32 64 256 2048] [--rounds 7] [--isa native v3 v4]
-        [--formats bf16 fp16 q8_0 q4_0 q5_0 q6_k] [--int8] [--amx] [--shapes 4864x896 896x4864]
+        [--formats bf16 fp16 q8_0 q4_0 q5_0 q6_k] [--int8] [--bf16-activations] [--shapes 4864x896 896x4864]
         [--threads N] [--cpu-time]
 """
 from __future__ import annotations
@@ -66,12 +66,13 @@ def format_candidates(n: int, k: int, formats: list[str], isas: list[str], seed:
                       int8: bool = False, amx: bool = False) -> tuple[dict[str, Callable], dict[str, int]]:
     """name -> x -> x W^T for one random [n, k] weight held in each of ``formats`` ("bf16",
     "fp16", "q8_0", "q4_0", "q5_0", "q6_k"), per build in ``isas`` ("q8_0 int8 v3": with int8 activations,
-    when ``int8``; "bf16 amx native": bf16 activations on AMX tiles, and "onednn bf16", torch's
-    bf16 F.linear, when ``amx``); and name -> the bytes each reads."""
+    when ``int8``; "bf16 bf16x native": bf16 activations, on AMX tiles or AVX512-BF16 dot
+    products, and "onednn bf16", torch's bf16 F.linear, when ``amx``); and name -> the bytes
+    each reads."""
     import torch
     import torch.nn.functional as F
 
-    from pagedllm.layers.cpu_extension import can_run, has_amx, load_cpu_ops
+    from pagedllm.layers.cpu_extension import can_run, has_bf16_activations, load_cpu_ops
     from pagedllm.layers.quantization import QuantizedWeight, quantize_linear
 
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
@@ -95,11 +96,11 @@ def format_candidates(n: int, k: int, formats: list[str], isas: list[str], seed:
                     out[name] = lambda x, op=ops.quant_linear, qw=qw, act=act: op(
                         x, qw.codes, qw.scales, qw.offsets, qw.group_size, n, None, act)
                     nbytes[name] = qw.nbytes
-                if amx and fmt == "bf16" and has_amx(isa):
+                if amx and fmt == "bf16" and has_bf16_activations(isa):
                     vnni = qw.to_vnni()
-                    out[f"bf16 amx {isa}"] = lambda x, op=ops.quant_linear, vnni=vnni: op(
+                    out[f"bf16 bf16x {isa}"] = lambda x, op=ops.quant_linear, vnni=vnni: op(
                         x, vnni.codes, None, None, 0, n, None, True)
-                    nbytes[f"bf16 amx {isa}"] = vnni.nbytes
+                    nbytes[f"bf16 bf16x {isa}"] = vnni.nbytes
         if amx and fmt == "bf16":
             wb = w.bfloat16()
             out["onednn bf16"] = lambda x, wb=wb: F.linear(x.bfloat16(), wb)
@@ -169,9 +170,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--int8", action="store_true",
                         help="time the block formats with int8 activations too (against their "
                              "exact path)")
-    parser.add_argument("--amx", action="store_true",
-                        help="time bf16 with bf16 activations on AMX tiles too (needs --formats "
-                             "bf16; against its exact path and oneDNN's bf16 F.linear)")
+    parser.add_argument("--bf16-activations", "--amx", dest="amx", action="store_true",
+                        help="time bf16 with bf16 activations too, on AMX tiles or AVX512-BF16 "
+                             "dot products (needs --formats bf16; against its exact path and "
+                             "oneDNN's bf16 F.linear)")
     parser.add_argument("--shapes", nargs="*", default=[],
                         help="OUTxIN layer shapes in place of the model config's")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
@@ -215,10 +217,10 @@ def main(argv: list[str] | None = None) -> None:
             # int8 activations against the same weight's exact path
             ratios += "".join(f" {key} vs exact: {med[key.replace(' int8', '')] / med[key]:.2f}x"
                               for key in formats if " int8 " in key)
-            # AMX against the same weight's exact path and oneDNN's bf16
-            ratios += "".join(f" {key} vs exact: {med[key.replace(' amx', '')] / med[key]:.2f}x"
+            # bf16 activations against the same weight's exact path and oneDNN's bf16
+            ratios += "".join(f" {key} vs exact: {med[key.replace(' bf16x', '')] / med[key]:.2f}x"
                               f" vs onednn bf16: {med['onednn bf16'] / med[key]:.2f}x"
-                              for key in formats if " amx " in key)
+                              for key in formats if " bf16x " in key)
             print(f"{name:12s} {rows:4d} | " + " | ".join(cells) + f" | {ratios}", flush=True)
 
 

@@ -70,8 +70,8 @@ class ModelConfig:
         "Activations of the quantized and bf16 linears on CPU: float32 (exact: the dequantized "
         "model's numbers); int8 for q8/q4 weights (GGUF, AWQ/GPTQ, q8_0/q4_0: quantized per "
         "row in blocks of 32, integer dot products as llama.cpp: 1.2-2.8x faster at one row); "
-        "bfloat16 for bf16 weights (dtype=bfloat16: rounded to bf16, AMX tiles as vLLM's "
-        "oneDNN; CPUs with AMX-BF16); docs/quantization.md.",
+        "bfloat16 for bf16 weights (dtype=bfloat16: rounded to bf16, AMX tiles or AVX512-BF16 "
+        "dot products as vLLM's oneDNN; CPUs with AVX512-BF16); docs/quantization.md.",
         default="float32")
 
     def __post_init__(self) -> None:

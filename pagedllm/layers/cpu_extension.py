@@ -106,14 +106,22 @@ def can_run(isa: str) -> bool:
     return isa == "native" or ISA_FLAGS[isa] <= cpu_flags()
 
 
-# A CPU whose native build runs bf16 activations on AMX tiles (csrc/amx_gemm.h): AMX-BF16 and
-# AVX512-BF16 (the rounding of x), both enabled by -march=native there.
+# A CPU whose native build runs bf16 activations (csrc/bf16_gemm.h): AVX512-BF16, enabled by
+# -march=native there; with AMX-BF16 too the products run on AMX tiles, else as vdpbf16ps dot
+# products (AMD Zen 4, Intel Cooper Lake). The x86-64-v3 and -v4 builds have neither.
+BF16_ACTIVATION_FLAGS = {"avx512_bf16"}
 AMX_FLAGS = {"amx_tile", "amx_bf16", "avx512_bf16"}
 
 
+def has_bf16_activations(isa: str = "native") -> bool:
+    """Whether a build of ``isa`` runs bf16 activations: the native build on a CPU with
+    BF16_ACTIVATION_FLAGS."""
+    return isa == "native" and BF16_ACTIVATION_FLAGS <= cpu_flags()
+
+
 def has_amx(isa: str = "native") -> bool:
-    """Whether a build of ``isa`` has the AMX path: the native build on a CPU with AMX_FLAGS."""
-    return isa == "native" and AMX_FLAGS <= cpu_flags()
+    """Whether that path of a build of ``isa`` runs on AMX tiles."""
+    return has_bf16_activations(isa) and AMX_FLAGS <= cpu_flags()
 
 
 def op_namespace(isa: str) -> str:

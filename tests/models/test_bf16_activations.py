@@ -1,9 +1,9 @@
-"""bf16 weights times activations rounded to bf16 on AMX tiles (csrc/amx_gemm.h, the engine's
-``quantization_activations="bfloat16"``): against float64 of the weight times x rounded to bf16
+"""bf16 weights times activations rounded to bf16 (csrc/bf16_gemm.h: AMX tiles, or AVX512-BF16
+dot products on a CPU without AMX; the engine's ``quantization_activations="bfloat16"``): against float64 of the weight times x rounded to bf16
 as the kernel rounds it, within float32 rounding; ragged shapes (in odd, not a multiple of the
 32-k tile; out not a multiple of the panel), 1-257 rows, a row's bits independent of its batch;
 stories260K in bfloat16 decoding the exact path's greedy ids; and the refusals, which run on
-any CPU: the AMX tests skip where the CPU has no AMX-BF16 (the grouped kernel's AMX case lives
+any CPU: the kernel tests skip where the CPU has no AVX512-BF16 (the grouped kernel's case lives
 with the other formats' in test_quant_kernels.py)."""
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.errors import ModelLoadError
-from pagedllm.layers.cpu_extension import has_amx, load_cpu_ops, native_isa
+from pagedllm.layers.cpu_extension import has_bf16_activations, load_cpu_ops, native_isa
 from pagedllm.layers.quantization import QuantizedWeight, set_quantization_activations
 from pagedllm.layers.quantization.linear_method import check_kernel
 
 pytestmark = pytest.mark.skipif(load_cpu_ops() is None or native_isa() is None,
                                 reason="no AVX2/AVX-512 CPU kernels here")
-needs_amx = pytest.mark.skipif(not has_amx(), reason="this CPU has no AMX-BF16")
+needs_bf16x = pytest.mark.skipif(not has_bf16_activations(), reason="this CPU has no AVX512-BF16")
 
 # Every tile shape (16 rows x 64 columns up to 16 rows, 32 x 32 above), partial tiles, several
 # chunks of 128 rows (257).
@@ -27,9 +27,9 @@ ROWS = (1, 2, 15, 16, 17, 33, 72, 257)
 SHAPES = [(100, 96), (64, 64), (130, 33), (70, 1), (33, 320), (200, 1000)]
 
 
-@needs_amx
+@needs_bf16x
 @pytest.mark.parametrize("n,k", SHAPES)
-def test_amx_path_matches_float64_on_the_rounded_activations(n, k):
+def test_bf16_path_matches_float64_on_the_rounded_activations(n, k):
     ops = load_cpu_ops()
     gen = torch.Generator().manual_seed(n * 1000 + k)
     w = torch.randn(n, k, generator=gen).bfloat16()
@@ -49,7 +49,7 @@ def test_amx_path_matches_float64_on_the_rounded_activations(n, k):
             assert torch.equal(alone[0], y[r]), (m, r)
 
 
-@needs_amx
+@needs_bf16x
 @pytest.mark.parametrize("n,k", SHAPES)
 def test_bf16_x_gives_bf16_y_rounded_once_with_the_bias(n, k):
     """A bf16 model's x goes in as it is and y comes out bf16: the float32 path's sums plus the
@@ -71,8 +71,8 @@ def test_bf16_x_gives_bf16_y_rounded_once_with_the_bias(n, k):
         ops.quant_linear(x[:2], qw.codes, None, None, 0, n, None, False)
 
 
-@needs_amx
-def test_amx_path_differs_from_the_exact_one_by_the_rounding_of_x():
+@needs_bf16x
+def test_bf16_path_differs_from_the_exact_one_by_the_rounding_of_x():
     """The same weight on the float path (x in float32): the two differ by x's rounding to bf16
     (|dx| <= 2^-9 |x|), so |dy| <= 2^-9 sum |x w| (+ float32 rounding), and they do differ."""
     ops = load_cpu_ops()
@@ -80,14 +80,14 @@ def test_amx_path_differs_from_the_exact_one_by_the_rounding_of_x():
     w = torch.randn(300, 512, generator=gen).bfloat16()
     qw = QuantizedWeight.from_half(w)
     x = torch.randn(40, 512, generator=gen)
-    amx = ops.quant_linear(x, qw.to_vnni().codes, None, None, 0, 300, None, True)
+    narrow = ops.quant_linear(x, qw.to_vnni().codes, None, None, 0, 300, None, True)
     exact = ops.quant_linear(x, qw.codes, None, None, 0, 300, None, False)
     bound = 2.0 ** -9 * (x.double().abs() @ w.double().abs().T) * 1.01
-    assert ((amx.double() - exact.double()).abs() <= bound).all()
-    assert not torch.equal(amx, exact)
+    assert ((narrow.double() - exact.double()).abs() <= bound).all()
+    assert not torch.equal(narrow, exact)
 
 
-@needs_amx
+@needs_bf16x
 def test_stories260k_in_bf16_decodes_the_exact_paths_greedy_ids():
     """stories260K in bfloat16, 32 greedy tokens after each of three prompts (decode steps of a
     batch of three), once with float32 activations (the exact path) and once rounded to bf16.
@@ -124,7 +124,7 @@ def test_stories260k_in_bf16_decodes_the_exact_paths_greedy_ids():
     assert free_ids == exact_ids
 
 
-@needs_amx
+@needs_bf16x
 def test_the_engine_runs_bf16_activations_on_the_bf16_layers():
     """LLM(dtype=bfloat16, quantization_activations=bfloat16): every bf16 layer's method takes
     them, and the story is the exact path's (as in the test above), eager and compiled."""
@@ -149,7 +149,7 @@ def test_the_engine_runs_bf16_activations_on_the_bf16_layers():
 
 def test_bf16_activations_are_refused_where_they_do_not_apply():
     """A float32 model has no bf16 layer: a one-line refusal naming what it applies to; fp16
-    weights take none; and a CPU without AMX-BF16 refuses them at load, saying what it needs."""
+    weights take none; and a CPU without AVX512-BF16 refuses them at load, saying what it needs."""
     from paged_helpers import STORIES_DIR
 
     from pagedllm import LLM
@@ -161,8 +161,8 @@ def test_bf16_activations_are_refused_where_they_do_not_apply():
     with pytest.raises(ModelLoadError, match="fp16 weights have none"):
         check_kernel(fp16, None, "bfloat16")
     bf16 = QuantizedWeight.from_half(torch.randn(64, 64).bfloat16()).to_vnni()
-    if has_amx():
+    if has_bf16_activations():
         check_kernel(bf16, None, "bfloat16")
     else:
-        with pytest.raises(ModelLoadError, match="AMX"):
+        with pytest.raises(ModelLoadError, match="AVX512-BF16"):
             check_kernel(bf16, None, "bfloat16")

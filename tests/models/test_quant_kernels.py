@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from pagedllm.errors import ModelLoadError, ValidationError
 from pagedllm.layers import Linear, ParallelLMHead, VocabParallelEmbedding
 from pagedllm.layers import linear_kernel
-from pagedllm.layers.cpu_extension import (CSRC, can_run, compile_sources, has_amx, load_cpu_ops,
+from pagedllm.layers.cpu_extension import (CSRC, can_run, compile_sources, has_bf16_activations, load_cpu_ops,
                                           native_isa)
 from pagedllm.layers.linear import linear
 from pagedllm.layers.quantization import QuantizedWeight, quantize_linear, set_quantized_weight
@@ -129,16 +129,16 @@ def test_grouped_kernel_gives_each_expert_the_bits_of_its_own_call(isa, fmt, n, 
     (expert, panel) items over the threads by cost; each expert's rows still get exactly what
     quant_linear gives them alone, whatever the other experts' row counts and the thread count,
     on the float path and the narrow-activation one: int8 (x quantized once for every expert;
-    groups of 6, where it does not apply, run the float path) or, for bf16, AMX tiles (on a
-    CPU with AMX-BF16; elsewhere, and for fp16, the flag is refused)."""
+    groups of 6, where it does not apply, run the float path) or, for bf16, bf16 x (on a
+    CPU with AVX512-BF16; elsewhere, and for fp16, the flag is refused)."""
     ops = load_cpu_ops(isa)
     gen = torch.Generator().manual_seed(n * 1000 + k + group)
     experts = [_weight(fmt, n, k, group, offsets, gen) for _ in range(5)]
     codes, scales, offs = _stacked(experts)
-    if int8 and fmt == "bf16":  # narrow: the AMX path, on the weights in its layout
+    if int8 and fmt == "bf16":  # narrow: the bf16-activation path, on the weights in its layout
         experts = [qw.to_vnni() for qw in experts]
         codes, scales, offs = _stacked(experts)
-    if int8 and fmt in HALF_FORMATS and not (fmt == "bf16" and has_amx(isa)):
+    if int8 and fmt in HALF_FORMATS and not (fmt == "bf16" and has_bf16_activations(isa)):
         with pytest.raises(RuntimeError, match="bf16 activations|fp16 weights have none"):
             ops.grouped_quant_linear(torch.randn(1, k), codes, scales, offs, group, [1, 0, 0, 0, 0], n, True)
         return
@@ -236,7 +236,7 @@ def test_packing_holds_the_arrays_exactly():
     assert half.codes.shape == (2, k, 64) and torch.equal(half.dequantize(torch.bfloat16), w)
     assert torch.equal(half.codes[0, :, 0], w[0]) and torch.equal(half.codes[0, :, 1], w[32])
     assert torch.equal(half.codes[1, :, 2], w[65]) and not half.codes[1, :, 3].any()  # row 97: padding
-    # bf16_vnni (the AMX path's): per block b of 32 k, 4 tiles t of 16 columns, each 16 pair rows
+    # bf16_vnni (the bf16-activation path's): per block b of 32 k, 4 tiles t of 16 columns, each 16 pair rows
     # q of 16 columns c: column 16t + c's k = 32b + 2q + i at (b, t, q, c, i)
     vnni = half.to_vnni()
     assert vnni.codes.shape == (2, k // 32, 2048) and torch.equal(vnni.dequantize(torch.bfloat16), w)

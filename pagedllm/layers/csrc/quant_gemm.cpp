@@ -6,8 +6,8 @@
 //   bfloat16     [P, K, 32 x 2]     the bf16 widened (its bits are a float's high half); the
 //                                   32-bit lane j of row k holds column j in its low half and
 //                                   column j + 32 in its high one
-//   bfloat16     [P, K/32, 2048]    (the AMX path's, amx_gemm.h: Intel's VNNI pairs as whole B
-//                                   tiles) per block of 32 k, 4 tiles of 16 columns, each 16 pair
+//   bfloat16     [P, K/32, 2048]    (the bf16-activation path's, bf16_gemm.h: Intel's VNNI
+//                                   pairs as whole B tiles) per block of 32 k, 4 tiles of 16 columns, each 16 pair
 //                                   rows q: column 16t + c's k = 2q, 2q + 1 at (t, q, c, 0..1)
 //   float16      [P, K, 64]         the fp16 widened (F16C's vcvtph2ps)
 //   int8  (q8)   [P, K/4, 64 x 4]   code * scale (+ offset), per group of G k; column c's k =
@@ -21,8 +21,8 @@
 //                                   nibbles, then 64 bytes of bit pairs (HighBitPanels below)
 //
 // (K/4 and K/32 rounded up, zeros padding the last quad or block: the float path stops at K,
-// the int8 one takes whole groups of 4 k, the AMX one whole blocks.) scales (and the optional
-// offsets) give one float per group of G consecutive k of an output row, as float32 or float16
+// the int8 one takes whole groups of 4 k, the bf16-activation one whole blocks.) scales (and
+// the optional offsets) give one float per group of G consecutive k of an output row, as float32 or float16
 // [P, K / G, 64] or as GGUF's K-quants hold them, an fp16 per super-block times an int8 per
 // group (group_scales.h; layers/quantization/ maps GGUF's block types and AWQ/GPTQ groups to
 // these layouts and picks the smallest exact form).
@@ -48,9 +48,9 @@
 // thread, q8 5-8, float32 9-11). The quad layout left these as they were (new over old exact
 // path, same machine, medians of 5 interleaved cold calls, two runs: 0.89-1.3x at 1-256 rows).
 //
-// The narrow-activation paths (``narrow_activations``): bf16 weights on AMX tiles with x
-// rounded to bf16 (amx_gemm.h, the engine's quantization_activations=bfloat16), and q8/q4/q5
-// with x quantized to int8 (the engine's quantization_activations=int8; int8_gemm.h). The
+// The narrow-activation paths (``narrow_activations``): bf16 weights on AMX tiles or AVX512-BF16
+// dot products with x rounded to bf16 (bf16_gemm.h, the engine's
+// quantization_activations=bfloat16), and q8/q4/q5 with x quantized to int8 (the engine's quantization_activations=int8; int8_gemm.h). The
 // int8 one: x quantized per row in blocks of 32 k, integer dot products, one float step per
 // block. Same machine (AMD EPYC Zen 3, AVX2 build, shared: noisy), one thread, CPU time,
 // weights quantized q8_0 / q4_0 at load, medians of 7 interleaved cold calls
@@ -86,7 +86,7 @@
 #include <immintrin.h>
 #endif
 
-#include "amx_gemm.h"
+#include "bf16_gemm.h"
 #include "group_scales.h"
 #include "grouped_linear.h"
 #include "int8_gemm.h"
@@ -461,24 +461,29 @@ void quad_panels_gemm(const float* xp, int64_t M, int64_t K, const Experts& ex,
   float_gemm(xp, K, ex, source, N, P, yp);
 }
 
-// bf16 panels (VNNI layout) times x rounded to bf16 on AMX tiles (amx_gemm.h): x float32 or
-// bf16 (In: float / uint16_t), y float32 or, with bf16 x (Out: uint16_t), bf16 with ``bias``
-// added before the rounding; ``expert_elems``: the codes of one expert's weight (grouped).
+// bf16 panels (VNNI layout) times x rounded to bf16 (bf16_gemm.h: AMX tiles, or AVX512-BF16
+// dot products on a CPU without AMX): x float32 or bf16 (In: float / uint16_t), y float32 or,
+// with bf16 x (Out: uint16_t), bf16 with ``bias`` added before the rounding; ``expert_elems``:
+// the codes of one expert's weight (grouped).
 template <class In, class Out>
-void amx_gemm(const In* xp, int64_t M, int64_t K, const Experts& ex, const uint16_t* codes,
-              int64_t expert_elems, int64_t N, int64_t P, Out* yp, const float* bias) {
+void bf16_activations_gemm(const In* xp, int64_t M, int64_t K, const Experts& ex,
+                           const uint16_t* codes, int64_t expert_elems, int64_t N, int64_t P,
+                           Out* yp, const float* bias) {
+#if defined(PAGEDLLM_BF16_X)
 #if defined(PAGEDLLM_AMX)
-  TORCH_CHECK(amx::permitted(), "the kernel refused AMX: Linux did not grant this process the "
-              "tile state (arch_prctl ARCH_REQ_XCOMP_PERM)");
+  TORCH_CHECK(bf16gemm::permitted(), "the kernel refused AMX: Linux did not grant this process "
+              "the tile state (arch_prctl ARCH_REQ_XCOMP_PERM)");
+#endif
   const skinny::RowGroups& r = ex.rows;
-  const amx::Bf16Tiles xb = amx::round_rows(xp, K, r.start, r.rows);
+  const bf16gemm::Bf16Tiles xb = bf16gemm::round_rows(xp, K, r.start, r.rows);
   skinny::split_grouped_panels(r.rows, P, [&](int64_t e, int64_t p0, int64_t p1) {
-    amx::panels_run(codes + e * expert_elems, K, xb, e, r.rows[e], N, yp + r.start[e] * N, p0,
-                    p1, bias);
+    bf16gemm::panels_run(codes + e * expert_elems, K, xb, e, r.rows[e], N, yp + r.start[e] * N,
+                         p0, p1, bias);
   });
 #else
-  TORCH_CHECK(false, "bf16 activations run on AMX tiles, and this build has none (a CPU with "
-              "AMX-BF16, such as Intel Sapphire Rapids, built with -march=native)");
+  TORCH_CHECK(false, "bf16 activations run on AMX tiles or AVX512-BF16 dot products, and this "
+              "build has neither (a CPU with AVX512-BF16, such as AMD Zen 4 or Intel Sapphire "
+              "Rapids, built with -march=native)");
 #endif
 }
 
@@ -494,8 +499,8 @@ void quad_panels_gemm(const float* xp, int64_t M, int64_t K, const Experts& ex,
 
 // x [M, K] float32 times the weight held as ``codes`` (+ scales, offsets): [M, N] float32. With
 // ``counts`` (grouped_quant_linear): the tensors hold one weight per expert along a leading
-// dim, x's rows sorted by expert, counts[e] of them for expert e. On the AMX path (bf16 codes,
-// ``narrow``) x may be bf16: y is then bf16, ``bias`` (float32 [N]) added before the rounding.
+// dim, x's rows sorted by expert, counts[e] of them for expert e. On the bf16-activation path
+// (bf16 codes, ``narrow``) x may be bf16: y is then bf16, ``bias`` (float32 [N]) added before the rounding.
 at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& codes,
                       const std::optional<at::Tensor>& scales,
                       const std::optional<at::Tensor>& offsets, int64_t group_size,
@@ -520,20 +525,21 @@ at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& codes,
     TORCH_CHECK(codes.size(0) == experts && experts > 0, "codes hold ", codes.size(0),
                 " experts' weights and counts has ", experts, " row counts: one per expert");
   }
-  const bool amx = dtype == at::kBFloat16 && narrow;  // bf16 B tiles (VNNI), on AMX tiles
+  const bool bf16_vnni = dtype == at::kBFloat16 && narrow;  // bf16 B tiles (VNNI), bf16 x
   const int64_t width = dtype == at::kByte ? (byte_codes == Codes::q5   ? int8gemm::kQuadBytes<Codes::q5>
                                               : byte_codes == Codes::q6 ? int8gemm::kQuadBytes<Codes::q6>
                                                                         : kPanel * 2)
                         : dtype == at::kChar ? kPanel * 4
-                        : amx                ? kPanel * 32  // a block of 32 k
+                        : bf16_vnni          ? kPanel * 32  // a block of 32 k
                                              : kPanel;
   const skinny::PanelCall call = skinny::begin_panel_call(
-      x, grouped ? codes.select(0, 0) : codes, width, out_features, quads ? 4 : amx ? 32 : 1, amx);
+      x, grouped ? codes.select(0, 0) : codes, width, out_features, quads ? 4 : bf16_vnni ? 32 : 1,
+      bf16_vnni);
   const Experts ex{grouped, grouped ? skinny::row_groups(*counts, call.M)
                                        : skinny::RowGroups{{0}, {call.M}}};
   if (call.done) return call.y;
   const int64_t M = call.M, K = call.K, N = call.N, P = call.P;
-  const bool bf16_x = call.x.scalar_type() == at::kBFloat16;  // the AMX path only
+  const bool bf16_x = call.x.scalar_type() == at::kBFloat16;  // the bf16-activation path only
   TORCH_CHECK(!bias || (bf16_x && bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
                         bias->numel() == N),
               "a fused bias is bf16 y's: float32, contiguous, out_features long");
@@ -546,13 +552,14 @@ at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& codes,
     case at::kHalf: {
       const auto* h = static_cast<const uint16_t*>(cp);
       TORCH_CHECK(!narrow || dtype == at::kBFloat16, "narrow activations: fp16 weights have none "
-                  "(bf16 ones: bf16 activations on AMX)");
-      if (amx) {
+                  "(bf16 ones: bf16 activations)");
+      if (bf16_vnni) {
         if (bf16_x)
-          amx_gemm(static_cast<const uint16_t*>(call.x.data_ptr()), M, K, ex, h, stride, N, P,
-                   static_cast<uint16_t*>(call.y.data_ptr()), bias ? bias->data_ptr<float>() : nullptr);
+          bf16_activations_gemm(static_cast<const uint16_t*>(call.x.data_ptr()), M, K, ex, h,
+                                stride, N, P, static_cast<uint16_t*>(call.y.data_ptr()),
+                                bias ? bias->data_ptr<float>() : nullptr);
         else
-          amx_gemm(xp, M, K, ex, h, stride, N, P, yp, nullptr);
+          bf16_activations_gemm(xp, M, K, ex, h, stride, N, P, yp, nullptr);
         break;
       }
       if (dtype == at::kBFloat16)
@@ -590,8 +597,8 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes,
                         const std::optional<at::Tensor>& offsets, int64_t group_size,
                         int64_t out_features, const std::optional<at::Tensor>& bias,
                         bool narrow_activations) {
-  // bf16 x on the AMX path: bf16 y, the bias added in the kernel, before the rounding (a bf16 y
-  // is half the bytes of a float32 one, and no conversion pass follows it)
+  // bf16 x on the bf16-activation path: bf16 y, the bias added in the kernel, before the
+  // rounding (a bf16 y is half the bytes of a float32 one, and no conversion pass follows it)
   const bool bf16_io = narrow_activations && x.scalar_type() == at::kBFloat16;
   const std::optional<at::Tensor> fused =
       bf16_io && bias ? std::optional<at::Tensor>(bias->to(at::kFloat).contiguous()) : std::nullopt;

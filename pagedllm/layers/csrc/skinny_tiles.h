@@ -17,7 +17,7 @@
 //
 // The walk: ``split_grouped_panels`` splits one weight's panels, or several weights' (a
 // mixture-of-experts layer's experts, each over its own rows), by cost into one contiguous run
-// per thread, for these tiles, int8_gemm.h's and amx_gemm.h's alike.
+// per thread, for these tiles, int8_gemm.h's and bf16_gemm.h's alike.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -532,7 +532,7 @@ struct PanelCall {
 inline PanelCall begin_panel_call(const at::Tensor& x, const at::Tensor& panels, int64_t width,
                                   int64_t out_features, int64_t k_per_row = 1,
                                   bool bf16_x = false) {
-  // x float32 (bf16_x: or bfloat16, y then bfloat16 too: the AMX path's)
+  // x float32 (bf16_x: or bfloat16, y then bfloat16 too: the bf16-activation path's)
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat ||
                                (bf16_x && x.scalar_type() == at::kBFloat16)),
               "x must be a 2-D float32 tensor", bf16_x ? " or bfloat16" : "");

@@ -18,8 +18,9 @@ The block methods (q8, q4, q5, q6) can instead quantize the activations to int8
 (``activations="int8"``, the engine's ``quantization_activations``; csrc/int8_gemm.h):
 llama.cpp's integer dot products, on the same panels, at every row count (so a row's bits still
 never depend on its batch). bf16 weights can take activations rounded to bf16
-(``activations="bfloat16"``; csrc/amx_gemm.h): AMX tile products, on CPUs with AMX-BF16, as
-vLLM's oneDNN runs a bf16 model; the weights are converted to the tiles' layout for it.
+(``activations="bfloat16"``; csrc/bf16_gemm.h): AMX tile products, or AVX512-BF16 dot products
+on CPUs with AVX512-BF16 and no AMX, as vLLM's oneDNN runs a bf16 model; the weights are
+converted to the tiles' layout for it.
 """
 from __future__ import annotations
 
@@ -143,7 +144,7 @@ def method_for(qweight: QuantizedWeight) -> LinearMethod:
 def set_quantization_activations(model: nn.Module, activations: str) -> int:
     """Run every layer of ``model`` (after loading and choose_linear_kernels) that takes
     ``activations`` with them: "int8", the block-quantized (q8/q4/q5/q6) layers; "bfloat16", the
-    bf16 ones, dense and experts, their weights converted to the AMX path's layout
+    bf16 ones, dense and experts, their weights converted to that path's layout
     (``QuantizedWeight.to_vnni``; a tied embedding follows its head) and each shape first
     checked against float64 (``check_kernel``); "float32", the block layers back on their exact
     path. Returns how many layers that is; the others keep float32 activations."""
@@ -208,7 +209,7 @@ def check_kernel(qweight: QuantizedWeight, bias: torch.Tensor | None,
     """ModelLoadError unless ``kernel_matches_float64``."""
     try:
         ok = kernel_matches_float64(qweight, bias, activations)
-    except RuntimeError as exc:  # the kernel refused (bf16 activations: no AMX in this build)
+    except RuntimeError as exc:  # the kernel refused (bf16 activations: no AVX512-BF16 in this build)
         raise ModelLoadError(f"{activations} activations on {qweight.format} weights: "
                              f"{str(exc).splitlines()[0]}") from None
     if not ok:

@@ -377,7 +377,7 @@ def _from_kgroups(groups: torch.Tensor, cols: int, n: int) -> torch.Tensor:
 
 # bf16_vnni: a k block of 32 of a panel is [4 column tiles t][16 pair rows q][16 columns c][2
 # k i], so each B tile of AMX's bf16 tile product (16 pair rows of 16 columns' k pairs) is 1 KiB
-# that lies in one piece, and a panel is read in order, one block after another (csrc/amx_gemm.h:
+# that lies in one piece, and a panel is read in order, one block after another (csrc/bf16_gemm.h:
 # with pair rows across the panel, each tile's 16 rows 256 bytes apart, a MoE layer's experts
 # streamed at 0.84-0.93x).
 _VNNI_BLOCK_K = 32
