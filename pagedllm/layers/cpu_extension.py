@@ -110,18 +110,12 @@ def can_run(isa: str) -> bool:
 # -march=native there; with AMX-BF16 too the products run on AMX tiles, else as vdpbf16ps dot
 # products (AMD Zen 4, Intel Cooper Lake). The x86-64-v3 and -v4 builds have neither.
 BF16_ACTIVATION_FLAGS = {"avx512_bf16"}
-AMX_FLAGS = {"amx_tile", "amx_bf16", "avx512_bf16"}
 
 
 def has_bf16_activations(isa: str = "native") -> bool:
     """Whether a build of ``isa`` runs bf16 activations: the native build on a CPU with
     BF16_ACTIVATION_FLAGS."""
     return isa == "native" and BF16_ACTIVATION_FLAGS <= cpu_flags()
-
-
-def has_amx(isa: str = "native") -> bool:
-    """Whether that path of a build of ``isa`` runs on AMX tiles."""
-    return has_bf16_activations(isa) and AMX_FLAGS <= cpu_flags()
 
 
 def op_namespace(isa: str) -> str:
