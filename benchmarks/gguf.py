@@ -58,10 +58,10 @@ FTYPES = ("Q4_K_M", "Q8_0", "Q4_0")  # what benchmarks/llama_cpp_peer.py --quant
 KV_BUDGET = 1 << 30
 
 
-def _peer_python() -> Path:
-    python = LLAMA_CPP_VENV / "bin" / "python"
+def _peer_python(venv: Path = LLAMA_CPP_VENV) -> Path:
+    python = venv / "bin" / "python"
     if not python.is_file():
-        raise SystemExit(f"no llama.cpp venv at {LLAMA_CPP_VENV}: run bash benchmarks/setup_llama_cpp.sh")
+        raise SystemExit(f"no llama.cpp venv at {venv}: run bash benchmarks/setup_llama_cpp.sh")
     return python
 
 
@@ -207,10 +207,12 @@ def bench_file(path: Path, args: argparse.Namespace, bandwidth: float) -> dict:
     if args.llama_cpp:
         n_ctx = 32 * 1024
         engines["llama.cpp"] = ServedPeer(
-            "llama.cpp peer", [str(_peer_python()), str(Path(__file__).with_name("llama_cpp_peer.py")),
+            "llama.cpp peer", [str(_peer_python(args.llama_cpp_venv)),
+                               str(Path(__file__).with_name("llama_cpp_peer.py")),
                                "--model", str(path), "--threads", str(args.threads),
                                "--n-ctx", str(n_ctx), "--n-seq-max", "32", "--serve"],
             env=dict(os.environ, OMP_NUM_THREADS=str(args.threads)))
+        log(f"llama.cpp: {engines['llama.cpp'].ready.get('system_info', '?')}")
     rates: dict[str, dict[str, list[float]]] = {e: {n: [] for n, _ in jobs} for e in engines}
     same_ids: dict[str, bool] = {}
     try:
@@ -254,6 +256,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--no-llama-cpp", dest="llama_cpp", action="store_false")
+    p.add_argument("--llama-cpp-venv", type=Path, default=LLAMA_CPP_VENV,
+                   help="the peer's venv (an AVX2 build: VENV=.venv-llama-cpp-v3 LLAMA_CPP_ISA=v3 "
+                        "bash benchmarks/setup_llama_cpp.sh, with PAGEDLLM_CPU_ISA=v3 for ours)")
     p.add_argument("--skip", nargs="*", default=[], choices=["decode", "prefill", "batch"])
     p.add_argument("--activations", choices=["float32", "int8"], default="float32",
                    help="pagedllm's quantization_activations (int8: llama.cpp's strategy)")
@@ -273,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
                     subprocess.run([sys.executable, "-m", "benchmarks.gguf", "--shape", shape,
                                     "--type", type_name, "--rounds", str(args.rounds),
                                     "--threads", str(args.threads), "--json", out.name,
-                                    "--activations", args.activations]
+                                    "--activations", args.activations,
+                                    "--llama-cpp-venv", str(args.llama_cpp_venv)]
                                    + ([] if args.llama_cpp else ["--no-llama-cpp"])
                                    + (["--skip", *args.skip] if args.skip else []),
                                    check=True, stdout=subprocess.DEVNULL, cwd=REPO_ROOT)

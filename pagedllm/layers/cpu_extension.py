@@ -55,7 +55,9 @@ ISA_FLAGS = {"v3": {"avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm"},
 # different machines gets one build per kind of CPU) and of the sources (torch would not notice
 # a change to a header alone). The benchmarks can also build a named level ("v3", "v4") beside
 # it, in an op namespace of its own (torch.ops.pagedllm_v3), to measure the AVX2 kernels on an
-# AVX-512 CPU.
+# AVX-512 CPU. ``PAGEDLLM_CPU_ISA=v3`` (or v4) builds the engine's own kernels for that level in
+# place of -march=native, so the whole engine runs the AVX2 kernels on an AVX-512 CPU (the
+# benchmarks' peers then get an AVX2 build too: benchmarks/setup_llama_cpp.sh's LLAMA_CPP_ISA).
 # -fopenmp: at::parallel_for is a header template; compiled without it, it runs the whole range on
 # the calling thread (the kernel then used one core). The extension's libgomp.so.1 is the one
 # torch already loaded (same soname), so it shares torch's thread pool.
@@ -85,11 +87,29 @@ def cpu_flags() -> set[str]:
     return set(_cpuinfo("flags").split())
 
 
+ENV_CPU_ISA = "PAGEDLLM_CPU_ISA"  # v3 / v4: the level of the engine's build (unset: native)
+
+
+def engine_isa_override() -> str | None:
+    """The level ``PAGEDLLM_CPU_ISA`` names for the engine's build, or None (unset or "native")."""
+    name = os.environ.get(ENV_CPU_ISA, "native")
+    if name == "native":
+        return None
+    if name not in ISA_MARCH:
+        raise ValueError(f"{ENV_CPU_ISA}={name!r} is unsupported; supported: native, "
+                         + ", ".join(ISA_MARCH))
+    if not ISA_FLAGS[name] <= cpu_flags():
+        raise RuntimeError(f"{ENV_CPU_ISA}={name}: this CPU cannot run x86-64-{name} code")
+    return name
+
+
 def native_isa() -> str | None:
-    """The tuned level this CPU runs natively: "v4" (AVX-512), "v3" (AVX2 + FMA), or None for a
-    CPU nobody tuned the kernels for (older x86, Arm): there the engine uses torch's own ops."""
+    """The tuned level the engine's build runs: "v4" (AVX-512), "v3" (AVX2 + FMA), or None for a
+    CPU nobody tuned the kernels for (older x86, Arm): there the engine uses torch's own ops.
+    The CPU's own level unless ``PAGEDLLM_CPU_ISA`` names one."""
     flags = cpu_flags()
-    return next((isa for isa in ("v4", "v3") if ISA_FLAGS[isa] <= flags), None)
+    return engine_isa_override() or next(
+        (isa for isa in ("v4", "v3") if ISA_FLAGS[isa] <= flags), None)
 
 
 def cpu_description() -> str:
@@ -98,6 +118,8 @@ def cpu_description() -> str:
     name = _cpuinfo("model name")
     isa = native_isa()
     level = {"v4": "x86-64-v4: AVX-512", "v3": "x86-64-v3: AVX2"}.get(isa or "", "no tuned level")
+    if engine_isa_override():
+        level += f", {ENV_CPU_ISA}={isa}"
     return f"{name or platform.machine() or 'unknown CPU'} ({level})"
 
 
@@ -115,7 +137,8 @@ BF16_ACTIVATION_FLAGS = {"avx512_bf16"}
 def has_bf16_activations(isa: str = "native") -> bool:
     """Whether a build of ``isa`` runs bf16 activations: the native build on a CPU with
     BF16_ACTIVATION_FLAGS."""
-    return isa == "native" and BF16_ACTIVATION_FLAGS <= cpu_flags()
+    return (isa == "native" and engine_isa_override() is None
+            and BF16_ACTIVATION_FLAGS <= cpu_flags())
 
 
 def op_namespace(isa: str) -> str:
@@ -123,7 +146,11 @@ def op_namespace(isa: str) -> str:
 
 
 def _cflags(isa: str) -> list[str]:
-    march = "native" if isa == "native" else ISA_MARCH[isa]
+    if isa == "native":
+        level = engine_isa_override()
+        march = ISA_MARCH[level] if level else "native"
+    else:
+        march = ISA_MARCH[isa]
     return [*_COMMON_CFLAGS, f"-march={march}", f"-DPAGEDLLM_NS={op_namespace(isa)}"]
 
 

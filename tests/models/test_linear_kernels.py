@@ -167,3 +167,24 @@ def test_pack_skips_what_the_kernel_cannot_take():
     layer = Linear(8, 8).to(torch.bfloat16)
     assert not pack_linear(layer)
     assert layer.weight is not None and layer.packed_weight is None
+
+
+def test_pagedllm_cpu_isa_names_the_engine_builds_level(monkeypatch):
+    """PAGEDLLM_CPU_ISA=v3 builds the engine's kernels as AVX2 code (the AVX2 benchmarks on an
+    AVX-512 CPU): its -march, its level and build tag, no bf16 activations; a bad name is a
+    clear error."""
+    from pagedllm.layers import cpu_extension as ce
+
+    if not ce.can_run("v3"):
+        pytest.skip("needs a CPU that runs x86-64-v3 code")
+    monkeypatch.delenv(ce.ENV_CPU_ISA, raising=False)
+    native_tag = ce.build_tag()
+    assert "-march=native" in ce._cflags("native")
+    monkeypatch.setenv(ce.ENV_CPU_ISA, "v3")
+    assert "-march=x86-64-v3" in ce._cflags("native") and "-march=native" not in ce._cflags("native")
+    assert ce.native_isa() == "v3" and not ce.has_bf16_activations()
+    assert "PAGEDLLM_CPU_ISA=v3" in ce.cpu_description()
+    assert ce.build_tag() != native_tag
+    monkeypatch.setenv(ce.ENV_CPU_ISA, "avx3")
+    with pytest.raises(ValueError, match="PAGEDLLM_CPU_ISA='avx3' is unsupported; supported: native, v3, v4"):
+        ce.native_isa()

@@ -16,11 +16,11 @@
 // _mm256_madd_epi16 by ones (the two pairs to int32); AVX-512: the same on 512 bits, or one
 // _mm512_dpbusd_epi32 with VNNI. maddubs wants one unsigned operand: q4 codes are (0..15), q5's
 // enter as b = code + 16 (0..31; the block's sum then owes 16 x the sum of its x, taken off in
-// the float step), q6's as code + 32; q8 codes are signed: with VNNI they enter as code + 128
-// (one xor of the sign bits per weight vector), without it as |w| with w's sign moved onto x
-// (llama.cpp's sign trick: a sign op per row and vector, as code + 128 would saturate maddubs's
-// int16 pairs). On 2 AMD Zen 4 cores, code + 128 made the q8 kernel 1.2x as fast at 32 rows
-// and 1.3x at 256 (the sign op had cost as much as the dot product). Nothing saturates: x is in
+// the float step), q6's as code + 32; q8 codes are signed: they enter as |w| with w's sign
+// moved onto x (llama.cpp's sign trick), or, in the many-row tiles with VNNI, as code + 128
+// (one xor of the sign bits per weight vector, where the sign trick costs an op per row and
+// vector; without VNNI code + 128 would saturate maddubs's int16 pairs): on 2 AMD Zen 4 cores
+// the q8 kernel 1.2x as fast at 32 rows and 1.3x at 256. Nothing saturates: x is in
 // -127..127 (never -128, so its negation fits); q8's pair sums are at most 2 x 128 x 127 =
 // 32512, q5's 2 x 31 x 127, q6's 2 x 63 x 127, all widened per quad, and q4 sums its pairs in
 // int16 over a block of at most 8 quads (8 x 2 x 15 x 127 = 30480) before widening them once;
@@ -90,6 +90,7 @@ inline ivec sign8(ivec x, ivec w) {
 }
 inline ivec add16(ivec a, ivec b) { return _mm512_add_epi16(a, b); }
 inline ivec add32(ivec a, ivec b) { return _mm512_add_epi32(a, b); }
+inline ivec sub32(ivec a, ivec b) { return _mm512_sub_epi32(a, b); }
 inline ivec pairs(ivec u, ivec s) { return _mm512_maddubs_epi16(u, s); }
 inline ivec widen_pairs(ivec p) { return _mm512_madd_epi16(p, _mm512_set1_epi16(1)); }
 inline vfloat to_floats(ivec i) { return (vfloat)_mm512_cvtepi32_ps(i); }
@@ -140,6 +141,7 @@ inline ivec plus128(ivec w) { return _mm256_xor_si256(w, _mm256_set1_epi8(-128))
 inline ivec sign8(ivec x, ivec w) { return _mm256_sign_epi8(x, w); }
 inline ivec add16(ivec a, ivec b) { return _mm256_add_epi16(a, b); }
 inline ivec add32(ivec a, ivec b) { return _mm256_add_epi32(a, b); }
+inline ivec sub32(ivec a, ivec b) { return _mm256_sub_epi32(a, b); }
 inline ivec pairs(ivec u, ivec s) { return _mm256_maddubs_epi16(u, s); }
 inline ivec widen_pairs(ivec p) { return _mm256_madd_epi16(p, _mm256_set1_epi16(1)); }
 inline vfloat to_floats(ivec i) { return (vfloat)_mm256_cvtepi32_ps(i); }
@@ -185,6 +187,7 @@ inline int q6_shift(int64_t o, int h) { return int(2 * (2 * (o / 64) + h)); }
 struct QuantizedRows {
   std::vector<int8_t> q;
   std::vector<float> scale, sum;
+  std::vector<int32_t> code_sum;  // the sum of its codes (sum = scale * code_sum)
   int64_t K, B, num_blocks;
 };
 
@@ -265,7 +268,7 @@ inline int32_t quantize_block(const float* xb, int64_t B, float id, int8_t* q) {
 
 inline QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K, int64_t B) {
   QuantizedRows r{std::vector<int8_t>(M * K), std::vector<float>(M * (K / B)),
-                  std::vector<float>(M * (K / B)), K, B, K / B};
+                  std::vector<float>(M * (K / B)), std::vector<int32_t>(M * (K / B)), K, B, K / B};
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m)
       for (int64_t b = 0; b < r.num_blocks; ++b) {
@@ -274,6 +277,7 @@ inline QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K, int64_t
         const int32_t sum = quantize_block(xb, B, id, r.q.data() + m * K + b * B);
         r.scale[m * r.num_blocks + b] = d;
         r.sum[m * r.num_blocks + b] = d * static_cast<float>(sum);
+        r.code_sum[m * r.num_blocks + b] = sum;
       }
   });
   return r;
@@ -338,6 +342,11 @@ inline void tile(const Panels& w, const GroupFloats& gf, const QuantizedRows& x,
                  int64_t p, int u0, int64_t k0, int64_t kl, float* __restrict c, bool prefetch,
                  int64_t c_stride = 0) {
   constexpr int64_t kBytes = kQuadBytes<C>;
+  // q8 with VNNI: codes + 128 in the many-row tiles, the sign trick in the one-row tile (on 2
+  // AMD Zen 4 cores, codes + 128 there made a Q8_0 file's batch-1 decode 0.90-0.95x), the
+  // integer sums made equal (code + 128's owe 128 x the block's x code sum) before any float
+  // step: a row's bits are the same in either tile.
+  constexpr bool kPlus128 = C == Codes::q8 && kVnni && R > 1;
   const int64_t B = x.B;
   for (int64_t b0 = k0; b0 < k0 + kl; b0 += B) {
     ivec acc[NP][R][U][2];
@@ -375,7 +384,7 @@ inline void tile(const Panels& w, const GroupFloats& gf, const QuantizedRows& x,
           } else {
             for (int h = 0; h < 2; ++h) {
               raw[j][u][h] = iload(quad + ((u0 + u) + h * kUnits) * kW * 4);
-              wu[j][u][h] = kVnni ? plus128(raw[j][u][h]) : abs8(raw[j][u][h]);
+              wu[j][u][h] = kPlus128 ? plus128(raw[j][u][h]) : abs8(raw[j][u][h]);
             }
           }
         }
@@ -391,7 +400,7 @@ inline void tile(const Panels& w, const GroupFloats& gf, const QuantizedRows& x,
           for (int u = 0; u < U; ++u)
             for (int h = 0; h < 2; ++h)
               acc[j][r][u][h] = dot<C>(acc[j][r][u][h], wu[j][u][h],
-                                       C == Codes::q8 && !kVnni ? sign8(xb, raw[j][u][h]) : xb);
+                                       C == Codes::q8 && !kPlus128 ? sign8(xb, raw[j][u][h]) : xb);
       }
     }
     const int64_t block = b0 / B, group = b0 / w.g.group_size;
@@ -408,10 +417,12 @@ inline void tile(const Panels& w, const GroupFloats& gf, const QuantizedRows& x,
             const float xs = x.scale[(m + r) * x.num_blocks + block];
             const float xsum = x.sum[(m + r) * x.num_blocks + block];
             float* dst = c + j * c_stride + r * kPanel + col;
-            vfloat v = load(dst) + to_floats(finish<C>(acc[j][r][u][h])) * (ws * xs);
+            ivec sums = finish<C>(acc[j][r][u][h]);
+            if constexpr (kPlus128)
+              sums = sub32(sums, bcast(128 * x.code_sum[(m + r) * x.num_blocks + block]));
+            vfloat v = load(dst) + to_floats(sums) * (ws * xs);
             if constexpr (C == Codes::q5) v -= ws * (16.f * xsum);  // the bytes were code + 16
             if constexpr (C == Codes::q6) v -= ws * (32.f * xsum);  // code + 32
-            if constexpr (C == Codes::q8 && kVnni) v -= ws * (128.f * xsum);  // code + 128
             if constexpr (OFFSET) v += wo * xsum;
             store(dst, v);
           }
