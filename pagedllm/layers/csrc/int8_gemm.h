@@ -303,6 +303,21 @@ constexpr int64_t kBlockK = 256;       // k per block: its codes (<= 16 KiB) sta
 constexpr int64_t kChunkRows = 64;     // rows per chunk: their codes stay in L2 across panels
 constexpr int64_t kPrefetchQuads = 16; // the first tile prefetches the stream this far ahead
 
+// Whether a call's tiles prefetch its weight streams (one row's tile; of more rows, the first
+// tile of each block). Not q8 codes on AMD CPUs: a q8 byte is one dot product, the least work a
+// byte of any format, and on 2 AMD Zen 4 cores the hardware prefetchers alone kept up, where the
+// software prefetches (four a 256-byte quad, per stream) made the AVX-512 one-row pair
+// 0.88-0.92x (9728 x 896, ten weights in turn, as a ratio to the AVX2 tile), a Q8_0 file's
+// batch-1 decode 0.70-0.75x and 32 rows 0.89-0.95x; the AVX2 tiles (built for x86-64-v3 on the
+// same CPU) 0.93-0.95x at one row, even at 32. q4, q5 and q6 codes lost nothing to them (q4 at
+// 32 rows 1.02-1.10x with them). On Sapphire Rapids the prefetches are what made the one-row pairs
+// pay (panels_run).
+template <Codes C>
+inline bool prefetches() {
+  static const bool amd = __builtin_cpu_is("amd");
+  return C != Codes::q8 || !amd;
+}
+
 
 // The weight: codes [P, K / 4, quad bytes] (q8: 256, q4: 128, q5: 160, q6: 192), its groups'
 // scales and offsets in any of group_scales.h's forms.
@@ -473,19 +488,21 @@ void panels_run(const Panels& w, const QuantizedRows& x, int64_t row0, int64_t M
         if (rows == 1) {
           if constexpr (kRowInPairs) {
             if (np == 2) {
-              tile<C, OFFSET, 1, kUnits, 2>(w, w.g, x, row0 + r0, p, 0, k0, kl, c.data(), true,
-                                            kPanel);
+              tile<C, OFFSET, 1, kUnits, 2>(w, w.g, x, row0 + r0, p, 0, k0, kl, c.data(),
+                                            prefetches<C>(), kPanel);
               continue;
             }
           }
-          tile<C, OFFSET, 1, kUnits>(w, w.g, x, row0 + r0, p, 0, k0, kl, c.data(), true);
+          tile<C, OFFSET, 1, kUnits>(w, w.g, x, row0 + r0, p, 0, k0, kl, c.data(),
+                                     prefetches<C>());
           continue;
         }
         const gscale::BlockGroups bg = w.g.block(p, k0, kl, group_floats.data());
         for (int u0 = 0; u0 < kUnits; u0 += kManyU)
           for (int64_t m0 = 0; m0 < rows; m0 += kManyR)
             tile_rows<C, OFFSET>(std::min<int64_t>(kManyR, rows - m0), w, bg, x, row0 + r0 + m0,
-                                 p, u0, k0, kl, c.data() + m0 * kPanel, m0 == 0 && u0 == 0);
+                                 p, u0, k0, kl, c.data() + m0 * kPanel,
+                                 prefetches<C>() && m0 == 0 && u0 == 0);
       }
       for (int64_t j = 0; j < np; ++j) {  // panel p + j's outputs into y
         const int64_t cols = std::min(kPanel, N - (p + j) * kPanel);
