@@ -183,11 +183,11 @@ constexpr int64_t kQuadBytes = C == Codes::q8   ? kPanel * 4
 // within one half of 64) finds its high bits at byte o % 64 of the plane, bits s, s + 1.
 inline int q6_shift(int64_t o, int h) { return int(2 * (2 * (o / 64) + h)); }
 
-// x's rows quantized: codes q [M, K], per block of B k a scale and scale * (sum of its codes).
+// x's rows quantized: codes q [M, K], per block of B k a scale and the sum of its codes.
 struct QuantizedRows {
   std::vector<int8_t> q;
-  std::vector<float> scale, sum;
-  std::vector<int32_t> code_sum;  // the sum of its codes (sum = scale * code_sum)
+  std::vector<float> scale;
+  std::vector<int32_t> code_sum;
   int64_t K, B, num_blocks;
 };
 
@@ -268,7 +268,7 @@ inline int32_t quantize_block(const float* xb, int64_t B, float id, int8_t* q) {
 
 inline QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K, int64_t B) {
   QuantizedRows r{std::vector<int8_t>(M * K), std::vector<float>(M * (K / B)),
-                  std::vector<float>(M * (K / B)), std::vector<int32_t>(M * (K / B)), K, B, K / B};
+                  std::vector<int32_t>(M * (K / B)), K, B, K / B};
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m)
       for (int64_t b = 0; b < r.num_blocks; ++b) {
@@ -276,7 +276,6 @@ inline QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K, int64_t
         const float d = block_amax(xb, B) / 127.f, id = d != 0.f ? 1.f / d : 0.f;
         const int32_t sum = quantize_block(xb, B, id, r.q.data() + m * K + b * B);
         r.scale[m * r.num_blocks + b] = d;
-        r.sum[m * r.num_blocks + b] = d * static_cast<float>(sum);
         r.code_sum[m * r.num_blocks + b] = sum;
       }
   });
@@ -430,11 +429,12 @@ inline void tile(const Panels& w, const GroupFloats& gf, const QuantizedRows& x,
 #pragma GCC unroll 8
           for (int r = 0; r < R; ++r) {
             const float xs = x.scale[(m + r) * x.num_blocks + block];
-            const float xsum = x.sum[(m + r) * x.num_blocks + block];
+            const int32_t code_sum = x.code_sum[(m + r) * x.num_blocks + block];
+            const float xsum = xs * static_cast<float>(code_sum);  // the block's sum of x
             float* dst = c + j * c_stride + r * kPanel + col;
             ivec sums = finish<C>(acc[j][r][u][h]);
             if constexpr (kPlus128)
-              sums = sub32(sums, bcast(128 * x.code_sum[(m + r) * x.num_blocks + block]));
+              sums = sub32(sums, bcast(128 * code_sum));
             vfloat v = load(dst) + to_floats(sums) * (ws * xs);
             if constexpr (C == Codes::q5) v -= ws * (16.f * xsum);  // the bytes were code + 16
             if constexpr (C == Codes::q6) v -= ws * (32.f * xsum);  // code + 32
@@ -475,6 +475,7 @@ void panels_run(const Panels& w, const QuantizedRows& x, int64_t row0, int64_t M
   std::vector<float> c(std::max<int64_t>(2, std::min(M, kChunkRows)) * kPanel);
   // the many-row tiles' decoded group floats (one row reads them in place)
   std::vector<float> group_floats(M > 1 ? w.g.block_floats(kBlockK) : 0);
+  const bool prefetch = prefetches<C>();
   for (int64_t r0 = 0; r0 < M; r0 += kChunkRows) {
     const int64_t rows = std::min(kChunkRows, M - r0);
     for (int64_t p = p0, np = 1; p < p1; p += np) {
@@ -488,13 +489,12 @@ void panels_run(const Panels& w, const QuantizedRows& x, int64_t row0, int64_t M
         if (rows == 1) {
           if constexpr (kRowInPairs) {
             if (np == 2) {
-              tile<C, OFFSET, 1, kUnits, 2>(w, w.g, x, row0 + r0, p, 0, k0, kl, c.data(),
-                                            prefetches<C>(), kPanel);
+              tile<C, OFFSET, 1, kUnits, 2>(w, w.g, x, row0 + r0, p, 0, k0, kl, c.data(), prefetch,
+                                            kPanel);
               continue;
             }
           }
-          tile<C, OFFSET, 1, kUnits>(w, w.g, x, row0 + r0, p, 0, k0, kl, c.data(),
-                                     prefetches<C>());
+          tile<C, OFFSET, 1, kUnits>(w, w.g, x, row0 + r0, p, 0, k0, kl, c.data(), prefetch);
           continue;
         }
         const gscale::BlockGroups bg = w.g.block(p, k0, kl, group_floats.data());
@@ -502,7 +502,7 @@ void panels_run(const Panels& w, const QuantizedRows& x, int64_t row0, int64_t M
           for (int64_t m0 = 0; m0 < rows; m0 += kManyR)
             tile_rows<C, OFFSET>(std::min<int64_t>(kManyR, rows - m0), w, bg, x, row0 + r0 + m0,
                                  p, u0, k0, kl, c.data() + m0 * kPanel,
-                                 prefetches<C>() && m0 == 0 && u0 == 0);
+                                 prefetch && m0 == 0 && u0 == 0);
       }
       for (int64_t j = 0; j < np; ++j) {  // panel p + j's outputs into y
         const int64_t cols = std::min(kPanel, N - (p + j) * kPanel);
