@@ -360,6 +360,28 @@ def measure_matmul_flops(device: str = "auto", n: int = 1024, repeats: int = 10)
     return 2 * n**3 / statistics.median(times)
 
 
+def reset_peak_rss() -> None:
+    """Linux: writing 5 to clear_refs resets the process's peak RSS (VmHWM) to its current RSS
+    (what a benchmark did before, such as a bandwidth probe, then does not count)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def rss_bytes(field: str = "VmHWM") -> int:
+    """The process's peak (VmHWM) or current (VmRSS) resident memory."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
 def percentile(values: list[float], q: float) -> float:
     """Linear-interpolated percentile (numpy's default); nan for no values."""
     if not values:

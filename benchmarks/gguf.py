@@ -13,7 +13,8 @@ files a user downloads. Both engines then load each file, and in interleaved rou
   batch       32 concurrent requests (the throughput benchmark's "cpu" workload): output tok/s;
               llama.cpp runs them in one llama_decode per step (continuous batching, its best
               batched mode; benchmarks/llama_cpp_peer.py).
-pagedllm's peak RSS is reported against the file size plus its KV budget.
+pagedllm's peak RSS (from building the engine to the last round; the bandwidth probe before it
+does not count) is reported against the file size plus its KV budget, beside its RSS once loaded.
 
     bash benchmarks/setup_llama_cpp.sh      # once: llama.cpp for this CPU, and its converter
     python -m benchmarks.gguf [--shape qwen2.5-0.5b llama-3.2-1b moe-0.5b] [--type Q4_K_M Q8_0 Q4_0]
@@ -25,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import statistics
 import subprocess
@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 from benchmarks.common import (CACHE_DIR, REPO_ROOT, TOKENIZER_DIR, ServedPeer, log, make_workload,
-                               write_json)
+                               reset_peak_rss, rss_bytes, write_json)
 
 LLAMA_CPP_VENV = REPO_ROOT / ".venv-llama-cpp"
 _COMMON = dict(vocab_size=32000, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
@@ -202,8 +202,9 @@ def _rate(name: str, job: dict, r: dict) -> float:
 
 def bench_file(path: Path, args: argparse.Namespace, bandwidth: float) -> dict:
     jobs = _jobs(set(args.skip))
+    reset_peak_rss()
     engines: dict[str, object] = {"pagedllm": PagedLLM(path, args.threads, args.activations)}
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    rss_loaded = rss_bytes("VmRSS")
     if args.llama_cpp:
         n_ctx = 32 * 1024
         engines["llama.cpp"] = ServedPeer(
@@ -229,7 +230,7 @@ def bench_file(path: Path, args: argparse.Namespace, bandwidth: float) -> dict:
                 if warm_or_round:
                     log(f"  round {warm_or_round} {name}: " + ", ".join(
                         f"{e} {rates[e][name][-1]:.1f} tok/s" for e in engines))
-        rss = max(rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+        rss = rss_bytes()
     finally:
         for engine in engines.values():
             if isinstance(engine, ServedPeer):
@@ -237,7 +238,8 @@ def bench_file(path: Path, args: argparse.Namespace, bandwidth: float) -> dict:
     medians = {e: {n: statistics.median(v) for n, v in per.items()} for e, per in rates.items()}
     weight_bytes = weight_bytes_per_token(path)
     result = {"file": path.name, "file_bytes": path.stat().st_size, "medians": medians,
-              "peak_rss_bytes": rss, "rss_bound_bytes": int(1.1 * (path.stat().st_size + KV_BUDGET)),
+              "rss_loaded_bytes": rss_loaded, "peak_rss_bytes": rss,
+              "rss_bound_bytes": int(1.1 * (path.stat().st_size + KV_BUDGET)),
               "weight_bytes_per_token": weight_bytes, "read_bandwidth": bandwidth,
               "same_greedy_ids": same_ids}
     if "decode" in medians["pagedllm"]:
@@ -263,10 +265,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--activations", choices=["float32", "int8"], default="float32",
                    help="pagedllm's quantization_activations (int8: llama.cpp's strategy)")
     p.add_argument("--json", metavar="FILE")
+    p.add_argument("--read-bandwidth", type=float, help=argparse.SUPPRESS)  # the parent's probe
     args = p.parse_args(argv)
     from pagedllm.layers.cpu_extension import cpu_description
 
-    bandwidth = read_bandwidth()
+    bandwidth = args.read_bandwidth or read_bandwidth()
     log(f"CPU: {cpu_description()}; memory read bandwidth {bandwidth / 1e9:.1f} GB/s")
     results = []
     for shape in args.shape:
@@ -279,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
                                     "--type", type_name, "--rounds", str(args.rounds),
                                     "--threads", str(args.threads), "--json", out.name,
                                     "--activations", args.activations,
-                                    "--llama-cpp-venv", str(args.llama_cpp_venv)]
+                                    "--llama-cpp-venv", str(args.llama_cpp_venv),
+                                    "--read-bandwidth", str(bandwidth)]
                                    + ([] if args.llama_cpp else ["--no-llama-cpp"])
                                    + (["--skip", *args.skip] if args.skip else []),
                                    check=True, stdout=subprocess.DEVNULL, cwd=REPO_ROOT)
@@ -306,7 +310,7 @@ def _line(r: dict) -> str:
         parts.append("decode bandwidth " + ", ".join(
             f"{e} {100 * s:.0f}%" for e, s in r["decode_bandwidth_share"].items()))
     parts.append(f"peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MiB (bound "
-                 f"{r['rss_bound_bytes'] / 2**20:.0f})")
+                 f"{r['rss_bound_bytes'] / 2**20:.0f}; {r['rss_loaded_bytes'] / 2**20:.0f} once loaded)")
     return "; ".join(parts)
 
 

@@ -22,13 +22,12 @@ from __future__ import annotations
 
 import argparse
 import gc
-import resource
 import sys
 import warnings
-from pathlib import Path
 
 from benchmarks.common import (WORKLOADS, Workload, add_model_args, engine_args, log,
-                                        make_workload, model_stats, resolve_model, write_json)
+                               make_workload, model_stats, reset_peak_rss, resolve_model,
+                               rss_bytes, write_json)
 from pagedllm.config import KV_CACHE_DTYPES
 
 
@@ -85,25 +84,6 @@ def measure_waste(model: str, workload: Workload, llm_kwargs: dict, block_size: 
             "mean_waste": 1 - sum_held / sum_slots if sum_slots else 0.0}
 
 
-def _reset_peak_rss() -> None:
-    """Linux: writing 5 to clear_refs resets the peak RSS (VmHWM) to the current RSS."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        pass
-
-
-def _rss_bytes(field: str = "VmHWM") -> int:
-    """The process's peak (VmHWM) or current (VmRSS) resident memory."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-
-
 def _kv_bytes_allocated(llm) -> dict:
     """The runner's KV cache bytes, its weights' bytes (parameters, buffers, and the layers held
     as packed panels or quantized: one copy each), and the bytes of every other live tensor
@@ -151,8 +131,8 @@ def measure_batch(model: str, workload: Workload, llm_kwargs: dict, block_size: 
                         "max_model_len": max_model_len, "kv_cache_memory_bytes": budget_bytes})
     num_blocks = int(llm.get_metrics()["pagedllm:num_gpu_blocks"])
     _add_requests(llm, workload)
-    _reset_peak_rss()
-    rss_at_start = _rss_bytes("VmRSS")
+    reset_peak_rss()
+    rss_at_start = rss_bytes("VmRSS")
     peak = 0
     loaded: list[int] = []  # running counts of the steps with requests still waiting
     while llm.llm_engine.has_unfinished_requests():
@@ -163,7 +143,7 @@ def measure_batch(model: str, workload: Workload, llm_kwargs: dict, block_size: 
         if m["pagedllm:num_requests_waiting"] > 0:
             loaded.append(running)
     preemptions = llm.get_metrics()["pagedllm:num_preemptions"]
-    peak_rss = _rss_bytes()
+    peak_rss = rss_bytes()
     held = _kv_bytes_allocated(llm)
     del llm
     gc.collect()

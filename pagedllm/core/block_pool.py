@@ -71,12 +71,20 @@ class FreeKVCacheBlockQueue:
         self.num_free_blocks -= 1
 
     def append(self, block: KVCacheBlock) -> None:
-        last = self._tail.prev_free
-        assert last is not None and block.prev_free is None
-        last.next_free = block
-        block.prev_free = last
-        block.next_free = self._tail
-        self._tail.prev_free = block
+        """At the tail: evicted last."""
+        self._insert_after(self._tail.prev_free, block)
+
+    def appendleft(self, block: KVCacheBlock) -> None:
+        """At the head: handed out next."""
+        self._insert_after(self._head, block)
+
+    def _insert_after(self, prev: KVCacheBlock | None, block: KVCacheBlock) -> None:
+        nxt = prev.next_free if prev is not None else None
+        assert prev is not None and nxt is not None and block.prev_free is None
+        prev.next_free = block
+        block.prev_free = prev
+        block.next_free = nxt
+        nxt.prev_free = block
         self.num_free_blocks += 1
 
     def __iter__(self):
@@ -122,7 +130,8 @@ class BlockPool:
 
     # -- allocation --------------------------------------------------------------------------
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
-        """Take blocks from the head of the free queue (least recently freed first)."""
+        """Take blocks from the head of the free queue: freed blocks without a hash, then the
+        never-used ones, then cached blocks, least recently freed first (``free_blocks``)."""
         if num_blocks > self.get_num_free_blocks():
             raise ValueError(f"cannot get {num_blocks} blocks; only {self.get_num_free_blocks()} free")
         return [self.get_new_block() for _ in range(num_blocks)]
@@ -148,13 +157,21 @@ class BlockPool:
             block.ref_cnt += 1
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
-        """Drop one reference from each; blocks reaching zero join the free queue's tail in the
-        given order (callers pass a request's blocks last-first, so its tail is evicted first)."""
+        """Drop one reference from each; blocks reaching zero join the free queue. A cached
+        block (one with a hash) joins the tail, in the given order (callers pass a request's
+        blocks last-first, so its tail is evicted first). A block without a hash joins the
+        head, to be handed out first: it holds nothing a later request could reuse, so taking
+        it before any cached block keeps cached prefixes longer; and its memory is the most
+        recently written (warm in the CPU caches, already committed: layers/kv_cache.py)."""
+        queue = self.free_block_queue
         for block in ordered_blocks:
             block.ref_cnt -= 1
             assert block.ref_cnt >= 0, f"double free of {block}"
             if block.ref_cnt == 0:
-                self.free_block_queue.append(block)
+                if block.block_hash is None:
+                    queue.appendleft(block)
+                else:
+                    queue.append(block)
                 self.events.num_freed += 1
 
     def take_events(self) -> BlockEvents:

@@ -37,7 +37,7 @@ from pagedllm.gguf.names import (CONFIG_TENSORS, expert_names, hf_name, is_exper
                                  is_permuted, norm_shift, unpermute_rows)
 from pagedllm.gguf.quant_types import FLOAT_TYPES, GroupQuant, unpack
 from pagedllm.gguf.reader import GGUFCheckpoint, GGUFTensor, open_gguf
-from pagedllm.layers.quantization.quantized_layers import (Part, add_parts, attach_quantized,
+from pagedllm.layers.quantization.quantized_layers import (Part, QuantizedParts,
                                                            drop_float_weights,
                                                            plan_quantized_layers,
                                                            quantized_kernels_available,
@@ -95,10 +95,12 @@ def load_gguf_weights(model: nn.Module, ckpt: GGUFCheckpoint, config: dict,
                       plan: dict[str, list[Part]], expected_tensors: Callable) -> None:
     expected = _expected(model, expected_tensors)
     _zero_uncovered(model, expected)
-    pending: dict[tuple, dict[int, GroupQuant]] = {}
+    quantized = QuantizedParts(model)
     unexpected: list[str] = []
     arch = ckpt.architecture
-    for tensor in ckpt.tensors.values():
+    # Float tensors first (norms, biases: the quantized layers' kernel check adds the bias),
+    # then the block types, each quantized layer built as soon as its parts are read.
+    for tensor in sorted(ckpt.tensors.values(), key=lambda t: t.type_id not in FLOAT_TYPES):
         if tensor.name in CONFIG_TENSORS:
             continue
         name = hf_name(tensor.name, arch)
@@ -113,8 +115,7 @@ def load_gguf_weights(model: nn.Module, ckpt: GGUFCheckpoint, config: dict,
             if piece_name in plan:  # stays quantized: part(s) of a QuantizedWeight
                 value = _read(tensor, arch, config) if value is None else value
                 assert isinstance(value, GroupQuant)  # planned from the file's types
-                add_parts(pending, value, plan.pop(piece_name),
-                          f"GGUF tensor {tensor.name} ({piece_name})")
+                quantized.add(value, plan.pop(piece_name), f"GGUF tensor {tensor.name} ({piece_name})")
                 continue
             targets = expected.pop(piece_name, None)
             if targets is None:
@@ -132,7 +133,7 @@ def load_gguf_weights(model: nn.Module, ckpt: GGUFCheckpoint, config: dict,
         more = f" and {len(missing) - 10} more" if len(missing) > 10 else ""
         raise ModelLoadError(f"{ckpt.path.name} is missing {len(missing)} tensors: "
                              f"{', '.join(missing[:10])}{more}")
-    attach_quantized(model, pending)
+    quantized.finish()
     if unexpected:
         logger.warning("ignoring %d GGUF tensors the model does not use: %s",
                        len(unexpected), ", ".join(unexpected[:10]))
@@ -146,7 +147,7 @@ def _read(tensor: GGUFTensor, architecture: str, config: dict) -> GroupQuant | n
     if len(shape) == 3 and tensor.type_id not in FLOAT_TYPES:
         shape = (shape[0] * shape[1], shape[2])
     try:
-        value = unpack(tensor.type_id, tensor.data, shape)
+        value = unpack(tensor.type_id, tensor.read(), shape)
     except ValueError as e:
         raise ModelLoadError(f"GGUF tensor {tensor.name}: {e}") from e
     if is_permuted(tensor.name, architecture):

@@ -3,8 +3,10 @@ weight is touched: a file that is not GGUF, is truncated or corrupt, holds a ten
 architecture pagedllm cannot run, raises ModelLoadError / UnsupportedModelError with one line
 that names what is wrong (and, when unsupported, what is supported).
 
-Parsing is the ``gguf`` package's (llama.cpp's own reader). Tensor data stays memory-mapped: a
-tensor's bytes are read when the loader unpacks it, one tensor at a time.
+Parsing is the ``gguf`` package's (llama.cpp's own reader). The loader reads each tensor's bytes
+from the file when it unpacks that tensor (``GGUFTensor.read``), into a buffer freed after it:
+the reader's memory map is not touched, so a loading process never holds the file's pages
+beside the weights it builds from them.
 """
 from __future__ import annotations
 
@@ -41,10 +43,21 @@ class GGUFTensor:
     type_id: int
     shape: tuple[int, ...]      # numpy order: [rows, cols] for a matrix (ggml's ne reversed)
     data: np.ndarray            # the file's bytes (or elements), memory-mapped
+    path: Path                  # the shard that holds it
+    offset: int                 # where its bytes start in that shard
 
     @property
     def type_name(self) -> str:
         return type_name(self.type_id)
+
+    def read(self) -> np.ndarray:
+        """The tensor's bytes, read from the file into memory of the caller's own (``data``'s
+        pages, once touched, would stay resident with the map for the whole load)."""
+        out = np.fromfile(self.path, dtype=np.uint8, count=self.data.nbytes, offset=self.offset)
+        if out.nbytes != self.data.nbytes:
+            raise ModelLoadError(f"{self.path}: tensor {self.name} ends past the end of the file "
+                                 "(truncated?)")
+        return out
 
 
 @dataclass(frozen=True)
@@ -136,7 +149,7 @@ def _tensor(t, path: Path) -> GGUFTensor:
         if t.data.nbytes != expected:
             raise ModelLoadError(f"{path}: tensor {t.name} holds {t.data.nbytes} bytes, its shape "
                                  f"{shape} as {type_name(type_id)} needs {expected} (truncated?)")
-    return GGUFTensor(t.name, type_id, shape, t.data)
+    return GGUFTensor(t.name, type_id, shape, t.data, path, int(t.data_offset))
 
 
 def _check_architecture(metadata: dict[str, Any], path: Path) -> None:

@@ -1,6 +1,9 @@
 """KV cache helpers the model runner calls: layout, binding to layers, copy-on-write."""
 from __future__ import annotations
 
+import math
+import mmap
+
 import torch
 from torch import nn
 
@@ -12,6 +15,22 @@ def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
                    head_dim: int) -> tuple[int, int, int, int, int]:
     """Shape of one layer's cache: keys at index 0, values at index 1."""
     return (2, num_blocks, block_size, num_kv_heads, head_dim)
+
+
+def allocate_kv_cache(shape: tuple[int, ...], dtype: torch.dtype,
+                      device: torch.device) -> torch.Tensor:
+    """A zero-filled cache tensor. Zeros, not empty: masked-out slots are multiplied by zero
+    weights, and 0 * NaN = NaN. On CPU the zeros are an anonymous private mapping, which the OS
+    fills with zero pages as they are first written: the whole budget is reserved (its blocks
+    are the scheduler's), but a page of RAM is committed only once a block on it holds KV, and
+    the block pool hands out recently freed blocks first (core/block_pool.py). Elsewhere
+    ``torch.zeros``."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * dtype.itemsize
+    # The tensor keeps the mapping alive; the mapping is unmapped when the tensor is freed.
+    buffer = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE)
+    return torch.frombuffer(buffer, dtype=dtype, count=math.prod(shape)).view(shape)
 
 
 def attention_layers(model: nn.Module) -> list[Attention]:

@@ -21,8 +21,7 @@ from pagedllm.errors import ModelLoadError, UnsupportedModelError
 from pagedllm.layers import FusedMoE, Linear
 from pagedllm.layers.quantization import check_kernel, quantize_linear, set_quantized_weight
 from pagedllm.layers.quantization.checkpoint_formats import checkpoint_quant
-from pagedllm.layers.quantization.quantized_layers import (GroupQuant, add_parts,
-                                                           attach_quantized,
+from pagedllm.layers.quantization.quantized_layers import (GroupQuant, QuantizedParts,
                                                            drop_float_weights,
                                                            plan_quantized_layers,
                                                            quantized_kernels_available)
@@ -65,7 +64,7 @@ class QuantizedCheckpointLoader:
 
     @torch.no_grad()
     def load(self, model: nn.Module) -> None:
-        pending: dict[tuple, dict[int, GroupQuant]] = {}
+        quantized = QuantizedParts(model)
         for name, parts in self.plan.items():
             base = self.bases[name]
             tensors = {}
@@ -79,8 +78,8 @@ class QuantizedCheckpointLoader:
                     tensors[suffix] = f.get_tensor(f"{base}.{suffix}")
             codes, scales, offsets = self.quant.unpack(base, tensors)
             value = GroupQuant("q4", codes, scales, offsets, self.quant.group_size)
-            add_parts(pending, value, parts, f"{self.quant.method} layer {base}")
-        attach_quantized(model, pending)
+            quantized.add(value, parts, f"{self.quant.method} layer {base}")
+        quantized.finish()
 
 
 @torch.no_grad()

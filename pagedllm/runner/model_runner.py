@@ -19,7 +19,8 @@ from pagedllm.layers.attention.choice import choose_cpu_attention
 from pagedllm.layers.attention_metadata import AttentionMetadata, build_attention_metadata
 from pagedllm.layers.forward_context import set_forward_context
 from pagedllm.layers.attention.kv_cache_dtype import resolve_kv_cache_dtype
-from pagedllm.layers.kv_cache import attention_layers, bind_kv_caches, copy_blocks, kv_cache_shape
+from pagedllm.layers.kv_cache import (allocate_kv_cache, attention_layers, bind_kv_caches, copy_blocks,
+                                      kv_cache_shape)
 from pagedllm.layers.linear_kernel import choose_linear_kernels
 from pagedllm.layers.quantization import set_quantization_activations
 from pagedllm.models.loader import load_model
@@ -129,9 +130,8 @@ class ModelRunner:
     def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
         m = self.model
         shape = kv_cache_shape(num_blocks, block_size, m.num_kv_heads, m.head_dim)
-        # Zeros, not empty: masked-out slots are multiplied by zero weights, and 0 * NaN = NaN.
         # One tensor per layer of the largest group; group g's i-th layer uses tensor i.
-        self.kv_caches = [torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
+        self.kv_caches = [allocate_kv_cache(shape, self.kv_cache_dtype, self.device)
                           for _ in range(num_kv_tensors(self.kv_cache_groups))]
         bind_kv_caches(m, self.kv_caches, layer_placement(self.kv_cache_groups))
         self.block_size = block_size

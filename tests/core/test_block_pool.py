@@ -84,6 +84,8 @@ def test_lru_order_request_blocks_freed_last_first():
     pool = BlockPool(10, 4)
     a = pool.get_new_blocks(3)  # 0 1 2
     b = pool.get_new_blocks(2)  # 3 4
+    for block in a + b:  # cached: they join the tail, in LRU order
+        pool.cache_block(block, ("h", block.block_id))
     pool.free_blocks(reversed(a))
     assert pool.free_block_queue.block_ids() == [5, 6, 7, 8, 9, 2, 1, 0]
     pool.free_blocks(reversed(b))
@@ -91,6 +93,23 @@ def test_lru_order_request_blocks_freed_last_first():
     # Reuse takes never-used blocks first, then a's tail before its head.
     assert ids(pool.get_new_blocks(7)) == [5, 6, 7, 8, 9, 2, 1]
     assert pool.free_block_queue.block_ids() == [0, 4, 3]
+    pool.check_integrity()
+
+
+def test_uncached_blocks_are_handed_out_first():
+    """A freed block without a hash holds nothing reusable: it goes to the head, ahead of the
+    cached blocks (which then live longer) and of the never-used ones (whose memory the OS has
+    not committed yet), in the request's order."""
+    pool = BlockPool(10, 4)
+    a = pool.get_new_blocks(3)  # 0 1 2
+    b = pool.get_new_blocks(2)  # 3 4
+    pool.cache_block(b[0], "b0")
+    pool.free_blocks(reversed(b))  # 4 has no hash, 3 has
+    assert pool.free_block_queue.block_ids() == [4, 5, 6, 7, 8, 9, 3]
+    pool.free_blocks(reversed(a))
+    assert pool.free_block_queue.block_ids() == [0, 1, 2, 4, 5, 6, 7, 8, 9, 3]
+    assert ids(pool.get_new_blocks(4)) == [0, 1, 2, 4]
+    assert pool.get_cached_block("b0") is b[0]  # the cached block outlived them all
     pool.check_integrity()
 
 
@@ -103,7 +122,7 @@ def test_shared_block_joins_queue_only_at_zero():
     assert blk.ref_cnt == 1
     assert pool.free_block_queue.block_ids() == [1, 2, 3]
     pool.free_blocks([blk])
-    assert pool.free_block_queue.block_ids() == [1, 2, 3, 0]
+    assert pool.free_block_queue.block_ids() == [0, 1, 2, 3]  # no hash: handed out next
     with pytest.raises(AssertionError):
         pool.free_blocks([blk])  # double free
 
@@ -138,12 +157,12 @@ def test_touch_free_cached_block_pulls_it_from_queue():
     blocks = pool.get_new_blocks(3)  # 0 1 2
     pool.cache_block(blocks[1], 7)
     pool.free_blocks(reversed(blocks))
-    assert pool.free_block_queue.block_ids() == [3, 4, 5, 2, 1, 0]
+    assert pool.free_block_queue.block_ids() == [0, 2, 3, 4, 5, 1]  # uncached ones first
     hit = pool.get_cached_block(7)
     assert hit is blocks[1]
     pool.touch([hit])
     assert hit.ref_cnt == 1
-    assert pool.free_block_queue.block_ids() == [3, 4, 5, 2, 0]
+    assert pool.free_block_queue.block_ids() == [0, 2, 3, 4, 5]
     assert pool.get_num_free_blocks() == 5
     assert hit.block_hash == 7  # a hit keeps the block published
     # Touching a block in use just adds a reference.

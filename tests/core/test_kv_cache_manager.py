@@ -135,11 +135,12 @@ def test_hit_on_freed_cached_blocks_counts_in_requirement():
     a = make_request("a", list(range(10)))
     admit(mgr, a)  # blocks 0 1 2
     mgr.free(a)
-    assert free_ids(mgr.block_pool) == [3, 4, 5, 6, 7, 8, 9, 2, 1, 0]
+    # The partial block 2 (no hash) is handed out first; the cached ones, tail first, last.
+    assert free_ids(mgr.block_pool) == [2, 3, 4, 5, 6, 7, 8, 9, 1, 0]
     filler = make_request("f", list(range(500, 528)))
-    admit(mgr, filler)  # takes 7 blocks: 3..9
-    assert ids(mgr, "f") == [3, 4, 5, 6, 7, 8, 9]
-    assert free_ids(mgr.block_pool) == [2, 1, 0]
+    admit(mgr, filler)  # takes 7 blocks: 2..8
+    assert ids(mgr, "f") == [2, 3, 4, 5, 6, 7, 8]
+    assert free_ids(mgr.block_pool) == [9, 1, 0]
 
     # 16 tokens: hits blocks 0 and 1 (free but cached) and needs 2 new ones: 4 > 3 free.
     big = make_request("big", list(range(8)) + list(range(200, 208)))
@@ -150,11 +151,11 @@ def test_hit_on_freed_cached_blocks_counts_in_requirement():
     assert snapshot(mgr) == before
     assert "big" not in mgr.req_to_blocks
 
-    # 12 tokens: 2 hits + 1 new = 3 free blocks: fits exactly; the new block is 2.
+    # 12 tokens: 2 hits + 1 new = 3 free blocks: fits exactly; the new block is 9.
     ok = make_request("ok", list(range(8)) + [300, 301, 302, 303])
     hits, num_hit, new = admit(mgr, ok)
-    assert num_hit == 8 and [b.block_id for b in new] == [2]
-    assert ids(mgr, "ok") == [0, 1, 2]
+    assert num_hit == 8 and [b.block_id for b in new] == [9]
+    assert ids(mgr, "ok") == [0, 1, 9]
     assert free_ids(mgr.block_pool) == []
     mgr.check_integrity()
 
@@ -272,9 +273,9 @@ def test_free_parent_then_child():
     one(mgr.allocate_slots(child, 1))
     mgr.free(parent)
     assert refs(mgr)[:3] == [1, 0, 1]
-    assert free_ids(mgr.block_pool) == [3, 4, 5, 6, 7, 8, 9, 1]
+    assert free_ids(mgr.block_pool) == [1, 3, 4, 5, 6, 7, 8, 9]  # partial: no hash, at the head
     mgr.free(child)
-    assert free_ids(mgr.block_pool) == [3, 4, 5, 6, 7, 8, 9, 1, 2, 0]
+    assert free_ids(mgr.block_pool) == [2, 1, 3, 4, 5, 6, 7, 8, 9, 0]
     assert refs(mgr) == [0] * 10
     mgr.check_integrity()
 
@@ -284,9 +285,9 @@ def test_free_child_then_parent():
     child.append_output_token_ids(77)
     one(mgr.allocate_slots(child, 1))
     mgr.free(child)
-    assert free_ids(mgr.block_pool) == [3, 4, 5, 6, 7, 8, 9, 2]
+    assert free_ids(mgr.block_pool) == [2, 3, 4, 5, 6, 7, 8, 9]
     mgr.free(parent)
-    assert free_ids(mgr.block_pool) == [3, 4, 5, 6, 7, 8, 9, 2, 1, 0]
+    assert free_ids(mgr.block_pool) == [1, 2, 3, 4, 5, 6, 7, 8, 9, 0]
     assert refs(mgr) == [0] * 10
     mgr.check_integrity()
 
@@ -299,7 +300,7 @@ def test_free_forked_pair_without_writes():
         assert refs(mgr)[:2] == [1, 1]
         mgr.free(reqs[second])
         assert refs(mgr) == [0] * 10
-        assert free_ids(mgr.block_pool) == [2, 3, 4, 5, 6, 7, 8, 9, 1, 0]
+        assert free_ids(mgr.block_pool) == [1, 2, 3, 4, 5, 6, 7, 8, 9, 0]
         mgr.check_integrity()
 
 
@@ -325,7 +326,7 @@ def test_free_unpublishes_blocks_past_valid_tokens():
     pool = mgr.block_pool
     assert pool.cached_block_hash_to_block == {a.block_hashes[0]: pool.blocks[0]}
     assert [b.block_hash for b in mgr.block_pool.blocks[:3]] == [a.block_hashes[0], None, None]
-    assert free_ids(mgr.block_pool) == [3, 4, 5, 6, 7, 8, 9, 2, 1, 0]
+    assert free_ids(mgr.block_pool) == [1, 2, 3, 4, 5, 6, 7, 8, 9, 0]  # unpublished: first
     mgr.check_integrity()
 
 
@@ -401,7 +402,8 @@ def test_prefix_cache_stats_in_tokens():
     stats = outs.scheduler_stats  # per step: this step's lookups only
     assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (11, 8)
     req_b = so.scheduled_new_reqs[0]
-    assert req_b.num_computed_tokens == 8 and req_b.block_ids == [[0, 1, 3]]
+    # a's partial block 2 (no hash) was handed out first
+    assert req_b.num_computed_tokens == 8 and req_b.block_ids == [[0, 1, 2]]
 
 
 # -- the decode step: decided from the last block in O(1) ----------------------------------------

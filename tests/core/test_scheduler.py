@@ -154,7 +154,7 @@ def test_fcfs_preempts_most_recent_and_resumes_from_head():
         assert so.num_scheduled_tokens == {"a": 1}
         assert so.preempted_req_ids == set()
     assert a.status == RequestStatus.FINISHED_LENGTH_CAPPED
-    assert free_ids(sched) == [1, 3, 2, 0]
+    assert free_ids(sched) == [3, 1, 2, 0]  # a's partial block 3 (no hash) first
 
     # Step 9: b resumes; its prompt block 1 is still cached, the rest is recomputed.
     so, outs = step(sched, runner)
@@ -276,9 +276,10 @@ def test_victim_preempted_in_step_that_scheduled_it_unpublishes_uncomputed_block
     so, _ = step(sched, runner)
     assert so.preempted_req_ids == {"lo"}
     assert so.num_scheduled_tokens == {"hi": 1}
-    assert kv.get_block_ids("hi")[0] == [4, 6]
-    assert free_ids(sched) == [5, 3, 2, 1, 0]
-    assert pool.blocks[5].block_hash is None
+    # lo's uncomputed blocks 5 6, unpublished, are handed out first
+    assert kv.get_block_ids("hi")[0] == [4, 5]
+    assert free_ids(sched) == [6, 3, 2, 1, 0]
+    assert pool.blocks[6].block_hash is None
     assert set(pool.cached_block_hash_to_block) == set(lo.block_hashes[:4]) | {hi.block_hashes[0]}
     run_to_completion(sched, runner)
     assert lo.output_token_ids == expected_tokens(lo)
@@ -489,7 +490,7 @@ def test_abort_running_frees_at_once_and_reaches_runner():
     assert sched.finish_requests(["a", "unknown"]) == [a]
     assert sched.finish_requests(["a"]) == []  # idempotent
     assert sched.kv_cache_manager.get_block_ids("a")[0] == []
-    assert free_ids(sched) == [5, 6, 7, 8, 9, 2, 1, 0]
+    assert free_ids(sched) == [2, 5, 6, 7, 8, 9, 1, 0]  # the partial block 2 first
     sched.check_integrity()
     so, _ = step(sched, runner)
     assert so.finished_req_ids == {"a"}

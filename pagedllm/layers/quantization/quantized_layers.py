@@ -229,29 +229,43 @@ def combine(parts: list[GroupQuant]) -> GroupQuant:
                       GroupScales.concat(offsets) if with_offsets else None, group)
 
 
-def add_parts(pending: dict[tuple[str, str, int | None], dict[int, GroupQuant]],
-              value: GroupQuant, parts: list[Part], source: str) -> None:
-    """Record checkpoint tensor ``value`` (named ``source`` in errors) as each of its planned
-    ``parts``: this rank's rows or columns, by weight and index, for ``attach_quantized``."""
-    for part in parts:
-        if value.shape != part.checkpoint_shape:
-            raise ModelLoadError(f"{source} has shape {value.shape}, the model expects "
-                                 f"{part.checkpoint_shape}")
-        pending.setdefault(part.weight_key, {})[part.index] = this_rank(value, part)
+class QuantizedParts:
+    """The parts of quantized weights, as a loader reads them (``add``): each weight is built
+    from its parts (``combine``) and bound to its layer as soon as its last part arrives, so
+    the unpacked parts of one layer are alive at a time, not the whole model's. Call after the
+    float tensors (the biases: the kernel check adds them) are loaded; ``finish`` at the end."""
 
+    def __init__(self, model: nn.Module) -> None:
+        self._modules = dict(model.named_modules())
+        self._attacher = QuantizedAttacher()
+        self._parts: dict[tuple[str, str, int | None], dict[int, GroupQuant]] = {}
 
-def attach_quantized(model: nn.Module,
-                     pending: dict[tuple[str, str, int | None], dict[int, GroupQuant]]) -> None:
-    """Bind the weights a loader read: ``pending`` maps each ``Part.weight_key`` to its parts
-    by index; each weight is their ``combine``."""
-    modules = dict(model.named_modules())
-    attacher = QuantizedAttacher()
-    for (module_name, attr, expert), parts in pending.items():
+    def add(self, value: GroupQuant, parts: list[Part], source: str) -> None:
+        """Checkpoint tensor ``value`` (named ``source`` in errors) as each of its planned
+        ``parts``: this rank's rows or columns, by weight and index."""
+        for part in parts:
+            if value.shape != part.checkpoint_shape:
+                raise ModelLoadError(f"{source} has shape {value.shape}, the model expects "
+                                     f"{part.checkpoint_shape}")
+            have = self._parts.setdefault(part.weight_key, {})
+            have[part.index] = this_rank(value, part)
+            if len(have) == part.num_parts:
+                self._attach(part.weight_key, self._parts.pop(part.weight_key))
+
+    def finish(self) -> None:
+        if self._parts:
+            module_name, attr, _ = next(iter(self._parts))
+            raise ModelLoadError(f"the checkpoint holds only some parts of {len(self._parts)} "
+                                 f"quantized weights (the first: {module_name}.{attr})")
+
+    def _attach(self, key: tuple[str, str, int | None], parts: dict[int, GroupQuant]) -> None:
+        module_name, attr, expert = key
         value = combine([parts[i] for i in sorted(parts)])
         if expert is None:
-            attacher.attach(modules[module_name], value)
+            self._attacher.attach(self._modules[module_name], value)
         else:
-            modules[module_name].set_quantized_expert(attr, expert, attacher.build(value, None))
+            self._modules[module_name].set_quantized_expert(
+                attr, expert, self._attacher.build(value, None))
 
 
 class QuantizedAttacher:
