@@ -72,15 +72,16 @@ class FreeKVCacheBlockQueue:
 
     def append(self, block: KVCacheBlock) -> None:
         """At the tail: evicted last."""
-        self._insert_after(self._tail.prev_free, block)
+        self._insert_before(self._tail, block)
 
     def appendleft(self, block: KVCacheBlock) -> None:
         """At the head: handed out next."""
-        self._insert_after(self._head, block)
+        assert self._head.next_free is not None
+        self._insert_before(self._head.next_free, block)
 
-    def _insert_after(self, prev: KVCacheBlock | None, block: KVCacheBlock) -> None:
-        nxt = prev.next_free if prev is not None else None
-        assert prev is not None and nxt is not None and block.prev_free is None
+    def _insert_before(self, nxt: KVCacheBlock, block: KVCacheBlock) -> None:
+        prev = nxt.prev_free
+        assert prev is not None and block.prev_free is None
         prev.next_free = block
         block.prev_free = prev
         block.next_free = nxt

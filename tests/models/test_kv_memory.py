@@ -12,6 +12,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from paged_helpers import STORIES_DIR
 
+from benchmarks.common import rss_bytes
 from pagedllm import LLM, SamplingParams
 from pagedllm.layers.kv_cache import allocate_kv_cache, kv_cache_shape
 
@@ -63,31 +64,24 @@ def test_kv_bytes_held_are_the_budget_and_nothing_else():
     assert _live_tensor_bytes(weights | kv) - baseline < bytes_per_block * 4
 
 
-def _rss() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
-
-
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads Linux's VmRSS")
 def test_kv_memory_is_committed_as_blocks_are_written():
     """The whole budget is reserved, zero-filled, but RAM backs only the blocks written: an
     engine whose requests use a few blocks of a large budget does not hold the rest."""
     mib = 1 << 20
-    before = _rss()
+    before = rss_bytes("VmRSS")
     cache = allocate_kv_cache(kv_cache_shape(4096, 16, 8, 64), torch.float32, torch.device("cpu"))
     assert cache.shape == (2, 4096, 16, 8, 64) and cache.nbytes == 256 * mib
-    assert _rss() - before < 16 * mib
+    assert rss_bytes("VmRSS") - before < 16 * mib
     assert not cache[:, ::64].any()  # zeros (reading maps the zero page: nothing committed)
     cache[:, 100:108] = 1.0  # 8 blocks' keys and values: 256 KiB each side
-    assert _rss() - before < 16 * mib
+    assert rss_bytes("VmRSS") - before < 16 * mib
     assert cache.sum().item() == 2 * 8 * 16 * 8 * 64
     del cache
 
-    before = _rss()
+    before = rss_bytes("VmRSS")
     llm = LLM(str(STORIES_DIR / "hf"), device="cpu", kv_cache_memory_bytes=1 << 30)
     assert sum(c.nbytes for c in llm.llm_engine.executor.runner.kv_caches) > 1000 * mib
     llm.generate([{"prompt_token_ids": [1, 400, 20, 30]}] * 4,
                  SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True), use_tqdm=False)
-    assert _rss() - before < 256 * mib  # the model, its compiled graphs, a few blocks
+    assert rss_bytes("VmRSS") - before < 256 * mib  # the model, its compiled graphs, a few blocks
