@@ -23,8 +23,9 @@ under ~/.cache/vllm); --mode eager passes enforce_eager=True. Loading and compil
 The model's head size must be one vLLM's CPU attention supports (32, 64, 80, ..., 256): the
 benchmark's qwen3-58m has 64; the tiny random model (16) and stories260K (8) do not run here.
 
-Only the standard library and vllm are imported (pagedllm is not installed in that venv); vllm is
-imported only inside main(), so serve() can be driven without it.
+With ``ATEN_CPU_CAPABILITY=avx2`` in the environment the peer runs vLLM's AVX2 kernel library
+(``follow_torch_capability``). Only the standard library and vllm are imported (pagedllm is not
+installed in that venv); vllm is imported only inside main(), so serve() can be driven without it.
 
     .venv-vllm/bin/python benchmarks/vllm_peer.py --model DIR --workload-file W \
         (--serve | --out O) [--mode compile|eager]
@@ -56,6 +57,22 @@ def serve(ready: dict, run_once: Callable[[], dict], inp: TextIO, out: TextIO) -
     return n
 
 
+def follow_torch_capability() -> None:
+    """vLLM chooses its kernel library (``_C``: AVX-512 with BF16, ``_C_AVX512``, ``_C_AVX2``) and
+    its attention and MoE code paths from ``torch.cpu._is_*_supported()``, which read the CPU's
+    flags, not the level torch runs at. Where torch is capped below AVX-512 (``ATEN_CPU_CAPABILITY=
+    avx2``: an AVX-512 machine standing in for an AVX2 one, as the benchmarks' AVX2 figures do),
+    those answers follow the cap, so the peer runs the code it would run on an AVX2 CPU."""
+    import torch
+
+    if torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+        return
+    for name in ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_vnni_supported",
+                 "_is_amx_tile_supported", "_is_amx_fp16_supported"):
+        if hasattr(torch.cpu, name):
+            setattr(torch.cpu, name, lambda: False)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -69,6 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--mode", default="compile", choices=("compile", "eager"),
                         help="compile: vLLM's default torch.compile; eager: enforce_eager=True")
     args = parser.parse_args(argv)
+    follow_torch_capability()
     try:
         import vllm
         from vllm import LLM, SamplingParams

@@ -189,3 +189,22 @@ def test_plot_title_names_the_cpu(tmp_path, monkeypatch):
     assert titles[0].endswith("\nAMD EPYC 9R14 (x86-64-v4: AVX-512)"), titles
     from pagedllm.layers.cpu_extension import cpu_description
     assert titles[1].endswith("\n" + cpu_description()), titles
+
+
+def test_vllm_peer_follows_a_capped_torch(monkeypatch):
+    """ATEN_CPU_CAPABILITY=avx2 on an AVX-512 CPU: the peer's vLLM must see no AVX-512, BF16, VNNI
+    or AMX (it picks its _C_AVX2 library and code paths from these); uncapped, they read the CPU."""
+    import torch
+
+    from benchmarks import vllm_peer
+
+    names = ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_vnni_supported",
+             "_is_amx_tile_supported", "_is_amx_fp16_supported")
+    for name in names:
+        monkeypatch.setattr(torch.cpu, name, lambda: True)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    vllm_peer.follow_torch_capability()
+    assert all(getattr(torch.cpu, name)() for name in names)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    vllm_peer.follow_torch_capability()
+    assert not any(getattr(torch.cpu, name)() for name in names)
