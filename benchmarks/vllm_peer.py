@@ -24,8 +24,9 @@ The model's head size must be one vLLM's CPU attention supports (32, 64, 80, ...
 benchmark's qwen3-58m has 64; the tiny random model (16) and stories260K (8) do not run here.
 
 With ``ATEN_CPU_CAPABILITY=avx2`` in the environment the peer runs vLLM's AVX2 kernel library
-(``follow_torch_capability``). Only the standard library and vllm are imported (pagedllm is not
-installed in that venv); vllm is imported only inside main(), so serve() can be driven without it.
+(``follow_torch_capability``). Only the standard library and vllm (with its torch) are imported
+(pagedllm is not installed in that venv), only inside main() and follow_torch_capability(), so
+serve() can be driven without them.
 
     .venv-vllm/bin/python benchmarks/vllm_peer.py --model DIR --workload-file W \
         (--serve | --out O) [--mode compile|eager]
@@ -57,6 +58,11 @@ def serve(ready: dict, run_once: Callable[[], dict], inp: TextIO, out: TextIO) -
     return n
 
 
+# What vLLM asks torch about the CPU before it picks its kernels (follow_torch_capability).
+CPU_FEATURE_PROBES = ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_vnni_supported",
+                      "_is_amx_tile_supported", "_is_amx_fp16_supported")
+
+
 def follow_torch_capability() -> None:
     """vLLM chooses its kernel library (``_C``: AVX-512 with BF16, ``_C_AVX512``, ``_C_AVX2``) and
     its attention and MoE code paths from ``torch.cpu._is_*_supported()``, which read the CPU's
@@ -67,8 +73,7 @@ def follow_torch_capability() -> None:
 
     if torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
         return
-    for name in ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_vnni_supported",
-                 "_is_amx_tile_supported", "_is_amx_fp16_supported"):
+    for name in CPU_FEATURE_PROBES:
         if hasattr(torch.cpu, name):
             setattr(torch.cpu, name, lambda: False)
 

@@ -198,8 +198,7 @@ def test_vllm_peer_follows_a_capped_torch(monkeypatch):
 
     from benchmarks import vllm_peer
 
-    names = ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_vnni_supported",
-             "_is_amx_tile_supported", "_is_amx_fp16_supported")
+    names = vllm_peer.CPU_FEATURE_PROBES
     for name in names:
         monkeypatch.setattr(torch.cpu, name, lambda: True)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
