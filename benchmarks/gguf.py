@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", metavar="FILE")
     p.add_argument("--read-bandwidth", type=float, help=argparse.SUPPRESS)  # the parent's probe
     args = p.parse_args(argv)
-    from pagedllm.layers.cpu_extension import cpu_description
+    from pagedllm.kernels.cpu_extension import cpu_description
 
     bandwidth = args.read_bandwidth or read_bandwidth()
     log(f"CPU: {cpu_description()}; memory read bandwidth {bandwidth / 1e9:.1f} GB/s")

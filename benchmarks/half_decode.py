@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from pagedllm import LLM, SamplingParams
-    from pagedllm.layers.cpu_extension import cpu_description
+    from pagedllm.kernels.cpu_extension import cpu_description
 
     torch.set_num_threads(args.threads)
     bandwidth = read_bandwidth()

@@ -43,7 +43,7 @@ def attention_candidates(shape: tuple[int, ...], isas: list[str]) -> dict:
 
     from pagedllm.layers import (Attention, bind_kv_caches, build_attention_metadata,
                                  get_attn_backend, kv_cache_shape, set_forward_context)
-    from pagedllm.layers.cpu_extension import load_cpu_ops
+    from pagedllm.kernels.cpu_extension import load_cpu_ops
 
     B, L, H, Hkv, D = shape
     bs = 16
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
                              "CPU runs, each in a process whose libraries are capped to it)")
     args = parser.parse_args(argv)
     if args.level is None:
-        from pagedllm.layers.cpu_extension import can_run, cpu_description
+        from pagedllm.kernels.cpu_extension import can_run, cpu_description
 
         isas = [isa for isa in ("v3", "v4") if can_run(isa)]
         if not isas:
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from pagedllm.layers.cpu_extension import cpu_description, load_cpu_ops
+    from pagedllm.kernels.cpu_extension import cpu_description, load_cpu_ops
 
     torch.set_grad_enabled(False)
     isas = [args.level]

@@ -46,7 +46,7 @@ def linear_candidates(n: int, k: int, isas: list[str], seed: int = 0) -> dict[st
     import torch
     import torch.nn.functional as F
 
-    from pagedllm.layers.cpu_extension import can_run, load_cpu_ops
+    from pagedllm.kernels.cpu_extension import can_run, load_cpu_ops
     from pagedllm.layers.linear import pack_weight
 
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
@@ -72,7 +72,7 @@ def format_candidates(n: int, k: int, formats: list[str], isas: list[str], seed:
     import torch
     import torch.nn.functional as F
 
-    from pagedllm.layers.cpu_extension import can_run, has_bf16_activations, load_cpu_ops
+    from pagedllm.kernels.cpu_extension import can_run, has_bf16_activations, load_cpu_ops
     from pagedllm.layers.quantization import QuantizedWeight, quantize_linear
 
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import torch
 
-    from pagedllm.layers.cpu_extension import cpu_description, load_cpu_ops
+    from pagedllm.kernels.cpu_extension import cpu_description, load_cpu_ops
 
     if load_cpu_ops() is None:
         raise SystemExit("the C++ CPU kernels cannot be built here (no compiler?)")

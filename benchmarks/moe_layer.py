@@ -31,7 +31,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     import torch.nn.functional as F
 
-    from pagedllm.layers.cpu_extension import cpu_description
+    from pagedllm.kernels.cpu_extension import cpu_description
     from pagedllm.layers.fused_moe import FusedMoE
     from pagedllm.layers.moe_router import select_experts
 

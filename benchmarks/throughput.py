@@ -257,7 +257,7 @@ def summarize(runs: list[dict], ours: str = OURS) -> dict[str, dict]:
 
 def _cpu() -> str:
     """The CPU's model name and tuned level, as the kernels' own log lines name it."""
-    from pagedllm.layers.cpu_extension import cpu_description  # torch: imported when needed
+    from pagedllm.kernels.cpu_extension import cpu_description  # torch: imported when needed
 
     return cpu_description()
 

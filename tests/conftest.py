@@ -9,7 +9,7 @@ import os
 
 os.environ.setdefault("PAGEDLLM_ENFORCE_EAGER", "1")
 # Every float32 linear on pagedllm's kernel, without the startup measurement (layers/
-# linear_kernel.py): the tests hold outputs to bit-exact properties the kernel has on every CPU
+# linear_choice.py): the tests hold outputs to bit-exact properties the kernel has on every CPU
 # it runs (a token's bits in a decode and in a prefill chunk), which torch's matmul need not
 # have, and a measured choice could differ between two engines of one test.
 # tests/models/test_linear_choice.py tests the measured choice itself.

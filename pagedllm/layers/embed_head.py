@@ -22,7 +22,7 @@ class VocabParallelEmbedding(nn.Embedding):
 
     # A tied embedding whose head holds the shared weight as float32 panels, or in another
     # format (a QuantizedWeight: bf16/fp16 panels, GGUF's q8/q4 blocks), reads its rows from
-    # there (``weight`` is then None): one copy of the matrix (set by layers/linear_kernel.py
+    # there (``weight`` is then None): one copy of the matrix (set by runner/linear_choice.py
     # and the GGUF loader).
     packed_weight: torch.Tensor | None = None
     qweight = None  # QuantizedWeight | None

@@ -47,7 +47,7 @@ from pagedllm.errors import ModelLoadError, UnsupportedModelError
 from pagedllm.layers.activation import GatedActivation
 from pagedllm.layers.linear import WeightSlice, pack_weight
 from pagedllm.layers.moe_router import RoutingOrder, check_routing, select_experts
-from pagedllm.layers.op_registry import LayerRegistry, layer_op
+from pagedllm.kernels.op_registry import LayerRegistry, layer_op
 from pagedllm.layers.quantization import (HalfLinearMethod, LinearMethod, QuantizedWeight,
                                           kernel_matches_float64, method_for,
                                           quantized_kernels_available)
@@ -55,7 +55,7 @@ from pagedllm.layers.quantization.mxfp4 import BLOCK_SIZE, dequantize_mxfp4
 
 
 def kernel_wanted() -> bool:
-    """False when the user forced torch's matmul for every layer (layers/linear_kernel.py)."""
+    """False when the user forced torch's matmul for every layer (runner/linear_choice.py)."""
     return os.environ.get("PAGEDLLM_CPU_KERNELS", "auto") != "torch"
 
 
@@ -284,7 +284,7 @@ class FusedMoE(nn.Module):
 
     def _hold_half(self, names: list[str]) -> bool:
         """bfloat16/float16 experts kept in their precision, as half panels (the dense layers'
-        rule, layers/linear_kernel.py: torch's half matmul on a CPU without native bf16
+        rule, runner/linear_choice.py: torch's half matmul on a CPU without native bf16
         converts the whole matrix every call); False when the kernel cannot take them here."""
         if not quantized_kernels_available(getattr(self, names[0]).device):
             return False

@@ -15,7 +15,7 @@ and where this rank's rows start in it, so the loader reads just those rows from
 On CPU a float32 layer may hold its weight as the panels of ``pagedllm::skinny_gemm`` (layers/
 csrc/skinny_gemm.cpp) instead of the plain ``[out, in]`` matrix: ``pack_linear`` converts it, and
 the runner decides which layers to convert by measuring the kernel against torch's matmul on
-this CPU at startup (layers/linear_kernel.py). Either way a layer holds exactly one copy of its
+this CPU at startup (runner/linear_choice.py). Either way a layer holds exactly one copy of its
 weight. The kernel was written for decode steps, where a linear is bound by how fast its weights
 stream from memory (1.2-2.5x oneDNN's prepacked matmul at 8-32 rows on AVX-512, 1.1-1.6x on
 AVX2), and runs at prefill sizes close to the FMA peak. It sums in float32 like the others
@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.distributed.parallel_state import get_tp_group
-from pagedllm.layers.cpu_extension import load_cpu_ops
+from pagedllm.kernels.cpu_extension import load_cpu_ops
 
 if TYPE_CHECKING:  # quantization/ builds on this module's layers, not the reverse
     from pagedllm.layers.quantization import LinearMethod, QuantizedWeight

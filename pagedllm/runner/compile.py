@@ -18,7 +18,7 @@ Triton; without one, the engine logs a line and runs eagerly. The environment va
 ``PAGEDLLM_ENFORCE_EAGER=1`` makes unset mean eager: the test suite sets it (tests/conftest.py),
 as vLLM's CPU CI runs eagerly, because each engine would otherwise spend 7-40 s compiling.
 
-On CPU the linears that hold packed weights (the skinny kernel, layers/linear_kernel.py chooses
+On CPU the linears that hold packed weights (the skinny kernel, runner/linear_choice.py chooses
 them) are each an opaque op in the graph, as in eager mode; inductor fuses what lies between them.
 Measured with ``python -m benchmarks.compile_ab --num-requests 16 --max-tokens 96`` (engines
 alternating single steps in one process, 2 shared cores, 2026-12-01): decode steps 1.11x as
@@ -42,7 +42,7 @@ from collections.abc import Callable
 import torch
 
 from pagedllm.config import env_flag
-from pagedllm.layers.cpu_extension import build_tag
+from pagedllm.kernels.cpu_extension import build_tag
 
 logger = logging.getLogger(__name__)
 

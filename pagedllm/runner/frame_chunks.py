@@ -31,7 +31,7 @@ def keep_frame_chunks() -> bool:
     """Install the chunk-keeping arena allocator in this process; whether it is installed."""
     if sys.implementation.name != "cpython" or sys.version_info < (3, 11):
         return False  # no chunked frame stack there
-    from pagedllm.layers.cpu_extension import build_library, first_error_line
+    from pagedllm.kernels.cpu_extension import build_library, first_error_line
 
     try:
         # Named by what it is built from, so a changed source or flag is a new build.

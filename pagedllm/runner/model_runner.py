@@ -15,13 +15,13 @@ from pagedllm.config import EngineConfig
 from pagedllm.errors import ModelLoadError
 from pagedllm.core.outputs import PromptLogprobsChunk, RunnerOutput, SchedulerOutput, TokenLogprobs
 from pagedllm.layers.attention import get_attn_backend
-from pagedllm.layers.attention.choice import choose_cpu_attention
+from pagedllm.runner.attention_choice import choose_cpu_attention
 from pagedllm.layers.attention_metadata import AttentionMetadata, build_attention_metadata
 from pagedllm.layers.forward_context import set_forward_context
 from pagedllm.layers.attention.kv_cache_dtype import resolve_kv_cache_dtype
 from pagedllm.layers.kv_cache import (allocate_kv_cache, attention_layers, bind_kv_caches, copy_blocks,
                                       kv_cache_shape)
-from pagedllm.layers.linear_kernel import choose_linear_kernels
+from pagedllm.runner.linear_choice import choose_linear_kernels
 from pagedllm.layers.quantization import set_quantization_activations
 from pagedllm.models.loader import load_model
 from pagedllm.runner.compile import maybe_compile
@@ -63,7 +63,7 @@ class ModelRunner:
         self.model, self.hf_config = load_model(mc.model, self.dtype, self.device, mc.quantization)
         if self.device.type == "cpu":
             # Each layer's weight in the layout of the faster kernel on this CPU, one copy
-            # (layers/linear_kernel.py).
+            # (runner/linear_choice.py).
             choose_linear_kernels(self.model)
         if mc.quantization_activations != "float32":
             # Before the forward compiles: the q8/q4 (int8) or bf16 (bfloat16, its weights

@@ -183,7 +183,7 @@ def test_dashboard_overhead(tiny_model, tmp_path, capsys):
 
 def test_linear_kernels_compares_the_skinny_kernel_with_its_peers(capsys):
     from benchmarks import linear_kernels
-    from pagedllm.layers.cpu_extension import can_run, load_cpu_ops
+    from pagedllm.kernels.cpu_extension import can_run, load_cpu_ops
 
     if load_cpu_ops() is None:
         pytest.skip("no C++ compiler: no CPU kernels")

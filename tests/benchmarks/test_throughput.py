@@ -187,7 +187,7 @@ def test_plot_title_names_the_cpu(tmp_path, monkeypatch):
     throughput.plot(str(tmp_path / "a.png"), {**result, "cpu": "AMD EPYC 9R14 (x86-64-v4: AVX-512)"})
     throughput.plot(str(tmp_path / "b.png"), result)
     assert titles[0].endswith("\nAMD EPYC 9R14 (x86-64-v4: AVX-512)"), titles
-    from pagedllm.layers.cpu_extension import cpu_description
+    from pagedllm.kernels.cpu_extension import cpu_description
     assert titles[1].endswith("\n" + cpu_description()), titles
 
 

@@ -169,13 +169,15 @@ ALLOWED = {
     "runner_light": {"base", "core.outputs", "core.scheduler_stats", "runner_light"},
     # The tensor-parallel group and its collectives (torch), and the torch-free launch data.
     "distributed": {"base", "distributed"},
-    "layers": {"base", "distributed", "layers"},
-    "models": {"base", "distributed", "layers", "models", "gguf"},
+    # The C++ kernels, their build and the op registry: below the modules that call them.
+    "kernels": {"base", "kernels"},
+    "layers": {"base", "distributed", "kernels", "layers"},
+    "models": {"base", "distributed", "kernels", "layers", "models", "gguf"},
     # GGUF files: reading, config and tokenizer torch-free (the engine reads a file's config);
     # model_loader.py builds the model from it (torch).
     "gguf": {"base", "distributed", "layers", "models.registry", "gguf"},
-    "runner": {"base", "core.outputs", "core.scheduler_stats", "runner_light", "runner", "layers",
-               "models", "distributed"},
+    "runner": {"base", "core.outputs", "core.scheduler_stats", "runner_light", "runner", "kernels",
+               "layers", "models", "distributed"},
     # Executors join workers into the group: the torch-free launch data and size checks only
     # (parallel_state is imported in the worker, lazily).
     "executor": {"base", "core", "runner_light", "runner", "executor", "distributed", "gguf"},

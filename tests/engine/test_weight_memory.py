@@ -1,4 +1,4 @@
-"""Weights held once (layers/linear_kernel.py): whichever kernel a linear layer runs, the
+"""Weights held once (runner/linear_choice.py): whichever kernel a linear layer runs, the
 process holds one copy of its weight (the plain matrix or the skinny kernel's panels, never
 both), a tied embedding reads its rows from its head's panels, and the process's memory after
 loading is the checkpoint's size, not twice it."""
@@ -16,7 +16,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.layers import Linear, ParallelLMHead, VocabParallelEmbedding
-from pagedllm.layers.cpu_extension import load_cpu_ops, native_isa
+from pagedllm.kernels.cpu_extension import load_cpu_ops, native_isa
 
 from conftest import SHARED_MODELS, SYNTHETIC_TOKENIZER_DIR, build_tiny_model
 

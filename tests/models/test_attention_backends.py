@@ -14,7 +14,7 @@ from pagedllm.errors import ValidationError
 from pagedllm.layers import (Attention, bind_kv_caches, build_attention_metadata, get_attn_backend,
                              kv_cache_shape, set_forward_context)
 from pagedllm.layers.attention import selector
-from pagedllm.layers import cpu_extension
+from pagedllm.kernels import cpu_extension
 
 
 @pytest.fixture(scope="module")
@@ -247,12 +247,12 @@ MODEL_WINDOW = 200  # a model's sliding window, shorter than the startup check's
 
 
 def test_the_startup_check_measures_the_kernel_against_the_torch_backend(monkeypatch, caplog):
-    from pagedllm.layers.attention import choice
+    from pagedllm.runner import attention_choice as choice
 
     layer = Attention(8, 2, 32, scale=32 ** -0.5, layer_idx=0)
     monkeypatch.setattr(choice, "_MEASURED", {})
     monkeypatch.setenv("PAGEDLLM_CPU_KERNELS", "auto")
-    with caplog.at_level(logging.INFO, logger="pagedllm.layers.attention.choice"):
+    with caplog.at_level(logging.INFO, logger="pagedllm.runner.attention_choice"):
         backend = choice.choose_cpu_attention(layer)
     (line,) = [r.getMessage() for r in caplog.records if "attention on" in r.getMessage()]
     ((key, speedup),) = choice._MEASURED.items()
@@ -273,7 +273,7 @@ def test_the_startup_check_measures_the_kernel_against_the_torch_backend(monkeyp
 def test_the_startup_check_times_the_models_own_layers_and_cache(monkeypatch):
     """Each kind of layer the model has (window, soft-cap, sinks) is timed over a cache of its
     KV dtype, and the kinds weigh by their layer counts; the features run in both backends."""
-    from pagedllm.layers.attention import choice
+    from pagedllm.runner import attention_choice as choice
 
     layers = [Attention(8, 2, 32, 32 ** -0.5, i, sliding_window=MODEL_WINDOW if i % 2 == 0 else None,
                         logits_soft_cap=30.0, has_sinks=True) for i in range(3)]

@@ -15,7 +15,7 @@ from paged_helpers import check_isa_builds_compile
 from pagedllm.errors import ModelLoadError
 from pagedllm.layers import (Attention, bind_kv_caches, build_attention_metadata, get_attn_backend,
                              kv_cache_shape, set_forward_context)
-from pagedllm.layers import cpu_extension
+from pagedllm.kernels import cpu_extension
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.errors import ModelLoadError
-from pagedllm.layers.cpu_extension import has_bf16_activations, load_cpu_ops, native_isa
+from pagedllm.kernels.cpu_extension import has_bf16_activations, load_cpu_ops, native_isa
 from pagedllm.layers.quantization import QuantizedWeight, set_quantization_activations
 from pagedllm.layers.quantization.linear_method import check_kernel
 
@@ -99,7 +99,7 @@ def test_stories260k_in_bf16_decodes_the_exact_paths_greedy_ids():
     each prompt agree here."""
     from paged_helpers import STORIES_DIR, decode_steps
 
-    from pagedllm.layers.linear_kernel import choose_linear_kernels
+    from pagedllm.runner.linear_choice import choose_linear_kernels
     from pagedllm.models import load_model
 
     prompts = [[1, 365, 264, 292], [1, 403, 250, 263, 431], [1, 450]]

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.errors import ModelLoadError
-from pagedllm.layers.cpu_extension import can_run, load_cpu_ops, native_isa
+from pagedllm.kernels.cpu_extension import can_run, load_cpu_ops, native_isa
 from pagedllm.layers.quantization import Q8LinearMethod, set_quantization_activations
 from test_quant_kernels import _weight  # the random q8/q4/q5 weights both kernel tests use
 

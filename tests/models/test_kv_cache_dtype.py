@@ -16,7 +16,8 @@ from test_attention_features import BATCHES, FEATURES, Case
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import CacheConfig
 from pagedllm.errors import ValidationError
-from pagedllm.layers import (build_attention_metadata, cpu_extension, get_attn_backend,
+from pagedllm.kernels import cpu_extension
+from pagedllm.layers import (build_attention_metadata, get_attn_backend,
                              kv_cache_shape, set_forward_context)
 from pagedllm.layers.attention.kv_cache_dtype import (as_stored, resolve_kv_cache_dtype,
                                                       to_cache_dtype)

@@ -1,4 +1,4 @@
-"""The startup choice of a linear kernel per layer shape (layers/linear_kernel.py): measured,
+"""The startup choice of a linear kernel per layer shape (runner/linear_choice.py): measured,
 one choice per shape, torch's matmul only when clearly faster, one log line; forced by
 PAGEDLLM_CPU_KERNELS; torch's matmul on a CPU nobody tuned the kernel for."""
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from pagedllm.layers import Linear, ParallelLMHead, VocabParallelEmbedding
-from pagedllm.layers import linear_kernel
-from pagedllm.layers.cpu_extension import load_cpu_ops, native_isa
+from pagedllm.runner import linear_choice as linear_kernel
+from pagedllm.kernels.cpu_extension import load_cpu_ops, native_isa
 
 pytestmark = pytest.mark.skipif(native_isa() is None or load_cpu_ops() is None,
                                 reason="no tuned kernel for this CPU")
@@ -48,7 +48,7 @@ def test_each_shape_keeps_the_kernel_unless_torch_is_clearly_faster(auto, monkey
     model = _Model()
     x = torch.randn(3, 32)
     want_a, want_embed = model.a(x), model.embed(torch.tensor([0, 63, 64, 99]))
-    with caplog.at_level(logging.INFO, logger="pagedllm.layers.linear_kernel"):
+    with caplog.at_level(logging.INFO, logger="pagedllm.runner.linear_choice"):
         choices = linear_kernel.choose_linear_kernels(model)
     assert sorted(calls) == sorted(speedups)  # one layer of each shape measured, once
     assert {(c.out_features, c.in_features): c.packed for c in choices} == {

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedllm.layers.cpu_extension import can_run, load_cpu_ops
+from pagedllm.kernels.cpu_extension import can_run, load_cpu_ops
 from pagedllm.layers.linear import _PANEL, Linear, linear, pack_linear, pack_weight, rows_of_packed
 
 pytestmark = pytest.mark.skipif(load_cpu_ops() is None, reason="no C++ compiler: no CPU kernels")
@@ -173,7 +173,7 @@ def test_pagedllm_cpu_isa_names_the_engine_builds_level(monkeypatch):
     """PAGEDLLM_CPU_ISA=v3 builds the engine's kernels as AVX2 code (the AVX2 benchmarks on an
     AVX-512 CPU): its -march, its level and build tag, no bf16 activations; a bad name is a
     clear error."""
-    from pagedllm.layers import cpu_extension as ce
+    from pagedllm.kernels import cpu_extension as ce
 
     if not ce.can_run("v3"):
         pytest.skip("needs a CPU that runs x86-64-v3 code")

@@ -13,7 +13,7 @@ from transformers import MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeCon
 
 from pagedllm.errors import ModelLoadError, UnsupportedModelError
 from pagedllm.layers import FusedMoE
-from pagedllm.layers.cpu_extension import has_bf16_activations, load_cpu_ops
+from pagedllm.kernels.cpu_extension import has_bf16_activations, load_cpu_ops
 from pagedllm.layers.moe_router import RoutingOrder, select_experts
 from pagedllm.models import load_model
 

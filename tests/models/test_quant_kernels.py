@@ -15,8 +15,8 @@ import torch.nn.functional as F
 
 from pagedllm.errors import ModelLoadError, ValidationError
 from pagedllm.layers import Linear, ParallelLMHead, VocabParallelEmbedding
-from pagedllm.layers import linear_kernel
-from pagedllm.layers.cpu_extension import (CSRC, can_run, compile_sources, has_bf16_activations, load_cpu_ops,
+from pagedllm.runner import linear_choice as linear_kernel
+from pagedllm.kernels.cpu_extension import (CSRC, can_run, compile_sources, has_bf16_activations, load_cpu_ops,
                                           native_isa)
 from pagedllm.layers.linear import linear
 from pagedllm.layers.quantization import QuantizedWeight, quantize_linear, set_quantized_weight

@@ -212,7 +212,7 @@ def test_compiled_matches_eager_demo_model():
 def test_paged_attention_kernel_is_opaque_to_dynamo():
     """The C++ kernel has a fake implementation: a compiled graph holds it as one node (no graph
     break, fullgraph) and gives the kernel's own output."""
-    from pagedllm.layers.cpu_extension import load_paged_attention_op
+    from pagedllm.kernels.cpu_extension import load_paged_attention_op
 
     op = load_paged_attention_op()
     if op is None:
@@ -239,7 +239,7 @@ def test_inductor_cache_is_a_folder_per_kernel_build(monkeypatch, tmp_path):
     version of the kernels must never be hit (its code may call an op by old argument names)."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    from pagedllm.layers.cpu_extension import build_tag
+    from pagedllm.kernels.cpu_extension import build_tag
 
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     default = os.path.abspath(default_cache_dir())

@@ -1,12 +1,13 @@
 """Paged attention: the layer models use, and the backends that compute it (one file each):
 
 - ``torch_backend.py``: gather + SDPA in plain torch, CPU and CUDA; the numerical reference.
-- ``cpu_paged.py``: the CPU default, a C++ kernel (``layers/csrc/``, built by ``layers/cpu_extension.py``) that
-  reads the paged cache in place.
+- ``cpu_paged.py``: the CPU default, a C++ kernel (``kernels/csrc/``, built by
+  ``kernels/cpu_extension.py``) that reads the paged cache in place.
 
 ``backend.py`` holds the interface (and the per-step metadata's types) and imports no backend;
 ``selector.py`` holds ``get_attn_backend`` (the choice per device), importing backends lazily;
-``choice.py`` measures cpu_paged against torch on a model's heads at startup (``auto`` on CPU).
+runner/attention_choice.py measures cpu_paged against torch on a model's heads at startup
+(``auto`` on CPU).
 """
 from __future__ import annotations
 

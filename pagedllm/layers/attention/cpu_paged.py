@@ -1,8 +1,8 @@
-"""The CPU default: a C++ kernel (layers/csrc/paged_attention.cpp) that reads K/V in place from the
+"""The CPU default: a C++ kernel (kernels/csrc/paged_attention.cpp) that reads K/V in place from the
 paged cache through the block tables, for the whole flat batch in one call per layer: decodes and
 prefill chunks over a cached prefix. No gather, no second copy of the cache, no per-step masks:
 causality comes from each request's query and sequence lengths. The same call first stores the
-step's K/V in the cache (layers/csrc/store_kv.h), two memcpy per token: one op per layer.
+step's K/V in the cache (kernels/csrc/store_kv.h), two memcpy per token: one op per layer.
 
 Prompts without a cached prefix need nothing from the cache: their own K/V (just written) go to
 torch's SDPA, whose GEMM-based flash kernel is 1.5-3x faster than ours at prefill shapes (many
@@ -25,7 +25,7 @@ from pagedllm.layers.attention.backend import (AttentionBackend, AttentionLayer,
                                                is_plain)
 from pagedllm.layers.attention.kv_cache_dtype import as_stored, to_cache_dtype
 from pagedllm.layers.attention.torch_backend import attend_causal
-from pagedllm.layers.cpu_extension import load_cpu_ops, load_paged_attention_op
+from pagedllm.kernels.cpu_extension import load_cpu_ops, load_paged_attention_op
 
 __all__ = ["CpuPagedBackend", "load_paged_attention_op"]
 

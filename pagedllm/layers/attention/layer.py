@@ -20,7 +20,7 @@ from torch import nn
 from pagedllm.errors import ModelLoadError
 from pagedllm.layers.attention.torch_backend import attend_sequence
 from pagedllm.layers.forward_context import get_attn_metadata
-from pagedllm.layers.op_registry import LayerRegistry, layer_op
+from pagedllm.kernels.op_registry import LayerRegistry, layer_op
 
 
 class Attention(nn.Module):

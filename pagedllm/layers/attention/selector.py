@@ -14,14 +14,14 @@ from pagedllm.layers.attention.backend import AttentionBackend
 @functools.cache
 def get_attn_backend(name: str = "auto", device: str = "cpu") -> AttentionBackend:
     """``name``: one of ATTENTION_BACKENDS; ``auto`` is cpu_paged on a CPU its kernel is tuned
-    for (x86-64-v3 or -v4: layers/cpu_extension.py) and torch elsewhere (other CPUs and
+    for (x86-64-v3 or -v4: kernels/cpu_extension.py) and torch elsewhere (other CPUs and
     devices). cpu_paged falls back to torch (with a warning, logged once) when its kernel
     cannot be built."""
     device_type = torch.device(device).type
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; expected one of {ATTENTION_BACKENDS}")
     if name == "auto":
-        from pagedllm.layers.cpu_extension import native_isa
+        from pagedllm.kernels.cpu_extension import native_isa
 
         name = "cpu_paged" if device_type == "cpu" and native_isa() is not None else "torch"
     if name == "cpu_paged":

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.errors import ModelLoadError
-from pagedllm.layers.cpu_extension import load_cpu_ops
+from pagedllm.kernels.cpu_extension import load_cpu_ops
 from pagedllm.layers.quantization.quantized_weight import QuantizedWeight
 from pagedllm.layers.quantization.round_to_nearest import quantize_linear
 

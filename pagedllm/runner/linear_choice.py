@@ -2,7 +2,7 @@
 matmul, measured on this CPU at startup (the safety net). bfloat16/float16 layers always take
 the kernel over half panels (layers/quantization/; see _convert_half_layers).
 
-The skinny kernel (layers/csrc/skinny_gemm.cpp) is tuned per x86 level (AVX2, AVX-512); on a
+The skinny kernel (kernels/csrc/skinny_gemm.cpp) is tuned per x86 level (AVX2, AVX-512); on a
 CPU nobody tuned it for it is never used, and on a tuned one a surprise (another
 microarchitecture, a VM's cache sizes) must not leave the engine at a fraction of torch's
 speed. So the runner times both kernels on one layer of every distinct shape, at a decode and a
@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.layers.cpu_extension import cpu_description, load_cpu_ops, native_isa
+from pagedllm.kernels.cpu_extension import cpu_description, load_cpu_ops, native_isa
 from pagedllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.layers.linear import Linear, pack_linear, pack_weight
 from pagedllm.layers.quantization import HalfLinearMethod, kernel_matches_float64

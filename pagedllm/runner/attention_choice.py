@@ -1,5 +1,5 @@
 """The attention backend on CPU, measured at startup (the safety net beside
-layers/linear_kernel.py's): the cpu_paged kernel against the torch backend, on layers like the
+runner/linear_choice.py's): the cpu_paged kernel against the torch backend, on layers like the
 model's own (its heads; each kind of layer it has: sliding window, soft-cap, sinks) over a KV
 cache of its dtype (fp8 and 16-bit caches are widened as they are read, which costs the two
 backends differently), at a decode batch and a prefill chunk over a cached prefix. A windowed
@@ -24,10 +24,10 @@ from pagedllm.layers.attention.backend import AttentionBackend
 from pagedllm.layers.attention.layer import Attention
 from pagedllm.layers.attention.selector import get_attn_backend
 from pagedllm.layers.attention_metadata import build_attention_metadata
-from pagedllm.layers.cpu_extension import cpu_description
+from pagedllm.kernels.cpu_extension import cpu_description
 from pagedllm.layers.forward_context import set_forward_context
 from pagedllm.layers.kv_cache import bind_kv_caches, kv_cache_shape
-from pagedllm.layers.linear_kernel import TORCH_MARGIN, best_times
+from pagedllm.runner.linear_choice import TORCH_MARGIN, best_times
 
 logger = logging.getLogger(__name__)
 
