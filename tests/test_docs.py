@@ -9,9 +9,11 @@ docs/benchmarks.md and its log quote the benchmarks' own flags, as they were run
 count. The README's tables stay a front page: short cells, one date at most a row."""
 from __future__ import annotations
 
+import io
 import re
 import subprocess
 import sys
+import tokenize
 from functools import cache
 from pathlib import Path
 
@@ -123,3 +125,102 @@ def test_the_table_check_can_fail():
     assert len(problems) == 2 and "cell of" in problems[0] and "2 dates" in problems[1]
     assert _table_rows(bad)[3] == ["`a | b`", "short"]  # a pipe inside code does not split a cell
     assert table_problems("```\n| " + long_cell + " |\n```\n") == []  # a fenced block is not a table
+
+
+# A comment narrating a measurement: a speedup, a rate, a share, a time or a date. Figures live in
+# docs/ (docs/cpu_kernels.md#the-measurements-behind-the-kernels-choices); a comment keeps the
+# decision, its reason and a pointer there.
+FIGURE = re.compile(r"\b\d+(\.\d+)?x\b|GB/s|tok/s|GFLOP/s|GOP/s|\d%|\b20\d\d-\d\d-\d\d\b"
+                    r"|\d\s?(ms|us|ns)\b|\d\s*->\s*\d")
+NARRATION_BUDGET = 100  # comment lines with a figure, all of pagedllm/ (issue 54)
+SOURCES = ("*.py", "*.h", "*.cpp")
+
+
+def _python_comments(text: str) -> dict[int, list[str]]:
+    """Line number -> the comment and docstring text on it."""
+    found: dict[int, list[str]] = {}
+    previous = tokenize.NEWLINE
+    for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+        if tok.type == tokenize.COMMENT:
+            found.setdefault(tok.start[0], []).append(tok.string)
+        elif tok.type == tokenize.STRING and previous in (tokenize.NEWLINE, tokenize.INDENT,
+                                                          tokenize.DEDENT):
+            for i, line in enumerate(tok.string.splitlines()):  # a string statement: a docstring
+                found.setdefault(tok.start[0] + i, []).append(line)
+        if tok.type not in (tokenize.COMMENT, tokenize.NL):
+            previous = tok.type
+    return found
+
+
+def _cpp_comments(text: str) -> dict[int, list[str]]:
+    found: dict[int, list[str]] = {}
+    in_block = False
+    for number, rest in enumerate(text.splitlines(), 1):
+        while rest:
+            if in_block:
+                end = rest.find("*/")
+                found.setdefault(number, []).append(rest if end < 0 else rest[:end])
+                rest, in_block = ("", True) if end < 0 else (rest[end + 2:], False)
+                continue
+            line_at, block_at = rest.find("//"), rest.find("/*")
+            if line_at >= 0 and (block_at < 0 or line_at < block_at):
+                found.setdefault(number, []).append(rest[line_at + 2:])
+                rest = ""
+            elif block_at >= 0:
+                rest, in_block = rest[block_at + 2:], True
+            else:
+                rest = ""
+    return found
+
+
+def narrating_lines(text: str, suffix: str) -> list[int]:
+    comments = _python_comments(text) if suffix == ".py" else _cpp_comments(text)
+    return sorted(n for n, parts in comments.items() if any(FIGURE.search(p) for p in parts))
+
+
+def narration_counts(root: Path = ROOT / "pagedllm") -> dict[str, int]:
+    counts = {}
+    for pattern in SOURCES:
+        for path in root.rglob(pattern):
+            lines = narrating_lines(path.read_text(), path.suffix)
+            if lines:
+                counts[str(path.relative_to(root))] = len(lines)
+    return counts
+
+
+def test_comments_keep_figures_in_docs():
+    counts = narration_counts()
+    assert sum(counts.values()) < NARRATION_BUDGET, sorted(counts.items(), key=lambda kv: -kv[1])
+
+
+def test_the_narration_count_can_fail():
+    cpp = ("// Tiles of 6 rows: the FMAs bound them.\n"
+           "int x = 2;  // measured 1.2x faster on 2026-12-01\n"
+           "/* 40 GB/s\n   and 3 us a call */\n")
+    assert narrating_lines(cpp, ".cpp") == [2, 3, 4]
+    py = ('"""Docstring: 12.5 tok/s."""\n'
+          'x = "1.5x"  # a string that is not a comment\n'
+          '# 95% of a step\n'
+          'def f():\n    """fine"""\n')
+    assert narrating_lines(py, ".py") == [1, 3]
+
+
+def test_docs_pointers_in_the_code_name_headings():
+    """A comment's "docs/X.md#section" names a heading of that page."""
+    pointer = re.compile(r"docs/([\w-]+\.md)#([\w-]+)")
+    slugs = {page.name: {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+                         for h in re.findall(r"^#+ (.+)$", page.read_text(), re.M)}
+             for page in PAGES if page.parent.name == "docs"}
+    bad = []
+    for pattern in SOURCES:
+        for path in (ROOT / "pagedllm").rglob(pattern):
+            bad += [(path.name, f, a) for f, a in pointer.findall(path.read_text())
+                    if a not in slugs.get(f, ())]
+    assert not bad, bad
+
+
+if __name__ == "__main__":  # python tests/test_docs.py: the narrating comment lines per file
+    counts = narration_counts()
+    for name, count in sorted(counts.items(), key=lambda kv: -kv[1]):
+        print(count, name)
+    print("total", sum(counts.values()))

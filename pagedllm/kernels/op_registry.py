@@ -8,8 +8,8 @@ layer index, since a process may hold several models.
 
 ``layer_op`` defines such an op. It registers the Python function as the op's one kernel straight
 with the dispatcher rather than through ``torch.library.custom_op``, whose Python wrappers
-(autograd, an aliasing check of the output) cost 8.4 us a call against 1.7 us: 0.1-0.2 ms of a
-batch-1 decode step that calls attention once per layer (torch 2.13, Intel Xeon VM).
+(autograd, an aliasing check of the output) cost several times the call, once per layer per
+decode step (docs/cpu_kernels.md#elsewhere-in-the-engine).
 """
 from __future__ import annotations
 

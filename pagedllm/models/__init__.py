@@ -1,4 +1,5 @@
-"""The model families (one small file each over the shared decoder: docs/models.md), the architecture registry and the weight loader."""
+"""The model families (one small file each over the shared decoder: docs/models.md), the
+architecture registry and the weight loader."""
 from __future__ import annotations
 
 from pagedllm.models.loader import load_model

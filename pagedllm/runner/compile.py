@@ -16,18 +16,14 @@ When it is on (``enforce_eager``): True never compiles; False, or unset (auto, t
 in vLLM), compiles wherever a compiler exists: inductor on CPU needs a C++ compiler, on CUDA
 Triton; without one, the engine logs a line and runs eagerly. The environment variable
 ``PAGEDLLM_ENFORCE_EAGER=1`` makes unset mean eager: the test suite sets it (tests/conftest.py),
-as vLLM's CPU CI runs eagerly, because each engine would otherwise spend 7-40 s compiling.
+as vLLM's CPU CI runs eagerly, because each engine would otherwise spend seconds compiling.
 
 On CPU the linears that hold packed weights (the skinny kernel, runner/linear_choice.py chooses
-them) are each an opaque op in the graph, as in eager mode; inductor fuses what lies between them.
-Measured with ``python -m benchmarks.compile_ab --num-requests 16 --max-tokens 96`` (engines
-alternating single steps in one process, 2 shared cores, 2026-12-01): decode steps 1.11x as
-fast compiled on the 58M Qwen3, prefill 1.09x; the tiny demo model 1.09x at decode, 1.10x at
-prefill.
-(Before the linears were opaque ops, inductor lowered them to plain sgemm, which re-packs the
-weight every call: decode was 0.45-0.59x as fast compiled, and CPU defaulted to eager.) The
-startup compile takes 15-40 s with a cold inductor cache and 7-8 s with a warm one (it lives in
-a folder per build of the kernels under torch's default, ``use_own_inductor_cache``).
+them) are each an opaque op in the graph, as in eager mode; inductor fuses what lies between them,
+so compiled steps beat eager ones at decode and prefill (``python -m benchmarks.compile_ab``;
+the figures: docs/cpu_kernels.md#the-compiled-graph). Lowered by inductor instead, a linear
+became a plain sgemm that re-packs the weight every call. The inductor cache lives in a folder
+per build of the kernels under torch's default (``use_own_inductor_cache``).
 """
 from __future__ import annotations
 
@@ -107,15 +103,13 @@ class CompiledForward:
         # fullgraph: a graph break would be a silent slowdown (and a second graph); fail loudly.
         # dynamic=False: only the token dimension is symbolic, marked per call below.
         # No size/alignment asserts: the generated wrapper checks every output of every opaque op
-        # (attention, the packed linears) against its fake implementation on every call, ~1%
-        # of a decode step of the 58M model; tests/runner/test_compile.py holds the compiled
-        # outputs to the eager ones instead.
+        # (attention, the packed linears) against its fake implementation on every call, a cost
+        # on every step (docs/cpu_kernels.md#the-compiled-graph); tests/runner/test_compile.py
+        # holds the compiled outputs to the eager ones instead.
         # cpp_wrapper on CPU: the graph's wrapper (which allocates the buffers and calls each
         # fused loop and opaque op in turn) is generated as C++, not Python. A batch-1 decode step
         # calls ~10 of them per layer; in Python each cost a few microseconds with the second
-        # core idle: 1.05x batch-1 decode on the Qwen2.5-0.5B-shaped Q4_K_M file, 1.09x on the
-        # 0.5B MoE one (engines alternating in one process; see docs/benchmarks.md). Startup is
-        # unchanged (22 s cold, 6 s warm on the 58M Qwen3).
+        # core idle (docs/cpu_kernels.md#the-compiled-graph).
         use_own_inductor_cache()
         self._forward: Callable[..., torch.Tensor] = torch.compile(
             model.forward, fullgraph=True, dynamic=False,
@@ -125,9 +119,8 @@ class CompiledForward:
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # Once warm, the one graph serves every step: dynamo's guards would only confirm it. Even
         # the "differentiating" guards that skip_guard_eval_unsafe keeps check every weight
-        # tensor the graph reads, each reached through the module tree: 0.35-0.57 ms a step
-        # (the 0.5B MoE, float32 and GGUF Q4_K_M; ~5% of a batch-1 decode step). So the warm
-        # forward calls dynamo's bytecode for it directly, as vLLM's compile wrapper does;
+        # tensor the graph reads, each reached through the module tree, a visible share of a
+        # batch-1 decode step (docs/cpu_kernels.md#the-compiled-graph). So the warm forward calls dynamo's bytecode for it directly, as vLLM's compile wrapper does;
         # tests/runner/test_compile.py holds it to eager and checks nothing recompiles.
         if self._direct is not None:
             return self._direct(self.model, input_ids, positions)

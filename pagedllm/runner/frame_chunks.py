@@ -3,9 +3,8 @@
 Since 3.11 CPython keeps a thread's frames in chunks of 16 KiB, mapped when a call does not fit
 in the current one and unmapped when that call returns. The model's forward crosses a chunk's
 edge at some depth in every layer: each crossing cost an mmap, four page faults and an munmap,
-whose TLB shootdown interrupts the CPUs where the kernels' OpenMP threads wait. Batch-1 decode
-of a 24-layer GGUF model spent ~4 ms a token in the OS for it (12,300 page faults per 128
-tokens), a fifth of the step, and every Python line near a crossing ran 10-70 us late.
+whose TLB shootdown interrupts the CPUs where the kernels' OpenMP threads wait: a large share
+of a batch-1 decode step of a GGUF model (docs/cpu_kernels.md#the-frame-stack).
 
 ``keep_frame_chunks()`` installs a small arena allocator (frame_chunks.cpp) that keeps a few
 freed chunks for reuse, once per process. It is an optimisation: where it cannot be built (no

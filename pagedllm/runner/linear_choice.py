@@ -44,9 +44,8 @@ logger = logging.getLogger(__name__)
 DECODE_ROWS, PREFILL_ROWS = 8, 72
 _ROUNDS = 2
 # torch's matmul replaces the kernel when the kernel takes this much longer (geometric mean over
-# the two row counts): far above run-to-run noise (tiny layers measured 0.84-1.54x from one run
-# to the next), far below what a kernel wrong for the CPU loses (0.04-0.3x on AVX2 before its
-# tiles were sized for it).
+# the two row counts): far above tiny layers' run-to-run noise, far below what a kernel wrong
+# for the CPU loses (docs/cpu_kernels.md#elsewhere-in-the-engine).
 TORCH_MARGIN = 1.25
 _MEASURED: dict[tuple[int, int], float] = {}  # (out, in) -> speedup, this process's measurements
 

@@ -31,8 +31,8 @@ class GrammarBackend:
 
     @property
     def tokenizer(self) -> Any:
-        """llguidance's view of the model's tokenizer, built on first use (~20 ms for 512 tokens,
-        ~1.5 s for 32k: in a compile thread, never on the step loop)."""
+        """llguidance's view of the model's tokenizer, built on first use (slow for a large
+        vocabulary: in a compile thread, never on the step loop)."""
         with self._lock:
             if self._tokenizer is None:
                 import llguidance.hf
@@ -59,8 +59,8 @@ class GrammarBackend:
 
     def fill_bitmasks(self, matchers: list[Any]) -> bytes:
         """One row per matcher, into one buffer: in parallel by the library's own threads (it
-        drops the GIL) when the masks are large; for small ones (32 rows of a 512-token
-        vocabulary: 0.4 ms serial, 0.5 ms parallel) the threads cost more than they save."""
+        drops the GIL) when the masks are large; for small ones the threads cost more than they
+        save (docs/cpu_kernels.md#elsewhere-in-the-engine)."""
         rows = len(matchers)
         if rows * self.row_bytes < _PARALLEL_FILL_BYTES:
             return b"".join(self.fill_bitmask(m) for m in matchers)

@@ -16,9 +16,9 @@
 // each 16 pair rows q of 16 columns c, column 16t + c's k = 32b + 2q, 2q + 1 at (t, q, c, 0..1):
 // a row of B of tdpbf16ps (16 columns' k pairs, 64 bytes), so a B tile is 1 KiB in one piece
 // and a panel is read in order, one 4 KiB block after another, zero k padding the last. (The float
-// path's bf16 panels pair columns j and j + 32 instead: read in k pairs, its one-row path ran
-// at 0.8x, 8192 x 2048 on 2 Sapphire Rapids cores, so each path keeps its layout and a model
-// holds the one its activations need.) x's rows are rounded to bf16 once per call (round to
+// path's bf16 panels pair columns j and j + 32 instead: read in k pairs, its one-row path was
+// slower (docs/cpu_kernels.md#bf16-tiles), so each path keeps its layout and a model holds the
+// one its activations need.) x's rows are rounded to bf16 once per call (round to
 // nearest even) into whole A tiles (Bf16Tiles), zeros padding K to whole blocks.
 //
 // AMX tiles: up to 16 rows, C0..C3 the 4 column tiles of a 64-column panel (16 rows x 16 float32
@@ -77,9 +77,8 @@ constexpr int64_t kGroupBytes = 1 << 20;
 // x's rows rounded to bf16, as A tiles: per group of rows (a grouped call's experts; one
 // group otherwise) ceil(rows / 32) * 2 row blocks, each [ceil(K / 32) k blocks][16 rows][32 k],
 // zeros padding. Each tile's 1 KiB is contiguous: tile loads of A and B both strided (x's rows,
-// the panels' pair rows) ran at 0.4x those with one side contiguous (2 Sapphire Rapids cores, a
-// 64 KiB panel and 128 KiB of x: 616 against 1,470-1,510 GFLOP/s per core; 2,500 with both
-// tiles in L1).
+// the panels' pair rows) ran far slower than those with one side contiguous
+// (docs/cpu_kernels.md#bf16-tiles).
 struct Bf16Tiles {
   std::vector<uint16_t> data;
   std::vector<int64_t> first_block;  // per group: its first row block
@@ -145,7 +144,7 @@ inline void write_rows(const float* c, int64_t rows, int64_t cols, uint16_t* y, 
       __m512 v = _mm512_loadu_ps(c + m * kPanel + j);
       if (bias) v = _mm512_add_ps(v, b[j / 16]);  // (not + 0: -0 would become +0)
       const __m256bh h = _mm512_cvtneps_pbh(v);
-      if (j + 16 <= cols) {  // stored straight (a memcpy per row took ~40% of a 2,048-row call)
+      if (j + 16 <= cols) {  // stored straight (a memcpy per row was costly at many rows)
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * N + j), (__m256i)h);
       } else if (j < cols) {
         _mm256_mask_storeu_epi16(y + m * N + j, __mmask16((1u << (cols - j)) - 1), (__m256i)h);
@@ -159,13 +158,9 @@ inline void write_rows(const float* c, int64_t rows, int64_t cols, uint16_t* y, 
 // touches the first two lines of the k block kPrefetchBlocks ahead: the hardware's streamer
 // fetches within a 4 KiB page, one block, and learns a new page from its first accesses, so
 // the touch starts each page's stream before the tiles need it; the tiles then read the block
-// in order (its 4 B tiles one after another), as the streamer fetches it. Measured on a MoE
-// layer's experts alone (16 cold bf16 layers, 1-16 tokens, 2 Sapphire Rapids class cores,
-// runs alternating): 1.07-1.19x the earlier layout (B tiles in pair rows across the panel,
-// each tile's rows 256 bytes apart) with the whole block prefetched into L1, whose prefetches
-// waited for the L1's line fill buffers (84% of the kernel's samples sat on them); each change
-// alone 0.9-1.0x; two streams per thread (a panel's column halves at once) no faster. In the
-// engine's bf16 MoE decode: within the run-to-run noise (35.2-36.6 ms a step of 8 both ways).
+// in order (its 4 B tiles one after another), as the streamer fetches it. Faster than the whole
+// block prefetched into L1, whose prefetches waited for the L1's line fill buffers
+// (docs/cpu_kernels.md#bf16-tiles).
 constexpr int64_t kPrefetchBlocks = 4;
 
 // The first two lines of the k block kPrefetchBlocks after block b of ``panel`` (past the
@@ -301,16 +296,15 @@ inline void panels_run(const uint16_t* w, int64_t K, const Bf16Tiles& x, int64_t
 // vectors of a pair row and a broadcast of x, within AVX-512's 32 registers at R = 6.
 constexpr int64_t kDotRows = 6;
 // The dot products' groups of panels: half of kGroupBytes, so that a group stays in a Zen 4
-// core's 1 MiB of L2 beside x and y across the passes of rows (1 MiB groups: the 32000x512 head
-// at 32 rows 4.1-4.5 ms, 256-512 KiB 3.4-3.9 ms; oneDNN's bf16 3.0-3.5 ms).
+// core's 1 MiB of L2 beside x and y across the passes of rows (1 MiB groups were slower:
+// docs/cpu_kernels.md#bf16-tiles).
 constexpr int64_t kDotGroupBytes = kGroupBytes / 2;
 
 // R rows of x (``xr[r]``: row r's bf16 in its A tiles, k block 0; block b is kTileRows *
 // kTileK elements on) times one panel: c[r][0:kPanel] float32 sums. ``prefetch``: the first
 // pass over the panel, which prefetches every line of the block kDotPrefetchBlocks ahead, 4
-// lines per pair row. (Measured at one row, 3072x1024, 1024x3072 and 32000x512 on 2 AMD Zen 4
-// cores, against the exact path: the AMX tiles' touch of two lines 0.5-0.7x, no prefetch
-// 0.5-0.8x, this 0.7-1.0x; two panels' streams at once no faster.)
+// lines per pair row: at one row the fastest of the prefetches tried, where the AMX tiles' touch
+// of two lines or none were slower (docs/cpu_kernels.md#bf16-tiles).
 constexpr int64_t kDotPrefetchBlocks = 4;
 template <int R>
 inline void dot_rows(const uint16_t* const* xr, const char* panel, int64_t k_blocks,

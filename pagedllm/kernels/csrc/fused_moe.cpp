@@ -9,10 +9,10 @@
 //      activation module in Python, so the same numbers);
 //   4. down in one grouped call (+ bias);
 //   5. each token's sum over its choices, in choice order, weighted by the router.
-// Why one op: a decode step of a few tokens streams each active expert's weights once (about
-// 24 GB/s on 2 Sapphire Rapids cores), and the bookkeeping around the two grouped calls (a dozen
-// small torch ops and the Python between them, cold in the caches after each weight stream) cost
-// 0.17-0.19 ms per layer at 1-4 tokens: 10-25% of the layer.
+// Why one op: a decode step of a few tokens streams each active expert's weights once, and the
+// bookkeeping around the two grouped calls (a dozen small torch ops and the Python between them,
+// cold in the caches after each weight stream) cost a large share of the layer at 1-4 tokens
+// (docs/cpu_kernels.md#linear-ops-around-the-tiles).
 // A token's result does not depend on which tokens share its step: its rows are gathered and
 // combined alone, and the grouped calls give each row the bits its expert's own call would.
 #include <ATen/ATen.h>

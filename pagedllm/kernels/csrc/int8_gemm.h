@@ -19,8 +19,8 @@
 // the float step), q6's as code + 32; q8 codes are signed: they enter as |w| with w's sign
 // moved onto x (llama.cpp's sign trick), or, in the many-row tiles with VNNI, as code + 128
 // (one xor of the sign bits per weight vector, where the sign trick costs an op per row and
-// vector; without VNNI code + 128 would saturate maddubs's int16 pairs): on 2 AMD Zen 4 cores
-// the q8 kernel 1.2x as fast at 32 rows and 1.3x at 256. Nothing saturates: x is in
+// vector; without VNNI code + 128 would saturate maddubs's int16 pairs; the faster many-row q8
+// kernel: docs/cpu_kernels.md#int8-tiles). Nothing saturates: x is in
 // -127..127 (never -128, so its negation fits); q8's pair sums are at most 2 x 128 x 127 =
 // 32512, q5's 2 x 31 x 127, q6's 2 x 63 x 127, all widened per quad, and q4 sums its pairs in
 // int16 over a block of at most 8 quads (8 x 2 x 15 x 127 = 30480) before widening them once;
@@ -202,7 +202,8 @@ inline int64_t block_size(int64_t group_size) {
 // with their sum. Vector code where B is a multiple of the vector width (every group size but
 // the odd 4 and 8), the scalar loop's numbers exactly: the convert rounds half to even as
 // nearbyint does, and the max ignores a NaN as std::max does (NaN as the first operand).
-// Scalar, the loops cost 3-4 us for a row of 1024 (3% of a batch-1 decode step of the 0.5B MoE).
+// Vector code since the scalar loops were a visible share of a batch-1 MoE decode step
+// (docs/cpu_kernels.md#int8-tiles).
 inline float block_amax(const float* xb, int64_t B) {
 #if defined(__AVX512F__)
   if (B % 16 == 0) {
@@ -304,13 +305,10 @@ constexpr int64_t kPrefetchQuads = 16; // the first tile prefetches the stream t
 
 // Whether a call's tiles prefetch its weight streams (one row's tile; of more rows, the first
 // tile of each block). Not q8 codes on AMD CPUs: a q8 byte is one dot product, the least work a
-// byte of any format, and on 2 AMD Zen 4 cores the hardware prefetchers alone kept up, where the
-// software prefetches (four a 256-byte quad, per stream) made the AVX-512 one-row pair
-// 0.88-0.92x (9728 x 896, ten weights in turn, as a ratio to the AVX2 tile), a Q8_0 file's
-// batch-1 decode 0.70-0.75x and 32 rows 0.89-0.95x; the AVX2 tiles (built for x86-64-v3 on the
-// same CPU) 0.93-0.95x at one row, even at 32. q4, q5 and q6 codes lost nothing to them (q4 at
-// 32 rows 1.02-1.10x with them). On Sapphire Rapids the prefetches are what made the one-row pairs
-// pay (panels_run).
+// byte of any format, and on AMD Zen 4 the hardware prefetchers alone kept up, where the
+// software prefetches slowed every q8 tile; q4, q5 and q6 codes lost nothing to them. On
+// Sapphire Rapids the prefetches are what made the one-row pairs pay (panels_run; the figures:
+// docs/cpu_kernels.md#int8-tiles).
 template <Codes C>
 inline bool prefetches() {
   static const bool amd = __builtin_cpu_is("amd");
@@ -356,8 +354,8 @@ inline void tile(const Panels& w, const GroupFloats& gf, const QuantizedRows& x,
                  int64_t p, int u0, int64_t k0, int64_t kl, float* __restrict c, bool prefetch,
                  int64_t c_stride = 0) {
   constexpr int64_t kBytes = kQuadBytes<C>;
-  // q8 with VNNI: codes + 128 in the many-row tiles, the sign trick in the one-row tile (on 2
-  // AMD Zen 4 cores, codes + 128 there made a Q8_0 file's batch-1 decode 0.90-0.95x), the
+  // q8 with VNNI: codes + 128 in the many-row tiles, the sign trick in the one-row tile (codes
+  // + 128 there slowed a Q8_0 file's batch-1 decode: docs/cpu_kernels.md#int8-tiles), the
   // integer sums made equal (code + 128's owe 128 x the block's x code sum) before any float
   // step: a row's bits are the same in either tile.
   constexpr bool kPlus128 = C == Codes::q8 && kVnni && R > 1;
@@ -466,11 +464,9 @@ template <Codes C, bool OFFSET>
 void panels_run(const Panels& w, const QuantizedRows& x, int64_t row0, int64_t M, int64_t N,
                 float* yp, int64_t p0, int64_t p1) {
   // One row: neighbouring panels in pairs, two weight streams per thread (both prefetched), the
-  // outputs of the second after the first's. One row of a 4096 x 4096 weight (2 Sapphire
-  // Rapids class cores, VNNI): q8 1.12-1.24x, q4 1.05-1.08x, q5 1.07-1.10x one panel at a
-  // time; the pairs without the prefetch 0.97-1.09x. Smaller weights (1024 x 3072) even.
-  // AVX-512 only (kRowInPairs): AVX2's pair would hold 16 accumulators, every ymm register; its
-  // build on the same CPU gave q8 1.08-1.16x but q4 0.93-1.06x.
+  // outputs of the second after the first's: faster than one panel at a time on large weights,
+  // and only with the prefetch. AVX-512 only (kRowInPairs): AVX2's pair would hold 16
+  // accumulators, every ymm register, and its q4 lost (docs/cpu_kernels.md#int8-tiles).
   // The outputs of the panels in hand, each panel's rows after the previous panel's.
   std::vector<float> c(std::max<int64_t>(2, std::min(M, kChunkRows)) * kPanel);
   // the many-row tiles' decoded group floats (one row reads them in place)
@@ -485,7 +481,7 @@ void panels_run(const Panels& w, const QuantizedRows& x, int64_t row0, int64_t M
         const int64_t kl = std::min(kBlockK, x.K - k0);
         // One row reads each group's floats once, straight from the weight's tensors; more
         // rows share them, decoded once per block (group_scales.h's forms take a few
-        // instructions a vector to read: decoded per 4-row tile, 0.93-0.96x at 32-256 rows).
+        // instructions a vector to read: decoded per 4-row tile was slower, docs/cpu_kernels.md).
         if (rows == 1) {
           if constexpr (kRowInPairs) {
             if (np == 2) {

@@ -103,8 +103,8 @@ std::vector<Item> plan_items(const int64_t* qsl, const int64_t* seq_lens, int64_
       }
   }
   // Longest first (by keys x rows): threads take items in this order, so the last ones are
-  // short and no thread waits long for another to finish (measured 1.03-1.08x at ragged decode
-  // batches). Items are independent: the order changes no result.
+  // short and no thread waits long for another to finish (docs/cpu_kernels.md#attention).
+  // Items are independent: the order changes no result.
   std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) {
     return (seq_lens[a.req] - a.key0) * (a.row1 - a.row0) > (seq_lens[b.req] - b.key0) * (b.row1 - b.row0);
   });
@@ -117,9 +117,7 @@ std::vector<Item> plan_items(const int64_t* qsl, const int64_t* seq_lens, int64_
 // of each of the group's blocks in turn; the rest in order. Blocks are scattered in memory and a
 // block's slots are 1-4 pages: reading them one block after the other keeps one or two pages'
 // cache misses in flight (the hardware prefetcher stops at each page), reading a group's blocks
-// side by side keeps eight. Measured inside the engine, steps alternating between the orders:
-// attention 0.87-0.92x the time of reading in order at workload cpu, 0.87-0.88x at nano's
-// shape (4-block groups 0.88-0.93x, 16-block 0.90-0.94x).
+// side by side keeps eight (eight-block groups: the fastest size, docs/cpu_kernels.md#attention).
 // Every row of an item sees all of the groups below its own, and in its own group the keys up
 // to its position, which the in-order part keeps a prefix of each tile. A row's keys, their
 // tiles and the order within each tile depend only on its position, not on the rows beside it,
@@ -239,7 +237,7 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
       // hardware prefetcher stops at every page (a block's 16 slots span several, and blocks
       // are scattered): the next tile's keys and values are requested while this tile is
       // computed. Large slots are a page or more each, which the hardware streams; there the
-      // extra requests only cost (measured: +7-12% at 1 KiB slots, -18% at 4 KiB).
+      // extra requests only cost (docs/cpu_kernels.md#attention).
       const bool prefetch_next =
           kKeyTile * item_heads * head_dim * static_cast<int64_t>(sizeof(C)) <= kPrefetchTileBytes;
       // Padded by 7 copies of the last slot: an 8-key block may run past the end, and must read
@@ -267,8 +265,8 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
         // With small slots, the next tile's keys and values are requested a head at a time as
         // this tile reads the same head (keys into L1, values into L2), so requests go out at
         // the rate the data is used rather than in one burst of a whole tile; and in the last
-        // tile, the first tile of the thread's next item (into L2). Measured inside the engine
-        // (steps alternating, workload cpu): 0.85x the attention time of one burst per tile.
+        // tile, the first tile of the thread's next item (into L2). Faster than one burst per
+        // tile (docs/cpu_kernels.md#attention).
         const int64_t next_keys =
             prefetch_next ? std::clamp<int64_t>(num_read - k0 - kKeyTile, 0, kKeyTile) : 0;
         auto prefetch_next_keys = [&](int64_t h, int64_t j0, int64_t j1) {  // kv head h, keys [j0, j1)

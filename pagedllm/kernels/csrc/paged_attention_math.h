@@ -47,7 +47,7 @@ typedef uint8_t vu8x16 __attribute__((vector_size(16 * sizeof(uint8_t))));
 // fp8 (exponent 0) is rebiased one step further and the implicit leading 1 subtracted as a
 // float: 2^(1 - bias) (1 + m / 2^M) - 2^(1 - bias) = m 2^(1 - bias - M), exactly. Nothing is ever
 // a float subnormal: an operation on one takes a microcode assist (~100 cycles) on x86, which
-// made a first version (multiplying subnormal floats by 2^(127 - bias)) 3x slower than float32.
+// made a first version (multiplying subnormal floats by 2^(127 - bias)) far slower than float32.
 // e4m3fn's NaN (S.1111.111) would read as 480 and e5m2's Inf/NaN as finite values; the cache
 // never holds them, since K/V are clamped to the finite range before the cast
 // (layers/attention/kv_cache_dtype.py).
@@ -116,9 +116,8 @@ inline vfloat load(const c10::Half* p) {
 #endif
 }
 #if defined(__F16C__)
-// e5m2 is the top byte of a float16: the hardware conversion takes it, subnormals included
-// (decode attention, benchmarks/decode_attention.py, 16 x 1K/4K, 2 threads: 2.1x/1.65x the
-// speed of the integer widening below).
+// e5m2 is the top byte of a float16: the hardware conversion takes it, subnormals included,
+// faster than the integer widening below (docs/cpu_kernels.md#attention).
 inline vfloat load(const Fp8E5M2* p) {
   const __m128i h = _mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))), 8);
   return reinterpret_cast<vfloat>(_mm256_cvtph_ps(h));
@@ -145,8 +144,8 @@ inline V load_vec(const float* p) {
 }
 
 // Sixteen floats: the value accumulation's main width on AVX-512, which needs no horizontal sums
-// (measured 1.04-1.16x on the whole kernel over 8 lanes; results are identical, the arithmetic
-// of every lane being the same). On AVX2 a 16-float vector is two registers, and kValueRows x
+// (faster than 8 lanes on the whole kernel, docs/cpu_kernels.md#attention; results are
+// identical, the arithmetic of every lane being the same). On AVX2 a 16-float vector is two registers, and kValueRows x
 // kValueSplit of them would spill: the 8-float width runs there.
 typedef float vfloat16 __attribute__((vector_size(16 * sizeof(float))));
 typedef uint16_t vu16x16 __attribute__((vector_size(16 * sizeof(uint16_t))));
@@ -216,8 +215,7 @@ inline float hsum(vfloat v) {
 // The sums of eight vectors' lanes, as one vector: out[k] = the sum of v[k]'s lanes, by the
 // same pairwise tree for every k (((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))). Three
 // rounds of two shuffles and an add; eight separate horizontal sums take ~80 instructions,
-// which made them the larger part of scoring a decode's few rows (measured with benchmarks/
-// decode_attention.py-like calls: the kernel 1.12-1.17x as fast with this reduction).
+// which made them the larger part of scoring a decode's few rows (docs/cpu_kernels.md#attention).
 inline vfloat sum8(const vfloat* v) {
   static_assert(kW == 8, "sum8 reduces 8-lane vectors");
   vfloat s[4], t[2];
@@ -277,7 +275,7 @@ inline void accumulate_chunk(float* __restrict acc, const float* __restrict p, c
     for (int u = 0; u < U; ++u) a[g][u] = V{};  // not "= {}": see skinny_gemm.cpp
   // A vector load, not memcpy: tuned for 256-bit moves, GCC copied 64 bytes as two halves
   // into the stack slot of a[g][0], then read it back whole, a store-forwarding stall per row
-  // and chunk (11% of decode attention's samples at 8 bf16 sequences).
+  // and chunk (docs/cpu_kernels.md#attention).
   for (int g = 0; g < GB; ++g) a[g][0] = load_vec<V>(acc + g * d + i);
   int64_t j = 0;
   V vv;

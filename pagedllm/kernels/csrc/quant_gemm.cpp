@@ -41,30 +41,17 @@
 // dequantized weight (a value is code * scale + offset in one fused multiply-add, the same
 // ``value`` on both paths). A row is widened kW floats at a time with the level's intrinsics
 // (v3: 8, v4: 16), the tiles are skinny_tiles.h's for the level.
-// Measured (CPU time of one thread, cold caches, on a 2-core AMD EPYC Zen 3 VM busy with other
-// work, so +-20%; 896x4864 and 2048x8192): against the float32 panels, q8 and q4 are 1.6-2.5x
-// faster at 1 row, bf16/fp16 1.4-1.9x; 1.1-1.9x at 8 rows; 0.9-1.4x at 32-256 rows. At one row
-// the conversion, not the memory stream, is the limit (q4 streams 3.3-4.5 GB/s of its bytes per
-// thread, q8 5-8, float32 9-11). The quad layout left these as they were (new over old exact
-// path, same machine, medians of 5 interleaved cold calls, two runs: 0.89-1.3x at 1-256 rows).
+// Fewer bytes than the float32 panels make it faster at few rows; at one row the conversion,
+// not the memory stream, is the limit (docs/cpu_kernels.md#weight-formats-measured).
 //
 // The narrow-activation paths (``narrow_activations``): bf16 weights on AMX tiles or AVX512-BF16
 // dot products with x rounded to bf16 (bf16_gemm.h, the engine's
 // quantization_activations=bfloat16), and q8/q4/q5 with x quantized to int8 (the engine's quantization_activations=int8; int8_gemm.h). The
 // int8 one: x quantized per row in blocks of 32 k, integer dot products, one float step per
-// block. Same machine (AMD EPYC Zen 3, AVX2 build, shared: noisy), one thread, CPU time,
-// weights quantized q8_0 / q4_0 at load, medians of 7 interleaved cold calls
-// (benchmarks/linear_kernels.py --int8 --threads 1 --cpu-time), exact -> int8:
-//                 1 row (GB/s of the weight)   8 rows        32 rows        256 rows
-//   896x4864  q8   8.8 -> 10.9 GB/s         2304 -> 1371 us  5224 -> 3814   28338 -> 27625
-//             q4   4.2 ->  9.4              2475 -> 1157     5152 -> 3338   29460 -> 21851
-//   2048x8192 q8   7.8 -> 11.8              6081 -> 4015    15631 -> 12622 106332 -> 98295
-//             q4   5.0 -> 13.3              6350 -> 3299    16220 -> 10034 109025 -> 77743
-// Over four such runs int8 / exact: 1 row q8 1.2-1.8x, q4 2.1-2.8x; 8 rows q8 1.2-1.7x, q4
-// 1.2-2.1x; 32 rows q8 1.0-1.4x, q4 1.1-1.6x; 256 rows q8 0.92-1.08x (a tie: AVX2's sign
-// trick costs as many instructions per weight as a float FMA once many rows share the
-// conversion), q4 1.2-1.5x. So the engine uses it at every row count when asked, and a row's
-// bits still never depend on its batch.
+// block. It is as fast as the exact path or faster at every row count (many-row q8 ties: AVX2's
+// sign trick costs as many instructions per weight as a float FMA once many rows share the
+// conversion; docs/cpu_kernels.md#weight-formats-measured). So the engine uses it at every row
+// count when asked, and a row's bits still never depend on its batch.
 //
 // Two ops: quant_linear, one layer's weight; grouped_quant_linear, a mixture-of-experts
 // layer's experts in one call (as grouped_packed_linear in skinny_gemm.cpp for float32
@@ -103,7 +90,7 @@ using gscale::Groups;
 using gscale::widen_fp16;
 
 // kW codes widened to a vector of floats. Intrinsics, not __builtin_convertvector: GCC 12
-// converts a byte vector to floats one element at a time (measured 3x slower at one row).
+// converts a byte vector to floats one element at a time (docs/cpu_kernels.md#weight-formats-measured).
 #if defined(__AVX512F__)
 inline vfloat as_floats(__m512i i) { return (vfloat)_mm512_cvtepi32_ps(i); }
 // kW columns of a quad block (kW lanes of 4 bytes, one per k): byte j of each lane.
@@ -242,10 +229,8 @@ inline void q6_quad_4(const uint8_t* nib, const uint8_t* plane, int s, int h, vf
 // bf16 and fp16 panels [P, K, 64] of 16-bit values. A bf16 row's columns lie in pairs (j, j +
 // 32) per 32-bit lane: one load of kW lanes gives two vectors, each widened by one shift or one
 // mask (a float is a bf16 in its high half), where a row in column order takes a widening
-// shuffle and a shift per vector. Measured against column order (AMD EPYC Zen 3, AVX2, 2
-// threads, cold caches, 896x4864, 4864x896, 2048x8192, one row): 1.09-1.22x; the engine's
-// batch-1 decode of the Qwen2.5-0.5B shape went from 1.56x to 1.86x float32's
-// (benchmarks/half_decode.py). fp16 stays in column order for F16C's vcvtph2ps.
+// shuffle and a shift per vector: faster at one row (docs/cpu_kernels.md#weight-formats-measured).
+// fp16 stays in column order for F16C's vcvtph2ps.
 template <bool BF16>
 struct HalfPanels {
   static constexpr bool kInPlace = false, kScaled = false, kOffset = false, kQuads = false;
@@ -297,7 +282,7 @@ struct Q8Panels {
 template <bool OFFSET>
 struct Q4Panels {
   static constexpr bool kInPlace = false, kScaled = true, kOffset = OFFSET, kQuads = true;
-  static constexpr bool kPairedRow = false;  // unpacking two panels' nibbles: 0.75-0.84x
+  static constexpr bool kPairedRow = false;  // unpacking two panels' nibbles: slower (in_pairs)
   static constexpr int64_t kRowBytes = kPanel / 2;
   const uint8_t* codes;
   int64_t K4;

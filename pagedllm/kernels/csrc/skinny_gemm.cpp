@@ -9,14 +9,8 @@
 // every row tile uses the same 16 KiB of weights from L1, so the stream is steady, and the row
 // tiles of the first kPrefetchRows rows prefetch the next block while they compute.
 // Why not MKL at many rows (prefill) either: with a block of weights in L1 and a row tile's 24
-// accumulators in registers, a tile runs at ~90% of the FMA peak, and re-reading x for each
-// panel from L2/L3 costs little. Measured on 2 cores: ~400 GFLOP/s at 128-2,048 rows with warm
-// caches (oneDNN ~440), 2.1x MKL's sgemm on this AMD CPU (MKL takes an AVX2 path there); with
-// cold caches (benchmarks/linear_kernels.py) 1.6-2.0x MKL at 2,048 rows, while oneDNN's
-// prepacked matmul is 1.05-1.45x faster there; at 8-32 rows 1.2-2.5x oneDNN on the decoder's
-// projections and 1.0-1.4x on the lm_head. On 2 Sapphire Rapids cores (Intel, where MKL takes
-// its AVX-512 path) the 6 x 4 tile runs at 140-200 GFLOP/s at 256-2,048 rows with cold caches,
-// within ~0.8-1.0x of MKL there, and the 12 x 2 tile at 32 rows at 1.3-1.7x MKL.
+// accumulators in registers, a tile runs near the FMA peak, and re-reading x for each panel
+// from L2/L3 costs little (the figures: docs/cpu_kernels.md#the-float32-kernel-against-the-libraries).
 //
 // Layout: panels[p][k][c] = W[p * kPanel + c][k] (zero rows pad the last panel), so a panel is
 // one contiguous stream. Arithmetic: every output is a sum over k blocks, in order, of the
@@ -50,8 +44,8 @@ struct F32Panels {
 
 // A layer narrower than a panel (a mixture-of-experts router's 8-32 experts) is held as one
 // panel of its own width, 16, 32 or 48 columns, not 64 (layers/linear.py's pack_weight): padded,
-// the 0.5B MoE's 16-expert router read 4x its bytes at one row, on one thread of the two
-// (17 us a call, 4% of a batch-1 decode step). Each row here: a column's products over k in C
+// a 16-expert router reads four times its bytes (docs/cpu_kernels.md#linear-ops-around-the-tiles).
+// Each row here: a column's products over k in C
 // chains (k mod C), added in chain order at the end; the same for every row count, so a row's
 // result does not depend on its batch (the router's choice of experts must not).
 template <int V>
@@ -117,8 +111,8 @@ at::Tensor skinny_gemm(const at::Tensor& x, const at::Tensor& panels, int64_t ou
 
 // x W^T (+ bias) for a layer whose weight is held as panels only (x of any number of leading
 // dims, flattened to rows). In C++ so that a compiled graph calls it straight from inductor's
-// wrapper: a Python custom op around the same call cost ~30 us per call, ~1 ms per decode step of
-// the 58M model.
+// wrapper: a Python custom op around the same call costs more than a decode-sized call
+// (docs/cpu_kernels.md#linear-ops-around-the-tiles).
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& panels, int64_t out_features,
                          const std::optional<at::Tensor>& bias) {
   return skinny::linear_over_rows(x, out_features, bias, [&](const at::Tensor& rows) {
@@ -134,9 +128,8 @@ namespace PAGEDLLM_NS {
 // sorted by expert, ``counts[e]`` rows for expert e in order; panels [E, P, K, kPanel] every
 // expert's weight. y [R, out_features]: each row times its expert's weight, in one parallel
 // region over all active experts (skinny::grouped_panels_gemm). One call per projection in
-// place of one per expert: on a 2-core AMD EPYC (Zen 3), a Qwen3-MoE-like layer (16 experts,
-// 1024 x 512) at 8 tokens streamed its experts at ~12 GB/s expert by expert (each call short,
-// its threads idle at its start and end), and at ~18 GB/s here.
+// place of one per expert: each short call left its threads idle at its start and end
+// (docs/cpu_kernels.md#linear-ops-around-the-tiles).
 at::Tensor grouped_packed_linear(const at::Tensor& x, const at::Tensor& panels,
                                  c10::IntArrayRef counts, int64_t out_features) {
   TORCH_CHECK(panels.scalar_type() == at::kFloat, "panels must be float32");

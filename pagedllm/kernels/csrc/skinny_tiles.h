@@ -45,20 +45,14 @@ constexpr int64_t kBlockK = 64;             // k per block: 64 x 64 floats = 16 
 // vectors), so each k step loads 4 weight vectors and 6 broadcasts per 24 FMAs. Few rows
 // (decode): 12 rows x half a panel row (2 vectors), the panel's two halves one after the other,
 // so 32 rows take 3 tiles per half, not 6 per panel (fewer, longer tiles keep the weight stream
-// steady). Measured on 2 Sapphire Rapids cores: 6 x 4 is 1.1-1.4x the 12 x 2 tile at
-// 256-2,048 rows, 12 x 2 as fast or up to 1.1x at 32 rows. Up to 12 rows the 6 x 4 tile again
-// (the whole panel row, as AVX2's tiny tile: each k block read row by row, as it lies, not in
-// two half-row passes): a mixture-of-experts layer's experts (1-16 rows each, 16 cold layers)
-// 1.03-1.10x the 12 x 2 tile, 896x4864 float32 panels 1.05x at one row, even at 4-16 (three
-// interleaved runs), and the engine's MoE benchmark against vLLM went from 0.95x to 0.99x.
-// AVX2 (16 ymm, 12 accumulators), measured on 1-2 AMD EPYC (Zen 3) cores with cold caches
-// (benchmarks/linear_kernels.py's shapes): 6 rows x 2 vectors (a quarter of a panel row) from 5
-// rows up, 1.0-1.6x 3 x 4 at 16-128 rows; up to 12 rows, 1 row x the whole panel row (8
-// vectors: 8 independent accumulators where a 1-row 6 x 2 tile would have 2 chains waiting on
-// their FMA latency), 1.1-1.4x the 6 x 2 tile at one row. It reads each k block row by row, as
-// it lies, one pass per row of x, where the 6 x 2 tile makes four strided passes over the
-// block: at 5-12 rows of a decode batch, streaming 16 MB weights, 1.25-1.6x the 6 x 2 tile
-// (three interleaved runs, 2 threads; about even at 16 rows).
+// steady). Up to 12 rows the 6 x 4 tile again (the whole panel row, as AVX2's tiny tile: each k
+// block read row by row, as it lies, not in two half-row passes), which a mixture-of-experts
+// layer's few rows per expert favour.
+// AVX2 (16 ymm, 12 accumulators): 6 rows x 2 vectors (a quarter of a panel row) from 5 rows up;
+// up to 12 rows, 1 row x the whole panel row (8 vectors: 8 independent accumulators where a
+// 1-row 6 x 2 tile would have 2 chains waiting on their FMA latency). It reads each k block row
+// by row, as it lies, one pass per row of x, where the 6 x 2 tile makes four strided passes over
+// the block. Each tile and bound is the faster one measured: docs/cpu_kernels.md#register-tiles.
 #if defined(__AVX512F__)
 constexpr int64_t kTileAcc = 24;
 constexpr int64_t kTinyRows = 12;
@@ -71,22 +65,15 @@ constexpr int kTinyV = 8, kFewV = 2, kManyV = 2;
 constexpr int64_t kTileFloats = kTileAcc * kW;
 constexpr int64_t kFewRows = 64;            // up to this many rows: the few-rows tile
 // Row tiles starting in the first kPrefetchRows rows (all of a decode batch of <= 32) prefetch
-// the next k block, the line of it they are about to read in this one (one block ahead).
-// Measured inside the engine, decode steps of 32 rows: 1.06x the first tile alone prefetching
-// half a block ahead, 1.03x the first tile alone one block ahead; half a block or 1.5-2 blocks
-// ahead are slower. With more rows each block is reused long enough that the stream is not the
-// limit, and more prefetches only take issue slots (5-17% slower at 256-2,048 rows).
+// the next k block, the line of it they are about to read in this one (one block ahead: nearer
+// or further, or the first tile alone, was slower). With more rows each block is reused long
+// enough that the stream is not the limit, and more prefetches only take issue slots
+// (docs/cpu_kernels.md#register-tiles).
 constexpr int64_t kPrefetchRows = 32;
 // Up to kPairedRows rows (a decode step's expert, a batch-1 dense layer), float32 panels go in
 // pairs: one tile of kPairRows rows runs over two neighbouring panels' blocks at once, so the
-// thread reads two weight streams instead of one, without software prefetch. One stream per
-// thread left memory bandwidth unused: on 2 Sapphire Rapids class cores, reading 768 MB of panels
-// at one row, one panel at a time ran at 25-28 GB/s (with or without the prefetch), two at
-// 28-30 GB/s (standalone loop, five rounds). Measured in the kernels (cold weights, five
-// interleaved builds, two runs): dense 1024-3072 wide layers at 1 row 1.12-1.19x, 2 rows 1.07x,
-// 4 rows 1.05x; a mixture-of-experts layer's experts (16 layers, 16 experts of 1024x512, top 2,
-// routing varied) at 1-16 tokens 1.04-1.07x, where up to 3 or up to 12 rows were within 1-2%.
-// Past 6 rows a block's FMAs, not its stream, bound the tile; the prefetching tiles stay. AVX2
+// thread reads two weight streams instead of one, without software prefetch: one stream per
+// thread left memory bandwidth unused (docs/cpu_kernels.md#panel-pairs). Past 6 rows a block's FMAs, not its stream, bound the tile; the prefetching tiles stay. AVX2
 // has no pairs: a panel row is 8 ymm there, two panels' would be 16 accumulators, every register.
 constexpr int64_t kPairRows = kTileAcc / (2 * (kPanel / kW));
 constexpr int64_t kPairedRows = kPairRows > 0 ? 6 : 0;
@@ -96,8 +83,8 @@ constexpr int64_t kLineFloats = 16;         // a 64-byte cache line
 // Rows per chunk. A panel is walked once per chunk, so a chunk's rows of x (<= 120 x K floats)
 // stay in L2 across the thread's panels, and its outputs (15-30 KiB) in L1 across a panel's k
 // blocks; the weights are read once per chunk, from L3 after the first (a prefill's layer is a
-// few MB). Measured with cold caches at 2,048 rows: 1.1-1.7x one chunk of all rows (x and the
-// outputs then come from L3 for every panel).
+// few MB). One chunk of all rows would read x and the outputs from L3 for every panel
+// (docs/cpu_kernels.md#register-tiles).
 constexpr int64_t kFewChunkRows = 120;
 constexpr int64_t kManyChunkRows = 60;
 
@@ -346,10 +333,8 @@ inline void row_times_block(const float* __restrict x, const Source& src, int64_
 
 // Whether a chunk of ``rows`` rows goes over the panels in pairs: float32 panels up to
 // kPairedRows rows (the tiles), another format at one row where its Source says so
-// (``kPairedRow``, row_times_block). At one row, two panels' streams against one (2 Sapphire
-// Rapids class cores, cold 4096 x 4096 and 1024 x 3072 weights, native / v3 build): bf16
-// 1.12 / 1.19-1.32x and 1.08-1.12 / 1.14-1.22x, q8 1.15-1.23 / 1.14x and 1.03-1.18 / 1.07x;
-// q4 0.75-0.84x, so not there.
+// (``kPairedRow``, row_times_block): bf16 and q8 gain from two streams at one row, q4 loses
+// (docs/cpu_kernels.md#panel-pairs).
 template <class Source>
 constexpr bool in_pairs(int64_t rows) {
   if constexpr (Source::kInPlace) return rows <= kPairedRows;
@@ -448,10 +433,9 @@ void panels_run(const float* xp, int64_t M, int64_t K, const Source& src, int64_
 // for every format).
 // The runs are claimed, not assigned: each thread takes the next unclaimed run until none is
 // left, so when a thread comes late to the region (on 2 cores its core is often busy with the
-// engine's other threads) the other takes its run too rather than wait for it at the end.
-// Measured in the engine's bf16 MoE benchmark (2 Sapphire Rapids class cores, alternating
-// A/B): 1.08x one run per thread by index; 8 runs per thread each claimed: 0.93x (each run
-// starts its stream cold).
+// engine's other threads) the other takes its run too rather than wait for it at the end. One
+// run per thread, not several smaller ones: each run starts its stream cold
+// (docs/cpu_kernels.md#runs-of-panels-per-thread).
 constexpr int64_t kRowsPerPanelRead = 10;
 
 template <class Run>

@@ -1,12 +1,11 @@
 // Stores a step's keys and values in the paged KV cache (vLLM's reshape_and_cache):
 // kv_cache[0][s] = key[t] and kv_cache[1][s] = value[t] for s = slot_mapping[t], all kv heads.
 // paged_attention (paged_attention.cpp) calls it before it reads the cache, so that a layer's
-// attention is one op, not two (as a second op: another dispatch and return to Python per layer;
-// measured in one process, batch-1 decode 1.00x the dense Q4_K_M file and 1.02x the MoE one).
+// attention is one op, not two (a second op is another dispatch and return to Python per layer).
 //
-// Why not index_copy_ into a slot-indexed view: at decode sizes it cost 75-150 us per layer in
-// the engine (32 tokens of the 58M benchmark model: 3% of a step), most of it TensorIterator's
-// element-wise loop over cache lines that miss. Here a token's kv heads are one contiguous run
+// Why not index_copy_ into a slot-indexed view: at decode sizes it was a visible share of a step
+// (docs/cpu_kernels.md#attention), most of it TensorIterator's element-wise loop over cache
+// lines that miss. Here a token's kv heads are one contiguous run
 // in the source (a row of the fused qkv projection's output) and in the cache (a slot), so
 // each token is two memcpy calls, which stream whole lines.
 #pragma once

@@ -5,8 +5,8 @@ causality comes from each request's query and sequence lengths. The same call fi
 step's K/V in the cache (kernels/csrc/store_kv.h), two memcpy per token: one op per layer.
 
 Prompts without a cached prefix need nothing from the cache: their own K/V (just written) go to
-torch's SDPA, whose GEMM-based flash kernel is 1.5-3x faster than ours at prefill shapes (many
-query rows per key); the kernel skips them (sequence length 0 in its view of the batch).
+torch's SDPA, whose GEMM-based flash kernel is faster than ours at prefill shapes (many
+query rows per key; docs/cpu_kernels.md#attention); the kernel skips them (sequence length 0 in its view of the batch).
 
 The cache may be narrower than the model (kv_cache_dtype.py): K/V are cast when written, and the
 kernel widens them to float32 as it reads; fresh prompts attend their K/V rounded the same way.
