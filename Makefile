@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: venv test test-fast kernel-guard demo bench-scheduler bench clean
+.PHONY: venv test test-fast lint kernel-guard demo bench-scheduler bench clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -18,6 +18,11 @@ venv: $(BIN)/.installed
 
 test: venv
 	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+# Style, import order and complexity (pyproject [tool.ruff]), then each package's line budget.
+lint: venv
+	$(BIN)/ruff check pagedllm tests benchmarks examples
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/test_line_budget.py
 
 test-fast: venv
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow"
