@@ -322,11 +322,7 @@ def result_line(result: dict) -> str:
     return " | ".join(parts)
 
 
-def main(argv: list[str] | None = None) -> None:
-    if "--speculative" in (sys.argv[1:] if argv is None else argv):
-        from benchmarks import speculative  # n-gram drafts vs plain, on a repetitive workload
-
-        return speculative.main(argv)
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="pagedllm bench throughput", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(parser)
@@ -354,7 +350,36 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.repeat < 1:
         parser.error("--repeat must be at least 1")
+    return args
 
+
+
+def _start_engines(engines: dict, args: argparse.Namespace, model: str, workload, vocab_size: int,
+                   run_vllm_too: bool) -> None:
+    """Fill ``engines`` (name -> engine) as each starts, so the caller closes whatever started
+    when a later one fails."""
+    engines[OURS] = PagedllmEngine(model, workload, vocab_size, engine_args(
+        args, **({"async_scheduling": True} if args.async_scheduling == "on" else {})))
+    if args.async_scheduling == "both":
+        engines[f"{OURS}-async"] = PagedllmEngine(
+            model, workload, vocab_size, engine_args(args, async_scheduling=True))
+    if args.tensor_parallel_size > 1:
+        tp = args.tensor_parallel_size
+        engines[f"{OURS}-tp{tp}"] = PagedllmEngine(
+            model, workload, vocab_size, engine_args(args, tensor_parallel_size=tp))
+    if not args.no_hf:
+        engines["hf"] = HfEngine(model, workload, args.device, args.dtype)
+    if run_vllm_too:
+        for mode in VLLM_MODES[args.vllm_mode or "compile"]:
+            engines["vllm" if mode == "compile" else f"vllm-{mode}"] = VllmPeer(
+                model, workload, vocab_size, args.vllm_python, args.dtype, mode)
+
+def main(argv: list[str] | None = None) -> None:
+    if "--speculative" in (sys.argv[1:] if argv is None else argv):
+        from benchmarks import speculative  # n-gram drafts vs plain, on a repetitive workload
+
+        return speculative.main(argv)
+    args = _parse_args(argv)
     model = resolve_model(args)
     stats = model_stats(model)
     workload = make_workload(args.workload, stats.vocab_size, seed=0, num_requests=args.num_requests)
@@ -371,21 +396,7 @@ def main(argv: list[str] | None = None) -> None:
     engines: dict = {}
     peaks: list[float] = []
     try:
-        engines[OURS] = PagedllmEngine(model, workload, stats.vocab_size, engine_args(
-            args, **({"async_scheduling": True} if args.async_scheduling == "on" else {})))
-        if args.async_scheduling == "both":
-            engines[f"{OURS}-async"] = PagedllmEngine(
-                model, workload, stats.vocab_size, engine_args(args, async_scheduling=True))
-        if args.tensor_parallel_size > 1:
-            tp = args.tensor_parallel_size
-            engines[f"{OURS}-tp{tp}"] = PagedllmEngine(
-                model, workload, stats.vocab_size, engine_args(args, tensor_parallel_size=tp))
-        if not args.no_hf:
-            engines["hf"] = HfEngine(model, workload, args.device, args.dtype)
-        if run_vllm_too:
-            for mode in VLLM_MODES[args.vllm_mode or "compile"]:
-                engines["vllm" if mode == "compile" else f"vllm-{mode}"] = VllmPeer(
-                    model, workload, stats.vocab_size, args.vllm_python, args.dtype, mode)
+        _start_engines(engines, args, model, workload, stats.vocab_size, run_vllm_too)
         runs = run_rounds(engines, args.repeat,
                           lambda r: peaks.append(measure_matmul_flops(args.device, args.matmul_size)))
         extras = {name: {**eng.info, "idle_cpu_share": eng.idle_cpu_share()}

@@ -106,17 +106,7 @@ def build_app(engine: AsyncLLM | Any, served_model_names: list[str] | None = Non
     app.state.llm = llm
     app.state.options = options
     install_exception_handlers(app)
-    # Added innermost first: CORS (outermost, so even a 401 carries its headers), then the key
-    # check (before a large body is read), then the body limit.
-    app.add_middleware(BodyLimitMiddleware, max_body_bytes=options.max_request_body_bytes,
-                       body_timeout=options.request_body_timeout)
-    if api_keys:
-        app.add_middleware(APIKeyMiddleware, api_keys=api_keys, salt_per_key=options.cache_salt_per_key)
-    if options.allowed_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=list(options.allowed_origins),
-                           allow_credentials=options.allow_credentials,
-                           allow_methods=list(options.allowed_methods),
-                           allow_headers=list(options.allowed_headers))
+    _add_middleware(app, options, api_keys)
     metrics = ServerMetrics(llm, names[0], _cache_config_info(llm))
     completions = OpenAIServingCompletion(llm, names, options, metrics)
     chat = OpenAIServingChat(llm, names, chat_template, options, metrics)
@@ -169,32 +159,7 @@ def build_app(engine: AsyncLLM | Any, served_model_names: list[str] | None = Non
     async def reset_prefix_cache() -> dict[str, bool]:
         return {"success": await llm.reset_prefix_cache()}
 
-    @app.post("/tokenize")
-    async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
-        chat.check_model(request.model)
-        request.check_extra_fields()
-        if (request.prompt is None) == (request.messages is None):
-            raise ValidationError("give exactly one of prompt and messages", "prompt")
-        if request.messages is not None:
-            ids = await chat.render_prompt(request.messages, None, request.add_generation_prompt, None)
-        else:
-            tokenizer = _tokenizer(llm)
-            ids = (await chat.tokenizer_call(tokenizer, request.prompt,
-                                             add_special_tokens=request.add_special_tokens)).input_ids
-        strs = (await chat.tokenizer_call(_tokenizer(llm).convert_ids_to_tokens, ids)
-                if request.return_token_strs else None)
-        return TokenizeResponse(count=len(ids), max_model_len=llm.max_model_len, tokens=list(ids),
-                                token_strs=strs)
-
-    @app.post("/detokenize")
-    async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
-        chat.check_model(request.model)
-        request.check_extra_fields()
-        vocab_size = llm.model_info.vocab_size
-        if any(not 0 <= t < vocab_size for t in request.tokens):
-            raise ValidationError(f"token ids must be in [0, {vocab_size})", "tokens")
-        return DetokenizeResponse(prompt=_tokenizer(llm).decode(request.tokens))
-
+    app.include_router(_tokenizer_router(llm, chat))
     return app
 
 
@@ -266,3 +231,50 @@ def run_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_leve
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+
+
+def _add_middleware(app: FastAPI, options: ServerOptions, api_keys: list[str]) -> None:
+    """Added innermost first: CORS (outermost, so even a 401 carries its headers), then the key
+    check (before a large body is read), then the body limit."""
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=options.max_request_body_bytes,
+                       body_timeout=options.request_body_timeout)
+    if api_keys:
+        app.add_middleware(APIKeyMiddleware, api_keys=api_keys, salt_per_key=options.cache_salt_per_key)
+    if options.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(options.allowed_origins),
+                           allow_credentials=options.allow_credentials,
+                           allow_methods=list(options.allowed_methods),
+                           allow_headers=list(options.allowed_headers))
+
+
+def _tokenizer_router(llm: AsyncLLM, chat: OpenAIServingChat) -> APIRouter:
+    """/tokenize and /detokenize (vLLM's routes), with the chat template's rendering."""
+    router = APIRouter()
+
+    @router.post("/tokenize")
+    async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
+        chat.check_model(request.model)
+        request.check_extra_fields()
+        if (request.prompt is None) == (request.messages is None):
+            raise ValidationError("give exactly one of prompt and messages", "prompt")
+        if request.messages is not None:
+            ids = await chat.render_prompt(request.messages, None, request.add_generation_prompt, None)
+        else:
+            tokenizer = _tokenizer(llm)
+            ids = (await chat.tokenizer_call(tokenizer, request.prompt,
+                                             add_special_tokens=request.add_special_tokens)).input_ids
+        strs = (await chat.tokenizer_call(_tokenizer(llm).convert_ids_to_tokens, ids)
+                if request.return_token_strs else None)
+        return TokenizeResponse(count=len(ids), max_model_len=llm.max_model_len, tokens=list(ids),
+                                token_strs=strs)
+
+    @router.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
+        chat.check_model(request.model)
+        request.check_extra_fields()
+        vocab_size = llm.model_info.vocab_size
+        if any(not 0 <= t < vocab_size for t in request.tokens):
+            raise ValidationError(f"token ids must be in [0, {vocab_size})", "tokens")
+        return DetokenizeResponse(prompt=_tokenizer(llm).decode(request.tokens))
+
+    return router

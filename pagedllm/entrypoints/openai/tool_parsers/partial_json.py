@@ -138,33 +138,47 @@ def scan_call(text: str, i: int, argument_keys: tuple[str, ...],
         if text[i] == ",":
             i += 1
             continue
-        if text[i] != '"':
-            raise NotACall(f"expected a key at {i}")
-        end = scan_string(text, i, memo)
-        if end is None:
-            return call, None
-        try:
-            key = json.loads(text[i:end])
-        except ValueError as e:
-            raise NotACall(str(e)) from e
-        i = skip_ws(text, end)
-        if i >= len(text):
-            return call, None
-        if text[i] != ":":
-            raise NotACall(f"expected ':' at {i}")
-        i = skip_ws(text, i + 1)
-        if i >= len(text):
+        key, i = _scan_key(text, i, memo)
+        if i is None:
             return call, None
         end = scan_value(text, i, memo)
-        if key == "name" and end is not None:
-            if text[i] != '"':
-                raise NotACall("the name is not a string")
-            try:
-                call.name = json.loads(text[i:end])
-            except ValueError as e:
-                raise NotACall(str(e)) from e
-        elif key in argument_keys:
-            call.raw_arguments = text[i:] if end is None else text[i:end]
+        _take_member(call, key, text, i, end, argument_keys)
         if end is None:
             return call, None
         i = end
+
+
+def _scan_key(text: str, i: int, memo: ScanMemo | None) -> tuple[str | None, int | None]:
+    """The member key starting at ``text[i]`` and where its value starts (after the colon and
+    whitespace), or (None, None) while the text ends before the value."""
+    if text[i] != '"':
+        raise NotACall(f"expected a key at {i}")
+    end = scan_string(text, i, memo)
+    if end is None:
+        return None, None
+    try:
+        key = json.loads(text[i:end])
+    except ValueError as e:
+        raise NotACall(str(e)) from e
+    i = skip_ws(text, end)
+    if i >= len(text):
+        return None, None
+    if text[i] != ":":
+        raise NotACall(f"expected ':' at {i}")
+    i = skip_ws(text, i + 1)
+    return (key, i) if i < len(text) else (None, None)
+
+
+def _take_member(call: PartialCall, key: str | None, text: str, i: int, end: int | None,
+                 argument_keys: tuple[str, ...]) -> None:
+    """Record the member ``key`` whose value spans ``text[i:end]`` (to the text's end while
+    ``end`` is None) in ``call``: the name once complete, the arguments as they grow."""
+    if key == "name" and end is not None:
+        if text[i] != '"':
+            raise NotACall("the name is not a string")
+        try:
+            call.name = json.loads(text[i:end])
+        except ValueError as e:
+            raise NotACall(str(e)) from e
+    elif key in argument_keys:
+        call.raw_arguments = text[i:] if end is None else text[i:end]
