@@ -121,9 +121,6 @@ def test_memory(tiny_model, tmp_path, capsys):
 
 
 def test_latency(tiny_model, tmp_path, capsys):
-    if importlib.util.find_spec("pagedllm.entrypoints.openai.server") is None:
-        pytest.skip("pagedllm.entrypoints.openai.server is not available yet")
-    pytest.importorskip("uvicorn")
     from benchmarks import latency
 
     out = tmp_path / "l.json"
@@ -137,7 +134,6 @@ def test_latency(tiny_model, tmp_path, capsys):
 
 
 def test_latency_compares_serving_modes_in_interleaved_rounds(tiny_model, tmp_path, capsys):
-    pytest.importorskip("uvicorn")
     from benchmarks import latency
 
     out = tmp_path / "c.json"
