@@ -5,7 +5,9 @@ The models are random, in the shapes of Qwen2.5-0.5B and Llama-3.2-1B (Llama arc
 ("moe-0.5b", Mixtral architecture: the experts stay quantized), made once: transformers writes the
 float32 checkpoint, llama.cpp's own converter (convert_hf_to_gguf.py) turns it into an F32 GGUF
 file and llama.cpp's quantizer (llama_model_quantize) into Q8_0, Q4_0 and Q4_K_M, exactly the
-files a user downloads. Both engines then load each file, and in interleaved rounds:
+files a user downloads. Without llama.cpp (benchmarks/setup_llama_cpp.sh not run) it says so and
+measures pagedllm alone, on Q8_0 / Q4_0 files the gguf package writes (benchmarks/gguf_writer.py).
+Both engines then load each file, and in interleaved rounds:
   decode      one request: a 32-token prompt, 128 new tokens, greedy; tok/s of the 127 steps
               after the first token, and the share of the measured memory read bandwidth this is
               (weight bytes a step reads / time per step);
@@ -65,10 +67,29 @@ def _peer_python(venv: Path = LLAMA_CPP_VENV) -> Path:
     return python
 
 
-def prepare(shape: str, types: list[str]) -> dict[str, Path]:
-    """The GGUF files of ``shape`` (made once, cached): type name -> path."""
-    folder = CACHE_DIR / f"gguf-{shape}"
+def llama_cpp_missing(venv: Path | None = None) -> str | None:
+    """Why llama.cpp cannot make or run the files here; None when it can."""
+    venv = venv or LLAMA_CPP_VENV
+    if not (venv / "bin" / "python").is_file():
+        return f"no llama.cpp venv at {venv}"
+    if not (LLAMA_CPP_VENV / "llama.cpp" / "convert_hf_to_gguf.py").is_file():
+        return f"no convert_hf_to_gguf.py under {LLAMA_CPP_VENV}"
+    return None
+
+
+def prepare(shape: str, types: list[str], by_llama_cpp: bool = True) -> dict[str, Path]:
+    """The GGUF files of ``shape`` (made once, cached): type name -> path. Without llama.cpp
+    the gguf package writes them from the float32 checkpoint, kept in the folder for that."""
+    folder = CACHE_DIR / (f"gguf-{shape}" if by_llama_cpp else f"gguf-{shape}-gguf-py")
     spec = SHAPES[shape]
+    if not by_llama_cpp:
+        from benchmarks.gguf_writer import WRITABLE_TYPES
+
+        unwritable = [t for t in types if t not in WRITABLE_TYPES]
+        if unwritable or "kind" in spec:
+            raise SystemExit(f"without llama.cpp the gguf package writes dense shapes in "
+                             f"{', '.join(WRITABLE_TYPES)} only, not {shape} {' '.join(unwritable)}: "
+                             "run bash benchmarks/setup_llama_cpp.sh")
     stamp = folder / "spec.json"
     if not stamp.is_file() or json.loads(stamp.read_text()) != spec:
         shutil.rmtree(folder, ignore_errors=True)
@@ -81,6 +102,9 @@ def prepare(shape: str, types: list[str]) -> dict[str, Path]:
                 f"m = transformers.{kind}ForCausalLM(transformers.{kind}Config(**{fields!r})).eval(); "
                 "m.save_pretrained(sys.argv[1])")
         subprocess.run([sys.executable, "-c", code, str(folder / "hf")], check=True)
+        if not by_llama_cpp:
+            stamp.write_text(json.dumps(spec))
+            return _write_with_gguf_package(folder, shape, types)
         for f in TOKENIZER_DIR.iterdir():
             shutil.copy(f, folder / "hf" / f.name)
         convert = LLAMA_CPP_VENV / "llama.cpp" / "convert_hf_to_gguf.py"
@@ -89,6 +113,8 @@ def prepare(shape: str, types: list[str]) -> dict[str, Path]:
                         "--outfile", str(folder / "F32.gguf")], check=True, env=env)
         shutil.rmtree(folder / "hf")
         stamp.write_text(json.dumps(spec))
+    if not by_llama_cpp:
+        return _write_with_gguf_package(folder, shape, types)
     paths = {}
     for name in types:
         path = folder / f"{name}.gguf"
@@ -98,6 +124,27 @@ def prepare(shape: str, types: list[str]) -> dict[str, Path]:
                             "--quantize", str(folder / "F32.gguf"), str(path), name], check=True)
         paths[name] = path
     return paths
+
+
+def _write_with_gguf_package(folder: Path, shape: str, types: list[str]) -> dict[str, Path]:
+    from benchmarks.gguf_writer import write_gguf
+
+    paths = {}
+    for name in types:
+        path = folder / f"{name}.gguf"
+        if not path.is_file():
+            log(f"writing {shape} as {name} with the gguf package (no llama.cpp) ...")
+            tmp = path.with_suffix(".tmp")  # an interrupted write never leaves a half file
+            write_gguf(folder / "hf", tmp, name)
+            tmp.rename(path)
+        paths[name] = path
+    return paths
+
+
+def carries_tokenizer(path: Path) -> bool:
+    from gguf import GGUFReader
+
+    return "tokenizer.ggml.tokens" in GGUFReader(str(path)).fields
 
 
 def weight_bytes_per_token(path: Path) -> int:
@@ -143,9 +190,11 @@ class PagedLLM:
 
         import torch
         torch.set_num_threads(threads)
-        self.llm = LLM(str(path), max_model_len=2048, kv_cache_memory_bytes=KV_BUDGET,
-                       enable_prefix_caching=False, max_num_seqs=64, seed=0,
-                       quantization_activations=activations)
+        # The gguf package's files carry no tokenizer: the one llama.cpp's converter embeds.
+        tokenizer = None if carries_tokenizer(path) else str(TOKENIZER_DIR)
+        self.llm = LLM(str(path), tokenizer=tokenizer, max_model_len=2048,
+                       kv_cache_memory_bytes=KV_BUDGET, enable_prefix_caching=False,
+                       max_num_seqs=64, seed=0, quantization_activations=activations)
 
     def _generate(self, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
         from pagedllm import SamplingParams
@@ -215,6 +264,7 @@ def bench_file(path: Path, args: argparse.Namespace, bandwidth: float) -> dict:
             env=dict(os.environ, OMP_NUM_THREADS=str(args.threads)))
         log(f"llama.cpp: {engines['llama.cpp'].ready.get('system_info', '?')}")
     rates: dict[str, dict[str, list[float]]] = {e: {n: [] for n, _ in jobs} for e in engines}
+    num_tokens: dict[str, dict[str, int]] = {e: {} for e in engines}  # of the last round
     same_ids: dict[str, bool] = {}
     try:
         for warm_or_round in range(args.rounds + 1):  # round 0 warms every engine up
@@ -224,6 +274,9 @@ def bench_file(path: Path, args: argparse.Namespace, bandwidth: float) -> dict:
                     results[engine_name] = r = _ask(engine, job)
                     if warm_or_round:
                         rates[engine_name][name].append(_rate(name, job, r))
+                        ids = r["token_ids"]
+                        num_tokens[engine_name][name] = (len(ids) if job["kind"] == "decode"
+                                                         else sum(map(len, ids)))
                 if len(results) == 2:
                     a, b = (results[e]["token_ids"] for e in engines)
                     same_ids[name] = a == b
@@ -241,7 +294,7 @@ def bench_file(path: Path, args: argparse.Namespace, bandwidth: float) -> dict:
               "rss_loaded_bytes": rss_loaded, "peak_rss_bytes": rss,
               "rss_bound_bytes": int(1.1 * (path.stat().st_size + KV_BUDGET)),
               "weight_bytes_per_token": weight_bytes, "read_bandwidth": bandwidth,
-              "same_greedy_ids": same_ids}
+              "num_tokens": num_tokens, "same_greedy_ids": same_ids}
     if "decode" in medians["pagedllm"]:
         result["decode_bandwidth_share"] = {
             e: m["decode"] * weight_bytes / bandwidth for e, m in medians.items()}
@@ -269,11 +322,16 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     from pagedllm.kernels.cpu_extension import cpu_description
 
+    missing = llama_cpp_missing()
+    if args.llama_cpp and llama_cpp_missing(args.llama_cpp_venv):
+        log(f"llama.cpp is not installed ({llama_cpp_missing(args.llama_cpp_venv)}; run bash "
+            "benchmarks/setup_llama_cpp.sh): measuring pagedllm alone")
+        args.llama_cpp = False
     bandwidth = args.read_bandwidth or read_bandwidth()
     log(f"CPU: {cpu_description()}; memory read bandwidth {bandwidth / 1e9:.1f} GB/s")
     results = []
     for shape in args.shape:
-        for type_name, path in prepare(shape, args.type).items():
+        for type_name, path in prepare(shape, args.type, by_llama_cpp=missing is None).items():
             log(f"{shape} {type_name}: {path}")
             # One process per file: a file's peak RSS must not include the one before it.
             if len(args.shape) * len(args.type) > 1:
@@ -292,6 +350,7 @@ def main(argv: list[str] | None = None) -> int:
                 result = bench_file(path, args, bandwidth)
             result["shape"], result["type"] = shape, type_name
             result["activations"] = args.activations
+            result["file_by"] = "gguf package" if missing else "llama.cpp"
             results.append(result)
             print(_line(result), flush=True)
     write_json(args.json, {"cpu": cpu_description(), "results": results})
@@ -300,7 +359,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _line(r: dict) -> str:
     m = r["medians"]
-    parts = [f"{r['shape']} {r['type']} ({r.get('activations', 'float32')} activations):"]
+    note = "" if "llama.cpp" in m else ", pagedllm alone"
+    if r.get("file_by") == "gguf package":
+        note += ", file by the gguf package"
+    parts = [f"{r['shape']} {r['type']} ({r.get('activations', 'float32')} activations{note}):"]
     for name in m["pagedllm"]:
         text = f"{name} {m['pagedllm'][name]:.1f} tok/s"
         if "llama.cpp" in m:
@@ -311,7 +373,7 @@ def _line(r: dict) -> str:
             f"{e} {100 * s:.0f}%" for e, s in r["decode_bandwidth_share"].items()))
     parts.append(f"peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MiB (bound "
                  f"{r['rss_bound_bytes'] / 2**20:.0f}; {r['rss_loaded_bytes'] / 2**20:.0f} once loaded)")
-    return "; ".join(parts)
+    return parts[0] + " " + "; ".join(parts[1:])
 
 
 if __name__ == "__main__":

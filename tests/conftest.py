@@ -15,5 +15,5 @@ os.environ.setdefault("PAGEDLLM_ENFORCE_EAGER", "1")
 # tests/models/test_linear_choice.py tests the measured choice itself.
 os.environ.setdefault("PAGEDLLM_CPU_KERNELS", "pagedllm")
 
-# Optional packages that CI installs are imported with tests/ci_support.py's importorskip (a
-# failure under CI=true, a skip elsewhere), never with pytest.importorskip.
+# Packages of the `test` extra are imported plainly (a missing one fails, it never skips);
+# system tools CI installs (chromium) go through tests/ci_support.py's skip_unless_ci.

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
+import statistics
 from pathlib import Path
 
 import pytest
@@ -23,6 +25,12 @@ def _one_line(capsys, prefix: str) -> str:
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(prefix), lines
     return lines[0]
+
+
+def _printed_ratio_is(printed: float, num: float, den: float, digits: int) -> None:
+    # num and den as printed (rounded to 0.1): the ratio's error bound from that rounding.
+    lo, hi = (num - 0.05) / (den + 0.05), (num + 0.05) / (den - 0.05)
+    assert lo - 10 ** -digits <= printed <= hi + 10 ** -digits, (printed, num, den)
 
 
 def test_workloads_are_fixed_and_in_range():
@@ -52,10 +60,28 @@ def test_throughput(tiny_model, tmp_path, capsys):
                      "--plot", str(png), "--matmul-size", "128", *SMALL_KV])
     line = _one_line(capsys, "throughput small")
     r = json.loads(out.read_text())
-    assert r["num_requests"] == 4 and r["engines"]["pagedllm"]["tok_per_s"] > 0
-    hf = r["engines"]["hf"]
+    ours, hf = r["engines"]["pagedllm"], r["engines"]["hf"]
+    assert r["num_requests"] == 4
+    # Every timed run produced the tokens the workload asks for.
+    assert r["num_output_tokens"] == sum(common.make_workload("small", 32000).output_lens)
+    assert all(x["num_tokens"] == r["num_output_tokens"] for x in r["runs"])
     assert hf["greedy_agree"] == 4, line  # float32 greedy on a tiny model: identical tokens
-    assert hf["pagedllm_ratio"] > 0 and 0 < r["engines"]["pagedllm"]["utilization"]
+    # Each round's printed ratio is the ratio of that round's printed rates; the headline ratio
+    # is the median of the rounds' ratios.
+    assert r["repeat"] == 3
+    ours_runs = re.search(r"pagedllm [\d.]+ tok/s \(([\d./]+);", line).group(1).split("/")
+    hf_runs, ratio, ratio_runs = re.search(
+        r"\| hf [\d.]+ tok/s \(([\d./]+)\), ([\d.]+)x \(([\d./]+)\)", line).groups()
+    for mine, peer, printed in zip(ours_runs, hf_runs.split("/"), ratio_runs.split("/"), strict=True):
+        _printed_ratio_is(float(printed), float(mine), float(peer), 2)
+    assert float(ratio) == statistics.median(float(x) for x in ratio_runs.split("/"))
+    assert hf["runs_pagedllm_ratio"] == pytest.approx(
+        [a / b for a, b in zip(ours["runs_tok_per_s"], hf["runs_tok_per_s"])])
+    assert hf["pagedllm_ratio"] == statistics.median(hf["runs_pagedllm_ratio"])
+    # Utilization: the FLOP/s the output tokens imply over the measured matmul FLOP/s.
+    assert ours["utilization"] == pytest.approx(
+        r["flops_per_output_token"] * ours["tok_per_s"] / r["matmul_flops_per_s"])
+    assert f"{ours['utilization']:.1%} of" in line
     assert png.stat().st_size > 0
 
 
@@ -80,9 +106,12 @@ def test_model_idle_measures_both_modes(tiny_model, tmp_path, capsys):
     line = _one_line(capsys, "model_idle small")
     r = json.loads(out.read_text())
     for mode in ("sync", "async"):
-        assert len(r["runs"][mode]) == 2, line
-        assert all(0 < x["busy_s"] < x["wall_s"] for x in r["runs"][mode])
-        assert 0 < r["medians"][mode]["idle_share"] < 1
+        runs = r["runs"][mode]
+        assert len(runs) == 2, line
+        assert all(0 < x["busy_s"] < x["wall_s"] for x in runs)  # the model ran, and not always
+        assert all(x["idle_share"] == pytest.approx(1 - x["busy_s"] / x["wall_s"]) for x in runs)
+        assert r["medians"][mode]["idle_share"] == pytest.approx(statistics.median(x["idle_share"] for x in runs))
+        assert f"{r['medians'][mode]['idle_share']:.1%}" in line
 
 
 def test_prefix(tiny_model, tmp_path, capsys):
@@ -109,7 +138,9 @@ def test_memory(tiny_model, tmp_path, capsys):
     _one_line(capsys, "memory small")
     r = json.loads(out.read_text())
     b = r["waste"]["busiest_step"]
-    assert 0 < b["tokens"] <= b["slots"] and 0 <= b["waste"] < b["contiguous_waste"]
+    assert 0 < b["tokens"] <= b["slots"] and b["waste"] < b["contiguous_waste"]
+    assert b["waste"] == pytest.approx(1 - b["tokens"] / b["slots"])  # the slots held, not filled
+    assert b["contiguous_waste"] == pytest.approx(1 - b["tokens"] / (b["running"] * 256))
     assert r["contiguous_batch"] == 1 and r["paged_batch"]["peak_running"] >= 1
     held = r["paged_batch"]  # memory truth: the KV allocated is the budget, and nothing beside it
     assert r["kv_budget_bytes"] - 16 * 512 < held["kv_cache_bytes"] <= r["kv_budget_bytes"]
@@ -121,9 +152,6 @@ def test_memory(tiny_model, tmp_path, capsys):
 
 
 def test_latency(tiny_model, tmp_path, capsys):
-    if importlib.util.find_spec("pagedllm.entrypoints.openai.server") is None:
-        pytest.skip("pagedllm.entrypoints.openai.server is not available yet")
-    pytest.importorskip("uvicorn")
     from benchmarks import latency
 
     out = tmp_path / "l.json"
@@ -137,7 +165,6 @@ def test_latency(tiny_model, tmp_path, capsys):
 
 
 def test_latency_compares_serving_modes_in_interleaved_rounds(tiny_model, tmp_path, capsys):
-    pytest.importorskip("uvicorn")
     from benchmarks import latency
 
     out = tmp_path / "c.json"
@@ -178,7 +205,8 @@ def test_dashboard_overhead(tiny_model, tmp_path, capsys):
     _one_line(capsys, "dashboard_overhead small")
     r = json.loads(out.read_text())
     assert len(r["closed_tok_s"]) == len(r["open_tok_s"]) == 1
-    assert r["step_records_per_round"][0] > 0 and r["ratio_median"] > 0
+    assert r["step_records_per_round"][0] > 0
+    assert r["ratio_median"] == pytest.approx(r["open_tok_s"][0] / r["closed_tok_s"][0])
 
 
 def test_linear_kernels_compares_the_skinny_kernel_with_its_peers(capsys):
@@ -198,8 +226,15 @@ def test_linear_kernels_compares_the_skinny_kernel_with_its_peers(capsys):
         names = [c.split(" us")[0].rsplit(" ", 1)[0].strip() for c in cells[1:-1]]
         want = ["skinny native", *(["skinny v3"] if can_run("v3") else []), "onednn", "f_linear"]
         assert names == want, names
-        ratios = cells[-1].split()  # "skinny native: 1.23x skinny v3: 1.20x"
-        assert all(float(r.rstrip("x")) > 0 for r in ratios[2::3])
+        # Each ratio is the faster library path's time over the kernel's, from the printed times
+        # (whole microseconds: the bound allows their rounding).
+        us = {name: float(c.split(" us")[0].rsplit(" ", 1)[1]) for name, c in zip(names, cells[1:-1])}
+        best_lib = min(us["onednn"], us["f_linear"])
+        ratios = dict(re.findall(r"(skinny \w+): ([\d.]+)x", cells[-1]))
+        assert set(ratios) == {n for n in names if n.startswith("skinny")}
+        for name, ratio in ratios.items():
+            lo, hi = (best_lib - 0.5) / (us[name] + 0.5), (best_lib + 0.5) / max(us[name] - 0.5, 0.5)
+            assert lo - 0.01 <= float(ratio) <= hi + 0.01, (line, name)
 
 
 def test_half_decode_times_each_dtype_against_float32(tmp_path, capsys):
@@ -209,13 +244,19 @@ def test_half_decode_times_each_dtype_against_float32(tmp_path, capsys):
     half_decode.main(["--shape", "tiny", "--rounds", "1", "--dtype", "float32", "bfloat16",
                       "--threads", "1", "--model-dir", str(tmp_path), "--json", str(out),
                       "--engine-arg", "enforce_eager=True"])
-    _one_line(capsys, "half_decode tiny: float32")
+    line = _one_line(capsys, "half_decode tiny: float32")
     r = json.loads(out.read_text())["results"][0]
-    assert r["ratio_vs_first"]["float32"] == 1.0 and r["ratio_vs_first"]["bfloat16"] > 0
+    tok_s = r["decode_tok_s"]
+    assert r["ratio_vs_first"]["float32"] == 1.0
+    assert r["ratio_vs_first"]["bfloat16"] == pytest.approx(tok_s["bfloat16"] / tok_s["float32"])
     nbytes = r["weight_bytes_per_token"]
     assert nbytes["float32"] == 2 * nbytes["bfloat16"] > 0
+    for dtype in ("float32", "bfloat16"):
+        assert r["bandwidth_share"][dtype] == pytest.approx(tok_s[dtype] * nbytes[dtype] / r["read_bandwidth"])
     assert r["same_leading_ids"]["float32"] == half_decode.MAX_TOKENS
-    assert 0 <= r["same_leading_ids"]["bfloat16"] <= half_decode.MAX_TOKENS
+    same = r["same_leading_ids"]["bfloat16"]  # printed as the JSON has it
+    assert f"({r['ratio_vs_first']['bfloat16']:.2f}x, " in line
+    assert f"{same}/{half_decode.MAX_TOKENS} ids as float32" in line
 
 
 def test_checkout_ab_alternates_two_checkouts(tiny_model, tmp_path, capsys):
@@ -231,7 +272,11 @@ def test_checkout_ab_alternates_two_checkouts(tiny_model, tmp_path, capsys):
     r = json.loads(out.read_text())
     assert r["same_ids"] and "same ids: yes" in line
     assert all(len(t) == 4 and min(t) > 0 for t in r["times_s"].values())  # 2 rounds x 2 orders
-    assert r["speedup"] > 0 and len(r["speedup_by_start_order"]) == 2
+    med = {name: statistics.median(t) for name, t in r["times_s"].items()}
+    assert r["speedup"] == pytest.approx(med["baseline"] / med["candidate"])
+    assert len(r["speedup_by_start_order"]) == 2
+    tokens = sum(common.make_workload("small", 32000).output_lens)
+    assert r["num_tokens"] == tokens and f"({tokens / med['baseline']:.1f} -> " in line
 
 
 def test_checkout_ab_refuses_a_folder_that_is_no_checkout(tmp_path):
@@ -239,3 +284,48 @@ def test_checkout_ab_refuses_a_folder_that_is_no_checkout(tmp_path):
 
     with pytest.raises(SystemExit, match="not a pagedllm source checkout"):
         checkout_ab.main(["--baseline", str(tmp_path), "--model", "unused"])
+
+
+def test_gguf_without_llama_cpp_measures_pagedllm_alone(tmp_path, capsys, monkeypatch):
+    """No llama.cpp here: the benchmark says so, writes the tiny shape's Q8_0 file with the gguf
+    package and measures pagedllm on it; every figure it prints is one its JSON holds."""
+    import gguf
+
+    from benchmarks import gguf as bench
+
+    monkeypatch.setattr(bench, "CACHE_DIR", tmp_path / "cache")
+    monkeypatch.setattr(bench, "LLAMA_CPP_VENV", tmp_path / "no-llama-cpp")
+    out, bandwidth = tmp_path / "g.json", 1e10
+    bench.main(["--shape", "tiny", "--type", "Q8_0", "--rounds", "1", "--threads", "1",
+                "--skip", "batch", "--read-bandwidth", str(bandwidth), "--json", str(out)])
+    captured = capsys.readouterr()
+    assert "llama.cpp is not installed" in captured.err and "measuring pagedllm alone" in captured.err
+    lines = captured.out.strip().splitlines()
+    assert len(lines) == 1
+    line = lines[0]
+    assert line.startswith("tiny Q8_0 (float32 activations, pagedllm alone, file by the gguf package): ")
+    r = json.loads(out.read_text())["results"][0]
+    m = r["medians"]
+    assert list(m) == ["pagedllm"] and r["file_by"] == "gguf package"
+    assert r["num_tokens"] == {"pagedllm": {"decode": 128, "prefill": 1}}  # what each job asks
+    assert f"decode {m['pagedllm']['decode']:.1f} tok/s" in line
+    assert f"prefill {m['pagedllm']['prefill']:.1f} tok/s" in line
+    # The file: every matrix Q8_0 (34 bytes per 32 weights), the norms F32, the head tied.
+    spec = bench.SHAPES["tiny"]
+    h, i, n = spec["hidden_size"], spec["intermediate_size"], spec["num_hidden_layers"]
+    kv = spec["head_dim"] * spec["num_key_value_heads"]
+    matrices = spec["vocab_size"] * h + n * (2 * h * h + 2 * kv * h + 3 * i * h)
+    norms = (2 * n + 1) * h
+    reader = gguf.GGUFReader(str(tmp_path / "cache" / "gguf-tiny-gguf-py" / "Q8_0.gguf"))
+    assert {t.tensor_type.name for t in reader.tensors if len(t.shape) == 2} == {"Q8_0"}
+    assert "output.weight" not in {t.name for t in reader.tensors}
+    assert r["weight_bytes_per_token"] == matrices // 32 * 34 + 4 * norms
+    share = r["decode_bandwidth_share"]["pagedllm"]
+    assert share == pytest.approx(m["pagedllm"]["decode"] * r["weight_bytes_per_token"] / bandwidth)
+    assert f"decode bandwidth pagedllm {100 * share:.0f}%" in line
+    assert r["rss_bound_bytes"] == int(1.1 * (r["file_bytes"] + bench.KV_BUDGET))
+    assert 0 < r["rss_loaded_bytes"] <= r["peak_rss_bytes"]
+    assert f"peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MiB" in line
+    # K-quants need llama.cpp's quantizer: refused in one line before anything is built.
+    with pytest.raises(SystemExit, match="Q4_K_M: run bash benchmarks/setup_llama_cpp.sh"):
+        bench.main(["--shape", "tiny", "--type", "Q4_K_M", "--read-bandwidth", "1e10"])

@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from ci_support import importorskip, skip_unless_ci
+from ci_support import skip_unless_ci
 from dash_helpers import send_completions
 
 pytestmark = pytest.mark.slow
@@ -44,7 +44,7 @@ def browser():
     if not (os.access(CHROMIUM, os.X_OK) and os.access(CHROMEDRIVER, os.X_OK)):
         # .ci/run installs both: in CI their absence fails the test instead of skipping it.
         skip_unless_ci("needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)")
-    webdriver = importorskip("selenium.webdriver")
+    from selenium import webdriver
     from selenium.webdriver.chrome.options import Options
     from selenium.webdriver.chrome.service import Service
 

@@ -61,7 +61,6 @@ def test_priority_names_the_field(core_process_engine):
 
 @pytest.fixture(scope="module")
 def http(core_process_engine):
-    pytest.importorskip("fastapi")
     from fastapi.testclient import TestClient
 
     from pagedllm.entrypoints.openai.server import build_app

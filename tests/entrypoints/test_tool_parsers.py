@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import zlib
 
 import pytest
 
@@ -82,7 +83,7 @@ LLAMA3_CASES = [
                          [(hermes, *c) for c in HERMES_CASES] + [(llama3, *c) for c in LLAMA3_CASES])
 def test_auto_parsers_whole_and_streamed(parser_cls, text, content, calls):
     assert whole(parser_cls(), text) == (content, calls)
-    rng = random.Random(hash(text) % 1000)
+    rng = random.Random(zlib.crc32(text.encode()))  # hash() of a str is per process
     for _ in range(25):
         assert streamed(parser_cls(), text, rng) == (content, calls), text
 

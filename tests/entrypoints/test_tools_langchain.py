@@ -9,16 +9,14 @@ import json
 import operator
 from typing import Literal
 
+import langchain_openai
 import pytest
-from ci_support import importorskip
+from langchain_core.messages import HumanMessage, ToolMessage
 from pydantic import BaseModel, Field
 from server_utils import ServerThread
 from tool_helpers import TIME, TOOL_TEMPLATE, TOOLS, check_call, scripted_server
 
 from pagedllm.config import default_model
-
-langchain_openai = importorskip("langchain_openai")  # CI installs it: a failure there, not a skip
-from langchain_core.messages import HumanMessage, ToolMessage  # noqa: E402
 
 QUESTION = [HumanMessage("What is the weather in Paris?")]
 

@@ -4,6 +4,7 @@ sentencepiece-style tokenizer; and raw K-quant blocks built from random codes an
 from __future__ import annotations
 
 import struct
+import zlib
 from pathlib import Path
 
 import gguf
@@ -143,9 +144,14 @@ def _add_tensor(writer, name: str, w: np.ndarray, t: int) -> None:
     elif t == T.F16:
         writer.add_tensor(name, w.astype(np.float16))
     elif t in (T.Q4_K, T.Q5_K, T.Q6_K):
-        writer.add_tensor(name, random_blocks(t, *w.shape, seed=abs(hash(name)) % 2**32), raw_dtype=t)
+        writer.add_tensor(name, random_blocks(t, *w.shape, seed=_stable_seed(name)), raw_dtype=t)
     else:
         writer.add_tensor(name, gguf.quants.quantize(w.astype(np.float32), t), raw_dtype=t)
+
+
+def _stable_seed(name: str) -> int:
+    # hash() of a str changes per process (PYTHONHASHSEED), so the codes would change per run.
+    return zlib.crc32(name.encode())
 
 
 def _write_metadata(writer, cfg, arch, head_dim, with_tokenizer, extra) -> None:

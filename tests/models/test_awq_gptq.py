@@ -1,7 +1,8 @@
 """AWQ and GPTQ checkpoints (layers/quantization/checkpoint_formats.py) against transformers
 running the same model with the dequantized float weights: the tests quantize a tiny random
 model's linears themselves (random codes, zeros and fp16 scales), pack them in each format
-and write the float model they stand for alongside."""
+and write the float model they stand for alongside; where AutoAWQ is installed, a folder it
+quantized and packed is checked against its own dequantization."""
 from __future__ import annotations
 
 import json
@@ -277,3 +278,49 @@ def test_tensor_parallel_splits_whole_groups(tmp_path, monkeypatch):
     with pytest.raises(ModelLoadError, match="cuts a quantization group of 32"):
         LLM(str(folder), device="cpu", enforce_eager=True, kv_cache_memory_bytes=1 << 20,
             tensor_parallel_size=2)
+
+
+@pytest.mark.slow  # AutoAWQ's scale search on CPU
+def test_autoawq_folder_matches_its_own_dequantization(tmp_path):
+    """A folder AutoAWQ quantized and packed itself (calibrated scales folded into the norms,
+    GEMM packing), not the tests' packer: pagedllm against transformers running the weights
+    AutoAWQ's own dequantize_gemm reads from that folder."""
+    # Not in the test extra: AutoAWQ pulls triton, datasets and pyarrow (over 1 GB) and is
+    # deprecated upstream; where it is installed it makes the folder.
+    pytest.importorskip("awq")
+    from awq import AutoAWQForCausalLM
+    from awq.utils.packing_utils import dequantize_gemm
+    from safetensors.torch import load_file
+    from transformers import LlamaForCausalLM
+
+    group = 32
+    # AutoAWQ's clip search takes output rows in batches of 64: k/v are 2 heads x 32.
+    config = lambda: LlamaConfig(hidden_size=128, intermediate_size=256, **COMMON)  # noqa: E731
+    float_folder, awq_folder = tmp_path / "float", tmp_path / "awq"
+    save(make_hf_model(config()), float_folder)
+    gen = np.random.default_rng(0)
+    calib = [gen.integers(3, 512, 32).tolist() for _ in range(16)]  # token ids: no tokenizer
+    awq_model = AutoAWQForCausalLM.from_pretrained(str(float_folder))
+    awq_model.quantize(None, quant_config={"zero_point": True, "q_group_size": group, "w_bit": 4,
+                                           "version": "GEMM"},
+                       calib_data=calib, max_calib_seq_len=32, n_parallel_calib_samples=4)
+    awq_model.save_quantized(str(awq_folder))
+    saved = load_file(str(awq_folder / "model.safetensors"))
+    assert {k.rsplit(".", 1)[1] for k in saved if ".mlp." in k} == {"qweight", "qzeros", "scales"}
+    state = {}
+    for name, value in saved.items():
+        if name.endswith(".qweight"):
+            prefix = name.removesuffix(".qweight")
+            # float32 scales: the exact values (dequantize_gemm computes in the scales' dtype)
+            scales = saved[f"{prefix}.scales"].float()
+            w = dequantize_gemm(value, saved[f"{prefix}.qzeros"], scales, 4, group)
+            state[f"{prefix}.weight"] = w.T.float()  # [in, out] -> nn.Linear's [out, in]
+        elif not name.endswith((".qzeros", ".scales")):
+            state[name] = value.float()
+    ref = LlamaForCausalLM(config()).eval()
+    ref.load_state_dict(state, strict=True)
+    model, _ = load_model(str(awq_folder), torch.float32, torch.device("cpu"))
+    layers = [m for n, m in model.named_modules() if n.endswith(("qkv_proj", "o_proj",
+                                                                 "gate_up_proj", "down_proj"))]
+    assert layers and all(m.weight is None and m.qweight.group_size == group for m in layers)
+    check_mixed_batch(model, ref, PagedRunner(model, block_size=4))

@@ -1,7 +1,8 @@
 """GPT-OSS against transformers' GptOssForCausalLM on a tiny random model (float32): attention
 sinks, alternating sliding-window/full layers, yarn rope, the biased top-k-then-softmax router,
 biased experts with the clamped SwiGLU in the fused transposed/interleaved layout; MXFP4
-dequantization from known values; the tensor-parallel sizes a GPT-OSS config allows."""
+checkpoints against transformers' own dequantizer and loader; the tensor-parallel sizes a
+GPT-OSS config allows."""
 from __future__ import annotations
 
 import json
@@ -11,12 +12,12 @@ import torch
 from paged_helpers import PagedRunner, check_llm_greedy_with_prefix_hit, hf_log_probs
 from safetensors.torch import load_file, save_file
 from test_model_parity import check_mixed_batch, make_hf_model, save
-from transformers import GptOssConfig
+from transformers import AutoModelForCausalLM, GptOssConfig, Mxfp4Config
 
 from pagedllm.distributed.tp_sizes import check_tensor_parallel_size, valid_tensor_parallel_sizes
 from pagedllm.errors import ValidationError
 from pagedllm.layers import FusedMoE
-from pagedllm.layers.quantization.mxfp4 import E2M1_VALUES, dequantize_mxfp4
+from pagedllm.layers.quantization.mxfp4 import dequantize_mxfp4
 from pagedllm.models import load_model
 
 
@@ -84,29 +85,35 @@ def test_llm_greedy_with_chunked_prefill_window_edge_and_prefix_caching(tmp_path
     check_llm_greedy_with_prefix_hit(hf_model, folder, last_prompt_len=23)
 
 
-def _quantize_mxfp4(codes: torch.Tensor, exponents: torch.Tensor):
+def _pack_mxfp4(codes: torch.Tensor, exponents: torch.Tensor):
     """Known e2m1 codes ``[..., G * 32]`` (0..15) and scale exponents ``[..., G]`` -> the
-    checkpoint's (blocks, scales) and the values they stand for."""
+    checkpoint's (blocks, scales); what they stand for is transformers' to say."""
     pairs = codes.to(torch.uint8).view(*codes.shape[:-1], -1, 16, 2)
     blocks = pairs[..., 0] | (pairs[..., 1] << 4)  # the low nibble is the earlier value
-    scales = (exponents + 127).to(torch.uint8)
-    table = torch.tensor(E2M1_VALUES, dtype=torch.float64)
-    values = table[codes.long()].view(*exponents.shape, 32) * 2.0 ** exponents[..., None].double()
-    return blocks, scales, values.view(codes.shape)
+    return blocks, (exponents + 127).to(torch.uint8)
 
 
-def test_mxfp4_dequantization_is_exact():
+def hf_dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """transformers' MXFP4 dequantizer (the one its GPT-OSS loader runs), ``[..., G, 16]`` ->
+    ``[..., G * 32]``: it hands back [E, in, rows] for the experts, so the last two axes swap back."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    return convert_moe_packed_tensors(blocks, scales, dtype=dtype).transpose(1, 2)
+
+
+def test_mxfp4_dequantization_matches_transformers():
     # Every code in every position, exponents from tiny to large; one hand-made byte as well.
     gen = torch.Generator().manual_seed(0)
     codes = torch.randint(0, 16, (3, 5, 2 * 32), generator=gen)
     codes[0, 0, :16] = torch.arange(16)
     exponents = torch.randint(-20, 20, (3, 5, 2), generator=gen)
-    blocks, scales, want = _quantize_mxfp4(codes, exponents)
+    blocks, scales = _pack_mxfp4(codes, exponents)
     assert blocks.shape == (3, 5, 2, 16) and scales.shape == (3, 5, 2)
     for dtype in (torch.float32, torch.bfloat16):
         got = dequantize_mxfp4(blocks, scales, dtype, rows_per_chunk=4)
-        assert got.dtype == dtype and got.shape == (3, 5, 64)
-        assert torch.equal(got.double(), want)
+        want = hf_dequantize_mxfp4(blocks, scales, dtype)
+        assert got.dtype == dtype and got.shape == want.shape == (3, 5, 64)
+        assert torch.equal(got, want)
     # 0x2F: low nibble 15 (-6.0) first, high nibble 2 (1.0); scale 2 ** (129 - 127) = 4.
     one = dequantize_mxfp4(torch.full((1, 16), 0x2F, dtype=torch.uint8),
                            torch.tensor([129], dtype=torch.uint8), torch.float32)
@@ -116,8 +123,8 @@ def test_mxfp4_dequantization_is_exact():
 def save_mxfp4(hf_model, folder) -> str:
     """Save ``hf_model`` as the Hub spells GPT-OSS: experts as ``*_blocks``/``*_scales``
     ``[E, rows, in / 32(, 16)]`` (rows: gate/up interleaved, as the float layout's columns)
-    under quant_method mxfp4, from random codes; ``hf_model``'s experts become the values the
-    blocks stand for, so transformers runs on exactly the dequantized weights."""
+    under quant_method mxfp4, from random codes. The reference model is transformers reading
+    this folder back (``load_hf_mxfp4``), not ``hf_model``."""
     gen = torch.Generator().manual_seed(3)
     state = {k: v.contiguous() for k, v in hf_model.state_dict().items()}
     for name in [k for k in state if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
@@ -125,10 +132,7 @@ def save_mxfp4(hf_model, folder) -> str:
         codes = torch.randint(0, 16, rows_first.shape, generator=gen)
         exponents = torch.randint(-6, -2, (*rows_first.shape[:-1], rows_first.shape[-1] // 32),
                                   generator=gen)
-        blocks, scales, values = _quantize_mxfp4(codes, exponents)
-        state[name + "_blocks"], state[name + "_scales"] = blocks, scales
-        with torch.no_grad():
-            dict(hf_model.named_parameters())[name].copy_(values.float().transpose(1, 2))
+        state[name + "_blocks"], state[name + "_scales"] = _pack_mxfp4(codes, exponents)
     save(hf_model, folder)  # config.json
     save_file(state, str(folder / "model.safetensors"))
     config = json.loads((folder / "config.json").read_text())
@@ -138,12 +142,23 @@ def save_mxfp4(hf_model, folder) -> str:
     return str(folder)
 
 
+def load_hf_mxfp4(folder: str):
+    """transformers' GptOssForCausalLM reading the MXFP4 folder, its experts dequantized to
+    float32 by transformers' own loader (no triton kernels on CPU)."""
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, quantization_config=Mxfp4Config(dequantize=True),
+        attn_implementation="eager", experts_implementation="eager").eval()
+    experts = model.model.layers[0].mlp.experts
+    assert experts.gate_up_proj.dtype == torch.float32, "transformers kept the experts packed"
+    return model
+
+
 def test_mxfp4_checkpoint_loads_as_the_dequantized_model(tmp_path):
-    hf_model = make_gpt_oss()
-    model, _ = load_model(save_mxfp4(hf_model, tmp_path), torch.float32, torch.device("cpu"))
+    folder = save_mxfp4(make_gpt_oss(), tmp_path)
+    model, _ = load_model(folder, torch.float32, torch.device("cpu"))
     experts = model.model.layers[0].mlp.experts
     assert experts.weight_format == "mxfp4" and not hasattr(experts, "gate_up_proj_blocks")
-    check_mixed_batch(model, hf_model, PagedRunner(model, block_size=4))
+    check_mixed_batch(model, load_hf_mxfp4(folder), PagedRunner(model, block_size=4))
 
 
 def test_quantization_mxfp4_is_accepted_for_mxfp4_checkpoints_only(tmp_path):
@@ -152,10 +167,9 @@ def test_quantization_mxfp4_is_accepted_for_mxfp4_checkpoints_only(tmp_path):
     from pagedllm.config import ModelConfig
     from pagedllm.entrypoints.cli import engine_kwargs, make_parser
 
-    hf_model = make_gpt_oss()
-    folder = save_mxfp4(hf_model, tmp_path / "mxfp4")
+    folder = save_mxfp4(make_gpt_oss(), tmp_path / "mxfp4")
     model, _ = load_model(folder, torch.float32, torch.device("cpu"), quantization="mxfp4")
-    check_mixed_batch(model, hf_model, PagedRunner(model, block_size=4))
+    check_mixed_batch(model, load_hf_mxfp4(folder), PagedRunner(model, block_size=4))
     assert ModelConfig(model=folder, quantization="mxfp4").quantization == "mxfp4"
     args = make_parser().parse_args(["serve", folder, "-q", "mxfp4"])
     assert engine_kwargs(args)["quantization"] == "mxfp4"

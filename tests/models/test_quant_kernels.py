@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import gguf
 import pytest
 import torch
 import torch.nn.functional as F
@@ -438,7 +439,6 @@ def test_bad_arrays_are_refused_with_what_is_supported():
 
 @pytest.mark.parametrize("scheme", ["q8_0", "q4_0"])
 def test_load_time_quantization_is_llama_cpps(scheme):
-    gguf = pytest.importorskip("gguf")
     gen = torch.Generator().manual_seed(6)
     w = torch.randn(70, 256, generator=gen)
     w[3, :32] = 0  # an all-zero block: scale 0, no division by zero

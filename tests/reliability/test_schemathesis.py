@@ -10,13 +10,11 @@ demo model (260K parameters: a step costs little).
 from __future__ import annotations
 
 import pytest
-from ci_support import importorskip
-
-schemathesis = importorskip("schemathesis")  # CI installs it: a failure there, not a skip
-from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
-from hypothesis.errors import Unsatisfiable  # noqa: E402
-from schemathesis import GenerationMode  # noqa: E402
-from schemathesis.checks import (content_type_conformance, not_a_server_error,  # noqa: E402
+import schemathesis
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis.errors import Unsatisfiable
+from schemathesis import GenerationMode
+from schemathesis.checks import (content_type_conformance, not_a_server_error,
                                  response_schema_conformance, status_code_conformance)
 
 MAX_EXAMPLES = 25

@@ -3,12 +3,10 @@ from __future__ import annotations
 
 import struct
 
-import pytest
+import torch
 
 from pagedllm.runner.fake import grammar_choice
-
-torch = pytest.importorskip("torch")
-from pagedllm.runner.grammar_bitmask import apply_grammar_bitmask  # noqa: E402
+from pagedllm.runner.grammar_bitmask import apply_grammar_bitmask
 
 
 def packed(allowed: set[int], words: int) -> bytes:

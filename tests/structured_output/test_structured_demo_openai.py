@@ -11,11 +11,9 @@ import re
 import jsonschema
 import openai
 import pytest
+from fastapi.testclient import TestClient
 
 from so_helpers import DEMO_HF
-
-pytest.importorskip("fastapi")
-from fastapi.testclient import TestClient  # noqa: E402
 
 TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}assistant:{% endif %}")

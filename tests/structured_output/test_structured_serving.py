@@ -7,11 +7,8 @@ import json
 
 import pytest
 
-from ci_support import importorskip
+from fastapi.testclient import TestClient
 from so_helpers import DEMO_HF, VOCAB, check_json, check_regex
-
-importorskip("fastapi")  # the serve extra: CI installs it
-from fastapi.testclient import TestClient  # noqa: E402
 
 TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}assistant:{% endif %}")
