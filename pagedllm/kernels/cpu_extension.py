@@ -184,6 +184,10 @@ def build_library(name: str, sources: list[Path], cflags: list[str], ldflags: li
     if shutil.which(compiler) is None:
         raise RuntimeError(f"no C++ compiler ({compiler!r} is not on PATH)")
     _ensure_ninja_on_path()
+    # ninja's build file names the sources by path: two checkouts sharing one build folder
+    # would rebuild it for each other on every load, so each checkout builds its own.
+    where = hashlib.sha1(" ".join(str(p.resolve().parent) for p in sources).encode()).hexdigest()[:6]
+    name = f"{name}_{where}"
     build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
     # An flock, released by the OS even if the process dies: parallel pytest workers build once,
     # one after the other. torch's own lock file is a plain file a killed build leaves behind
