@@ -209,6 +209,25 @@ def test_compiled_matches_eager_demo_model():
     _compare(str(DEMO_MODEL), 512)
 
 
+@pytest.mark.slow
+def test_every_model_compiles_its_own_forward():
+    """dynamo keeps its graphs per code object: two models of one class each compile their own
+    forward, so a process's engines never add up to dynamo's recompile limit (here 1)."""
+    from pagedllm.models import load_model
+    from pagedllm.runner.compile import CompiledForward
+
+    models = [load_model(str(DEMO_MODEL), torch.float32, CPU)[0] for _ in range(2)]
+    ids, positions = torch.tensor([1, 365, 264]), torch.arange(3)
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for model in models:
+            compiled = CompiledForward(model, CPU)
+            compiled.warmup(4, CPU)
+            assert compiled._direct is not None  # one graph for every token count
+            with torch.inference_mode():
+                torch.testing.assert_close(compiled(ids, positions), model(ids, positions),
+                                           rtol=TOL, atol=TOL)
+
+
 def test_paged_attention_kernel_is_opaque_to_dynamo():
     """The C++ kernel has a fake implementation: a compiled graph holds it as one node (no graph
     break, fullgraph) and gives the kernel's own output."""
