@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import shutil
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -151,8 +150,8 @@ def test_family(name, enforce_eager, tmp_path):
 
 # Llama compiles in tests/runner/test_compile.py and on the demo model below; llama3 rope
 # scaling only changes the rotary tables, which the graph reads as they are.
-@pytest.mark.parametrize("name,enforce_eager", _cases(["llama3_rope", "qwen2_bias", "qwen3_qknorm_tied"],
-                                                      ["qwen2_bias", "qwen3_qknorm_tied"]))
+@pytest.mark.parametrize("name,enforce_eager", _cases(
+    ["llama3_rope", "qwen2_bias", "qwen3_qknorm_tied"], ["qwen2_bias", "qwen3_qknorm_tied"]))
 def test_dense(name, enforce_eager, tmp_path):
     from test_model_parity import CONFIGS, make_hf_model
 

@@ -150,9 +150,13 @@ def _compare_outputs(compiled: LLM, eager: LLM, vocab_size: int) -> set[int]:
     frames, graphs = counters["frames"]["total"], counters["stats"]["unique_graphs"]
 
     prompts, params = _workload(vocab_size)
-    for _ in range(2):  # the second pass hits the prefix cache (attention over cached blocks)
+    for second in (False, True):  # the second hits the prefix cache (attention over cached blocks)
         got = compiled.generate(prompts, params, use_tqdm=False)
         want = eager.generate(prompts, params, use_tqdm=False)
+        if second:  # every prompt longer than a 4-token block finds its blocks cached
+            for out in (*got, *want):
+                if len(out.prompt_token_ids) > 4:
+                    assert out.num_cached_tokens >= 4, (out.prompt_token_ids, out.num_cached_tokens)
         for g, w in zip(got, want):
             g, w = g.outputs[0], w.outputs[0]
             assert list(g.token_ids) == list(w.token_ids)
