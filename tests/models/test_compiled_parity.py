@@ -1,12 +1,13 @@
 """The model tests' parity scenarios through the whole engine, compiled (the CPU default) and
-eager, with the same assertions: every family, weight format and KV cache dtype gives its
-reference's greedy ids and log-probs (transformers on the same weights; for a rounded KV cache,
-the eager engine with that cache) in a batch of chunked prefills (16-token steps, so chunks
+eager, with the same assertions: every family and weight format gives transformers' greedy ids
+and log-probs on the same weights (a rounded KV cache: a float32 cache's ids but at near-ties,
+as test_kv_cache_dtype.py holds it) in a batch of chunked prefills (16-token steps, so chunks
 cross every sliding window), with a prefix-cache hit and preemptions (a cache of about one and a
-half of the longest request) asserted. A compiled/eager difference is a bug, not a tolerance.
+half of the longest request) asserted, and no graph compiled after startup. A compiled/eager
+difference is a bug, not a tolerance to widen.
 
-The compiled variants compile one model each (a few seconds with a warm inductor cache, tens
-cold): marked slow. The eager ones run in the quick suite.
+The compiled variants compile one model each (seconds with a warm inductor cache, tens cold):
+marked slow. The eager ones run in the quick suite.
 """
 from __future__ import annotations
 
@@ -57,9 +58,9 @@ def _cases(names: list, compiled: list | None = None) -> list:
 
 
 def _workload(vocab_size: int) -> tuple[list[list[int]], list[SamplingParams]]:
-    """The first prompt runs alone (it caches its 16-token prefix), then all five in one batch:
-    the second shares that prefix, the last repeats the first (a hit of all but its last
-    token's block), the 23-token one is chunked over a window's edge."""
+    """The first prompt runs alone (it caches its 16-token prefix), then all five in one batch
+    (the first again, last): the second shares that prefix and is admitted first (a hit), the
+    23-token one is chunked over a window's edge, decodes grow into preemptions."""
     gen = torch.Generator().manual_seed(6)
     high = min(vocab_size, 512)
 
@@ -85,7 +86,7 @@ def _num_blocks(path: str, longest: int, **llm_kwargs) -> int:
 
 
 def run_engine(path: str, vocab_size: int, enforce_eager: bool, **llm_kwargs):
-    """The workload on one engine: (prompts, the batch's outputs, the engine's metrics)."""
+    """The workload on one engine: (the batch's prompts, their outputs)."""
     if not enforce_eager:
         reason = compile_disabled_reason(False, CPU)
         if reason is not None:
@@ -110,12 +111,12 @@ def run_engine(path: str, vocab_size: int, enforce_eager: bool, **llm_kwargs):
     metrics = llm.get_metrics()
     assert outputs[0].num_cached_tokens >= SHARED_PREFIX, outputs[0].num_cached_tokens
     assert metrics["pagedllm:num_preemptions"] > 0, metrics
-    return batch, outputs, metrics
+    return batch, outputs
 
 
 def check_against_transformers(hf_model, path: str, enforce_eager: bool, atol: float = TOL,
                                **llm_kwargs) -> None:
-    prompts, outputs, _ = run_engine(path, hf_model.config.vocab_size, enforce_eager, **llm_kwargs)
+    prompts, outputs = run_engine(path, hf_model.config.vocab_size, enforce_eager, **llm_kwargs)
     check_greedy_logprobs(hf_model, prompts, outputs, atol=atol)
 
 
@@ -209,6 +210,6 @@ def test_kv_cache_dtype(kv_cache_dtype, enforce_eager, float32_cache_outputs):
     with a float32 cache (transformers'), parting only at float32's near-ties."""
     from test_kv_cache_dtype import assert_parts_only_at_near_ties
 
-    _, outputs, _ = run_engine(str(STORIES_DIR / "hf"), 512, enforce_eager,
+    _, outputs = run_engine(str(STORIES_DIR / "hf"), 512, enforce_eager,
                                kv_cache_dtype=kv_cache_dtype)
     assert_parts_only_at_near_ties(float32_cache_outputs, outputs, kv_cache_dtype)
