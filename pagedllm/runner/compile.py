@@ -111,8 +111,17 @@ class CompiledForward:
         # calls ~10 of them per layer; in Python each cost a few microseconds with the second
         # core idle (docs/cpu_kernels.md#the-compiled-graph).
         use_own_inductor_cache()
+        # forward as a code object of this model's own: dynamo keeps graphs and guards per code
+        # object, and every model of a class shares its forward's, so a process's 9th compiled
+        # engine would hit dynamo's recompile limit (a failure under fullgraph) after checking
+        # every earlier model's guards.
+        shared = type(model).forward
+        self._code = shared.__code__.replace()
+        own = types.FunctionType(self._code, shared.__globals__, shared.__name__,
+                                 shared.__defaults__, shared.__closure__)
+        own.__kwdefaults__ = shared.__kwdefaults__
         self._forward: Callable[..., torch.Tensor] = torch.compile(
-            model.forward, fullgraph=True, dynamic=False,
+            types.MethodType(own, model), fullgraph=True, dynamic=False,
             options={"size_asserts": False, "alignment_asserts": False,
                      "cpp_wrapper": device.type == "cpu"})
 
@@ -142,7 +151,7 @@ class CompiledForward:
         made: list[types.CodeType] = []  # the bytecode dynamo makes of forward while warming up
 
         def keep(code: types.CodeType, new_code: types.CodeType) -> None:
-            if code is forward.__code__:
+            if code is self._code:
                 made.append(new_code)
 
         hook = torch._dynamo.convert_frame.register_bytecode_hook(keep)

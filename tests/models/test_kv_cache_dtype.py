@@ -171,7 +171,13 @@ def test_demo_greedy_ids_match_a_float32_cache_but_at_near_ties(kv_cache_dtype, 
     """Greedy ids as with a float32 cache; a prompt may part from them only where float32's
     two best tokens were a near-tie (a rounding of the cache can flip those, a bug would part
     anywhere)."""
-    for i, (ref, out) in enumerate(zip(float32_greedy, _demo_greedy(kv_cache_dtype))):
+    assert_parts_only_at_near_ties(float32_greedy, _demo_greedy(kv_cache_dtype), kv_cache_dtype)
+
+
+def assert_parts_only_at_near_ties(float32_greedy, outputs, kv_cache_dtype: str) -> None:
+    """``outputs`` (a cache of ``kv_cache_dtype``) part from ``float32_greedy`` (a float32
+    cache, logprobs >= 2) only where float32's two best tokens were within MAX_TIE_GAP."""
+    for i, (ref, out) in enumerate(zip(float32_greedy, outputs, strict=True)):
         ref_ids, ids = list(ref.outputs[0].token_ids), list(out.outputs[0].token_ids)
         first = next((j for j, (a, b) in enumerate(zip(ids, ref_ids)) if a != b), None)
         if first is None:

@@ -150,9 +150,13 @@ def _compare_outputs(compiled: LLM, eager: LLM, vocab_size: int) -> set[int]:
     frames, graphs = counters["frames"]["total"], counters["stats"]["unique_graphs"]
 
     prompts, params = _workload(vocab_size)
-    for _ in range(2):  # the second pass hits the prefix cache (attention over cached blocks)
+    for second in (False, True):  # the second hits the prefix cache (attention over cached blocks)
         got = compiled.generate(prompts, params, use_tqdm=False)
         want = eager.generate(prompts, params, use_tqdm=False)
+        if second:  # every prompt longer than a 4-token block finds its blocks cached
+            for out in (*got, *want):
+                if len(out.prompt_token_ids) > 4:
+                    assert out.num_cached_tokens >= 4, (out.prompt_token_ids, out.num_cached_tokens)
         for g, w in zip(got, want):
             g, w = g.outputs[0], w.outputs[0]
             assert list(g.token_ids) == list(w.token_ids)
@@ -207,6 +211,25 @@ def test_compiled_matches_eager_tiny_llama(tmp_path):
 @pytest.mark.slow
 def test_compiled_matches_eager_demo_model():
     _compare(str(DEMO_MODEL), 512)
+
+
+@pytest.mark.slow
+def test_every_model_compiles_its_own_forward():
+    """dynamo keeps its graphs per code object: two models of one class each compile their own
+    forward, so a process's engines never add up to dynamo's recompile limit (here 1)."""
+    from pagedllm.models import load_model
+    from pagedllm.runner.compile import CompiledForward
+
+    models = [load_model(str(DEMO_MODEL), torch.float32, CPU)[0] for _ in range(2)]
+    ids, positions = torch.tensor([1, 365, 264]), torch.arange(3)
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for model in models:
+            compiled = CompiledForward(model, CPU)
+            compiled.warmup(4, CPU)
+            assert compiled._direct is not None  # one graph for every token count
+            with torch.inference_mode():
+                torch.testing.assert_close(compiled(ids, positions), model(ids, positions),
+                                           rtol=TOL, atol=TOL)
 
 
 def test_paged_attention_kernel_is_opaque_to_dynamo():
