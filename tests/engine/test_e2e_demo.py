@@ -270,4 +270,10 @@ def test_compiled_model_matches_transformers_under_chunking_and_preemption(demo_
     assert max(len(c["prompt_ids"]) for c in demo_cases) > 16  # so some prompts are chunked
     _assert_matches(_run(llm, demo_cases), demo_cases, e2e)
     assert llm.get_metrics()["pagedllm:num_preemptions"] > 0
+    # The longest prompt again, alone: its blocks are still cached, and the compiled forward
+    # resumes after the hit with the same ids.
+    longest = [max(demo_cases, key=lambda c: len(c["prompt_ids"]))]
+    hits = llm.get_metrics()["pagedllm:prefix_cache_hits"]
+    _assert_matches(_run(llm, longest), longest, e2e)
+    assert llm.get_metrics()["pagedllm:prefix_cache_hits"] > hits
     e2e.assert_engine_idle(llm)
