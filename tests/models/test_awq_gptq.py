@@ -1,8 +1,8 @@
 """AWQ and GPTQ checkpoints (layers/quantization/checkpoint_formats.py) against transformers
 running the same model with the dequantized float weights: the tests quantize a tiny random
 model's linears themselves (random codes, zeros and fp16 scales), pack them in each format
-and write the float model they stand for alongside; where AutoAWQ is installed, a folder it
-quantized and packed is checked against its own dequantization."""
+and write the float model they stand for alongside; a folder AutoAWQ itself quantized and packed
+(a committed fixture) is checked against AutoAWQ's own dequantization."""
 from __future__ import annotations
 
 import json
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from paged_helpers import STORIES_DIR, PagedRunner, check_greedy_logprobs
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, Qwen2Config
 
 from pagedllm import LLM, SamplingParams
@@ -22,7 +22,7 @@ from pagedllm.layers.quantization.quantized_layers import quantized_kernels_avai
 from pagedllm.layers.quantization import QuantizedWeight
 from pagedllm.layers.quantization.checkpoint_formats import CheckpointQuant, resolve_quantization
 from pagedllm.models import load_model
-from test_model_parity import check_mixed_batch, make_hf_model, save
+from test_model_parity import TOL, check_mixed_batch, make_hf_model, save
 
 pytestmark = pytest.mark.skipif(not quantized_kernels_available(torch.device("cpu")),
                                 reason="the quantized formats need pagedllm's CPU kernels")
@@ -30,6 +30,10 @@ pytestmark = pytest.mark.skipif(not quantized_kernels_available(torch.device("cp
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+AUTOAWQ_FIXTURE = Path(__file__).parent / "fixtures" / "awq_tiny"
+# pagedllm's fused linears -> the checkpoint linears stacked in them, in row order
+FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
+               "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 # vocab 512: the demo model's tokenizer fits (the LLM test runs through it)
 COMMON = dict(vocab_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=256, tie_word_embeddings=False)
@@ -280,47 +284,30 @@ def test_tensor_parallel_splits_whole_groups(tmp_path, monkeypatch):
             tensor_parallel_size=2)
 
 
-@pytest.mark.slow  # AutoAWQ's scale search on CPU
-def test_autoawq_folder_matches_its_own_dequantization(tmp_path):
+def test_autoawq_folder_matches_its_own_dequantization():
     """A folder AutoAWQ quantized and packed itself (calibrated scales folded into the norms,
-    GEMM packing), not the tests' packer: pagedllm against transformers running the weights
-    AutoAWQ's own dequantize_gemm reads from that folder."""
-    # Not in the test extra: AutoAWQ pulls triton, datasets and pyarrow (over 1 GB) and is
-    # deprecated upstream; where it is installed it makes the folder.
-    pytest.importorskip("awq")
-    from awq import AutoAWQForCausalLM
-    from awq.utils.packing_utils import dequantize_gemm
-    from safetensors.torch import load_file
-    from transformers import LlamaForCausalLM
-
-    group = 32
-    # AutoAWQ's clip search takes output rows in batches of 64: k/v are 2 heads x 32.
-    config = lambda: LlamaConfig(hidden_size=128, intermediate_size=256, **COMMON)  # noqa: E731
-    float_folder, awq_folder = tmp_path / "float", tmp_path / "awq"
-    save(make_hf_model(config()), float_folder)
-    gen = np.random.default_rng(0)
-    calib = [gen.integers(3, 512, 32).tolist() for _ in range(16)]  # token ids: no tokenizer
-    awq_model = AutoAWQForCausalLM.from_pretrained(str(float_folder))
-    awq_model.quantize(None, quant_config={"zero_point": True, "q_group_size": group, "w_bit": 4,
-                                           "version": "GEMM"},
-                       calib_data=calib, max_calib_seq_len=32, n_parallel_calib_samples=4)
-    awq_model.save_quantized(str(awq_folder))
-    saved = load_file(str(awq_folder / "model.safetensors"))
-    assert {k.rsplit(".", 1)[1] for k in saved if ".mlp." in k} == {"qweight", "qzeros", "scales"}
-    state = {}
-    for name, value in saved.items():
-        if name.endswith(".qweight"):
-            prefix = name.removesuffix(".qweight")
-            # float32 scales: the exact values (dequantize_gemm computes in the scales' dtype)
-            scales = saved[f"{prefix}.scales"].float()
-            w = dequantize_gemm(value, saved[f"{prefix}.qzeros"], scales, 4, group)
-            state[f"{prefix}.weight"] = w.T.float()  # [in, out] -> nn.Linear's [out, in]
-        elif not name.endswith((".qzeros", ".scales")):
-            state[name] = value.float()
-    ref = LlamaForCausalLM(config()).eval()
-    ref.load_state_dict(state, strict=True)
-    model, _ = load_model(str(awq_folder), torch.float32, torch.device("cpu"))
-    layers = [m for n, m in model.named_modules() if n.endswith(("qkv_proj", "o_proj",
-                                                                 "gate_up_proj", "down_proj"))]
-    assert layers and all(m.weight is None and m.qweight.group_size == group for m in layers)
-    check_mixed_batch(model, ref, PagedRunner(model, block_size=4))
+    GEMM packing), not the tests' packer, committed with AutoAWQ's dequantize_gemm of every
+    linear and transformers' logits on those weights (fixtures/make_awq_fixture.py): pagedllm's
+    weights dequantize to AutoAWQ's, and its paged logits match transformers'."""
+    reference = load_file(AUTOAWQ_FIXTURE / "reference.safetensors")
+    model, _ = load_model(str(AUTOAWQ_FIXTURE), torch.float32, torch.device("cpu"))
+    checked = set()
+    for name, module in model.named_modules():
+        prefix, _, fused = name.rpartition(".")
+        if fused not in FUSED_PARTS:
+            continue
+        assert module.weight is None and module.qweight.group_size == 32
+        weight = module.qweight.dequantize()  # [out, in], the fused parts stacked by rows
+        sizes = getattr(module, "output_sizes", [weight.shape[0]])
+        for part, rows in zip(FUSED_PARTS[fused], weight.split(sizes), strict=True):
+            key = f"{prefix}.{part}.weight"
+            torch.testing.assert_close(rows, reference[key], rtol=0, atol=1e-6,
+                                       msg=lambda m, key=key: f"{key}: {m}")
+            checked.add(key)
+    assert checked == {key for key in reference if key.endswith(".weight")}
+    ids = reference["input_ids"].tolist()
+    runner = PagedRunner(model, block_size=4)
+    # a prefill, a chunk over the cached prefix, a decode
+    got = torch.cat([runner.step([("r", ids[a:b])])["r"] for a, b in ((0, 10), (10, 23), (23, 24))])
+    expected = torch.log_softmax(reference["logits"], dim=-1)
+    torch.testing.assert_close(got, expected, rtol=0, atol=TOL)
