@@ -6,10 +6,10 @@ never in these.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from pagedllm import envs
 from pagedllm.errors import ValidationError, check_ints
 
 # The demo model lives in the shared folder beside the repository; PAGEDLLM_MODEL overrides it.
@@ -29,16 +29,7 @@ QUANTIZATION_METHODS = ("awq", "gptq", "gguf", "mxfp4", "q8_0", "q4_0")
 
 
 def default_model() -> str:
-    return os.environ.get("PAGEDLLM_MODEL", str(DEFAULT_MODEL_DIR))
-
-
-def env_flag(name: str, default: bool = False) -> bool:
-    """An on/off environment variable: 1/true/yes/on is on, any other value off, unset (or
-    empty) ``default``."""
-    value = os.environ.get(name, "").strip().lower()
-    if not value:
-        return default
-    return value in ("1", "true", "yes", "on")
+    return envs.model() or str(DEFAULT_MODEL_DIR)
 
 
 def _doc(text: str, **kw):

@@ -37,7 +37,8 @@ from typing import Any
 
 import zmq
 
-from pagedllm.config import EngineConfig, env_flag
+from pagedllm import envs
+from pagedllm.config import EngineConfig
 from pagedllm.core.outputs import EngineCoreOutputs, EngineCoreRequest
 from pagedllm.engine.core_proc import run_engine_core
 from pagedllm.errors import EngineDeadError
@@ -47,14 +48,14 @@ from pagedllm.executor.wire import Codec
 from pagedllm.executor.zmq_context import new_context, term_context
 from pagedllm.runner.base import Runner
 
-ENV_ENABLE_MULTIPROCESSING = "PAGEDLLM_ENABLE_MULTIPROCESSING"
+ENV_ENABLE_MULTIPROCESSING = envs.PAGEDLLM_ENABLE_MULTIPROCESSING
 _POLL_MS = 100  # a blocked wait looks at shutdown this often (the sentinel wakes it at once)
 logger = logging.getLogger("pagedllm")
 
 
 def multiprocessing_enabled(default: bool = False) -> bool:
     """``PAGEDLLM_ENABLE_MULTIPROCESSING`` (1/true/yes/on or 0/false/no/off), else ``default``."""
-    return env_flag(ENV_ENABLE_MULTIPROCESSING, default)
+    return envs.enable_multiprocessing(default)
 
 
 class MPEngineCoreClient:

@@ -21,6 +21,7 @@ import logging
 import os
 from typing import Any
 
+from pagedllm import envs
 from pagedllm.distributed.launch import DistributedInit, get_open_port
 from pagedllm.errors import EngineDeadError, ValidationError
 from pagedllm.executor.abstract import RankGroupExecutor, RunnerFactory
@@ -122,7 +123,7 @@ class RayExecutor(RankGroupExecutor):
         ray = self._ray
         if ray.is_initialized():
             return
-        address = os.environ.get("RAY_ADDRESS")
+        address = envs.ray_address()
         if address:
             ray.init(address=address, log_to_driver=True)
         else:
