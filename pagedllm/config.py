@@ -26,6 +26,11 @@ KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
 # round-to-nearest formats for quantizing a full-precision one at load
 # (pagedllm/layers/quantization/).
 QUANTIZATION_METHODS = ("awq", "gptq", "gguf", "mxfp4", "q8_0", "q4_0")
+# The values of ModelConfig.dtype besides auto: each name (torch's and the usual short ones) ->
+# the torch dtype it means (the runner looks it up in torch).
+DTYPE_ALIASES = {"float32": "float32", "float": "float32", "fp32": "float32",
+                 "bfloat16": "bfloat16", "bf16": "bfloat16",
+                 "float16": "float16", "half": "float16", "fp16": "float16"}
 
 
 def default_model() -> str:
@@ -66,7 +71,7 @@ class ModelConfig:
         default="float32")
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16", "half", "float", "fp32", "bf16", "fp16"):
+        if self.dtype != "auto" and self.dtype not in DTYPE_ALIASES:
             raise ValidationError(
                 f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}", "dtype")
         if self.max_model_len is not None and self.max_model_len < 1:

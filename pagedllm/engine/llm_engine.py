@@ -18,7 +18,7 @@ from typing import Any
 from pagedllm.beam_search_params import BeamSearchParams
 from pagedllm.config import EngineConfig
 from pagedllm.core.outputs import EngineCoreOutputs, EngineCoreRequest, FinishedBeam
-from pagedllm.engine.core_client import MPEngineCoreClient, multiprocessing_enabled
+from pagedllm.engine.core_client import EngineCoreClient, MPEngineCoreClient, multiprocessing_enabled
 from pagedllm.engine.dp_client import DPEngineCoreClient
 from pagedllm.engine.engine_core import EngineCore
 from pagedllm.engine.input_processor import InputProcessor, PromptType
@@ -34,13 +34,13 @@ logger = logging.getLogger("pagedllm")
 
 
 def make_engine_core(config: EngineConfig, max_model_len: int, runner: Runner | None = None,
-                     multiprocess: bool | None = None) -> EngineCore | MPEngineCoreClient:
+                     multiprocess: bool | None = None) -> EngineCoreClient:
     """The engine core in this process, or in its own (``multiprocess``; None: the env var);
     with data_parallel_size > 1, that many core processes (always processes: a replica needs
     its own interpreter to run beside the others). Here, above both clients, so that neither
     client module imports the other's."""
     if config.parallel_config.data_parallel_size > 1:
-        return DPEngineCoreClient(config, max_model_len, runner)  # type: ignore[return-value]
+        return DPEngineCoreClient(config, max_model_len, runner)
     if multiprocess is None:
         multiprocess = multiprocessing_enabled()
     if multiprocess:
@@ -77,7 +77,7 @@ class LLMEngine:
         # Resolved once here and passed down (the runner and the scheduler never re-derive it).
         self.max_model_len = _resolve_max_model_len(mc.max_model_len, self.model_info)
 
-        self.engine_core: EngineCore | MPEngineCoreClient = make_engine_core(
+        self.engine_core: EngineCoreClient = make_engine_core(
             config, self.max_model_len, runner, multiprocess)
         self.input_processor = InputProcessor(tokenizer, self.model_info.vocab_size)
         self.output_processor = OutputProcessor(tokenizer)
@@ -108,7 +108,7 @@ class LLMEngine:
             # AttributeError, so getattr(engine, part, None) still works as a probe.
             raise AttributeError(
                 f"LLMEngine.{part} does not exist here: the engine core runs in another process "
-                f"(pid {core.pid}); use the engine's methods, or set "
+                f"(pid {getattr(core, 'pid', '?')}); use the engine's methods, or set "
                 f"PAGEDLLM_ENABLE_MULTIPROCESSING=0 to run it in this one")
         return core
 

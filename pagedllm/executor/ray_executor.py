@@ -25,9 +25,9 @@ from pagedllm import envs
 from pagedllm.distributed.launch import DistributedInit, get_open_port
 from pagedllm.errors import EngineDeadError, ValidationError
 from pagedllm.executor.abstract import RankGroupExecutor, RunnerFactory
-from pagedllm.executor.multiproc import remote_error
+from pagedllm.executor.ipc import error_info, remote_error
 from pagedllm.executor.wire import Codec
-from pagedllm.executor.worker import Worker, error_info
+from pagedllm.executor.worker import Worker
 
 logger = logging.getLogger(__name__)
 

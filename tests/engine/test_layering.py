@@ -319,6 +319,18 @@ def test_circle_check_sees_lazy_and_type_checking_imports():
     assert find_circle(graph) is None
 
 
+def test_the_engine_uses_the_executors_public_api():
+    """The engine creates executors (the package's create_executor) and starts its own core
+    process with the children's toolkit (executor/ipc.py), never an executor's own modules."""
+    public = {"executor", "executor.ipc"}
+    bad = []
+    for path in sorted((PKG / "engine").glob("*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        bad += [f"{path.name} line {line}: {target}" for line, target in _pagedllm_imports(tree)
+                if layer_of(target) == "executor" and target not in public]
+    assert not bad, bad
+
+
 def test_layering_table_catches_an_upward_import():
     tree = ast.parse("from pagedllm.engine.llm_engine import LLMEngine\nfrom pagedllm import LLM\n")
     targets = [t for _, t in _pagedllm_imports(tree)]
