@@ -21,9 +21,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from pagedllm import envs
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TOKENIZER_DIR = REPO_ROOT.parent / "shared" / "models" / "synthetic-tokenizer-32k"
-CACHE_DIR = Path(os.environ.get("PAGEDLLM_BENCH_CACHE", Path.home() / ".cache" / "pagedllm"))
+CACHE_DIR = envs.bench_cache()
 
 # Qwen3Config fields of the models we build. Token ids match the synthetic tokenizer (<s>=1, </s>=2).
 _COMMON = dict(vocab_size=32000, tie_word_embeddings=False, max_position_embeddings=4096,

@@ -6,10 +6,10 @@ never in these.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from pagedllm import envs
 from pagedllm.errors import ValidationError, check_ints
 
 # The demo model lives in the shared folder beside the repository; PAGEDLLM_MODEL overrides it.
@@ -26,19 +26,15 @@ KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
 # round-to-nearest formats for quantizing a full-precision one at load
 # (pagedllm/layers/quantization/).
 QUANTIZATION_METHODS = ("awq", "gptq", "gguf", "mxfp4", "q8_0", "q4_0")
+# The values of ModelConfig.dtype besides auto: each name (torch's and the usual short ones) ->
+# the torch dtype it means (the runner looks it up in torch).
+DTYPE_ALIASES = {"float32": "float32", "float": "float32", "fp32": "float32",
+                 "bfloat16": "bfloat16", "bf16": "bfloat16",
+                 "float16": "float16", "half": "float16", "fp16": "float16"}
 
 
 def default_model() -> str:
-    return os.environ.get("PAGEDLLM_MODEL", str(DEFAULT_MODEL_DIR))
-
-
-def env_flag(name: str, default: bool = False) -> bool:
-    """An on/off environment variable: 1/true/yes/on is on, any other value off, unset (or
-    empty) ``default``."""
-    value = os.environ.get(name, "").strip().lower()
-    if not value:
-        return default
-    return value in ("1", "true", "yes", "on")
+    return envs.model() or str(DEFAULT_MODEL_DIR)
 
 
 def _doc(text: str, **kw):
@@ -75,7 +71,7 @@ class ModelConfig:
         default="float32")
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16", "half", "float", "fp32", "bf16", "fp16"):
+        if self.dtype != "auto" and self.dtype not in DTYPE_ALIASES:
             raise ValidationError(
                 f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}", "dtype")
         if self.max_model_len is not None and self.max_model_len < 1:

@@ -5,6 +5,8 @@ engine uses ``assert`` for user input.
 """
 from __future__ import annotations
 
+from collections.abc import Container
+
 
 class PagedLLMError(Exception):
     """Base class of every error pagedllm raises on purpose."""
@@ -29,6 +31,13 @@ class ModelLoadError(PagedLLMError):
 
 class EngineDeadError(PagedLLMError):
     """The engine loop crashed; every pending request fails with this error."""
+
+
+def check_request_id_free(request_id: str, *in_use: Container[str]) -> None:
+    """Raise ValidationError unless ``request_id`` is free in every table of open ids given: a
+    request id names one open request (its outputs, its stream, its sequences)."""
+    if any(request_id in ids for ids in in_use):
+        raise ValidationError(f"request id {request_id!r} is already in use", "request_id")
 
 
 def check_text(value: object, param: str) -> None:

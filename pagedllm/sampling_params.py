@@ -19,6 +19,14 @@ _INT_FIELDS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "pr
 # alone let it through).
 _FLOAT_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature",
                  "top_p", "min_p")
+# The fields a model's generation_config.json sets for requests that omit them (vLLM's
+# --generation-config): the engine's defaults and the server's per-field fallback.
+GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def generation_defaults(generation_config: dict) -> dict:
+    """The sampling defaults a generation_config.json's values give (other keys ignored)."""
+    return {k: generation_config[k] for k in GENERATION_DEFAULT_KEYS if k in generation_config}
 
 
 class RequestOutputKind(IntEnum):

@@ -10,12 +10,9 @@ from __future__ import annotations
 
 from pagedllm.core.block_pool import NULL_BLOCK, BlockHashKey, BlockPool, KVCacheBlock
 from pagedllm.core.request import Request
+from pagedllm.utils import cdiv
 
 NO_BLOCKS: list[KVCacheBlock] = []  # shared "nothing"; callers never mutate it
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class FullAttentionManager:

@@ -23,16 +23,17 @@ from dataclasses import dataclass
 
 from pagedllm.core.block_hash import extend_block_hashes
 from pagedllm.core.block_pool import NULL_BLOCK, BlockPool, KVCacheBlock
-from pagedllm.core.full_attention_manager import NO_BLOCKS, FullAttentionManager, cdiv
+from pagedllm.core.full_attention_manager import NO_BLOCKS, FullAttentionManager
 from pagedllm.core.request import Request
 from pagedllm.core.sliding_window_manager import SlidingWindowManager, max_window_blocks
+from pagedllm.utils import cdiv
 
 # Per KV cache group, some blocks of one request (hits, new blocks).
 KVCacheBlocks = tuple[list[KVCacheBlock], ...]
 # The shared "nothing new in any group" result of allocate_slots; callers never mutate it.
 NO_NEW_BLOCKS: KVCacheBlocks = ()
 
-__all__ = ["KVCacheBlocks", "KVCacheManager", "NO_NEW_BLOCKS", "PrefixCacheStats", "cdiv",
+__all__ = ["KVCacheBlocks", "KVCacheManager", "NO_NEW_BLOCKS", "PrefixCacheStats",
            "max_blocks_per_request"]
 
 

@@ -21,7 +21,7 @@ from pagedllm.core.outputs import (CachedRequestData, EngineCoreOutputs, NewRequ
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.request_queue import create_request_queue
 from pagedllm.core.scheduler_stats import SchedulerStats
-from pagedllm.errors import ValidationError
+from pagedllm.errors import check_request_id_free
 
 # The shared "no new block in any group" entry (the usual decode step); the runner only reads it.
 _NO_IDS: list[list[int]] = []
@@ -54,15 +54,20 @@ class Scheduler:
         self._stop_id_sets: dict[frozenset[int], frozenset[int]] = {}
 
     # -- Requests in -----------------------------------------------------------------------------
-    def add_request(self, request: Request) -> None:
-        """Queue a request, or reject it now (ValidationError) if it could never run."""
-        self._register(request)
+    def add_request(self, request: Request, validated: bool = False) -> None:
+        """Queue a request, or reject it now (ValidationError) if it could never run.
+        ``validated``: the caller ran ``validate`` on it already (it held the request meanwhile)."""
+        self._register(request, validated)
         self.waiting.add_request(request)
 
-    def _register(self, request: Request) -> None:
-        if request.request_id in self.requests:
-            raise ValidationError(f"request id {request.request_id!r} is already in use", "request_id")
+    def validate(self, request: Request) -> None:
+        """Raise ValidationError unless ``request`` could run alone in the empty cache."""
         validate_request(request, self.max_model_len, self.kv_cache_manager)
+
+    def _register(self, request: Request, validated: bool = False) -> None:
+        check_request_id_free(request.request_id, self.requests)  # derived ids (samples, beams) too
+        if not validated:
+            self.validate(request)
         request.set_limits(self.max_model_len, self._stop_id_sets)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request

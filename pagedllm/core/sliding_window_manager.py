@@ -16,7 +16,8 @@ A prefix hit of this group needs only the last window before the hit point: the 
 from __future__ import annotations
 
 from pagedllm.core.block_pool import NULL_BLOCK, BlockPool, KVCacheBlock
-from pagedllm.core.full_attention_manager import NO_BLOCKS, FullAttentionManager, cdiv
+from pagedllm.core.full_attention_manager import NO_BLOCKS, FullAttentionManager
+from pagedllm.utils import cdiv
 
 
 class SlidingWindowManager(FullAttentionManager):

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from pagedllm import envs
 from pagedllm.distributed.launch import DistributedInit
 
 logger = logging.getLogger(__name__)
@@ -76,7 +77,7 @@ def init_distributed(spec: DistributedInit) -> TensorParallelGroup:
     if backend == "nccl":
         # One device per rank; under Ray each actor sees only its own (CUDA_VISIBLE_DEVICES).
         torch.cuda.set_device(spec.local_rank % torch.cuda.device_count())
-    elif "OMP_NUM_THREADS" not in os.environ:
+    elif envs.omp_num_threads() is None:
         # Ranks on one machine share its cores: each takes its share, not all of them.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.local_world_size))
     where = (f"rank {spec.rank} of {spec.world_size} at {spec.init_method} ({backend}, "

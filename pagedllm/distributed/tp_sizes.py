@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from pagedllm.errors import ValidationError
 from pagedllm.hf_config import text_config
+from pagedllm.utils import cdiv
 
 MXFP4_BLOCK = 32  # values per scale (layers/quantization/mxfp4.py; no torch here)
 
@@ -33,9 +34,32 @@ def _dims(hf_config: dict) -> tuple[int, int, dict[str, int]]:
     return heads, kv_heads, split
 
 
+def kv_heads_fit(num_kv_heads: int, tp: int) -> bool:
+    """Split over the ranks when there are as many or more, else each replicated on whole ranks."""
+    return num_kv_heads % tp == 0 if num_kv_heads >= tp else tp % num_kv_heads == 0
+
+
 def divides_model(num_heads: int, num_kv_heads: int, split_sizes: list[int], tp: int) -> bool:
-    kv_ok = num_kv_heads % tp == 0 if num_kv_heads >= tp else tp % num_kv_heads == 0
-    return num_heads % tp == 0 and all(size % tp == 0 for size in split_sizes) and kv_ok
+    return num_heads % tp == 0 and all(size % tp == 0 for size in split_sizes) and kv_heads_fit(num_kv_heads, tp)
+
+
+def split_size(size: int, tp: int, what: str) -> int:
+    """One rank's share of a dimension split ``tp`` ways; ``what`` names it if ``tp`` does not divide it."""
+    if size % tp:
+        raise ValidationError(f"{what} {size} does not split over {tp} ranks", "tensor_parallel_size")
+    return size // tp
+
+
+def check_heads_split(num_heads: int, num_kv_heads: int, tp: int) -> None:
+    """The attention rule: query heads split evenly, KV heads split or replicated (kv_heads_fit)."""
+    if num_heads % tp or not kv_heads_fit(num_kv_heads, tp):
+        raise ValidationError(f"{num_heads} heads / {num_kv_heads} KV heads do not split over {tp} ranks",
+                              "tensor_parallel_size")
+
+
+def vocab_rows_per_rank(vocab_size: int, tp: int) -> int:
+    """Rows of the vocabulary each rank holds: padded up, so any ``tp`` splits it."""
+    return cdiv(vocab_size, tp)
 
 
 def valid_tensor_parallel_sizes(hf_config: dict) -> list[int]:

@@ -29,7 +29,7 @@ from pagedllm.beam_search_params import BeamSearchParams
 from pagedllm.engine.core_client import multiprocessing_enabled  # noqa: F401 - for the CLI
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.errors import EngineDeadError, ValidationError
+from pagedllm.errors import EngineDeadError, check_request_id_free
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -304,8 +304,7 @@ class AsyncLLM:
         if self._dead is not None:
             raise self._dead
         self.start()
-        if request_id in self._streams:
-            raise ValidationError(f"request id {request_id!r} is already in use", "request_id")
+        check_request_id_free(request_id, self._streams)  # before its stream replaces another
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         if not self._streams:  # the watchdog counts from the first open request on
             self._last_progress = time.monotonic()

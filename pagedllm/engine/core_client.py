@@ -1,4 +1,5 @@
-"""MPEngineCoreClient: the engine core in a background process, behind EngineCore's methods.
+"""EngineCoreClient, what the front end calls on an engine core; MPEngineCoreClient, the engine
+core in a background process behind those methods.
 
 ``LLMEngine`` holds an ``EngineCore`` (in-process: ``LLM``, tests, notebooks) or this client
 (serving), chosen by ``llm_engine.make_engine_core``: the ``PAGEDLLM_ENABLE_MULTIPROCESSING``
@@ -33,28 +34,54 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from multiprocessing.connection import wait as wait_for_sentinels
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import zmq
 
-from pagedllm.config import EngineConfig, env_flag
+from pagedllm import envs
+from pagedllm.config import EngineConfig
 from pagedllm.core.outputs import EngineCoreOutputs, EngineCoreRequest
 from pagedllm.engine.core_proc import run_engine_core
 from pagedllm.errors import EngineDeadError
-from pagedllm.executor.multiproc import RemoteTraceback, remote_error
-from pagedllm.executor.process import ChildProcess
-from pagedllm.executor.wire import Codec
-from pagedllm.executor.zmq_context import new_context, term_context
+from pagedllm.executor.ipc import (ChildProcess, Codec, RemoteTraceback, new_context, remote_error,
+                                   term_context)
 from pagedllm.runner.base import Runner
 
-ENV_ENABLE_MULTIPROCESSING = "PAGEDLLM_ENABLE_MULTIPROCESSING"
+ENV_ENABLE_MULTIPROCESSING = envs.PAGEDLLM_ENABLE_MULTIPROCESSING
 _POLL_MS = 100  # a blocked wait looks at shutdown this often (the sentinel wakes it at once)
 logger = logging.getLogger("pagedllm")
 
 
+@runtime_checkable
+class EngineCoreClient(Protocol):
+    """The engine core as LLMEngine drives it, wherever it runs: ``EngineCore`` (this process),
+    ``MPEngineCoreClient`` (a process of its own), ``DPEngineCoreClient`` (one per replica).
+    Extras some have (``on_dead``, ``trace_snapshot``, ``engine_index_of``) are probed by name."""
+
+    num_blocks: int  # the KV cache's blocks (per replica): what one request may use at most
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a tokenized request, or raise its ValidationError (nothing queued)."""
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None: ...
+
+    def finish_requests(self, request_ids: Iterable[str], stop_reason: str) -> None: ...
+
+    def step(self) -> EngineCoreOutputs | None:
+        """The next step's outputs; None while nothing has finished yet."""
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def reset_prefix_cache(self) -> bool: ...
+
+    def get_metrics(self) -> dict[str, float]: ...
+
+    def shutdown(self) -> None: ...
+
+
 def multiprocessing_enabled(default: bool = False) -> bool:
     """``PAGEDLLM_ENABLE_MULTIPROCESSING`` (1/true/yes/on or 0/false/no/off), else ``default``."""
-    return env_flag(ENV_ENABLE_MULTIPROCESSING, default)
+    return envs.enable_multiprocessing(default)
 
 
 class MPEngineCoreClient:

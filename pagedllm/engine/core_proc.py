@@ -28,9 +28,7 @@ from typing import Any
 import zmq
 
 from pagedllm.engine.engine_core import EngineCore
-from pagedllm.executor.process import parent_process
-from pagedllm.executor.wire import Codec
-from pagedllm.executor.worker import error_info, send_unless_orphaned
+from pagedllm.executor.ipc import Codec, error_info, parent_process, send_unless_orphaned
 
 # Calls answered with a "reply"/"error" message; the rest are fire-and-forget.
 CALLS_WITH_REPLY = frozenset({"add_request", "reset_prefix_cache", "get_metrics", "trace_snapshot"})

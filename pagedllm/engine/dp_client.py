@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterable
 
 import zmq
 
+from pagedllm import envs
 from pagedllm.config import EngineConfig
 from pagedllm.core.outputs import EngineCoreOutputs, EngineCoreRequest
 from pagedllm.engine.core_client import MPEngineCoreClient
@@ -75,7 +76,7 @@ class DPEngineCoreClient:
         if any fails, the others are stopped and the first error raised."""
         n = config.parallel_config.data_parallel_size
         env: dict[str, str] = {}
-        if "OMP_NUM_THREADS" not in os.environ:  # on a GPU too: the host side needs few
+        if envs.omp_num_threads() is None:  # on a GPU too: the host side needs few
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // n))
         clients: list[MPEngineCoreClient | None] = [None] * n
         errors: list[BaseException] = []

@@ -18,7 +18,6 @@ from typing import Any
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from pagedllm.config import EngineConfig
-from pagedllm.core.admission import validate_request
 from pagedllm.core.kv_cache_manager import max_blocks_per_request
 from pagedllm.core.ngram_proposer import NgramProposer
 from pagedllm.core.outputs import EngineCoreOutputs, EngineCoreRequest, SchedulerOutput
@@ -88,8 +87,6 @@ class EngineCore:
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a tokenized request (its n samples, or its beam search); ValidationError, and
         nothing queued, if it could never run."""
-        if request.request_id in self.beam_search.groups:
-            raise ValidationError(f"request id {request.request_id!r} is already in use", "request_id")
         if request.beam_search_params is not None:
             self.beam_search.add(request.request_id, request.prompt_token_ids,
                                  request.beam_search_params, request.eos_token_ids,
@@ -111,11 +108,12 @@ class EngineCore:
             raise ValidationError("structured_outputs do not work with async_scheduling yet: a "
                                   "request's next bitmask needs its last token; turn one off",
                                   "structured_outputs")
-        # Admission's own check now, while the caller can still get its ValidationError.
-        validate_request(samples[0], self.scheduler.max_model_len, self.scheduler.kv_cache_manager)
+        # Admission's check now, while the caller can still get its ValidationError (not again
+        # when the grammar is ready).
+        self.scheduler.validate(samples[0])
         self.structured_output.add(request.request_id, params.structured_outputs,
                                    [s.request_id for s in samples], request.eos_token_ids,
-                                   lambda: self.parallel_sampling.add(samples[0], samples[1:]))
+                                   lambda: self.parallel_sampling.add(samples[0], samples[1:], validated=True))
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Abort requests (their samples or beam searches) now; idempotent, unknown ids ignored."""

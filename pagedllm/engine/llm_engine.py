@@ -17,16 +17,16 @@ from typing import Any
 
 from pagedllm.beam_search_params import BeamSearchParams
 from pagedllm.config import EngineConfig
-from pagedllm.core.outputs import EngineCoreOutputs, EngineCoreRequest, FinishedBeam
-from pagedllm.engine.core_client import MPEngineCoreClient, multiprocessing_enabled
+from pagedllm.core.outputs import EngineCoreOutputs, EngineCoreRequest
+from pagedllm.engine.core_client import EngineCoreClient, MPEngineCoreClient, multiprocessing_enabled
 from pagedllm.engine.dp_client import DPEngineCoreClient
 from pagedllm.engine.engine_core import EngineCore
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.model_info import ModelInfo
-from pagedllm.engine.output_processor import OutputProcessor, ParentRequest
+from pagedllm.engine.output_processor import BeamSearchRequest, OutputProcessor, ParentRequest
 from pagedllm.engine.parallel_sampling import sample_request_ids
-from pagedllm.errors import ValidationError, check_int
-from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagedllm.errors import ValidationError, check_int, check_request_id_free
+from pagedllm.outputs import RequestMetrics, RequestOutput
 from pagedllm.runner.base import Runner
 from pagedllm.sampling_params import SamplingParams
 
@@ -34,13 +34,13 @@ logger = logging.getLogger("pagedllm")
 
 
 def make_engine_core(config: EngineConfig, max_model_len: int, runner: Runner | None = None,
-                     multiprocess: bool | None = None) -> EngineCore | MPEngineCoreClient:
+                     multiprocess: bool | None = None) -> EngineCoreClient:
     """The engine core in this process, or in its own (``multiprocess``; None: the env var);
     with data_parallel_size > 1, that many core processes (always processes: a replica needs
     its own interpreter to run beside the others). Here, above both clients, so that neither
     client module imports the other's."""
     if config.parallel_config.data_parallel_size > 1:
-        return DPEngineCoreClient(config, max_model_len, runner)  # type: ignore[return-value]
+        return DPEngineCoreClient(config, max_model_len, runner)
     if multiprocess is None:
         multiprocess = multiprocessing_enabled()
     if multiprocess:
@@ -77,11 +77,10 @@ class LLMEngine:
         # Resolved once here and passed down (the runner and the scheduler never re-derive it).
         self.max_model_len = _resolve_max_model_len(mc.max_model_len, self.model_info)
 
-        self.engine_core: EngineCore | MPEngineCoreClient = make_engine_core(
+        self.engine_core: EngineCoreClient = make_engine_core(
             config, self.max_model_len, runner, multiprocess)
         self.input_processor = InputProcessor(tokenizer, self.model_info.vocab_size)
         self.output_processor = OutputProcessor(tokenizer)
-        self.beam_prompts: dict[str, tuple[str | None, list[int]]] = {}  # open beam searches
         self.num_prompt_tokens = 0  # prompt tokens of the requests received
         self.num_requests_finished = 0
         self.num_scheduled_tokens = 0  # tokens the steps computed: the watchdog's sign of progress
@@ -108,7 +107,7 @@ class LLMEngine:
             # AttributeError, so getattr(engine, part, None) still works as a probe.
             raise AttributeError(
                 f"LLMEngine.{part} does not exist here: the engine core runs in another process "
-                f"(pid {core.pid}); use the engine's methods, or set "
+                f"(pid {getattr(core, 'pid', '?')}); use the engine's methods, or set "
                 f"PAGEDLLM_ENABLE_MULTIPROCESSING=0 to run it in this one")
         return core
 
@@ -162,22 +161,17 @@ class LLMEngine:
         self.engine_core.add_request(EngineCoreRequest(
             request_id, prompt_ids, None, self.model_info.eos_token_ids, time.monotonic(), priority,
             beam_search_params=params))
-        self.beam_prompts[request_id] = (text, prompt_ids)
+        self.output_processor.add_beam_search(BeamSearchRequest(request_id, text, prompt_ids))
         self.num_prompt_tokens += len(prompt_ids)
 
     def _check_new_id(self, request_id: str) -> None:
-        if request_id in self.output_processor.parents or request_id in self.beam_prompts:
-            raise ValidationError(f"request id {request_id!r} is already in use", "request_id")
+        check_request_id_free(request_id, self.output_processor.parents, self.output_processor.beam_searches)
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Abort now (idempotent): blocks are freed at once; no further output is produced."""
         if isinstance(request_ids, str):
             request_ids = [request_ids]
-        child_ids = self.output_processor.abort_requests(list(request_ids))
-        for rid in request_ids:
-            if self.beam_prompts.pop(rid, None) is not None:
-                child_ids.append(rid)
-        self.engine_core.abort_requests(child_ids)
+        self.engine_core.abort_requests(self.output_processor.abort_requests(list(request_ids)))
 
     # -- the loop ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -191,21 +185,8 @@ class LLMEngine:
         outputs, stopped = self.output_processor.process_outputs(core_outputs)
         for child_id, stop_str in stopped:  # a stop string showed up in the text
             self.engine_core.finish_requests([child_id], stop_str)
-        outputs += [self._beam_output(rid, beams) for rid, beams in core_outputs.finished_beams.items()]
         self.num_requests_finished += sum(1 for o in outputs if o.finished)
         return outputs
-
-    def _beam_output(self, request_id: str, beams: list[FinishedBeam]) -> RequestOutput:
-        text, prompt_ids = self.beam_prompts.pop(request_id)
-        completions = []
-        for i, beam in enumerate(beams):
-            ids = beam.tokens
-            shown = ids[:-1] if beam.finish_reason == "stop" else ids
-            text_i = self.tokenizer.decode(shown, skip_special_tokens=True) if self.tokenizer is not None else ""
-            completions.append(CompletionOutput(i, text_i, list(ids), beam.cum_logprob, None,
-                                                beam.finish_reason))
-        return RequestOutput(request_id, text, prompt_ids, None, completions, True,
-                             beam_scores=[b.score for b in beams])
 
     def _record_first_scheduled(self, core_outputs: EngineCoreOutputs) -> None:
         """Stamp RequestMetrics.first_scheduled_time (the server's queue-time histogram): the
@@ -220,11 +201,10 @@ class LLMEngine:
                 state.parent.metrics.first_scheduled_time = now
 
     def has_unfinished_requests(self) -> bool:
-        return (self.engine_core.has_unfinished_requests() or self.output_processor.has_unfinished_requests()
-                or bool(self.beam_prompts))
+        return self.engine_core.has_unfinished_requests() or self.output_processor.has_unfinished_requests()
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.output_processor.parents) + len(self.beam_prompts)
+        return self.output_processor.get_num_unfinished_requests()
 
     def reset_prefix_cache(self) -> bool:
         return self.engine_core.reset_prefix_cache()

@@ -8,8 +8,7 @@ from pathlib import Path
 
 from pagedllm.errors import ModelLoadError
 from pagedllm.hf_config import max_position_embeddings, sliding_window, text_config
-
-_GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+from pagedllm.sampling_params import generation_defaults
 
 
 @dataclass(frozen=True)
@@ -60,6 +59,6 @@ class ModelInfo:
             eos_token_ids=eos_ids,
             bos_token_id=gen.get("bos_token_id", text_cfg.get("bos_token_id")),
             architectures=tuple(cfg.get("architectures") or ()),
-            generation_defaults={k: gen[k] for k in _GENERATION_DEFAULT_KEYS if k in gen},
+            generation_defaults=generation_defaults(gen),
             sliding_window=sliding_window(cfg),
         )

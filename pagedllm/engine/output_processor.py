@@ -1,12 +1,13 @@
 """OutputProcessor: EngineCoreOutputs -> RequestOutputs (detokenize, stop strings, logprobs,
-stream deltas, and the gathering of n > 1 samples under their parent request)."""
+stream deltas, the gathering of n > 1 samples under their parent request, and the beams of a
+beam search, decoded once it ends)."""
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedllm.core.outputs import EngineCoreOutputs, TokenLogprobs
+from pagedllm.core.outputs import EngineCoreOutputs, FinishedBeam, TokenLogprobs
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
@@ -31,6 +32,14 @@ class ParentRequest:
 
 
 @dataclass
+class BeamSearchRequest:
+    """A beam search the front end waits on: its beams come back whole, once, best first."""
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+
+
+@dataclass
 class RequestState:
     """One child sequence (index ``index`` among the parent's n)."""
     request_id: str
@@ -51,6 +60,10 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.request_states: dict[str, RequestState] = {}
         self.parents: dict[str, ParentRequest] = {}
+        self.beam_searches: dict[str, BeamSearchRequest] = {}
+
+    def add_beam_search(self, request: BeamSearchRequest) -> None:
+        self.beam_searches[request.request_id] = request
 
     def add_request(self, parent: ParentRequest, child_ids: list[str]) -> None:
         params = parent.params
@@ -70,10 +83,14 @@ class OutputProcessor:
             self.request_states[cid] = state
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.parents)
+        return bool(self.parents) or bool(self.beam_searches)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.parents) + len(self.beam_searches)
 
     def abort_requests(self, request_ids: list[str]) -> list[str]:
-        """Forget parents (or children) and return the child ids the scheduler must abort."""
+        """Forget parents (or children, or beam searches) and return the ids the engine core
+        must abort (a beam search goes by its own id)."""
         child_ids: list[str] = []
         for rid in request_ids:
             parent = self.parents.pop(rid, None)
@@ -81,6 +98,8 @@ class OutputProcessor:
                 for child in parent.children:
                     self.request_states.pop(child.request_id, None)
                     child_ids.append(child.request_id)
+            elif self.beam_searches.pop(rid, None) is not None:
+                child_ids.append(rid)
             elif rid in self.request_states:
                 child_ids.append(rid)
                 state = self.request_states.pop(rid)
@@ -147,7 +166,21 @@ class OutputProcessor:
                 self.parents.pop(parent.request_id, None)
                 for child in parent.children:
                     self.request_states.pop(child.request_id, None)
+        for rid, beams in outputs.finished_beams.items():
+            beam_search = self.beam_searches.pop(rid, None)
+            if beam_search is not None:  # None: aborted while its last step ran
+                results[rid] = self._beam_output(beam_search, beams)
         return list(results.values()), stopped_by_string
+
+    def _beam_output(self, request: BeamSearchRequest, beams: list[FinishedBeam]) -> RequestOutput:
+        completions = []
+        for i, beam in enumerate(beams):
+            shown = beam.tokens[:-1] if beam.finish_reason == "stop" else beam.tokens  # EOS: no text
+            text = self.tokenizer.decode(shown, skip_special_tokens=True) if self.tokenizer is not None else ""
+            completions.append(CompletionOutput(i, text, list(beam.tokens), beam.cum_logprob, None,
+                                                beam.finish_reason))
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, None,
+                             completions, True, beam_scores=[b.score for b in beams])
 
     def _add_prompt_logprobs(self, parent: ParentRequest, start: int, entries: list[TokenLogprobs]) -> None:
         assert parent.prompt_logprobs is not None

@@ -25,8 +25,8 @@ class ParallelSampling:
         self.scheduler = scheduler
         self.pending: dict[str, list[Request]] = {}  # leader id -> samples waiting to fork
 
-    def add(self, leader: Request, others: list[Request]) -> None:
-        self.scheduler.add_request(leader)
+    def add(self, leader: Request, others: list[Request], validated: bool = False) -> None:
+        self.scheduler.add_request(leader, validated)
         if others:
             self.pending[leader.request_id] = others
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 from typing import Any
 
+from pagedllm import envs
 from pagedllm.errors import PagedLLMError
 
 logger = logging.getLogger("pagedllm.entrypoints.serve")
@@ -132,7 +132,7 @@ def _check_tool_flags(args: argparse.Namespace) -> None:
 def server_options(args: argparse.Namespace) -> Any:
     from pagedllm.entrypoints.openai.server_options import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerOptions
 
-    env_key = os.environ.get("VLLM_API_KEY")
+    env_key = envs.vllm_api_key()
     return ServerOptions(
         api_keys=tuple(args.api_key or ([env_key] if env_key else [])),
         cache_salt_per_key=args.cache_salt_per_key,

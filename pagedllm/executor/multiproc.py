@@ -28,40 +28,13 @@ from typing import Any
 import msgpack
 import zmq
 
-from pagedllm import errors
 from pagedllm.distributed.launch import DistributedInit, get_open_port
-from pagedllm.errors import EngineDeadError, ValidationError
+from pagedllm.errors import EngineDeadError
 from pagedllm.executor.abstract import RankGroupExecutor, RunnerFactory
-from pagedllm.executor.process import ChildProcess
-from pagedllm.executor.wire import Codec
+from pagedllm.executor.ipc import ChildProcess, Codec, new_context, remote_error, term_context
 from pagedllm.executor.worker import worker_main
-from pagedllm.executor.zmq_context import new_context, term_context
 
 _SHUTDOWN = msgpack.packb(["shutdown", []])
-
-
-class RemoteTraceback(Exception):
-    """The worker's traceback, chained as ``__cause__`` of the error the executor raises."""
-
-    def __init__(self, text: str) -> None:
-        super().__init__(text)
-        self.text = text
-
-    def __str__(self) -> str:
-        return self.text
-
-
-def remote_error(info: dict[str, Any], context: str) -> Exception:
-    """Rebuild a worker's exception: pagedllm's own errors keep their type and message (a
-    ValidationError is still an HTTP 400); anything else means the rank is broken."""
-    cls = getattr(errors, info["type"], None)
-    if isinstance(cls, type) and issubclass(cls, errors.PagedLLMError) and cls is not EngineDeadError:
-        exc: Exception = (cls(info["message"], info["param"]) if issubclass(cls, ValidationError)
-                          else cls(info["message"]))
-    else:
-        exc = EngineDeadError(f"{context}: {info['type']}: {info['message']}")
-    exc.__cause__ = RemoteTraceback(info["traceback"])
-    return exc
 
 
 class MultiprocExecutor(RankGroupExecutor):

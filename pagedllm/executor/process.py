@@ -32,6 +32,7 @@ import weakref
 from typing import Any, Callable
 
 import pagedllm
+from pagedllm import envs
 
 ENTRY_MODULE = "pagedllm.executor.process_main"
 _LENGTH = struct.Struct("<Q")
@@ -58,7 +59,7 @@ class ChildProcess:
         child_env = dict(os.environ, **(env or {}))
         # The child must import this same pagedllm before it can read sys.path from the pipe.
         root = os.path.dirname(os.path.dirname(os.path.abspath(pagedllm.__file__)))
-        child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+        child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, envs.pythonpath()]))
         try:
             self._popen = subprocess.Popen(
                 [sys.executable, "-m", ENTRY_MODULE, str(to_child_r), str(alive_w), name],
@@ -143,7 +144,7 @@ def _encode_call(target: Callable[..., Any], args: tuple) -> tuple[bytes, bytes]
     pickler = _Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL)
     pickler.dump((target, args))
     main = _main_ref() if pickler.uses_main else None
-    header = pickle.dumps({"sys_path": list(sys.path), "pythonpath": os.environ.get("PYTHONPATH"),
+    header = pickle.dumps({"sys_path": list(sys.path), "pythonpath": envs.pythonpath(),
                            "main": main})
     return header, buf.getvalue()
 

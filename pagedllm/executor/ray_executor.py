@@ -21,12 +21,13 @@ import logging
 import os
 from typing import Any
 
+from pagedllm import envs
 from pagedllm.distributed.launch import DistributedInit, get_open_port
 from pagedllm.errors import EngineDeadError, ValidationError
 from pagedllm.executor.abstract import RankGroupExecutor, RunnerFactory
-from pagedllm.executor.multiproc import remote_error
+from pagedllm.executor.ipc import error_info, remote_error
 from pagedllm.executor.wire import Codec
-from pagedllm.executor.worker import Worker, error_info
+from pagedllm.executor.worker import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +123,7 @@ class RayExecutor(RankGroupExecutor):
         ray = self._ray
         if ray.is_initialized():
             return
-        address = os.environ.get("RAY_ADDRESS")
+        address = envs.ray_address()
         if address:
             ray.init(address=address, log_to_driver=True)
         else:

@@ -16,24 +16,17 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import traceback
 from typing import Any, Callable
 
 import zmq
 
 from pagedllm.distributed.launch import DistributedInit
-from pagedllm.executor.process import parent_process
-from pagedllm.executor.wire import Codec
+from pagedllm.executor.ipc import Codec, error_info, parent_process
+from pagedllm.executor.ipc import send_unless_orphaned as _send
 
 # What the executor may call on the runner (the Runner protocol of pagedllm/runner/base.py).
 CALLS = frozenset({"determine_num_blocks", "get_kv_cache_groups", "initialize_kv_cache",
                    "execute_model"})
-
-
-def error_info(exc: BaseException) -> dict[str, Any]:
-    """An exception as plain data; ``multiproc.remote_error`` turns it back into one."""
-    return {"type": type(exc).__name__, "message": str(exc), "param": getattr(exc, "param", None),
-            "traceback": "".join(traceback.format_exception(exc))}
 
 
 class Worker:
@@ -121,18 +114,3 @@ def _serve(rank: int, runner_factory: Callable[[], Any], distributed: Distribute
         if not _send(responses, worker.reply(codec, method, args), parent):
             return 0  # the parent died while we were computing
 
-
-def _send(sock: zmq.Socket, message: bytes, parent: Any) -> bool:
-    """Send, unless the parent is gone (a PUSH with no peer would block forever)."""
-    while True:
-        try:
-            sock.send(message, zmq.NOBLOCK)
-            return True
-        except zmq.Again:
-            if parent is not None and not parent.is_alive():
-                return False
-            sock.poll(100, zmq.POLLOUT)
-
-
-# Public for the engine core process (engine/core_proc.py), which sends to its parent the same way.
-send_unless_orphaned = _send

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedllm.utils import cdiv
+
 
 @dataclass
 class TwoPhaseResult:
@@ -28,7 +30,7 @@ def two_phase_step(block_size: int, free_blocks: int, running: list[tuple[str, i
     prefill: list[str] = []
     tokens = 0
     for name, length in waiting:  # phase 1: prefill, whole sequences from the queue head
-        need = -(-length // block_size)
+        need = cdiv(length, block_size)
         if len(prefill) >= max_num_seqs:
             break
         if tokens + length > max_num_batched_tokens:
@@ -58,7 +60,7 @@ def two_phase_step(block_size: int, free_blocks: int, running: list[tuple[str, i
             if queue:
                 victim = queue.pop()
                 preempted.append(victim[0])
-                free += -(-(victim[1] - 1) // block_size)
+                free += cdiv(victim[1] - 1, block_size)
                 reasons.append(f"decode: {name} needs a block, none free: preempt {victim[0]} "
                                "(the tail of running)")
             else:

@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from pagedllm import envs
+
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
@@ -87,17 +89,14 @@ def cpu_flags() -> set[str]:
     return set(_cpuinfo("flags").split())
 
 
-ENV_CPU_ISA = "PAGEDLLM_CPU_ISA"  # v3 / v4: the level of the engine's build (unset: native)
+ENV_CPU_ISA = envs.PAGEDLLM_CPU_ISA
 
 
 def engine_isa_override() -> str | None:
     """The level ``PAGEDLLM_CPU_ISA`` names for the engine's build, or None (unset or "native")."""
-    name = os.environ.get(ENV_CPU_ISA, "native")
+    name = envs.cpu_isa()
     if name == "native":
         return None
-    if name not in ISA_MARCH:
-        raise ValueError(f"{ENV_CPU_ISA}={name!r} is unsupported; supported: native, "
-                         + ", ".join(ISA_MARCH))
     if not ISA_FLAGS[name] <= cpu_flags():
         raise RuntimeError(f"{ENV_CPU_ISA}={name}: this CPU cannot run x86-64-{name} code")
     return name
@@ -171,7 +170,7 @@ def _ensure_ninja_on_path() -> None:
             import ninja
         except ImportError:
             return
-        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + envs.path()
 
 
 def build_library(name: str, sources: list[Path], cflags: list[str], ldflags: list[str]) -> str:
@@ -180,7 +179,7 @@ def build_library(name: str, sources: list[Path], cflags: list[str], ldflags: li
     there is no compiler, or the compiler's error."""
     from torch.utils import cpp_extension
 
-    compiler = os.environ.get("CXX", "c++")
+    compiler = envs.cxx()
     if shutil.which(compiler) is None:
         raise RuntimeError(f"no C++ compiler ({compiler!r} is not on PATH)")
     _ensure_ninja_on_path()
@@ -263,7 +262,7 @@ def compile_sources(isa: str, output_dir: Path, sources: list[Path] | None = Non
 
     from torch.utils import cpp_extension
 
-    compiler = os.environ.get("CXX", "c++")
+    compiler = envs.cxx()
     includes = [arg for path in [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]
                 for arg in ("-isystem", path)]
     for source in SOURCES if sources is None else sources:

@@ -17,6 +17,7 @@ import torch
 from pagedllm.layers.attention.backend import (AttentionBackend, AttentionMetadata, DecodeBatch,
                                                PrefillChunk)
 from pagedllm.layers.attention.selector import get_attn_backend
+from pagedllm.utils import cdiv
 
 __all__ = ["AttentionMetadata", "DecodeBatch", "PrefillChunk", "build_attention_metadata"]
 
@@ -97,7 +98,7 @@ def _build_decode(query_lens: list[int], seq_lens: list[int], query_start_loc: l
     token_indices_t = to_dev(torch.tensor(token_indices, dtype=torch.long))
     rows = slice(first, first + num) if token_indices[-1] - first == num - 1 else token_indices_t
     dec_seq_lens = torch.tensor([seq_lens[i] for i in decode_reqs])  # [Bd]
-    num_blocks = -(-int(dec_seq_lens.max()) // block_size)
+    num_blocks = cdiv(int(dec_seq_lens.max()), block_size)
     key_pos = torch.arange(num_blocks * block_size)  # [L]
     mask = key_pos[None, :] < dec_seq_lens[:, None]  # [Bd, L]
     return DecodeBatch(token_indices=token_indices_t, rows=rows,
@@ -119,7 +120,7 @@ def _build_prefills(query_lens: list[int], num_computed_tokens: list[int],
             # Query j sits at position computed + j and sees keys at positions <= its own.
             query_pos = torch.arange(computed, seq_len)  # [q]
             mask = to_dev(torch.arange(seq_len)[None, :] <= query_pos[:, None])  # [q, seq_len]
-        num_blocks = -(-seq_len // block_size)
+        num_blocks = cdiv(seq_len, block_size)
         chunks.append(PrefillChunk(query_start_loc[i], query_start_loc[i + 1], computed,
                                    to_dev(tables[i, :num_blocks]), mask))
     return chunks

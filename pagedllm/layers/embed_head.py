@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.distributed.parallel_state import get_tp_group
+from pagedllm.distributed.tp_sizes import vocab_rows_per_rank
 from pagedllm.layers.linear import WeightSlice, linear, rows_of_packed
 
 
@@ -29,7 +30,7 @@ class VocabParallelEmbedding(nn.Embedding):
 
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         tp = get_tp_group()
-        rows = -(-vocab_size // tp.world_size)
+        rows = vocab_rows_per_rank(vocab_size, tp.world_size)
         super().__init__(rows, hidden_size)
         self.tp = tp
         self.vocab_size = vocab_size
@@ -65,7 +66,7 @@ class ParallelLMHead(nn.Module):
     def __init__(self, hidden_size: int, vocab_size: int) -> None:
         super().__init__()
         tp = get_tp_group()
-        rows = -(-vocab_size // tp.world_size)
+        rows = vocab_rows_per_rank(vocab_size, tp.world_size)
         self.weight = nn.Parameter(torch.empty(rows, hidden_size))
         self.out_features = rows  # this rank's
         self.tp = tp

@@ -35,14 +35,15 @@ routing stays in the graph either way.
 """
 from __future__ import annotations
 
-import os
 from enum import Enum
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm import envs
 from pagedllm.distributed.parallel_state import get_tp_group
+from pagedllm.distributed.tp_sizes import split_size
 from pagedllm.errors import ModelLoadError, UnsupportedModelError
 from pagedllm.layers.activation import GatedActivation
 from pagedllm.layers.linear import WeightSlice, pack_weight
@@ -56,7 +57,7 @@ from pagedllm.layers.quantization.mxfp4 import BLOCK_SIZE, dequantize_mxfp4
 
 def kernel_wanted() -> bool:
     """False when the user forced torch's matmul for every layer (runner/linear_choice.py)."""
-    return os.environ.get("PAGEDLLM_CPU_KERNELS", "auto") != "torch"
+    return envs.cpu_kernels() != "torch"
 
 
 class ExpertLayout(str, Enum):
@@ -91,13 +92,11 @@ class FusedMoE(nn.Module):
             raise UnsupportedModelError(f"expert weight format {weight_format!r} is not supported; "
                                         f"supported: the model dtype, {', '.join(WEIGHT_FORMATS)}")
         self.tp = get_tp_group()
-        if intermediate_size % self.tp.world_size:
-            raise ValueError(f"expert intermediate size {intermediate_size} does not split over "
-                             f"{self.tp.world_size} ranks")
         self.num_experts, self.top_k = num_experts, top_k
         self.hidden_size = hidden_size
         self.full_intermediate_size = intermediate_size
-        self.intermediate_size = intermediate_size // self.tp.world_size  # this rank's
+        self.intermediate_size = split_size(intermediate_size, self.tp.world_size,
+                                            "expert intermediate size")  # this rank's
         self.renormalize, self.order = renormalize, RoutingOrder(order)
         self.expert_names = expert_names
         self.reduce_results = reduce_results

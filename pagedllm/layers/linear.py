@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.distributed.parallel_state import get_tp_group
+from pagedllm.distributed.tp_sizes import check_heads_split, split_size
 from pagedllm.kernels.cpu_extension import load_cpu_ops
 
 if TYPE_CHECKING:  # quantization/ builds on this module's layers, not the reverse
@@ -120,9 +121,7 @@ class ColumnParallelLinear(Linear):
             raise ValueError("ColumnParallelLinear needs one name per output size")
         tp = get_tp_group()
         if output_sizes is None:  # an even split of every part
-            if any(size % tp.world_size for size in full_sizes):
-                raise ValueError(f"output sizes {full_sizes} do not split over {tp.world_size} ranks")
-            output_sizes = [size // tp.world_size for size in full_sizes]
+            output_sizes = [split_size(size, tp.world_size, "output size") for size in full_sizes]
             shard_starts = [tp.rank * size for size in output_sizes]
         assert shard_starts is not None and len(shard_starts) == len(output_sizes)
         super().__init__(in_features, sum(output_sizes), bias=bias)
@@ -153,10 +152,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
                  bias: bool) -> None:
         tp = get_tp_group()
-        if num_heads % tp.world_size or (num_kv_heads % tp.world_size if num_kv_heads >= tp.world_size
-                                         else tp.world_size % num_kv_heads):
-            raise ValueError(f"{num_heads} heads / {num_kv_heads} KV heads do not split over "
-                             f"{tp.world_size} ranks")
+        check_heads_split(num_heads, num_kv_heads, tp.world_size)
         heads, kv_heads = num_heads // tp.world_size, max(1, num_kv_heads // tp.world_size)
         kv_start = tp.rank * num_kv_heads // tp.world_size  # the first KV head this rank holds
         q_size, kv_size = heads * head_dim, kv_heads * head_dim
@@ -173,9 +169,7 @@ class RowParallelLinear(Linear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         tp = get_tp_group()
-        if in_features % tp.world_size:
-            raise ValueError(f"input size {in_features} does not split over {tp.world_size} ranks")
-        super().__init__(in_features // tp.world_size, out_features, bias=bias)
+        super().__init__(split_size(in_features, tp.world_size, "input size"), out_features, bias=bias)
         self.tp = tp
         self.full_in_features = in_features
 

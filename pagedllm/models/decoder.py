@@ -15,8 +15,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedllm.distributed.parallel_state import get_tp_group
-from pagedllm.distributed.tp_sizes import check_tensor_parallel_size
 from pagedllm.hf_config import text_config
 from pagedllm.layers import (Attention, GatedActivation, MergedColumnParallelLinear,
                              ParallelLMHead, QKVParallelLinear, RMSNorm, RotaryEmbedding,
@@ -166,7 +164,6 @@ class DecoderForCausalLM(nn.Module):
     def __init__(self, config: dict) -> None:
         super().__init__()
         args = self.args_from_hf(text_config(config))
-        check_tensor_parallel_size(config, get_tp_group().world_size)
         self.args = args
         self.build_model(args)
         attn = self.decoder.layers[0].self_attn

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import random
 from collections import Counter
 from collections.abc import Iterable
 
 import torch
 
+from pagedllm import envs
 from pagedllm.layers.attention.backend import AttentionBackend
 from pagedllm.layers.attention.layer import Attention
 from pagedllm.layers.attention.selector import get_attn_backend
@@ -28,6 +28,7 @@ from pagedllm.kernels.cpu_extension import cpu_description
 from pagedllm.layers.forward_context import set_forward_context
 from pagedllm.layers.kv_cache import bind_kv_caches, kv_cache_shape
 from pagedllm.runner.linear_choice import TORCH_MARGIN, best_times
+from pagedllm.utils import cdiv
 
 logger = logging.getLogger(__name__)
 
@@ -48,9 +49,7 @@ def choose_cpu_attention(layers: Attention | Iterable[Attention],
                          dtype: torch.dtype = torch.float32) -> AttentionBackend:
     """cpu_paged or torch for a model whose attention layers are ``layers`` (one layer: every
     layer like it), q/k/v in ``dtype`` and its KV cache in ``kv_cache_dtype`` (None: ``dtype``)."""
-    forced = os.environ.get("PAGEDLLM_CPU_KERNELS", "auto")
-    if forced not in ("auto", "pagedllm", "torch"):
-        raise ValueError(f"PAGEDLLM_CPU_KERNELS={forced!r}: expected auto, pagedllm or torch")
+    forced = envs.cpu_kernels()
     paged = get_attn_backend("cpu_paged", "cpu")
     if paged.name != "cpu_paged" or forced == "torch":
         return get_attn_backend("torch", "cpu")
@@ -109,7 +108,7 @@ def _time(layer: Attention, batch: list[tuple[int, int]], dtype: torch.dtype,
           cache_dtype: torch.dtype, gen: torch.Generator, paged: AttentionBackend,
           reference: AttentionBackend) -> float:
     """The torch backend's time over the kernel's for ``batch`` ((cached, new) per request)."""
-    need = [-(-(c + n) // _BLOCK_SIZE) for c, n in batch]
+    need = [cdiv(c + n, _BLOCK_SIZE) for c, n in batch]
     ids = list(range(sum(need)))
     random.Random(0).shuffle(ids)  # scattered blocks, as a running cache has them
     tables = [[ids.pop() for _ in range(k)] for k in need]

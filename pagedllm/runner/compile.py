@@ -37,22 +37,22 @@ from collections.abc import Callable
 
 import torch
 
-from pagedllm.config import env_flag
+from pagedllm import envs
 from pagedllm.kernels.cpu_extension import build_tag
 
 logger = logging.getLogger(__name__)
 
-ENV_ENFORCE_EAGER = "PAGEDLLM_ENFORCE_EAGER"  # 1/true/yes/on: unset enforce_eager means True
+ENV_ENFORCE_EAGER = envs.PAGEDLLM_ENFORCE_EAGER
 
 
 def compile_disabled_reason(enforce_eager: bool | None, device: torch.device) -> str | None:
     """Why the model should run eagerly, or None when it should be compiled."""
     if enforce_eager:
         return "enforce_eager is set"
-    if enforce_eager is None and env_flag(ENV_ENFORCE_EAGER):
+    if enforce_eager is None and envs.enforce_eager():
         return f"{ENV_ENFORCE_EAGER} is set and enforce_eager is not (enforce_eager=False compiles)"
     if device.type == "cpu":
-        compiler = os.environ.get("CXX", "c++")
+        compiler = envs.cxx()
         if shutil.which(compiler) is None:
             return f"inductor needs a C++ compiler on CPU and {compiler!r} is not on PATH"
     elif device.type == "cuda":
@@ -75,10 +75,11 @@ def use_own_inductor_cache() -> str:
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
     default = os.path.abspath(default_cache_dir())
-    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    chosen = envs.torchinductor_cache_dir()
     if chosen is None or os.path.abspath(chosen) == default:  # unset, or torch's own default
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(default, f"pagedllm-{build_tag()}")
-    return os.environ["TORCHINDUCTOR_CACHE_DIR"]
+        chosen = os.path.join(default, f"pagedllm-{build_tag()}")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = chosen
+    return chosen
 
 
 def _mark_tokens_unbacked(*tensors: torch.Tensor) -> None:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm import envs
 from pagedllm.kernels.cpu_extension import cpu_description, load_cpu_ops, native_isa
 from pagedllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.layers.linear import Linear, pack_linear, pack_weight
@@ -83,9 +83,7 @@ def choose_linear_kernels(model: nn.Module) -> list[ShapeChoice]:
         return [ShapeChoice(n, k, len(group), False, 0.0) for (n, k), group in by_shape.items()]
     tied = {id(m.weight): m for m in model.modules()
             if isinstance(m, VocabParallelEmbedding) and m.weight is not None}
-    forced = os.environ.get("PAGEDLLM_CPU_KERNELS", "auto")
-    if forced not in ("auto", "pagedllm", "torch"):
-        raise ValueError(f"PAGEDLLM_CPU_KERNELS={forced!r}: expected auto, pagedllm or torch")
+    forced = envs.cpu_kernels()
     choices = []
     for (n, k), group in by_shape.items():
         if forced == "auto" and (n, k) not in _MEASURED:
@@ -116,7 +114,7 @@ def _convert_half_layers(model: nn.Module, layers: list[nn.Module]) -> None:
     measured: torch's half matmul on a CPU without native bf16 converts the whole matrix on every
     call (``PAGEDLLM_CPU_KERNELS=torch`` keeps it anyway). A tied embedding reads its rows from
     the head's half panels (``QuantizedWeight.rows``): one copy of the matrix."""
-    forced = os.environ.get("PAGEDLLM_CPU_KERNELS", "auto")
+    forced = envs.cpu_kernels()
     if not layers or forced == "torch" or native_isa() is None or load_cpu_ops() is None:
         return
     tied = {id(m.weight): m for m in model.modules()

@@ -11,7 +11,7 @@ import platform
 
 import torch
 
-from pagedllm.config import EngineConfig
+from pagedllm.config import DTYPE_ALIASES, EngineConfig
 from pagedllm.errors import ModelLoadError
 from pagedllm.core.outputs import PromptLogprobsChunk, RunnerOutput, SchedulerOutput, TokenLogprobs
 from pagedllm.layers.attention import get_attn_backend
@@ -32,9 +32,7 @@ from pagedllm.runner.kv_cache_groups import group_layers, layer_placement, num_k
 from pagedllm.runner.sampler import Sampler, SamplingMetadata, compute_topk_logprobs
 from pagedllm.runner.spec_decode import verify_drafts
 
-_DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
-           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "half": torch.float16, "fp16": torch.float16}
+_DTYPES = {alias: getattr(torch, name) for alias, name in DTYPE_ALIASES.items()}
 _CPU_DEFAULT_KV_BYTES = 1 << 30
 
 

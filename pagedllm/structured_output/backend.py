@@ -16,6 +16,7 @@ import threading
 from typing import Any
 
 from pagedllm.structured_output.grammar import llguidance
+from pagedllm.utils import cdiv
 
 _PARALLEL_FILL_BYTES = 32 << 10  # 32 rows of a ~8k-token vocabulary
 
@@ -46,7 +47,7 @@ class GrammarBackend:
                     hf = AutoTokenizer.from_pretrained(self.tokenizer_path)
                 eos = sorted(self.eos_token_ids) or None
                 self._tokenizer = llguidance.hf.from_tokenizer(hf, eos_token=eos)
-                self.row_bytes = (self._tokenizer.vocab_size + 31) // 32 * 4
+                self.row_bytes = cdiv(self._tokenizer.vocab_size, 32) * 4
             return self._tokenizer
 
     def compile(self, source: str) -> Any:

@@ -11,9 +11,10 @@ from core_helpers import (assert_all_free, expected_tokens, make_request, make_r
                           make_scheduler, run_to_completion, step)
 
 from pagedllm.core.block_pool import NULL_BLOCK, NULL_BLOCK_ID
-from pagedllm.core.kv_cache_manager import (NO_NEW_BLOCKS, KVCacheManager, cdiv,
+from pagedllm.core.kv_cache_manager import (NO_NEW_BLOCKS, KVCacheManager,
                                             max_blocks_per_request)
 from pagedllm.errors import ValidationError
+from pagedllm.utils import cdiv
 from pagedllm.runner.kv_cache_groups import (KVCacheGroup, group_layers, layer_placement,
                                              num_kv_tensors)
 

@@ -16,7 +16,8 @@ from dist_helpers import DEMO_MODEL_DIR, SlowFakeRunner
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.outputs import CachedRequestData, SchedulerOutput
-from pagedllm.distributed.tp_sizes import check_tensor_parallel_size, valid_tensor_parallel_sizes
+from pagedllm.distributed.tp_sizes import (check_heads_split, check_tensor_parallel_size, split_size,
+                                          valid_tensor_parallel_sizes, vocab_rows_per_rank)
 from pagedllm.errors import EngineDeadError, ValidationError
 from pagedllm.executor import create_executor
 from pagedllm.executor.multiproc import MultiprocExecutor
@@ -50,6 +51,22 @@ def test_valid_sizes_follow_the_heads():
     with pytest.raises(ValidationError, match=r"num_attention_heads 6.*valid sizes: 1, 2$"):
         check_tensor_parallel_size({"num_attention_heads": 6, "num_key_value_heads": 4,
                                     "intermediate_size": 96}, 3)
+
+
+def test_the_layers_split_by_the_same_rule():
+    # What the layers' constructors call: the rule valid_tensor_parallel_sizes applies to a config.
+    assert split_size(172, 4, "intermediate size") == 43
+    with pytest.raises(ValidationError, match="intermediate size 172 does not split over 8 ranks") as e:
+        split_size(172, 8, "intermediate size")
+    assert e.value.param == "tensor_parallel_size"
+    check_heads_split(8, 2, 8)  # two KV heads, each replicated on four ranks
+    check_heads_split(8, 4, 2)
+    for heads, kv_heads, tp in ((6, 4, 3), (6, 4, 4), (8, 3, 2)):
+        with pytest.raises(ValidationError, match=f"{heads} heads / {kv_heads} KV heads do not split"):
+            check_heads_split(heads, kv_heads, tp)
+        assert tp not in valid_tensor_parallel_sizes({"num_attention_heads": heads, "num_key_value_heads":
+                                                      kv_heads, "intermediate_size": 96})
+    assert [vocab_rows_per_rank(512, tp) for tp in (1, 2, 3, 5)] == [512, 256, 171, 103]
 
 
 def test_a_size_that_does_not_split_the_demo_model_fails_before_spawning(no_orphans, monkeypatch):

@@ -21,3 +21,21 @@ def test_half_precision_runs_and_agrees_early(dtype):
     # Half precision may drift eventually; the first tokens of a confident story must agree.
     assert out.outputs[0].token_ids[:8] == case["greedy_ids"][:8]
     assert llm.get_metrics()["pagedllm:kv_cache_usage_perc"] == 0.0
+
+
+def test_every_dtype_name_the_config_accepts_means_one_torch_dtype():
+    import torch
+
+    from pagedllm.config import DTYPE_ALIASES, ModelConfig
+    from pagedllm.errors import ValidationError
+    from pagedllm.runner.model_runner import resolve_dtype
+
+    want = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+    assert set(DTYPE_ALIASES) == set(want)
+    for name, dtype in want.items():
+        assert ModelConfig(model=str(DEMO), dtype=name).dtype == name
+        assert resolve_dtype(name, torch.device("cpu")) == dtype
+    with pytest.raises(ValidationError, match="dtype must be one of"):
+        ModelConfig(model=str(DEMO), dtype="float64")

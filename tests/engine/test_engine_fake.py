@@ -481,3 +481,42 @@ def test_beam_search_on_the_fake_runner_finishes(tokenizer):
     assert sorted(results) == ["b1", "b2", "b3"]
     assert all(len(beams) == int(rid[1:]) and all(len(t) == 5 for t in beams) for rid, beams in results.items())
     assert_idle(engine)
+
+
+def test_beam_searches_share_the_request_id_space_and_the_output_processor(tokenizer):
+    from pagedllm import BeamSearchParams
+
+    engine = make_engine(vocab_size=tokenizer.vocab_size, eos=frozenset({2}), tokenizer=tokenizer)
+    engine.add_request("s", [1, 403], SamplingParams(max_tokens=3, ignore_eos=True))
+    engine.add_beam_search_request("b", [1, 403, 407], BeamSearchParams(beam_width=2, max_tokens=4))
+    for rid, add in (("s", engine.add_beam_search_request), ("b", engine.add_request)):
+        with pytest.raises(ValidationError, match=f"request id '{rid}' is already in use"):
+            add(rid, [5, 6], BeamSearchParams(beam_width=1, max_tokens=2) if rid == "s"
+                else SamplingParams(max_tokens=2))
+    assert engine.get_num_unfinished_requests() == 2
+    final = run(engine)
+    beams = final["b"]
+    assert beams.finished and len(beams.outputs) == 2 and len(beams.beam_scores) == 2
+    for completion in beams.outputs:  # decoded by the OutputProcessor, EOS never shown as text
+        shown = completion.token_ids[:-1] if completion.finish_reason == "stop" else completion.token_ids
+        assert completion.text == tokenizer.decode(shown, skip_special_tokens=True)
+    assert engine.get_num_unfinished_requests() == 0 and not engine.output_processor.beam_searches
+    engine.add_beam_search_request("b", [1, 403], BeamSearchParams(beam_width=1, max_tokens=2))  # free again
+    engine.abort_request("b")
+    assert not engine.has_unfinished_requests()
+    assert_idle(engine)
+
+
+def test_a_beam_search_aborted_as_it_ends_yields_nothing():
+    from pagedllm.core.outputs import EngineCoreOutputs, FinishedBeam
+    from pagedllm.engine.output_processor import BeamSearchRequest, OutputProcessor
+
+    op = OutputProcessor(tokenizer=None)
+    op.add_beam_search(BeamSearchRequest("b", None, [1, 2]))
+    assert op.has_unfinished_requests() and op.abort_requests(["b"]) == ["b"]
+    late = EngineCoreOutputs(finished_beams={"b": [FinishedBeam([3, 4], -1.0, -0.5, "length")]})
+    assert op.process_outputs(late) == ([], [])  # the core finished it before reading the abort
+    op.add_beam_search(BeamSearchRequest("c", None, [1, 2]))
+    outs, _ = op.process_outputs(EngineCoreOutputs(finished_beams={"c": [FinishedBeam([3, 4], -1.0, -0.5, "length")]}))
+    assert [(o.request_id, o.outputs[0].token_ids, o.beam_scores) for o in outs] == [("c", [3, 4], [-0.5])]
+    assert not op.has_unfinished_requests()

@@ -121,7 +121,8 @@ LIGHT_MODULES = sorted(
     [*(PKG / "core").glob("*.py"), *(PKG / "engine").glob("*.py"),
      *(PKG / "structured_output").glob("*.py"),
      PKG / "runner" / "base.py", PKG / "runner" / "fake.py",
-     PKG / "config.py", PKG / "hf_config.py", PKG / "sampling_params.py", PKG / "errors.py", PKG / "__init__.py"])
+     PKG / "config.py", PKG / "hf_config.py", PKG / "sampling_params.py", PKG / "errors.py", PKG / "envs.py",
+     PKG / "utils.py", PKG / "__init__.py"])
 
 
 @pytest.mark.parametrize("path", LIGHT_MODULES, ids=lambda p: str(p.relative_to(PKG)))
@@ -161,7 +162,7 @@ def test_static_check_catches_a_top_level_import():
 # the torch runner, the executor, the engine, the entry points. A layer may import what its
 # entry names: layer names, or single modules (the public API of a layer above).
 BASE = {"config", "sampling_params", "errors", "beam_search_params", "outputs", "structured_outputs_params",
-        "hf_config"}
+        "hf_config", "envs", "utils"}
 RUNNER_LIGHT = {"runner", "runner.base", "runner.fake", "runner.input_batch"}
 ALLOWED = {
     "base": {"base"},
@@ -316,6 +317,18 @@ def test_circle_check_sees_lazy_and_type_checking_imports():
                                   "layers.attention.backend"]
     del graph["layers.attention.backend"]
     assert find_circle(graph) is None
+
+
+def test_the_engine_uses_the_executors_public_api():
+    """The engine creates executors (the package's create_executor) and starts its own core
+    process with the children's toolkit (executor/ipc.py), never an executor's own modules."""
+    public = {"executor", "executor.ipc"}
+    bad = []
+    for path in sorted((PKG / "engine").glob("*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        bad += [f"{path.name} line {line}: {target}" for line, target in _pagedllm_imports(tree)
+                if layer_of(target) == "executor" and target not in public]
+    assert not bad, bad
 
 
 def test_layering_table_catches_an_upward_import():

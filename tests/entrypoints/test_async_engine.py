@@ -215,3 +215,19 @@ def test_abort_from_outside_ends_the_stream(make_llm):
     assert not first.finished and all(not o.finished for o in rest)
     assert llm.engine.get_metrics()["pagedllm:generation_tokens"] < 400
     _assert_idle(llm)
+
+
+def test_a_duplicate_id_is_refused_and_the_first_stream_lives_on(make_llm):
+    llm = make_llm()
+    prompt_ids = [1, 403, 407]
+
+    async def run():
+        stream = await llm.add_request("dup", prompt_ids, _params(6, RequestOutputKind.FINAL_ONLY))
+        with pytest.raises(ValidationError, match="request id 'dup' is already in use") as e:
+            await llm.add_request("dup", [1, 2], _params(2))
+        assert e.value.param == "request_id"
+        return [out async for out in stream]
+
+    outs = asyncio.run(run())
+    assert outs[-1].finished and outs[-1].outputs[0].token_ids == fake_generate(prompt_ids, 6, VOCAB, ignore_eos=True)
+    _assert_idle(llm)

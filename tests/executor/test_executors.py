@@ -18,7 +18,8 @@ from pagedllm.config import EngineConfig, ModelConfig, ParallelConfig
 from pagedllm.core.outputs import CachedRequestData, SchedulerOutput
 from pagedllm.errors import EngineDeadError, ValidationError
 from pagedllm.executor import create_executor
-from pagedllm.executor.multiproc import MultiprocExecutor, RemoteTraceback
+from pagedllm.executor.ipc import RemoteTraceback
+from pagedllm.executor.multiproc import MultiprocExecutor
 from pagedllm.executor.uniproc import UniProcExecutor
 from pagedllm.runner.fake import FakeRunner
 

@@ -11,7 +11,7 @@ from pagedllm.core.scheduler_stats import SchedulerStats
 from pagedllm.engine.engine_core import EngineCore
 from pagedllm.errors import ValidationError
 from pagedllm.executor.wire import Codec
-from pagedllm.executor.worker import error_info
+from pagedllm.executor.ipc import error_info
 from pagedllm.runner.fake import FakeRunner
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 

@@ -193,3 +193,25 @@ def test_mp_executor(backend):
     for i, schema in enumerate(schemas):
         for c in final[f"j{i}"].outputs:
             check_json(c.text, schema)
+
+
+def test_a_held_request_is_validated_once(monkeypatch):
+    """Admission's check runs when the request arrives (its ValidationError reaches the caller),
+    not again when its grammar is ready and the scheduler queues it."""
+    from pagedllm.core.scheduler import Scheduler
+
+    seen: list[str] = []
+    real = Scheduler.validate
+
+    def counting(self, request):
+        seen.append(request.request_id)
+        return real(self, request)
+
+    monkeypatch.setattr(Scheduler, "validate", counting)
+    engine = make_engine()
+    params = SamplingParams(max_tokens=20, structured_outputs=StructuredOutputsParams(regex="[ab]{3,8}"))
+    final = run(engine, {"held": ("Lily", params), "plain": ("Lily", SamplingParams(max_tokens=5))})
+    check_regex(final["held"].outputs[0].text, "[ab]{3,8}")
+    assert sorted(seen) == ["held", "plain"]
+    with pytest.raises(ValidationError, match="maximum context length"):
+        engine.add_request("long", "Lily", SamplingParams(max_tokens=1000, structured_outputs=params.structured_outputs))

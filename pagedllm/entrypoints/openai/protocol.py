@@ -16,12 +16,8 @@ from pagedllm.errors import ValidationError
 from pagedllm import BeamSearchParams
 from pagedllm.entrypoints.openai.request_base import OpenAIRequest
 from pagedllm.entrypoints.openai.structured_request import structured_outputs_params
-from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+from pagedllm.sampling_params import GENERATION_DEFAULT_KEYS, RequestOutputKind, SamplingParams
 from pagedllm.structured_outputs_params import StructuredOutputsParams
-
-# Fields whose default comes from the model's generation_config.json when the request omits them.
-_MODEL_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
@@ -122,7 +118,7 @@ class SamplingRequest(OpenAIRequest):
         if self.stream_options is not None and not self.stream:
             raise ValidationError("stream_options is only allowed with stream=true", "stream_options")
         values: dict[str, Any] = {}
-        for name in _MODEL_DEFAULT_FIELDS:
+        for name in GENERATION_DEFAULT_KEYS:  # the request's value, else the model's
             value = getattr(self, name)
             if value is None:
                 value = defaults.get(name)

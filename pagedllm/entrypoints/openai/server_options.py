@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedllm.errors import ValidationError
+from pagedllm.sampling_params import generation_defaults
 
 # Most sequences one request may put in the batch (n x prompts, or the beam width), unless
 # --max-seqs-per-request says otherwise: half the batch (max_num_seqs // 2), and at most 64 (a
@@ -20,7 +21,6 @@ DEFAULT_MAX_SEQS_PER_REQUEST = 64
 # Larger than any prompt a 128k-token context holds as JSON text or token ids, times a batch of
 # a few prompts; a 50 MB body is refused before it is parsed.
 DEFAULT_MAX_REQUEST_BODY_BYTES = 8 * 1024 * 1024
-_GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 @dataclass(frozen=True)
@@ -80,4 +80,4 @@ class ServerOptions:
             values = json.loads(path.read_text()) if path.is_file() else {}
         except (OSError, ValueError) as e:
             raise ValidationError(f"cannot read {path}: {e}", "generation_config") from e
-        return {k: values[k] for k in _GENERATION_KEYS if k in values}
+        return generation_defaults(values)
