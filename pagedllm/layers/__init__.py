@@ -19,9 +19,11 @@ from pagedllm.layers.rotary import RopeConfig, RotaryEmbedding, apply_rotary
 
 __all__ = [
     "ATTENTION_BACKENDS", "Attention", "AttentionBackend", "AttentionMetadata", "ColumnParallelLinear",
-    "DecodeBatch", "FusedMoE", "GatedActivation", "KVCacheSpec", "Linear", "MergedColumnParallelLinear", "ParallelLMHead",
+    "DecodeBatch", "FusedMoE", "GatedActivation", "KVCacheSpec", "Linear", "MergedColumnParallelLinear",
+    "ParallelLMHead",
     "PrefillChunk", "QKVParallelLinear", "RMSNorm", "RopeConfig", "RotaryEmbedding",
     "RowParallelLinear", "VocabParallelEmbedding", "WeightSlice",
     "apply_rotary", "attention_layers", "bind_kv_caches", "build_attention_metadata",
-    "copy_blocks", "get_attn_backend", "get_attn_metadata", "kv_cache_layers", "kv_cache_shape", "pack_linear", "set_forward_context",
+    "copy_blocks", "get_attn_backend", "get_attn_metadata", "kv_cache_layers", "kv_cache_shape",
+    "pack_linear", "set_forward_context",
 ]

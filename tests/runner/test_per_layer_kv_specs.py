@@ -9,6 +9,7 @@ decoder builds layers from per-layer specs, so it differs from Llama in its laye
 """
 from __future__ import annotations
 
+import json
 import shutil
 from dataclasses import replace
 from pathlib import Path
@@ -48,8 +49,6 @@ class PerLayerKVLlama(LlamaForCausalLM):
 
 def _checkpoint(folder: Path, layout: list[tuple[int, int, int | None]]) -> Path:
     """A random checkpoint under transformers' Llama names, with the 32k tokenizer."""
-    import json
-
     folder.mkdir()
     gen = torch.Generator().manual_seed(0)
 
@@ -73,12 +72,13 @@ def _checkpoint(folder: Path, layout: list[tuple[int, int, int | None]]) -> Path
             p + "input_layernorm.weight": norm(), p + "post_attention_layernorm.weight": norm(),
         }
     save_file(tensors, str(folder / "model.safetensors"))
-    config = dict(architectures=[ARCH], model_type="llama", vocab_size=VOCAB, hidden_size=HIDDEN,
-                  intermediate_size=INTERMEDIATE, num_hidden_layers=len(layout),
-                  num_attention_heads=HEADS, num_key_value_heads=2, head_dim=16,
-                  max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0,
-                  tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
-                  torch_dtype="float32", layer_kv=[list(spec) for spec in layout])
+    config = {"architectures": [ARCH], "model_type": "llama", "vocab_size": VOCAB,
+              "hidden_size": HIDDEN, "intermediate_size": INTERMEDIATE,
+              "num_hidden_layers": len(layout), "num_attention_heads": HEADS,
+              "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 256,
+              "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": True,
+              "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32",
+              "layer_kv": [list(spec) for spec in layout]}
     (folder / "config.json").write_text(json.dumps(config))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(TOKENIZER / name, folder / name)
