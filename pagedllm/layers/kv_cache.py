@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import math
 import mmap
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
-from pagedllm.layers.attention import Attention
+from pagedllm.layers.attention import Attention, KVCacheSpec
 from pagedllm.layers.attention.kv_cache_dtype import storage
 
 
@@ -39,13 +40,21 @@ def attention_layers(model: nn.Module) -> list[Attention]:
                   key=lambda m: m.layer_idx)
 
 
-def bind_kv_caches(model: nn.Module, kv_caches: list[torch.Tensor],
+def kv_cache_layers(model: nn.Module, kv_cache_dtype: torch.dtype) -> list[tuple[Attention, KVCacheSpec]]:
+    """The attention layers that keep KV, in layer order, each with its spec."""
+    specs = ((layer, layer.kv_cache_spec(kv_cache_dtype)) for layer in attention_layers(model))
+    return [(layer, spec) for layer, spec in specs if spec is not None]
+
+
+def bind_kv_caches(model: nn.Module | Sequence[Attention], kv_caches: list[torch.Tensor],
                    placement: list[tuple[int, int]] | None = None) -> None:
-    """Give attention layer i the cache ``kv_caches[i]`` (shape from ``kv_cache_shape``), or,
-    with KV cache groups, ``placement[i] = (group, tensor)``: the layer reads its group's block
-    tables and stores into ``kv_caches[tensor]``, which layers of other groups share (a block
-    belongs to one group at a time; runner/kv_cache_groups.py)."""
-    layers = attention_layers(model)
+    """Give attention layer i (of ``model``'s, or of the list given) the cache ``kv_caches[i]``
+    (shape from ``kv_cache_shape``), or, with KV cache groups, ``placement[i] = (group, tensor)``:
+    the layer reads its group's block tables and stores into ``kv_caches[tensor]``, which layers
+    of other groups share (a block belongs to one group at a time; runner/kv_cache_groups.py).
+    A layer whose heads x head size differ from the tensor's, with as many elements per block,
+    gets the tensor viewed in its own shape."""
+    layers = attention_layers(model) if isinstance(model, nn.Module) else list(model)
     if placement is None:
         if len(layers) != len(kv_caches):
             raise ValueError(f"model has {len(layers)} attention layers, got {len(kv_caches)} caches")
@@ -54,10 +63,13 @@ def bind_kv_caches(model: nn.Module, kv_caches: list[torch.Tensor],
         raise ValueError(f"model has {len(layers)} attention layers, got {len(placement)} placements")
     for layer, (group, index) in zip(layers, placement):
         cache = kv_caches[index]
-        if cache.dim() != 5 or cache.shape[0] != 2 or tuple(cache.shape[3:]) != (
-                layer.num_kv_heads, layer.head_dim):
+        heads, head_dim = layer.num_kv_heads, layer.head_dim
+        if (cache.dim() != 5 or cache.shape[0] != 2
+                or cache.shape[3] * cache.shape[4] != heads * head_dim):
             raise ValueError(f"layer {layer.layer_idx}: cache shape {tuple(cache.shape)} is not "
-                             f"[2, blocks, block_size, {layer.num_kv_heads}, {layer.head_dim}]")
+                             f"[2, blocks, block_size, {heads}, {head_dim}]")
+        if tuple(cache.shape[3:]) != (heads, head_dim):
+            cache = cache.view(*cache.shape[:3], heads, head_dim)
         layer.kv_cache = cache
         layer.kv_cache_group = group
 

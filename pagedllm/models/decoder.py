@@ -37,24 +37,25 @@ class DecoderAttention(nn.Module):
     def __init__(self, args: DecoderArgs, layer_idx: int) -> None:
         super().__init__()
         spec = args.layers[layer_idx]
-        self.qkv_proj = self.qkv_cls(args.hidden_size, args.head_dim, args.num_heads,
-                                     args.num_kv_heads, bias=args.qkv_bias)
+        head_dim = args.layer_head_dim(layer_idx)
+        self.qkv_proj = self.qkv_cls(args.hidden_size, head_dim, args.num_heads,
+                                     args.layer_num_kv_heads(layer_idx), bias=args.qkv_bias)
         # This rank's heads (all of them at world size 1).
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
-        self.head_dim = args.head_dim
+        self.head_dim = head_dim
         self.q_size, self.kv_size = self.qkv_proj.output_sizes[0], self.qkv_proj.output_sizes[1]
-        self.o_proj = RowParallelLinear(args.num_heads * args.head_dim, args.hidden_size,
+        self.o_proj = RowParallelLinear(args.num_heads * head_dim, args.hidden_size,
                                         bias=args.o_bias)
         self.init_qk_norm(args)
-        scale = args.head_dim ** -0.5 if args.attn_scale is None else args.attn_scale
-        self.attn = Attention(self.num_heads, self.num_kv_heads, args.head_dim, scale=scale,
+        scale = head_dim ** -0.5 if args.attn_scale is None else args.attn_scale
+        self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, scale=scale,
                               layer_idx=layer_idx, sliding_window=spec.sliding_window,
                               logits_soft_cap=args.attn_logits_soft_cap)
 
     def init_qk_norm(self, args: DecoderArgs) -> None:
         if args.qk_norm:
-            self.q_norm = make_norm(args, args.head_dim)
-            self.k_norm = make_norm(args, args.head_dim)
+            self.q_norm = make_norm(args, self.head_dim)
+            self.k_norm = make_norm(args, self.head_dim)
 
     def forward(self, hidden_states: torch.Tensor, rope: Rope) -> torch.Tensor:
         num_tokens = hidden_states.shape[0]
@@ -125,12 +126,14 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(layer_cls(args, i) for i in range(args.num_layers))
         self.norm = make_norm(args, args.hidden_size)
         self.embedding_multiplier = args.embedding_multiplier
-        # One rotary table per distinct rope (Gemma 3: local and global), computed once a step.
-        ropes = list(dict.fromkeys(spec.rope for spec in args.layers if spec.rope is not None))
-        self.rotary_embs = nn.ModuleList(RotaryEmbedding(args.head_dim, rope) for rope in ropes)
+        # One rotary table per distinct rope and head size (Gemma 3: local and global),
+        # computed once a step.
+        keys = [None if spec.rope is None else (spec.rope, args.layer_head_dim(i))
+                for i, spec in enumerate(args.layers)]
+        ropes = list(dict.fromkeys(key for key in keys if key is not None))
+        self.rotary_embs = nn.ModuleList(RotaryEmbedding(head_dim, rope) for rope, head_dim in ropes)
         self.rotary_emb = self.rotary_embs[0] if ropes else None  # the first (Llama's only) one
-        self._layer_rope = [None if spec.rope is None else ropes.index(spec.rope)
-                            for spec in args.layers]
+        self._layer_rope = [None if key is None else ropes.index(key) for key in keys]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, hidden]
@@ -148,9 +151,9 @@ class DecoderForCausalLM(nn.Module):
     """``forward(input_ids [T], positions [T]) -> hidden [T, hidden]`` on a flat batch (the
     attention metadata comes from the forward context); ``compute_logits`` -> float32 logits.
 
-    Attributes the runner reads: num_layers, num_kv_heads, head_dim, vocab_size,
-    max_position_embeddings (and hidden_size, num_heads). Head counts are this rank's (its KV
-    cache holds only its KV heads); vocab_size is the whole vocabulary (the logits are gathered).
+    Attributes the runner reads: num_layers, vocab_size, max_position_embeddings (and
+    hidden_size, num_heads: this rank's). The KV cache's geometry is each attention layer's own
+    (``Attention.kv_cache_spec``); vocab_size is the whole vocabulary (the logits are gathered).
     """
 
     layer_cls: type[nn.Module] = DecoderLayer
@@ -166,9 +169,7 @@ class DecoderForCausalLM(nn.Module):
         args = self.args_from_hf(text_config(config))
         self.args = args
         self.build_model(args)
-        attn = self.decoder.layers[0].self_attn
-        self.num_layers, self.num_heads = args.num_layers, attn.num_heads
-        self.num_kv_heads, self.head_dim = attn.num_kv_heads, args.head_dim
+        self.num_layers, self.num_heads = args.num_layers, self.decoder.layers[0].self_attn.num_heads
         self.hidden_size, self.vocab_size = args.hidden_size, args.vocab_size
         self.max_position_embeddings = args.max_position_embeddings
         self.lm_head = ParallelLMHead(args.hidden_size, args.vocab_size)

@@ -16,6 +16,8 @@ class LayerSpec:
 
     rope: RopeConfig | None  # None: no rotary at all (SmolLM3's NoPE layers)
     sliding_window: int | None = None  # attend to the last ``sliding_window`` tokens only
+    num_kv_heads: int | None = None  # None: the model's (a layer may have its own KV geometry)
+    head_dim: int | None = None  # None: the model's
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,19 @@ class DecoderArgs:
     def __post_init__(self) -> None:
         if not self.layers:  # every layer alike: the model's rope, full attention
             object.__setattr__(self, "layers", (LayerSpec(self.rope),) * self.num_layers)
+        for i in range(len(self.layers)):
+            kv_heads = self.layer_num_kv_heads(i)
+            if kv_heads < 1 or self.num_heads % kv_heads or self.layer_head_dim(i) < 1:
+                raise ModelLoadError(f"layer {i}: {kv_heads} KV heads of size {self.layer_head_dim(i)} "
+                                     f"for {self.num_heads} query heads; expected a positive divisor "
+                                     "of the query heads and a positive head size")
+
+    def layer_num_kv_heads(self, i: int) -> int:
+        """Layer ``i``'s KV heads (all ranks')."""
+        return self.layers[i].num_kv_heads or self.num_kv_heads
+
+    def layer_head_dim(self, i: int) -> int:
+        return self.layers[i].head_dim or self.head_dim
 
     @classmethod
     def from_hf(cls, config: dict, default_pattern: int | None = None, **overrides) -> DecoderArgs:

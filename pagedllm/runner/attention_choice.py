@@ -1,6 +1,7 @@
 """The attention backend on CPU, measured at startup (the safety net beside
 runner/linear_choice.py's): the cpu_paged kernel against the torch backend, on layers like the
-model's own (its heads; each kind of layer it has: sliding window, soft-cap, sinks) over a KV
+model's own (each kind of layer it has: its heads and head size, sliding window, soft-cap,
+sinks) over a KV
 cache of its dtype (fp8 and 16-bit caches are widened as they are read, which costs the two
 backends differently), at a decode batch and a prefill chunk over a cached prefix. A windowed
 layer is timed over a context past its window (up to _MAX_CONTEXT), where the kernel reads only
@@ -37,11 +38,11 @@ _CONTEXT = 256       # cached prefix + new tokens per request, full-attention la
 _MAX_CONTEXT = 1024  # a windowed layer: past its window, up to this
 _DECODES, _CHUNK = 8, 128  # a decode batch of 8 requests; one prefill chunk over a prefix
 _ROUNDS = 3
-# (heads, kv heads, head_dim, dtype, kv cache dtype, ((window, soft-cap, sinks), count) ...)
-# -> the torch backend's time over the kernel's
+# (dtype, kv cache dtype, (layer kind, count) ...) -> the torch backend's time over the kernel's
 _MEASURED: dict[tuple, float] = {}
 
-LayerKind = tuple[int | None, float | None, bool]  # sliding window, logits soft-cap, sinks
+# heads, KV heads, head_dim, sliding window, logits soft-cap, sinks
+LayerKind = tuple[int, int, int, int | None, float | None, bool]
 
 
 def choose_cpu_attention(layers: Attention | Iterable[Attention],
@@ -56,26 +57,24 @@ def choose_cpu_attention(layers: Attention | Iterable[Attention],
     if forced == "pagedllm":
         return paged
     layers = [layers] if isinstance(layers, Attention) else list(layers)
-    first = layers[0]
-    kinds = Counter((layer.sliding_window, layer.logits_soft_cap, layer.sinks is not None)
-                    for layer in layers)
-    key = (first.num_heads, first.num_kv_heads, first.head_dim, dtype, kv_cache_dtype or dtype,
-           tuple(sorted(kinds.items(), key=repr)))
+    kinds = Counter((layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.sliding_window,
+                     layer.logits_soft_cap, layer.sinks is not None) for layer in layers)
+    key = (dtype, kv_cache_dtype or dtype, tuple(sorted(kinds.items(), key=repr)))
     if key not in _MEASURED:
-        _MEASURED[key] = _measure(*key[:5], kinds, paged, get_attn_backend("torch", "cpu"))
+        _MEASURED[key] = _measure(*key[:2], kinds, paged, get_attn_backend("torch", "cpu"))
     speedup = _MEASURED[key]
     chosen = paged if speedup * TORCH_MARGIN >= 1.0 else get_attn_backend("torch", "cpu")
     logger.info("attention on %s: the %s backend; the torch backend's time over the cpu_paged "
-                "kernel's (%d / %d heads x %d, %s cache, layers %s; a decode batch and a prefill "
-                "chunk): %.2fx", cpu_description(), chosen.name, *key[:3],
-                str(key[4]).removeprefix("torch."), _describe(kinds), speedup)
+                "kernel's (%s cache, layers %s; a decode batch and a prefill chunk): %.2fx",
+                cpu_description(), chosen.name, str(key[1]).removeprefix("torch."),
+                _describe(kinds), speedup)
     return chosen
 
 
 def _describe(kinds: Counter) -> str:
     def one(kind: LayerKind) -> str:
-        window, cap, sinks = kind
-        parts = [f"window {window}" if window else "full"]
+        heads, kv_heads, head_dim, window, cap, sinks = kind
+        parts = [f"{kv_heads} / {heads} heads x {head_dim}", f"window {window}" if window else "full"]
         parts += [f"soft-cap {cap:g}"] if cap else []
         parts += ["sinks"] if sinks else []
         return " + ".join(parts)
@@ -83,15 +82,14 @@ def _describe(kinds: Counter) -> str:
 
 
 @torch.inference_mode()
-def _measure(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-             cache_dtype: torch.dtype, kinds: Counter, paged: AttentionBackend,
-             reference: AttentionBackend) -> float:
+def _measure(dtype: torch.dtype, cache_dtype: torch.dtype, kinds: Counter,
+             paged: AttentionBackend, reference: AttentionBackend) -> float:
     """The torch backend's time over the kernel's: the geometric mean over the two batches of
     each kind of layer, weighted by how many layers are of that kind; best of _ROUNDS
     interleaved calls each."""
     gen = torch.Generator().manual_seed(0)
     log_ratio, weight = 0.0, 0
-    for (window, cap, sinks), count in kinds.items():
+    for (heads, kv_heads, head_dim, window, cap, sinks), count in kinds.items():
         layer = Attention(heads, kv_heads, head_dim, head_dim ** -0.5, layer_idx=0,
                           sliding_window=window, logits_soft_cap=cap, has_sinks=sinks)
         if sinks:

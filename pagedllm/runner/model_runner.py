@@ -20,7 +20,7 @@ from pagedllm.layers.attention_metadata import AttentionMetadata, build_attentio
 from pagedllm.layers.forward_context import set_forward_context
 from pagedllm.layers.attention.kv_cache_dtype import resolve_kv_cache_dtype
 from pagedllm.layers.kv_cache import (allocate_kv_cache, attention_layers, bind_kv_caches, copy_blocks,
-                                      kv_cache_shape)
+                                      kv_cache_layers)
 from pagedllm.runner.linear_choice import choose_linear_kernels
 from pagedllm.layers.quantization import set_quantization_activations
 from pagedllm.models.loader import load_model
@@ -28,7 +28,7 @@ from pagedllm.runner.compile import maybe_compile
 from pagedllm.runner.frame_chunks import keep_frame_chunks
 from pagedllm.runner.grammar_bitmask import apply_grammar_bitmask
 from pagedllm.runner.input_batch import CachedRequestState, InputBatch, ScheduledRequest
-from pagedllm.runner.kv_cache_groups import group_layers, layer_placement, num_kv_tensors
+from pagedllm.runner.kv_cache_groups import group_layers, layer_placement, plan_kv_tensors
 from pagedllm.runner.sampler import Sampler, SamplingMetadata, compute_topk_logprobs
 from pagedllm.runner.spec_decode import verify_drafts
 
@@ -90,9 +90,16 @@ class ModelRunner:
                                                      self.kv_cache_dtype, self.dtype)
         self.block_size = 0
         self.max_model_len = max_model_len
-        # Layers grouped by attention type (full, each window), read from the layers themselves.
-        self.kv_cache_groups = group_layers(
-            [layer.sliding_window for layer in attention_layers(self.model)], max_model_len)
+        # Each layer's KV spec (this rank's heads, the cache's dtype); the groups (full, each
+        # window) and the tensors are planned from the specs, never from one model-wide geometry.
+        self._kv_layers = kv_cache_layers(self.model, self.kv_cache_dtype)
+        if not all(spec.causal for _, spec in self._kv_layers):
+            raise ModelLoadError("this model has non-causal attention layers that keep KV; the "
+                                 "attention backends compute causal attention only")
+        self.kv_cache_groups = group_layers([spec.sliding_window for _, spec in self._kv_layers],
+                                            max_model_len)
+        self.kv_cache_tensors = plan_kv_tensors(self.kv_cache_groups,
+                                                [spec.bytes_per_token for _, spec in self._kv_layers])
         self._windowed_groups = [g.sliding_window is not None for g in self.kv_cache_groups]
 
     # -- KV cache ----------------------------------------------------------------------------
@@ -100,12 +107,9 @@ class ModelRunner:
         return [g.sliding_window for g in self.kv_cache_groups]
 
     def bytes_per_block(self, block_size: int) -> int:
-        """What one block id of the pool costs: a block in each of the KV tensors the groups
-        share (every layer's with one group)."""
-        m = self.model
-        elem = self.kv_cache_dtype.itemsize
-        num_tensors = num_kv_tensors(self.kv_cache_groups)
-        return 2 * num_tensors * block_size * m.num_kv_heads * m.head_dim * elem
+        """What one block id of the pool costs: a block in each KV tensor (runner/
+        kv_cache_groups.py), each sized by the specs of the layers that use it."""
+        return sum(t.page_size_bytes(block_size) for t in self.kv_cache_tensors)
 
     def determine_num_blocks(self, block_size: int) -> int:
         cc = self.config.cache_config
@@ -126,12 +130,13 @@ class ModelRunner:
         return int(num_blocks)
 
     def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        m = self.model
-        shape = kv_cache_shape(num_blocks, block_size, m.num_kv_heads, m.head_dim)
-        # One tensor per layer of the largest group; group g's i-th layer uses tensor i.
-        self.kv_caches = [allocate_kv_cache(shape, self.kv_cache_dtype, self.device)
-                          for _ in range(num_kv_tensors(self.kv_cache_groups))]
-        bind_kv_caches(m, self.kv_caches, layer_placement(self.kv_cache_groups))
+        tensors = self.kv_cache_tensors
+        # Shared only by layers of equal bytes per block (the kernels read a contiguous cache, so
+        # no padding): each tensor in its first layer's shape, the others view it in theirs.
+        self.kv_caches = [allocate_kv_cache(self._kv_layers[t.layer_indices[0]][1].shape(
+            num_blocks, block_size), self.kv_cache_dtype, self.device) for t in tensors]
+        bind_kv_caches([layer for layer, _ in self._kv_layers], self.kv_caches,
+                       layer_placement(self.kv_cache_groups, tensors))
         self.block_size = block_size
 
     # -- one step ----------------------------------------------------------------------------

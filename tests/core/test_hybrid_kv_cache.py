@@ -14,9 +14,9 @@ from pagedllm.core.block_pool import NULL_BLOCK, NULL_BLOCK_ID
 from pagedllm.core.kv_cache_manager import (NO_NEW_BLOCKS, KVCacheManager,
                                             max_blocks_per_request)
 from pagedllm.errors import ValidationError
+from pagedllm.runner.kv_cache_groups import (KVCacheGroup, KVCacheTensor, group_layers,
+                                             layer_placement, plan_kv_tensors)
 from pagedllm.utils import cdiv
-from pagedllm.runner.kv_cache_groups import (KVCacheGroup, group_layers, layer_placement,
-                                             num_kv_tensors)
 
 BS = 4
 W = 8
@@ -57,14 +57,35 @@ def test_group_layers_rule():
     # Gemma 2: alternating, two groups of equal size sharing two tensors.
     g2 = group_layers([8, None, 8, None], 64)
     assert g2 == [KVCacheGroup(None, (1, 3)), KVCacheGroup(8, (0, 2))]
-    assert num_kv_tensors(g2) == 2 and layer_placement(g2) == [(1, 0), (0, 0), (1, 1), (0, 1)]
+    t2 = plan_kv_tensors(g2, [64] * 4)
+    assert t2 == [KVCacheTensor(64, (1, 0)), KVCacheTensor(64, (3, 2))]
+    assert layer_placement(g2, t2) == [(1, 0), (0, 0), (1, 1), (0, 1)]
     # Gemma 3: 5 local to 1 global: the local layers cut into groups of the global count.
     g3 = group_layers([8, 8, 8, 8, 8, None] * 2, 64)
     assert [g.sliding_window for g in g3] == [None] + [8] * 5
-    assert num_kv_tensors(g3) == 2 and g3[0].layer_indices == (5, 11)
+    assert len(plan_kv_tensors(g3, [64] * 12)) == 2 and g3[0].layer_indices == (5, 11)
     windows = [g.sliding_window for g in g3]
     assert max_blocks_per_request(windows[1:2], 64, 8, BS) == cdiv(W - 2 + 8, BS) + 1 == 5
     assert max_blocks_per_request(windows, 64, 8, BS) == 64 // BS + 5 * 5
+
+
+def test_kv_tensors_from_per_layer_sizes():
+    """Layers that differ in KV bytes per token: one group gives every layer its own tensor;
+    across groups a tensor is shared only by layers of the same size, one of each group."""
+    one = group_layers([None] * 3, 64)
+    tensors = plan_kv_tensors(one, [64, 32, 64])
+    assert tensors == [KVCacheTensor(64, (0,)), KVCacheTensor(32, (1,)), KVCacheTensor(64, (2,))]
+    assert layer_placement(one, tensors) == [(0, 0), (0, 1), (0, 2)]
+    assert sum(t.page_size_bytes(BS) for t in tensors) == BS * (64 + 32 + 64)
+    # full (0, 2) and window (1, 3): sizes 64/32 in each group pair up; a block id costs 96 / token
+    g = group_layers([None, W, None, W], 64)
+    tensors = plan_kv_tensors(g, [64, 64, 32, 32])
+    assert tensors == [KVCacheTensor(64, (0, 1)), KVCacheTensor(32, (2, 3))]
+    assert layer_placement(g, tensors) == [(0, 0), (1, 0), (0, 1), (1, 1)]
+    # sizes that do not pair up cannot share: 64 and 32 in the full group, 32 and 32 in the window's
+    tensors = plan_kv_tensors(g, [64, 32, 32, 32])
+    assert tensors == [KVCacheTensor(64, (0,)), KVCacheTensor(32, (2, 1)), KVCacheTensor(32, (3,))]
+    assert layer_placement(g, tensors) == [(0, 0), (1, 1), (0, 1), (1, 2)]
 
 
 # -- freeing and null slots ---------------------------------------------------------------------

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from pagedllm.kernels import cpu_extension
-from pagedllm.layers import (bind_kv_caches, build_attention_metadata, kv_cache_shape,
+from pagedllm.layers import (bind_kv_caches, build_attention_metadata, kv_cache_layers,
                              set_forward_context)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -31,8 +31,9 @@ class PagedRunner:
                  seed: int = 0) -> None:
         self.model, self.block_size = model, block_size
         dtype = next(model.parameters()).dtype
-        shape = kv_cache_shape(num_blocks, block_size, model.num_kv_heads, model.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=dtype) for _ in range(model.num_layers)]
+        # A cache per layer, in the layer's own KV geometry (its spec).
+        self.kv_caches = [torch.zeros(spec.shape(num_blocks, block_size), dtype=dtype)
+                          for _, spec in kv_cache_layers(model, dtype)]
         bind_kv_caches(model, self.kv_caches)
         self.free_blocks = list(range(num_blocks))
         random.Random(seed).shuffle(self.free_blocks)

@@ -64,6 +64,23 @@ def test_bind_kv_caches_by_layer_index():
         bind_kv_caches(model, [torch.zeros(kv_cache_shape(6, 4, 3, 8))] * 2)
 
 
+def test_kv_cache_spec_and_a_shared_tensor_viewed_in_each_layers_shape():
+    wide, narrow = Attention(4, 2, 8, 1.0, layer_idx=0), Attention(4, 1, 16, 1.0, layer_idx=1, sliding_window=8)
+    spec = narrow.kv_cache_spec(torch.bfloat16)
+    assert (spec.num_kv_heads, spec.head_size, spec.dtype, spec.sliding_window, spec.causal) == (
+        1, 16, torch.bfloat16, 8, True)
+    assert spec.bytes_per_token == 2 * 16 * 2 and spec.page_size_bytes(4) == 4 * 64
+    assert spec.shape(6, 4) == (2, 6, 4, 1, 16)
+    cache = torch.zeros(kv_cache_shape(6, 4, 2, 8))
+    bind_kv_caches([wide, narrow], [cache], [(0, 0), (1, 0)])  # two groups, one tensor
+    assert wide.kv_cache is cache and narrow.kv_cache.shape == (2, 6, 4, 1, 16)
+    assert narrow.kv_cache_group == 1 and narrow.kv_cache.data_ptr() == cache.data_ptr()
+    narrow.kv_cache[1, 3, 2] = 1.0  # block 3 of the narrow layer is block 3 of the tensor
+    assert cache[1, 3, 2].sum() == 16 and cache.sum() == 16
+    with pytest.raises(ValueError, match="cache shape"):  # fewer elements per block: no view
+        bind_kv_caches([Attention(4, 1, 8, 1.0, layer_idx=0)], [cache], [(0, 0)])
+
+
 def test_copy_blocks_copies_exactly_the_listed_blocks():
     gen = torch.Generator().manual_seed(0)
     caches = [torch.randn(kv_cache_shape(8, 4, 2, 8), generator=gen) for _ in range(3)]

@@ -256,7 +256,7 @@ def test_the_startup_check_measures_the_kernel_against_the_torch_backend(monkeyp
         backend = choice.choose_cpu_attention(layer)
     (line,) = [r.getMessage() for r in caplog.records if "attention on" in r.getMessage()]
     ((key, speedup),) = choice._MEASURED.items()
-    assert key == (8, 2, 32, torch.float32, torch.float32, (((None, None, False), 1),))
+    assert key == (torch.float32, torch.float32, (((8, 2, 32, None, None, False), 1),))
     assert speedup > 0 and f"{speedup:.2f}x" in line and backend.name in line
     assert backend.name == ("cpu_paged" if speedup * choice.TORCH_MARGIN >= 1 else "torch")
     monkeypatch.setattr(choice, "_MEASURED", {key: 0.5})  # torch clearly faster

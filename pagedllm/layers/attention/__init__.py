@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from pagedllm.config import ATTENTION_BACKENDS
 from pagedllm.layers.attention.backend import AttentionBackend
+from pagedllm.layers.attention.kv_cache_spec import KVCacheSpec
 from pagedllm.layers.attention.layer import Attention
 from pagedllm.layers.attention.selector import get_attn_backend
 
-__all__ = ["ATTENTION_BACKENDS", "Attention", "AttentionBackend", "get_attn_backend"]
+__all__ = ["ATTENTION_BACKENDS", "Attention", "AttentionBackend", "KVCacheSpec", "get_attn_backend"]

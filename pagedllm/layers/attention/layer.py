@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from pagedllm.errors import ModelLoadError
+from pagedllm.layers.attention.kv_cache_spec import KVCacheSpec
 from pagedllm.layers.attention.torch_backend import attend_sequence
 from pagedllm.layers.forward_context import get_attn_metadata
 from pagedllm.kernels.op_registry import LayerRegistry, layer_op
@@ -36,6 +37,9 @@ class Attention(nn.Module):
     learned logit per query head joins the softmax's denominator (GPT-OSS), ``self.sinks``, for
     this rank's heads, filled by the model's loader.
     """
+
+    # The backends compute causal attention; an encoder's layer (a later issue) will not.
+    causal = True
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  layer_idx: int, sliding_window: int | None = None,
@@ -67,6 +71,11 @@ class Attention(nn.Module):
         self.kv_cache_group = 0
         # How the compiled graph names this layer (layers/op_registry.py).
         self._op_id = _layers_by_op_id.register(self)
+
+    def kv_cache_spec(self, kv_cache_dtype: torch.dtype) -> KVCacheSpec | None:
+        """What this layer keeps in the cache, whose dtype the runner decides; None: no KV."""
+        return KVCacheSpec(self.num_kv_heads, self.head_dim, kv_cache_dtype, self.sliding_window,
+                           self.causal)
 
     def extra_repr(self) -> str:
         extra = "".join(f", {name}={value}" for name, value in (
