@@ -230,7 +230,7 @@ def test_demo_model_q8_0_under_tensor_parallelism(tmp_path):
 
     cases = json.loads((STORIES / "golden_greedy.json").read_text())["cases"]
     llm = LLM(str(_stories_q8_0(tmp_path)), tensor_parallel_size=2,
-              distributed_executor_backend="mp", max_num_seqs=8)
+              distributed_executor_backend="mp", max_num_seqs=8, quantization_activations="float32")
     outputs = llm.generate([{"prompt_token_ids": c["prompt_ids"]} for c in cases],
                            [SamplingParams(temperature=0.0, max_tokens=c["max_new_tokens"],
                                            ignore_eos=True) for c in cases])
@@ -277,7 +277,8 @@ def test_demo_model_as_q8_0_gives_the_golden_stories(tmp_path):
 
     path = _stories_q8_0(tmp_path)
     cases = json.loads((STORIES / "golden_greedy.json").read_text())["cases"]
-    llm = LLM(str(path), max_num_seqs=8, max_model_len=512)
+    # float32 activations: the exact path, which tells the float model's stories
+    llm = LLM(str(path), max_num_seqs=8, max_model_len=512, quantization_activations="float32")
     assert llm.llm_engine.model_info.eos_token_ids == frozenset({2})
     prompts = [{"prompt_token_ids": case["prompt_ids"]} for case in cases]
     params = [SamplingParams(temperature=0.0, max_tokens=c["max_new_tokens"], ignore_eos=True)
@@ -295,6 +296,21 @@ def test_demo_model_as_q8_0_gives_the_golden_stories(tmp_path):
     assert tok.chat_template == (STORIES / "chat_template.jinja").read_text()
     text = llm.generate(["Once upon a time"], SamplingParams(temperature=0.0, max_tokens=8))[0]
     assert text.outputs[0].text == folder_tok.decode(cases[1]["greedy_ids"][:8])
+
+
+@pytest.mark.skipif(not (STORIES / "hf").is_dir(), reason="demo model not found")
+def test_gguf_runs_int8_activations_by_default(tmp_path):
+    """quantization_activations=auto: a GGUF file's block layers take llama.cpp's int8
+    activations, and the confident start of a golden story stays the same."""
+    from pagedllm import LLM, SamplingParams
+
+    case = json.loads((STORIES / "golden_greedy.json").read_text())["cases"][1]
+    llm = LLM(str(_stories_q8_0(tmp_path)), enforce_eager=True, kv_cache_memory_bytes=1 << 20)
+    assert llm.llm_engine.executor.runner.activations == {"q8": "int8"}
+    out = llm.generate({"prompt_token_ids": case["prompt_ids"]},
+                       SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert list(out.outputs[0].token_ids) == case["greedy_ids"][:8]
 
 
 # -- bad files ------------------------------------------------------------------------------------

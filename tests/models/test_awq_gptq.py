@@ -185,6 +185,8 @@ def test_llm_chunked_prefill_and_prefix_caching(method, tmp_path):
     hf_model, folder = build_quantized(method, 32, tmp_path / "q", seed=1)
     llm = LLM(str(folder), device="cpu", enforce_eager=True, kv_cache_memory_bytes=1 << 20,
               max_num_batched_tokens=8, enable_prefix_caching=True, block_size=4)
+    # auto keeps AWQ/GPTQ on the exact path (float32 activations), which this test compares
+    assert set(llm.llm_engine.executor.runner.activations.values()) == {"float32"}
     rng = np.random.default_rng(3)
     shared = rng.integers(3, 512, 13).tolist()
     prompts = [shared + rng.integers(3, 512, n).tolist() for n in (2, 5)] + [shared]

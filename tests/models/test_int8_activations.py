@@ -139,8 +139,8 @@ def test_the_engine_option_is_checked():
     from pagedllm.config import ModelConfig
     from pagedllm.errors import ValidationError
 
-    assert ModelConfig(model="m").quantization_activations == "float32"
-    with pytest.raises(ValidationError, match="float32, int8 or bfloat16"):
+    assert ModelConfig(model="m").quantization_activations == "auto"
+    with pytest.raises(ValidationError, match="auto, float32, int8 or bfloat16"):
         ModelConfig(model="m", quantization_activations="int4")
 
 

@@ -27,8 +27,9 @@ pytestmark = [
 
 
 def _llm(scheme: str) -> LLM:
+    # float32 activations: the exact path these tests compare with the dequantized weights
     return LLM(str(MODEL_DIR), device="cpu", enforce_eager=True, kv_cache_memory_bytes=1 << 22,
-               quantization=scheme)
+               quantization=scheme, quantization_activations="float32")
 
 
 def test_q8_0_reproduces_the_golden_stories():
