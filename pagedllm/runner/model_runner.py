@@ -22,6 +22,7 @@ from pagedllm.layers.kv_cache import (allocate_kv_cache, attention_layers, bind_
                                       kv_cache_shape)
 from pagedllm.runner.activation_choice import checkpoint_method, choose_activations
 from pagedllm.runner.linear_choice import choose_linear_kernels
+from pagedllm.runner.weight_table import log_weight_table, weight_table
 from pagedllm.models.loader import load_model
 from pagedllm.runner.compile import maybe_compile
 from pagedllm.runner.frame_chunks import keep_frame_chunks
@@ -68,6 +69,9 @@ class ModelRunner:
         # bfloat16 with its weights converted once more, or float32; runner/activation_choice.py).
         self.activations = choose_activations(self.model, mc.quantization_activations,
                                               self.device, checkpoint_method(self.hf_config))
+        # Layer name -> format, bytes: what the choices above made of every weight.
+        self.weight_table = weight_table(self.model)
+        log_weight_table(self.weight_table)
         if self.device.type == "cpu":
             _keep_freed_memory()  # after every load-time conversion: what they freed goes back
         keep_frame_chunks()  # before the first forward: Python's frame stack stays mapped

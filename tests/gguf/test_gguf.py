@@ -22,6 +22,7 @@ from pagedllm.errors import ModelLoadError, UnsupportedModelError
 from pagedllm.gguf import read_gguf_config
 from pagedllm.gguf.names import unpermute_rows
 from pagedllm.gguf.quant_types import unpack
+from pagedllm.layers.weight_format import Quantized
 from pagedllm.models import load_model
 
 TOL = 1e-4
@@ -158,22 +159,23 @@ def test_gguf_matches_transformers(arch, spec, overrides, tmp_path):
     _check_greedy_and_logprobs(model, _reference(hf_model, path))
     linears = [m for name, m in model.named_modules() if name.endswith(("_proj", "lm_head"))]
     if spec in ("f32", "f16"):
-        assert all(getattr(m, "qweight", None) is None for m in linears)
+        assert all(not isinstance(m.weight_format, Quantized) for m in linears)
     else:  # every linear holds its quantized weight only
-        assert linears and all(m.qweight is not None and m.weight is None for m in linears)
+        assert linears and all(isinstance(m.weight_format, Quantized) and m.weight is None
+                               for m in linears)
     if spec == "k_quants":  # Q4_K and Q6_K held at the file's size (panels of 64 rows aside)
         for m in linears:
-            qw, k = m.qweight, m.qweight.in_features
+            qw, k = m.weight_format.qweight, m.weight_format.qweight.in_features
             rows = -(-qw.out_features // 64) * 64
             records = 2 * k // 256 + k // qw.group_size  # fp16 d per 256, int8 per group
             per_row = {"q4": k // 2 + 2 * records, "q6": k * 3 // 4 + records}.get(qw.format)
             if per_row is not None:  # the fused qkv mixes three types: held as q8
                 assert qw.nbytes == rows * per_row, (qw.format, qw.out_features, k)
-        assert {m.qweight.format for m in linears} >= {"q4", "q6"}
+        assert {m.weight_format.qweight.format for m in linears} >= {"q4", "q6"}
     if spec not in ("f32", "f16") and hf_model.config.tie_word_embeddings:
         # one copy of the tied matrix, in the file's format: the embedding reads the head's
         embedding = model.decoder.embed_tokens
-        assert embedding.weight is None and embedding.qweight is model.lm_head.qweight
+        assert embedding.weight is None and embedding.weight_format is model.lm_head.weight_format
 
 
 def test_split_file_loads_like_one(tmp_path):
@@ -374,6 +376,7 @@ def test_unsupported_architecture_names_the_supported(tmp_path):
 _LOAD_PEAK = """
 import sys, torch
 from pagedllm.models import load_model
+from pagedllm.layers.weight_format import Quantized
 
 def rss(field):
     for line in open("/proc/self/status"):
@@ -386,8 +389,10 @@ load_model(sys.argv[1], torch.float32, torch.device("cpu"))
 open("/proc/self/clear_refs", "w").write("5")  # the peak from here on
 before = rss("VmRSS")
 model, _ = load_model(sys.argv[2], torch.float32, torch.device("cpu"))
-weights = sum(t.nbytes for m in model.modules() if getattr(m, "qweight", None) is not None
-              for t in (m.qweight.codes, m.qweight.scales, m.qweight.offsets) if t is not None)
+weights = sum(t.nbytes for m in model.modules()
+              if isinstance(getattr(m, "weight_format", None), Quantized)
+              for t in (m.weight_format.qweight.codes, m.weight_format.qweight.scales,
+                        m.weight_format.qweight.offsets) if t is not None)
 print(rss("VmHWM") - before, weights)
 """
 

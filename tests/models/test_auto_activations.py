@@ -11,6 +11,7 @@ from paged_helpers import STORIES_DIR
 from pagedllm import LLM
 from pagedllm.kernels.cpu_extension import has_bf16_activations
 from pagedllm.layers.quantization import quantized_kernels_available
+from pagedllm.layers.weight_format import Quantized
 
 pytestmark = pytest.mark.skipif(not quantized_kernels_available(__import__("torch").device("cpu")),
                                 reason="the quantized formats need pagedllm's CPU kernels")
@@ -23,8 +24,8 @@ def _llm(**kwargs) -> LLM:
 
 def _methods(llm: LLM) -> set[str]:
     model = llm.llm_engine.executor.runner.model
-    return {m.quant_method.activations for m in model.modules()
-            if getattr(m, "quant_method", None) is not None}
+    return {m.weight_format.activations for m in model.modules()
+            if isinstance(getattr(m, "weight_format", None), Quantized)}
 
 
 def test_auto_runs_q8_0_layers_with_int8_activations(caplog):
