@@ -21,7 +21,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.layers.linear import Linear
 from pagedllm.runner import compile as compile_mod
 from pagedllm.runner.compile import compile_disabled_reason
-from pagedllm.layers.weight_format import Panels
+from pagedllm.layers.weight_format import Panels, Quantized
 
 SHARED_MODELS = Path(__file__).resolve().parents[2].parent / "shared" / "models"
 DEMO_MODEL = SHARED_MODELS / "stories260K" / "hf"
@@ -196,7 +196,8 @@ def test_compiled_matches_eager_quantized_moe(tmp_path):
     compiled, eager = LLM(model, enforce_eager=False, **kwargs), LLM(model, enforce_eager=True, **kwargs)
     runner = compiled.llm_engine.executor.runner
     assert runner.compiled is not None
-    assert any(getattr(m, "qweight", None) is not None for m in runner.model.modules())
+    assert any(isinstance(getattr(m, "weight_format", None), Quantized)
+               for m in runner.model.modules())
     _compare_outputs(compiled, eager, 32000)
 
 
