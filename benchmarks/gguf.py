@@ -20,7 +20,7 @@ does not count) is reported against the file size plus its KV budget, beside its
 
     bash benchmarks/setup_llama_cpp.sh      # once: llama.cpp for this CPU, and its converter
     python -m benchmarks.gguf [--shape qwen2.5-0.5b llama-3.2-1b moe-0.5b] [--type Q4_K_M Q8_0 Q4_0]
-                              [--rounds 3] [--no-llama-cpp] [--skip batch] [--activations int8]
+                              [--rounds 3] [--no-llama-cpp] [--skip batch] [--activations float32]
 Prints one line per (shape, type) with both engines' medians and the ratios.
 """
 from __future__ import annotations
@@ -185,7 +185,7 @@ def read_bandwidth() -> float:
 class PagedLLM:
     """pagedllm on one GGUF file, answering the same jobs as the llama.cpp peer."""
 
-    def __init__(self, path: Path, threads: int, activations: str = "float32") -> None:
+    def __init__(self, path: Path, threads: int, activations: str = "auto") -> None:
         from pagedllm import LLM
 
         import torch
@@ -315,8 +315,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="the peer's venv (an AVX2 build: VENV=.venv-llama-cpp-v3 LLAMA_CPP_ISA=v3 "
                         "bash benchmarks/setup_llama_cpp.sh, with PAGEDLLM_CPU_ISA=v3 for ours)")
     p.add_argument("--skip", nargs="*", default=[], choices=["decode", "prefill", "batch"])
-    p.add_argument("--activations", choices=["float32", "int8"], default="float32",
-                   help="pagedllm's quantization_activations (int8: llama.cpp's strategy)")
+    p.add_argument("--activations", choices=["auto", "float32", "int8"], default="auto",
+                   help="pagedllm's quantization_activations (auto, the engine's default: int8 "
+                        "for the quantized layers, llama.cpp's strategy; float32: the exact path)")
     p.add_argument("--json", metavar="FILE")
     p.add_argument("--read-bandwidth", type=float, help=argparse.SUPPRESS)  # the parent's probe
     args = p.parse_args(argv)

@@ -93,14 +93,14 @@ def _kv_bytes_allocated(llm) -> dict:
 
     runner = getattr(llm.llm_engine.executor, "runner", None)
     if runner is None or not hasattr(runner, "kv_caches"):
-        return {"kv_cache_bytes": None, "weight_bytes": None, "other_tensor_bytes": None}
+        return {"kv_cache_bytes": None, "weight_bytes": None, "weight_formats": None,
+                "other_tensor_bytes": None}
     kv = {c.untyped_storage().data_ptr(): c.untyped_storage().nbytes() for c in runner.kv_caches}
     weights = list(runner.model.state_dict().values())
-    weights += [m.packed_weight for m in runner.model.modules()
-                if getattr(m, "packed_weight", None) is not None]
-    # quantized layers (AWQ, GPTQ, GGUF, q8_0/q4_0 at load): codes, scales and offsets
-    weights += [t for m in runner.model.modules() if getattr(m, "qweight", None) is not None
-                for t in (m.qweight.codes, m.qweight.scales, m.qweight.offsets) if t is not None]
+    # the layers held in a weight format (panels, bf16/fp16, quantized: runner/weight_table.py)
+    from pagedllm.runner.weight_table import held_tensors
+
+    weights += held_tensors(runner.model)
     weight_storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in weights}
     seen = set(kv) | set(weight_storages)
     gc.collect()
@@ -118,8 +118,11 @@ def _kv_bytes_allocated(llm) -> dict:
         if storage.data_ptr() not in seen:
             seen.add(storage.data_ptr())
             other += storage.nbytes()
+    formats: dict[str, int] = {}  # the runner's table: bytes per weight format
+    for row in runner.weight_table:
+        formats[row.format] = formats.get(row.format, 0) + row.nbytes
     return {"kv_cache_bytes": sum(kv.values()), "weight_bytes": sum(weight_storages.values()),
-            "other_tensor_bytes": other}
+            "weight_formats": formats, "other_tensor_bytes": other}
 
 
 def measure_batch(model: str, workload: Workload, llm_kwargs: dict, block_size: int,
@@ -157,7 +160,8 @@ def _memory_truth(batch: dict, budget: int) -> str:
     mib = 2**20
     if batch["kv_cache_bytes"] is None:
         return f"peak RSS {batch['peak_rss_bytes'] / mib:.0f} MiB"
-    return (f"weights {batch['weight_bytes'] / mib:.1f} MiB; "
+    formats = ", ".join(f"{fmt} {n / mib:.1f}" for fmt, n in batch["weight_formats"].items())
+    return (f"weights {batch['weight_bytes'] / mib:.1f} MiB ({formats}); "
             f"KV allocated {batch['kv_cache_bytes'] / mib:.2f} MiB of the {budget / mib:.2f} MiB "
             f"budget ({batch['kv_cache_bytes'] / budget:.1%}), other live tensors "
             f"{batch['other_tensor_bytes'] / mib:.2f} MiB; peak RSS {batch['peak_rss_bytes'] / mib:.0f} "

@@ -42,7 +42,8 @@ def main() -> None:
         layer.down_proj.copy_(torch.randn(layer.down_proj.shape, generator=gen) * 0.03)
     w13, w2 = layer.gate_up_proj.detach().clone(), layer.down_proj.detach().clone()
     layer.process_weights_after_loading()
-    kernel = "skinny kernel" if layer.packed_down is not None else "F.linear (no kernel here)"
+    kernel = ("skinny kernel" if "down_proj" in layer.expert_formats
+              else "F.linear (no kernel here)")
 
     def torch_loop(x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         weights, ids = select_experts(logits, TOP_K, renormalize=True)

@@ -63,12 +63,13 @@ class ModelConfig:
         "(a full-precision checkpoint quantized at load; CPU); unset: what the checkpoint is.",
         default=None)
     quantization_activations: str = _doc(
-        "Activations of the quantized and bf16 linears on CPU: float32 (exact: the dequantized "
+        "Activations of the quantized and bf16 linears on CPU: auto (int8 for GGUF and "
+        "q8_0/q4_0 weights, as llama.cpp; bfloat16 for bf16 weights on CPUs with AVX512-BF16 or "
+        "AMX, as vLLM; float32 elsewhere, AWQ/GPTQ included); float32 (exact: the dequantized "
         "model's numbers); int8 for q8/q4 weights (GGUF, AWQ/GPTQ, q8_0/q4_0: quantized per "
-        "row in blocks of 32, integer dot products as llama.cpp: 1.2-2.8x faster at one row); "
-        "bfloat16 for bf16 weights (dtype=bfloat16: rounded to bf16, AMX tiles or AVX512-BF16 "
-        "dot products as vLLM's oneDNN; CPUs with AVX512-BF16); docs/quantization.md.",
-        default="float32")
+        "row in blocks of 32, integer dot products); bfloat16 for bf16 weights (dtype=bfloat16: "
+        "rounded to bf16, AMX tiles or AVX512-BF16 dot products); docs/quantization.md.",
+        default="auto")
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPE_ALIASES:
@@ -84,8 +85,9 @@ class ModelConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ValidationError(f"quantization {self.quantization!r} is not supported; "
                                   f"supported: {', '.join(QUANTIZATION_METHODS)}", "quantization")
-        if self.quantization_activations not in ("float32", "int8", "bfloat16"):
-            raise ValidationError(f"quantization_activations must be float32, int8 or bfloat16, got "
+        if self.quantization_activations not in ("auto", "float32", "int8", "bfloat16"):
+            raise ValidationError(f"quantization_activations must be auto, float32, int8 or "
+                                  f"bfloat16, got "
                                   f"{self.quantization_activations!r}", "quantization_activations")
 
 

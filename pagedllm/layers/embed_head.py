@@ -15,18 +15,17 @@ from torch import nn
 
 from pagedllm.distributed.parallel_state import get_tp_group
 from pagedllm.distributed.tp_sizes import vocab_rows_per_rank
-from pagedllm.layers.linear import WeightSlice, linear, rows_of_packed
+from pagedllm.layers.linear import WeightSlice, linear
+from pagedllm.layers.weight_format import WeightFormat
 
 
 class VocabParallelEmbedding(nn.Embedding):
     """``[T] token ids -> [T, hidden]``."""
 
-    # A tied embedding whose head holds the shared weight as float32 panels, or in another
-    # format (a QuantizedWeight: bf16/fp16 panels, GGUF's q8/q4 blocks), reads its rows from
-    # there (``weight`` is then None): one copy of the matrix (set by runner/linear_choice.py
-    # and the GGUF loader).
-    packed_weight: torch.Tensor | None = None
-    qweight = None  # QuantizedWeight | None
+    # How the embedding holds its weight once loaded (``weight`` is then None): a tied
+    # embedding shares its head's format object (panels, bf16/fp16, GGUF's blocks) and reads
+    # its rows from there, one copy of the matrix; an untied one may hold its own (GGUF).
+    weight_format: WeightFormat | None = None
 
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         tp = get_tp_group()
@@ -46,11 +45,9 @@ class VocabParallelEmbedding(nn.Embedding):
         return self.tp.all_reduce(out)
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.qweight is not None:
-            return self.qweight.rows(ids)
-        if self.packed_weight is None:
+        if self.weight_format is None:
             return F.embedding(ids, self.weight)
-        return rows_of_packed(self.packed_weight, ids)
+        return self.weight_format.rows(ids)
 
     def checkpoint_slices(self, attr: str, param: torch.Tensor) -> list[WeightSlice]:
         return [_vocab_rows(self, param)]
@@ -60,8 +57,8 @@ class ParallelLMHead(nn.Module):
     """``[N, hidden] -> [N, vocab]`` float32 logits (the sampler wants float32 whatever the dtype),
     the same full rows on every rank (each rank samples, with the same generator state)."""
 
-    # The weight as panels, in place of ``weight`` (see linear.py's pack_linear).
-    packed_weight: torch.Tensor | None = None
+    # How the head holds its weight once loaded, in place of ``weight`` (see linear.py).
+    weight_format: WeightFormat | None = None
 
     def __init__(self, hidden_size: int, vocab_size: int) -> None:
         super().__init__()

@@ -49,9 +49,8 @@ from pagedllm.layers.activation import GatedActivation
 from pagedllm.layers.linear import WeightSlice, pack_weight
 from pagedllm.layers.moe_router import RoutingOrder, check_routing, select_experts
 from pagedllm.kernels.op_registry import LayerRegistry, layer_op
-from pagedllm.layers.quantization import (HalfLinearMethod, LinearMethod, QuantizedWeight,
-                                          kernel_matches_float64, method_for,
-                                          quantized_kernels_available)
+from pagedllm.layers.quantization import QuantizedWeight, quantized_kernels_available
+from pagedllm.layers.weight_format import Half, Panels, Quantized, WeightFormat
 from pagedllm.layers.quantization.mxfp4 import BLOCK_SIZE, dequantize_mxfp4
 
 
@@ -114,16 +113,12 @@ class FusedMoE(nn.Module):
         if bias:  # down's is added once, on rank 0: the ranks' partial sums are all-reduced
             self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * inter))
             self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden_size))
-        # The weights as skinny_gemm panels per expert, [E, panels, in, 64], in place of the
-        # parameters (then None): set by process_weights_after_loading. One copy either way.
-        self.packed_gate_up: torch.Tensor | None = None
-        self.packed_down: torch.Tensor | None = None
-        # Or, per projection, the experts' weights in another format (bf16/fp16, a quantized
-        # checkpoint's q8/q4) stacked (QuantizedWeight.stack), multiplied by ``quant_method``'s
-        # grouped call; a loader hands them over expert by expert (set_quantized_expert).
-        self.qweight_gate_up: QuantizedWeight | None = None
-        self.qweight_down: QuantizedWeight | None = None
-        self.quant_method: LinearMethod | None = None
+        # Projection name -> how its experts are held for the CPU kernels, in place of the
+        # parameter (then None): float32 panels [E, panels, in, 64] (Panels), or the experts'
+        # weights in another format (bf16/fp16, a quantized checkpoint's q8/q4) stacked
+        # (QuantizedWeight.stack: Half, Blocks); a loader hands those over expert by expert
+        # (set_quantized_expert). Set by process_weights_after_loading; one copy either way.
+        self.expert_formats: dict[str, WeightFormat] = {}
         self._expert_qweights: dict[str, dict[int, QuantizedWeight]] = {}
         self._op_id = _layers_by_op_id.register(self)  # how a compiled graph names this layer
 
@@ -156,8 +151,7 @@ class FusedMoE(nn.Module):
                 f"intermediate={self.intermediate_size}, order={self.order.value}, "
                 f"renormalize={self.renormalize}, bias={self.down_proj_bias is not None}, "
                 f"layout={self.layout.value}, format={self.weight_format}, "
-                f"packed={self.packed_down is not None}, held="
-                f"{[None if q is None else q.format for q in (self.qweight_gate_up, self.qweight_down)]}")
+                f"held={ {name: fmt.describe() for name, fmt in self.expert_formats.items()} }")
 
     # -- loading -------------------------------------------------------------------------------
     def checkpoint_tensors(self, attr: str, param: torch.Tensor) -> dict[str, WeightSlice]:
@@ -252,7 +246,7 @@ class FusedMoE(nn.Module):
             if self.gate_up_proj_bias is not None:
                 self.gate_up_proj_bias.data = self.gate_up_proj_bias.data[:, order].contiguous()
             self._rows_interleaved = False
-        held = self.qweight_gate_up is not None or self.qweight_down is not None
+        held = bool(self.expert_formats)
         if not kernel_wanted() and not held:  # a quantized projection runs in the kernel only
             return
         floats = [name for name in self.PROJECTIONS if getattr(self, name) is not None]
@@ -278,7 +272,7 @@ class FusedMoE(nn.Module):
             for e in range(1, self.num_experts):  # one expert's transient copy at a time
                 panels[e] = pack_weight(weight[e], None, check=False, narrow=False)
             # The plain weight goes at once: at most one projection of one layer held twice.
-            setattr(self, f"packed_{name.removesuffix('_proj')}", panels)
+            self.expert_formats[name] = Panels(panels, weight.shape[1])
             setattr(self, name, None)
 
     def _hold_half(self, names: list[str]) -> bool:
@@ -291,20 +285,16 @@ class FusedMoE(nn.Module):
         for name in names:  # every projection checked before any is converted: all or none
             weight = getattr(self, name)
             stacks[name] = [QuantizedWeight.from_half(weight[e]) for e in range(self.num_experts)]
-            if not kernel_matches_float64(stacks[name][0], None):
+            if not Half(stacks[name][0]).check():
                 return False
         for name, qweights in stacks.items():
             self._hold_stacked(name, qweights)
         return True
 
     def _hold_stacked(self, attr: str, qweights: list[QuantizedWeight]) -> None:
-        """Projection ``attr`` as the experts' weights stacked, its float parameter gone; the
-        layer's ``quant_method`` (whose activations setting serves both projections) from the
-        first such projection's format."""
-        setattr(self, f"qweight_{attr.removesuffix('_proj')}", QuantizedWeight.stack(qweights))
+        """Projection ``attr`` as the experts' weights stacked, its float parameter gone."""
+        self.expert_formats[attr] = Quantized.of(QuantizedWeight.stack(qweights))
         setattr(self, attr, None)
-        if self.quant_method is None or isinstance(self.quant_method, HalfLinearMethod):
-            self.quant_method = method_for(qweights[0])
 
     # -- compute -------------------------------------------------------------------------------
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
@@ -323,15 +313,7 @@ class FusedMoE(nn.Module):
 
     def _experts_in_kernel(self) -> bool:
         """Both projections held for the CPU kernels (panels or stacked codes)."""
-        return all(getattr(self, f"packed_{name}") is not None
-                   or getattr(self, f"qweight_{name}") is not None for name in ("gate_up", "down"))
-
-    def _kernel_weight(self, name: str) -> tuple:
-        """Projection ``name`` as fused_experts takes it: (weight, scales, offsets, group size)."""
-        qweight = getattr(self, f"qweight_{name}")
-        if qweight is not None:
-            return qweight.codes, qweight.scales, qweight.offsets, qweight.group_size
-        return getattr(self, f"packed_{name}"), None, None, 0
+        return len(self.expert_formats) == len(self.PROJECTIONS)
 
     def _fused_experts(self, x: torch.Tensor, topk_weights: torch.Tensor,
                        topk_ids: torch.Tensor) -> torch.Tensor:
@@ -339,11 +321,13 @@ class FusedMoE(nn.Module):
         (``pagedllm::fused_experts``, csrc/fused_moe.cpp): the tokens grouped by expert, each
         projection one grouped kernel call over all active experts, in float32."""
         activation, alpha, limit = self.act.kernel_activation()
-        narrow = self.quant_method is not None and self.quant_method.activations != "float32"
+        gate_up, down = self.expert_formats["gate_up_proj"], self.expert_formats["down_proj"]
+        # One activations setting serves both projections (the kernel takes one flag).
+        narrow = gate_up.activations != "float32" or down.activations != "float32"
         bias_1, bias_2 = self.gate_up_proj_bias, self.down_proj_bias
         out = torch.ops.pagedllm.fused_experts(
-            x.float(), topk_weights.float(), topk_ids, *self._kernel_weight("gate_up"),
-            *self._kernel_weight("down"), None if bias_1 is None else bias_1.float(),
+            x.float(), topk_weights.float(), topk_ids, *gate_up.kernel_args(),
+            *down.kernel_args(), None if bias_1 is None else bias_1.float(),
             None if bias_2 is None or self.tp.rank != 0 else bias_2.float(),
             self.intermediate_size, activation, alpha, limit, narrow)
         return out.to(x.dtype)

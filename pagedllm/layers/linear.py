@@ -12,28 +12,18 @@ output dimension so one matmul replaces two or three; each part remembers its ch
 and where this rank's rows start in it, so the loader reads just those rows from safetensors
 (``checkpoint_slices``).
 
-On CPU a float32 layer may hold its weight as the panels of ``pagedllm::skinny_gemm`` (layers/
-csrc/skinny_gemm.cpp) instead of the plain ``[out, in]`` matrix: ``pack_linear`` converts it, and
-the runner decides which layers to convert by measuring the kernel against torch's matmul on
-this CPU at startup (runner/linear_choice.py). Either way a layer holds exactly one copy of its
-weight. The kernel was written for decode steps, where a linear is bound by how fast its weights
-stream from memory (1.2-2.5x oneDNN's prepacked matmul at 8-32 rows on AVX-512, 1.1-1.6x on
-AVX2), and runs at prefill sizes close to the FMA peak. It sums in float32 like the others
-(results agree to rounding), in the same order for every row count, so a row's result does not
-depend on its batch. The C++ op ``pagedllm::packed_linear`` (same file) adds the bias; a
-compiled graph calls it directly as an opaque node with the panels as its input: inductor would
-otherwise lower the matmul to a plain sgemm; the elementwise work around the op is still fused
-(vLLM's CPU path calls its oneDNN matmul the same way).
-
-A layer may instead hold its weight in another format, bf16/fp16 or block-quantized (q8, q4),
-as ``qweight`` with the ``quant_method`` that multiplies by it (layers/quantization/): the same
-kernel over converted k blocks (csrc/quant_gemm.cpp); ``linear`` dispatches, the model code
-does not see the format.
+After loading, a layer may hold its weight in a ``WeightFormat`` (layers/weight_format.py)
+instead of the plain ``[out, in]`` matrix: float32 panels of ``pagedllm::packed_linear`` (the
+skinny kernel, where the runner measured it faster than torch's matmul on this CPU:
+runner/linear_choice.py), bf16/fp16 panels, or block-quantized codes (q8, q4, q5, q6). Either
+way a layer holds exactly one copy of its weight, and ``linear`` dispatches: the model code does
+not see the format. The skinny kernel sums in float32 in the same order for every row count, so
+a row's result does not depend on its batch; a compiled graph calls its op directly as an opaque
+node with the panels as its input (inductor would otherwise lower the matmul to a plain sgemm).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -41,34 +31,16 @@ from torch import nn
 
 from pagedllm.distributed.parallel_state import get_tp_group
 from pagedllm.distributed.tp_sizes import check_heads_split, split_size
-from pagedllm.kernels.cpu_extension import load_cpu_ops
-
-if TYPE_CHECKING:  # quantization/ builds on this module's layers, not the reverse
-    from pagedllm.layers.quantization import LinearMethod, QuantizedWeight
-
-
-# Output columns per panel of the packed weight (kPanel in csrc/skinny_gemm.cpp).
-_PANEL = 64
-_NARROW_STEP = 16  # a narrow panel's width is a multiple of this (one AVX-512 vector)
+from pagedllm.layers.weight_format import Panels, WeightFormat
 
 
 def linear(layer: Linear | nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x W^T + b`` for a layer holding its weight as ``weight`` (``F.linear``), as float32
-    panels, ``packed_weight`` (``pagedllm::packed_linear``, the skinny kernel), or in another
-    format, ``qweight``, multiplied by its ``quant_method`` (bf16/fp16, q8, q4: layers/
-    quantization/); ``layer.out_features`` is W's number of rows."""
-    method = getattr(layer, "quant_method", None)
-    if method is not None:
-        return method.apply(layer, x, bias)
-    if layer.packed_weight is None:
+    """``x W^T + b`` for a layer holding its weight in a ``weight_format``, or as ``weight``
+    (``F.linear``)."""
+    fmt: WeightFormat | None = layer.weight_format
+    if fmt is None:
         return F.linear(x, layer.weight, bias)
-    return torch.ops.pagedllm.packed_linear(x, layer.packed_weight, layer.out_features, bias)
-
-
-def rows_of_packed(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Rows ``ids`` of the weight held as float32 panels ``packed`` (an embedding lookup for a
-    tied embedding whose head holds the panels): ``[T] -> [T, in]``."""
-    return packed[ids // _PANEL, :, ids % _PANEL]
+    return fmt.apply(x, bias)
 
 
 @dataclass(frozen=True)
@@ -94,13 +66,9 @@ class Linear(nn.Linear):
     """``y = x W^T + b``, replicated on every rank; a separate name so every projection in the
     models reads the same."""
 
-    # The weight as skinny_gemm's panels, in place of ``weight`` (then None): set by pack_linear.
-    # A plain attribute, not a buffer: the loader fills ``weight`` and packing comes after.
-    packed_weight: torch.Tensor | None = None
-    # A weight in another format (layers/quantization/): its LinearMethod and the weight it
-    # holds (``weight`` then None), set once at load by set_quantized_weight or the runner.
-    quant_method: LinearMethod | None = None
-    qweight: QuantizedWeight | None = None
+    # How the layer holds its weight once loaded, in place of ``weight`` (then None); None:
+    # ``weight`` itself. A plain attribute, not a submodule: set once after loading.
+    weight_format: WeightFormat | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
@@ -187,43 +155,15 @@ class RowParallelLinear(Linear):
 
 def pack_weight(weight: torch.Tensor, bias: torch.Tensor | None, check: bool = True,
                 narrow: bool = True) -> torch.Tensor | None:
-    """``weight`` [out, in] as skinny_gemm's panels [ceil(out / 64), in, 64] (zero rows pad the
-    last), or with ``narrow`` one narrow panel [1, in, 16 | 32 | 48] for a layer of at most 48
-    outputs (a router's experts: packed_linear reads it unpadded; the experts' grouped kernel
-    takes 64-wide panels only), or None when the kernel cannot run here: not float32 on CPU,
-    or not built. With ``check``, the kernel is first checked against float64 on it: a kernel
-    whose error is not that of float32 rounding is never used (one check per shape suffices:
-    the layout and the kernel's path depend on the shape, not on the values)."""
-    if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2:
+    """``weight`` [out, in] as skinny_gemm's panels (``Panels.pack``), or None when the kernel
+    cannot run here. With ``check``, the kernel is first checked against float64 on it
+    (``WeightFormat.check``): a kernel whose error is not that of float32 rounding is never
+    used (one check per shape suffices: the layout and the kernel's path depend on the shape,
+    not on the values)."""
+    panels = Panels.pack(weight, narrow)
+    if panels is None or (check and not panels.check(bias)):
         return None
-    ops = load_cpu_ops()
-    if ops is None:
-        return None
-    out_features, in_features = weight.shape
-    width = _PANEL
-    if narrow and out_features <= _PANEL - _NARROW_STEP:
-        width = -(-out_features // _NARROW_STEP) * _NARROW_STEP
-    padded = F.pad(weight.detach(), (0, 0, 0, -out_features % width))
-    packed = padded.view(-1, width, in_features).transpose(1, 2).contiguous()
-    if not check:
-        return packed
-    # The first two panels and the last (partial) one: every path of the kernel, at a fraction
-    # of a float64 product over a large layer's every row (the lm_head's took ~0.5 s).
-    head = min(2 * _PANEL, out_features)
-    rows = torch.cat((torch.arange(head), torch.arange(max(head, out_features - _PANEL), out_features)))
-    w64 = weight[rows].double()
-    b64 = None if bias is None else bias[rows].double()
-    gen = torch.Generator().manual_seed(0)
-    for num_rows in (1, 5, 40):
-        x = torch.randn(num_rows, in_features, generator=gen)
-        y = ops.packed_linear(x, packed, out_features, bias)[:, rows]
-        error = (y.double() - F.linear(x.double(), w64, b64)).abs()
-        # Rounding of a float32 dot product is bounded by a multiple of eps x sum |x_i w_i|;
-        # a wrong layout or a missed term is off by the order of the sum itself.
-        scale = x.double().abs() @ w64.abs().T + (0 if b64 is None else b64.abs())
-        if not bool((error <= 1e-5 * scale.amax() + 1e-30).all()):
-            return None
-    return packed
+    return panels.packed
 
 
 def pack_linear(layer: nn.Module, check: bool = True) -> bool:
@@ -233,5 +173,5 @@ def pack_linear(layer: nn.Module, check: bool = True) -> bool:
     packed = pack_weight(layer.weight, getattr(layer, "bias", None), check)
     if packed is None:
         return False
-    layer.packed_weight, layer.weight = packed, None
+    layer.weight_format, layer.weight = Panels(packed, layer.weight.shape[0]), None
     return True

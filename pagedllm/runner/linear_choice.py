@@ -34,7 +34,8 @@ from pagedllm import envs
 from pagedllm.kernels.cpu_extension import cpu_description, load_cpu_ops, native_isa
 from pagedllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.layers.linear import Linear, pack_linear, pack_weight
-from pagedllm.layers.quantization import HalfLinearMethod, kernel_matches_float64
+from pagedllm.layers.quantization import QuantizedWeight
+from pagedllm.layers.weight_format import Half
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +98,7 @@ def choose_linear_kernels(model: nn.Module) -> list[ShapeChoice]:
                 break
             if embedding is not None:
                 # The embedding shares the head's weight: it reads rows from the panels.
-                embedding.packed_weight, embedding.weight = layer.packed_weight, None
+                embedding.weight_format, embedding.weight = layer.weight_format, None
         choices.append(ShapeChoice(n, k, len(group), packed, speedup))
     mine = [c for c in choices if c.packed]
     why = ("" if forced == "auto" else f" (PAGEDLLM_CPU_KERNELS={forced})")
@@ -110,31 +111,30 @@ def choose_linear_kernels(model: nn.Module) -> list[ShapeChoice]:
 
 def _convert_half_layers(model: nn.Module, layers: list[nn.Module]) -> None:
     """bfloat16/float16 layers keep their precision, as panels widened in registers by
-    pagedllm's kernel (HalfLinearMethod), checked against float64 once per shape and dtype; not
+    pagedllm's kernel (the Half format), checked against float64 once per shape and dtype; not
     measured: torch's half matmul on a CPU without native bf16 converts the whole matrix on every
     call (``PAGEDLLM_CPU_KERNELS=torch`` keeps it anyway). A tied embedding reads its rows from
-    the head's half panels (``QuantizedWeight.rows``): one copy of the matrix."""
+    the head's half panels (the same format object): one copy of the matrix."""
     forced = envs.cpu_kernels()
     if not layers or forced == "torch" or native_isa() is None or load_cpu_ops() is None:
         return
     tied = {id(m.weight): m for m in model.modules()
             if isinstance(m, VocabParallelEmbedding) and m.weight is not None}
     checked: dict[tuple, bool] = {}
-    method = HalfLinearMethod()
     for layer in layers:
-        qweight = method.convert(layer.weight)
+        fmt = Half(QuantizedWeight.from_half(layer.weight))
         key = (*layer.weight.shape, layer.weight.dtype)
         if key not in checked:
-            checked[key] = kernel_matches_float64(qweight, getattr(layer, "bias", None))
+            checked[key] = fmt.check(getattr(layer, "bias", None))
         if not checked[key]:
             continue
         embedding = tied.get(id(layer.weight))
-        layer.quant_method, layer.qweight, layer.weight = method, qweight, None
+        layer.weight_format, layer.weight = fmt, None
         if embedding is not None:
-            embedding.qweight, embedding.weight = qweight, None
+            embedding.weight_format, embedding.weight = fmt, None
     kept = [f"{n}x{k} {dtype}" for (n, k, dtype), ok in checked.items() if not ok]
     logger.info("linears on %s: %d bfloat16/float16 layers as half panels in the skinny kernel%s",
-                cpu_description(), sum(getattr(m, "quant_method", None) is not None for m in layers),
+                cpu_description(), sum(m.weight_format is not None for m in layers),
                 f"; torch's matmul for {', '.join(kept)} (the kernel disagreed with float64)"
                 if kept else "")
 

@@ -21,8 +21,9 @@ from pagedllm.layers.forward_context import set_forward_context
 from pagedllm.layers.attention.kv_cache_dtype import resolve_kv_cache_dtype
 from pagedllm.layers.kv_cache import (allocate_kv_cache, attention_layers, bind_kv_caches, copy_blocks,
                                       kv_cache_layers)
+from pagedllm.runner.activation_choice import checkpoint_method, choose_activations
 from pagedllm.runner.linear_choice import choose_linear_kernels
-from pagedllm.layers.quantization import set_quantization_activations
+from pagedllm.runner.weight_table import log_weight_table, weight_table
 from pagedllm.models.loader import load_model
 from pagedllm.runner.compile import maybe_compile
 from pagedllm.runner.frame_chunks import keep_frame_chunks
@@ -63,17 +64,13 @@ class ModelRunner:
             # Each layer's weight in the layout of the faster kernel on this CPU, one copy
             # (runner/linear_choice.py).
             choose_linear_kernels(self.model)
-        if mc.quantization_activations != "float32":
-            # Before the forward compiles: the q8/q4 (int8) or bf16 (bfloat16, its weights
-            # converted once more) layers' method.
-            if self.device.type != "cpu" or not set_quantization_activations(
-                    self.model, mc.quantization_activations):
-                raise ModelLoadError(
-                    f"quantization_activations={mc.quantization_activations} applies to "
-                    + ("q8/q4 weights on CPU (GGUF, AWQ/GPTQ, quantization=q8_0/q4_0)"
-                       if mc.quantization_activations == "int8" else "bf16 weights on CPU "
-                       "(dtype=bfloat16)")
-                    + f"; this model on {self.device.type} has none: leave it at float32")
+        # Before the forward compiles: each quantized or bf16 layer's activations (int8,
+        # bfloat16 with its weights converted once more, or float32; runner/activation_choice.py).
+        self.activations = choose_activations(self.model, mc.quantization_activations,
+                                              self.device, checkpoint_method(self.hf_config))
+        # Layer name -> format, bytes: what the choices above made of every weight.
+        self.weight_table = weight_table(self.model)
+        log_weight_table(self.weight_table)
         if self.device.type == "cpu":
             _keep_freed_memory()  # after every load-time conversion: what they freed goes back
         keep_frame_chunks()  # before the first forward: Python's frame stack stays mapped

@@ -17,6 +17,7 @@ import torch
 from pagedllm import LLM, SamplingParams
 from pagedllm.layers import Linear, ParallelLMHead, VocabParallelEmbedding
 from pagedllm.kernels.cpu_extension import load_cpu_ops, native_isa
+from pagedllm.layers.weight_format import Panels, Quantized
 
 from conftest import SHARED_MODELS, SYNTHETIC_TOKENIZER_DIR, build_tiny_model
 
@@ -31,10 +32,13 @@ def _held_bytes(model: torch.nn.Module) -> int:
     scales and offsets of quantized weights (layers/quantization/)."""
     storages = {}
     for module in model.modules():
-        qweight = getattr(module, "qweight", None)
-        quantized = [] if qweight is None else [qweight.codes, qweight.scales, qweight.offsets]
-        for t in [*module.parameters(recurse=False), *module.buffers(recurse=False),
-                  getattr(module, "packed_weight", None), *quantized]:
+        fmt = getattr(module, "weight_format", None)
+        held = []
+        if isinstance(fmt, Panels):
+            held = [fmt.packed]
+        elif isinstance(fmt, Quantized):
+            held = [fmt.qweight.codes, fmt.qweight.scales, fmt.qweight.offsets]
+        for t in [*module.parameters(recurse=False), *module.buffers(recurse=False), *held]:
             if t is not None:
                 storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     return sum(storages.values())
@@ -48,15 +52,17 @@ def test_each_linear_holds_one_copy_and_the_model_holds_the_checkpoint(tmp_path,
     llm = LLM(str(folder), device="cpu", enforce_eager=True, kv_cache_memory_bytes=1 << 20)
     model = llm.llm_engine.executor.runner.model
     linears = [m for m in model.modules() if isinstance(m, (Linear, ParallelLMHead))]
-    assert linears and all((m.weight is None) != (m.packed_weight is None) for m in linears)
-    assert any(m.packed_weight is not None for m in linears)  # the kernel won somewhere
+    assert linears and all((m.weight is None) == isinstance(m.weight_format, Panels)
+                           for m in linears)
+    assert any(isinstance(m.weight_format, Panels) for m in linears)  # the kernel won somewhere
     (embedding,) = [m for m in model.modules() if isinstance(m, VocabParallelEmbedding)]
     (head,) = [m for m in linears if isinstance(m, ParallelLMHead)]
-    if arch == "qwen2" and head.packed_weight is not None:  # tied: the embedding reads the panels
-        assert embedding.weight is None and embedding.packed_weight is head.packed_weight
+    if arch == "qwen2" and isinstance(head.weight_format, Panels):  # tied: the embedding reads the panels
+        assert embedding.weight is None and embedding.weight_format is head.weight_format
     # Panels pad each layer's rows to a multiple of 64: at most 63 rows per layer more.
     padding = sum(63 * m.in_features * 4 for m in linears if hasattr(m, "in_features"))
-    padding += 63 * head.packed_weight.shape[1] * 4 if head.packed_weight is not None else 0
+    if isinstance(head.weight_format, Panels):
+        padding += 63 * head.weight_format.packed.shape[1] * 4
     assert checkpoint - 4096 <= _held_bytes(model) <= checkpoint + padding
     # And it still generates what it generated as plain matrices (the parity tests hold
     # those to transformers); here: it runs, greedy, deterministic.
@@ -135,13 +141,14 @@ def test_load_time_quantization_holds_the_format_size(tmp_path, scheme, bytes_pe
     model = llm.llm_engine.executor.runner.model
     linears = [m for name, m in model.named_modules()
                if isinstance(m, Linear) and name.startswith("model.layers.")]
-    assert linears and all(m.weight is None and m.qweight is not None for m in linears)
+    assert linears and all(m.weight is None and isinstance(m.weight_format, Quantized)
+                           for m in linears)
     checkpoint = sum(f.stat().st_size for f in folder.glob("*.safetensors"))  # all float32
     float_linears = sum(m.out_features * m.in_features * 4 for m in linears)
     quantized = sum(-(-m.out_features // 64) * 64 * m.in_features * bytes_per_weight
                     for m in linears)
     # the float lm_head's panels (when the kernel wins there) pad 1000 rows to 1024
-    head_padding = 24 * 256 * 4 if model.lm_head.packed_weight is not None else 0
+    head_padding = 24 * 256 * 4 if isinstance(model.lm_head.weight_format, Panels) else 0
     expected = checkpoint - float_linears + quantized + head_padding
     assert _held_bytes(model) == pytest.approx(expected, abs=4096)
     # The float matrices are gone, not just unbound: no live tensor of a quantized shape.

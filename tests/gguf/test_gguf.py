@@ -22,6 +22,7 @@ from pagedllm.errors import ModelLoadError, UnsupportedModelError
 from pagedllm.gguf import read_gguf_config
 from pagedllm.gguf.names import unpermute_rows
 from pagedllm.gguf.quant_types import unpack
+from pagedllm.layers.weight_format import Quantized
 from pagedllm.models import load_model
 
 TOL = 1e-4
@@ -158,22 +159,23 @@ def test_gguf_matches_transformers(arch, spec, overrides, tmp_path):
     _check_greedy_and_logprobs(model, _reference(hf_model, path))
     linears = [m for name, m in model.named_modules() if name.endswith(("_proj", "lm_head"))]
     if spec in ("f32", "f16"):
-        assert all(getattr(m, "qweight", None) is None for m in linears)
+        assert all(not isinstance(m.weight_format, Quantized) for m in linears)
     else:  # every linear holds its quantized weight only
-        assert linears and all(m.qweight is not None and m.weight is None for m in linears)
+        assert linears and all(isinstance(m.weight_format, Quantized) and m.weight is None
+                               for m in linears)
     if spec == "k_quants":  # Q4_K and Q6_K held at the file's size (panels of 64 rows aside)
         for m in linears:
-            qw, k = m.qweight, m.qweight.in_features
+            qw, k = m.weight_format.qweight, m.weight_format.qweight.in_features
             rows = -(-qw.out_features // 64) * 64
             records = 2 * k // 256 + k // qw.group_size  # fp16 d per 256, int8 per group
             per_row = {"q4": k // 2 + 2 * records, "q6": k * 3 // 4 + records}.get(qw.format)
             if per_row is not None:  # the fused qkv mixes three types: held as q8
                 assert qw.nbytes == rows * per_row, (qw.format, qw.out_features, k)
-        assert {m.qweight.format for m in linears} >= {"q4", "q6"}
+        assert {m.weight_format.qweight.format for m in linears} >= {"q4", "q6"}
     if spec not in ("f32", "f16") and hf_model.config.tie_word_embeddings:
         # one copy of the tied matrix, in the file's format: the embedding reads the head's
         embedding = model.decoder.embed_tokens
-        assert embedding.weight is None and embedding.qweight is model.lm_head.qweight
+        assert embedding.weight is None and embedding.weight_format is model.lm_head.weight_format
 
 
 def test_split_file_loads_like_one(tmp_path):
@@ -230,7 +232,7 @@ def test_demo_model_q8_0_under_tensor_parallelism(tmp_path):
 
     cases = json.loads((STORIES / "golden_greedy.json").read_text())["cases"]
     llm = LLM(str(_stories_q8_0(tmp_path)), tensor_parallel_size=2,
-              distributed_executor_backend="mp", max_num_seqs=8)
+              distributed_executor_backend="mp", max_num_seqs=8, quantization_activations="float32")
     outputs = llm.generate([{"prompt_token_ids": c["prompt_ids"]} for c in cases],
                            [SamplingParams(temperature=0.0, max_tokens=c["max_new_tokens"],
                                            ignore_eos=True) for c in cases])
@@ -277,7 +279,8 @@ def test_demo_model_as_q8_0_gives_the_golden_stories(tmp_path):
 
     path = _stories_q8_0(tmp_path)
     cases = json.loads((STORIES / "golden_greedy.json").read_text())["cases"]
-    llm = LLM(str(path), max_num_seqs=8, max_model_len=512)
+    # float32 activations: the exact path, which tells the float model's stories
+    llm = LLM(str(path), max_num_seqs=8, max_model_len=512, quantization_activations="float32")
     assert llm.llm_engine.model_info.eos_token_ids == frozenset({2})
     prompts = [{"prompt_token_ids": case["prompt_ids"]} for case in cases]
     params = [SamplingParams(temperature=0.0, max_tokens=c["max_new_tokens"], ignore_eos=True)
@@ -295,6 +298,21 @@ def test_demo_model_as_q8_0_gives_the_golden_stories(tmp_path):
     assert tok.chat_template == (STORIES / "chat_template.jinja").read_text()
     text = llm.generate(["Once upon a time"], SamplingParams(temperature=0.0, max_tokens=8))[0]
     assert text.outputs[0].text == folder_tok.decode(cases[1]["greedy_ids"][:8])
+
+
+@pytest.mark.skipif(not (STORIES / "hf").is_dir(), reason="demo model not found")
+def test_gguf_runs_int8_activations_by_default(tmp_path):
+    """quantization_activations=auto: a GGUF file's block layers take llama.cpp's int8
+    activations, and the confident start of a golden story stays the same."""
+    from pagedllm import LLM, SamplingParams
+
+    case = json.loads((STORIES / "golden_greedy.json").read_text())["cases"][1]
+    llm = LLM(str(_stories_q8_0(tmp_path)), enforce_eager=True, kv_cache_memory_bytes=1 << 20)
+    assert llm.llm_engine.executor.runner.activations == {"q8": "int8"}
+    out = llm.generate({"prompt_token_ids": case["prompt_ids"]},
+                       SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert list(out.outputs[0].token_ids) == case["greedy_ids"][:8]
 
 
 # -- bad files ------------------------------------------------------------------------------------
@@ -358,6 +376,7 @@ def test_unsupported_architecture_names_the_supported(tmp_path):
 _LOAD_PEAK = """
 import sys, torch
 from pagedllm.models import load_model
+from pagedllm.layers.weight_format import Quantized
 
 def rss(field):
     for line in open("/proc/self/status"):
@@ -370,8 +389,10 @@ load_model(sys.argv[1], torch.float32, torch.device("cpu"))
 open("/proc/self/clear_refs", "w").write("5")  # the peak from here on
 before = rss("VmRSS")
 model, _ = load_model(sys.argv[2], torch.float32, torch.device("cpu"))
-weights = sum(t.nbytes for m in model.modules() if getattr(m, "qweight", None) is not None
-              for t in (m.qweight.codes, m.qweight.scales, m.qweight.offsets) if t is not None)
+weights = sum(t.nbytes for m in model.modules()
+              if isinstance(getattr(m, "weight_format", None), Quantized)
+              for t in (m.weight_format.qweight.codes, m.weight_format.qweight.scales,
+                        m.weight_format.qweight.offsets) if t is not None)
 print(rss("VmHWM") - before, weights)
 """
 

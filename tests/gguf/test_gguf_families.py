@@ -25,6 +25,7 @@ from pagedllm.gguf import read_gguf_config
 from pagedllm.layers import FusedMoE
 from pagedllm.layers.quantization.quantized_layers import quantized_kernels_available
 from pagedllm.models import load_model
+from pagedllm.layers.weight_format import Quantized
 
 CPU = torch.device("cpu")
 V = gguf.GGUFValueType
@@ -214,14 +215,15 @@ def test_family_gguf_matches_transformers(name, spec, tmp_path):
                if n.endswith(("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))]
     if spec in ("q8_0", "q4_0") and quantized_kernels_available(CPU):
         # the linears keep the file's quantized weight, fused in the file (Phi-3) or not
-        assert linears and all(m.qweight is not None and m.weight is None for m in linears)
+        assert linears and all(isinstance(m.weight_format, Quantized) and m.weight is None
+                               for m in linears)
         # and so do the stacked experts: no float matrix of theirs is ever allocated
         held = {"q8_0": "q8", "q4_0": "q4"}[spec]
         for m in model.modules():
             if isinstance(m, FusedMoE):
                 assert m.gate_up_proj is None and m.down_proj is None
-                assert m.qweight_gate_up.format == m.qweight_down.format == held
-                for q in (m.qweight_gate_up, m.qweight_down):  # the format's size, no more
+                assert [f.qweight.format for f in m.expert_formats.values()] == [held] * 2
+                for q in (f.qweight for f in m.expert_formats.values()):  # the format's size, no more
                     rows = -(-q.out_features // 64) * 64  # whole panels
                     # codes, then the file's fp16 scales (and Q4_0's offsets, -8 d)
                     per_weight = {"q8": 1 + 2 / 32, "q4": 0.5 + 4 / 32}[held]

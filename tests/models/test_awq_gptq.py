@@ -158,8 +158,8 @@ def test_mixed_batch_matches_transformers(method, fmt, group, tmp_path):
     model, _ = load_model(str(folder), torch.float32, torch.device("cpu"))
     layers = [m for n, m in model.named_modules() if n.endswith(("qkv_proj", "o_proj",
                                                                  "gate_up_proj", "down_proj"))]
-    assert layers and all(m.weight is None and m.qweight.format == "q4" for m in layers)
-    assert all(m.qweight.group_size == group for m in layers)
+    assert layers and all(m.weight is None and m.weight_format.qweight.format == "q4" for m in layers)
+    assert all(m.weight_format.qweight.group_size == group for m in layers)
     check_mixed_batch(model, hf_model, PagedRunner(model, block_size=4))
 
 
@@ -180,7 +180,7 @@ def test_moe_experts_stay_quantized_and_match_transformers(method, tmp_path):
     model, _ = load_model(str(folder), torch.float32, torch.device("cpu"))
     experts = [m for m in model.modules() if isinstance(m, FusedMoE)]
     assert experts and all(m.gate_up_proj is None and m.down_proj is None for m in experts)
-    assert all(m.qweight_gate_up.format == m.qweight_down.format == "q4" for m in experts)
+    assert all([f.qweight.format for f in m.expert_formats.values()] == ["q4"] * 2 for m in experts)
     assert all(m.qweight_down.codes.shape[0] == 4 for m in experts)
     check_mixed_batch(model, hf_model, PagedRunner(model, block_size=4))
 
@@ -190,6 +190,8 @@ def test_llm_chunked_prefill_and_prefix_caching(method, tmp_path):
     hf_model, folder = build_quantized(method, 32, tmp_path / "q", seed=1)
     llm = LLM(str(folder), device="cpu", enforce_eager=True, kv_cache_memory_bytes=1 << 20,
               max_num_batched_tokens=8, enable_prefix_caching=True, block_size=4)
+    # auto keeps AWQ/GPTQ on the exact path (float32 activations), which this test compares
+    assert set(llm.llm_engine.executor.runner.activations.values()) == {"float32"}
     rng = np.random.default_rng(3)
     shared = rng.integers(3, 512, 13).tolist()
     prompts = [shared + rng.integers(3, 512, n).tolist() for n in (2, 5)] + [shared]

@@ -13,7 +13,9 @@ import torch.nn.functional as F
 
 from pagedllm.errors import ModelLoadError
 from pagedllm.kernels.cpu_extension import has_bf16_activations, load_cpu_ops, native_isa
-from pagedllm.layers.quantization import QuantizedWeight, set_quantization_activations
+from pagedllm.layers.quantization import QuantizedWeight
+from pagedllm.layers.weight_format import Quantized
+from pagedllm.runner.activation_choice import set_quantization_activations
 from pagedllm.layers.quantization.linear_method import check_kernel
 
 pytestmark = pytest.mark.skipif(load_cpu_ops() is None or native_isa() is None,
@@ -139,8 +141,8 @@ def test_the_engine_runs_bf16_activations_on_the_bf16_layers():
         llm = LLM(str(STORIES_DIR / "hf"), device="cpu", dtype="bfloat16", enforce_eager=eager,
                   quantization_activations=activations, kv_cache_memory_bytes=1 << 20)
         model = llm.llm_engine.executor.runner.model
-        methods = {m.quant_method.activations for m in model.modules()
-                   if getattr(m, "quant_method", None) is not None}
+        methods = {m.weight_format.activations for m in model.modules()
+                   if isinstance(getattr(m, "weight_format", None), Quantized)}
         assert methods == {activations}, methods
         outs[activations, eager] = [o.outputs[0].token_ids
                                     for o in llm.generate(prompts, params, use_tqdm=False)]

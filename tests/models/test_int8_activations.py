@@ -14,7 +14,8 @@ import torch.nn.functional as F
 
 from pagedllm.errors import ModelLoadError
 from pagedllm.kernels.cpu_extension import can_run, load_cpu_ops, native_isa
-from pagedllm.layers.quantization import Q8LinearMethod, set_quantization_activations
+from pagedllm.layers.weight_format import Blocks
+from pagedllm.runner.activation_choice import set_quantization_activations
 from test_quant_kernels import _weight  # the random q8/q4/q5 weights both kernel tests use
 
 pytestmark = pytest.mark.skipif(load_cpu_ops() is None or native_isa() is None,
@@ -125,22 +126,22 @@ def test_the_option_reaches_the_q8_q4_methods_and_bad_values_are_refused():
     model.a, model.b = Linear(64, 70), Linear(64, 70)
     set_quantized_weight(model.a, quantize_linear(model.a.weight.detach(), "q8_0"))
     assert set_quantization_activations(model, "int8") == 1  # b stays float32
-    assert model.a.quant_method.activations == "int8"
+    assert isinstance(model.a.weight_format, Blocks) and model.a.weight_format.activations == "int8"
     x = torch.randn(2, 64)
     ops = load_cpu_ops()
-    assert torch.equal(model.a(x), _run(ops, x, model.a.qweight, model.a.bias))
+    assert torch.equal(model.a(x), _run(ops, x, model.a.weight_format.qweight, model.a.bias))
     with pytest.raises(ModelLoadError, match="supported: float32, int8"):
         set_quantization_activations(model, "int4")
     with pytest.raises(ModelLoadError, match="do not apply to q8 weights; they take float32 or int8"):
-        Q8LinearMethod("fp8")
+        Blocks(model.a.weight_format.qweight, "fp8")
 
 
 def test_the_engine_option_is_checked():
     from pagedllm.config import ModelConfig
     from pagedllm.errors import ValidationError
 
-    assert ModelConfig(model="m").quantization_activations == "float32"
-    with pytest.raises(ValidationError, match="float32, int8 or bfloat16"):
+    assert ModelConfig(model="m").quantization_activations == "auto"
+    with pytest.raises(ValidationError, match="auto, float32, int8 or bfloat16"):
         ModelConfig(model="m", quantization_activations="int4")
 
 
@@ -196,8 +197,9 @@ def test_the_engine_applies_int8_activations_and_refuses_them_without_q8_q4_laye
         llm = LLM(str(STORIES_DIR / "hf"), device="cpu", enforce_eager=True, quantization="q8_0",
                   quantization_activations=activations, kv_cache_memory_bytes=1 << 20)
         model = llm.llm_engine.executor.runner.model
-        methods = {type(m.quant_method).__name__ + ":" + m.quant_method.activations
-                   for m in model.modules() if hasattr(getattr(m, "quant_method", None), "activations")}
+        methods = {type(m.weight_format).__name__ + ":" + m.weight_format.activations
+                   for m in model.modules()
+                   if isinstance(getattr(m, "weight_format", None), Blocks)}
         assert methods and all(m.endswith(activations) for m in methods), methods
         outs[activations] = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
     assert outs["int8"] == outs["float32"]

@@ -12,6 +12,7 @@ import torch
 from pagedllm.layers import Linear, ParallelLMHead, VocabParallelEmbedding
 from pagedllm.runner import linear_choice as linear_kernel
 from pagedllm.kernels.cpu_extension import load_cpu_ops, native_isa
+from pagedllm.layers.weight_format import Panels
 
 pytestmark = pytest.mark.skipif(native_isa() is None or load_cpu_ops() is None,
                                 reason="no tuned kernel for this CPU")
@@ -54,13 +55,13 @@ def test_each_shape_keeps_the_kernel_unless_torch_is_clearly_faster(auto, monkey
     assert {(c.out_features, c.in_features): c.packed for c in choices} == {
         (48, 32): False, (16, 48): True, (100, 32): True}
     # torch clearly faster (0.5x): both layers of the shape keep their matrix, nothing else
-    assert model.a.weight is not None and model.a.packed_weight is None
-    assert model.b.weight is not None and model.b.packed_weight is None
+    assert model.a.weight is not None and not isinstance(model.a.weight_format, Panels)
+    assert model.b.weight is not None and not isinstance(model.b.weight_format, Panels)
     # a near tie stays on the kernel, which holds only its panels
-    assert model.c.weight is None and model.c.packed_weight is not None
+    assert model.c.weight is None and isinstance(model.c.weight_format, Panels)
     # the tied embedding reads its rows from the head's panels: one copy of the matrix
     assert model.head.weight is None and model.embed.weight is None
-    assert model.embed.packed_weight is model.head.packed_weight
+    assert model.embed.weight_format is model.head.weight_format
     assert torch.equal(model.embed(torch.tensor([0, 63, 64, 99])), want_embed)
     assert torch.equal(model.a(x), want_a)
     (line,) = [r.getMessage() for r in caplog.records if "linears on" in r.getMessage()]
@@ -76,7 +77,8 @@ def test_the_measurement_is_real(auto):
     layer = Linear(256, 192)
     speedup = linear_kernel._measure(layer)
     assert math.isfinite(speedup) and speedup > 0
-    assert layer.weight is not None and layer.packed_weight is None  # measuring changes nothing
+    # measuring changes nothing
+    assert layer.weight is not None and not isinstance(layer.weight_format, Panels)
 
 
 def test_forced_choices_and_a_bad_value(monkeypatch):
@@ -84,7 +86,7 @@ def test_forced_choices_and_a_bad_value(monkeypatch):
     model = _Model()
     choices = linear_kernel.choose_linear_kernels(model)
     assert not any(c.packed for c in choices)
-    assert all(m.packed_weight is None for m in (model.a, model.c, model.head))
+    assert all(not isinstance(m.weight_format, Panels) for m in (model.a, model.c, model.head))
     monkeypatch.setenv("PAGEDLLM_CPU_KERNELS", "pagedllm")
     model = _Model()
     linear_kernel.choose_linear_kernels(model)
@@ -99,4 +101,5 @@ def test_a_cpu_nobody_tuned_for_runs_torch_everywhere(auto, monkeypatch):
     model = _Model()
     choices = linear_kernel.choose_linear_kernels(model)
     assert choices and not any(c.packed for c in choices)
-    assert all(m.weight is not None and m.packed_weight is None for m in (model.a, model.c, model.head))
+    assert all(m.weight is not None and not isinstance(m.weight_format, Panels)
+               for m in (model.a, model.c, model.head))

@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.kernels.cpu_extension import can_run, load_cpu_ops
-from pagedllm.layers.linear import _PANEL, Linear, linear, pack_linear, pack_weight, rows_of_packed
+from pagedllm.layers.linear import Linear, linear, pack_linear, pack_weight
+from pagedllm.layers.weight_format import PANEL, Panels
 
 pytestmark = pytest.mark.skipif(load_cpu_ops() is None, reason="no C++ compiler: no CPU kernels")
 
@@ -41,7 +42,7 @@ def test_skinny_kernel_matches_float64_at_every_tile_size(isa, out_features, in_
     w = torch.randn(out_features, in_features, generator=gen)
     b = torch.randn(out_features, generator=gen) if with_bias else None
     packed = pack_weight(w, b)
-    width = _PANEL if out_features > 48 else -(-out_features // 16) * 16
+    width = PANEL if out_features > 48 else -(-out_features // 16) * 16
     assert packed is not None and packed.shape == (-(-out_features // width), in_features, width)
     # Every tile (AVX2: 1 x 8 vectors up to 12 rows, 6 x 2 above; AVX-512: 12 x 2 up to 64 rows,
     # 6 x 4 above) at every remainder of rows.
@@ -140,11 +141,11 @@ def test_a_packed_layer_holds_one_copy_and_runs_the_skinny_kernel_at_every_row_c
     plain = Linear(1000, 64)
     plain.weight.data, plain.bias.data = w.clone(), b.clone()
     assert pack_linear(layer)
-    assert layer.weight is None and layer.packed_weight is not None  # one copy: the panels
+    assert layer.weight is None and isinstance(layer.weight_format, Panels)  # one copy: the panels
     assert [name for name, _ in layer.named_parameters()] == ["bias"]
     for rows in (1, 4, 5, 64, 65, 300):
         x = torch.randn(rows, 1000, generator=gen)
-        skinny = torch.ops.pagedllm.skinny_gemm(x, layer.packed_weight, 64) + b
+        skinny = torch.ops.pagedllm.skinny_gemm(x, layer.weight_format.packed, 64) + b
         mkl = F.linear(x, w, b)
         assert torch.equal(layer(x), skinny), rows
         assert not torch.equal(skinny, mkl)  # the two kernels round differently: the check can fail
@@ -152,21 +153,21 @@ def test_a_packed_layer_holds_one_copy_and_runs_the_skinny_kernel_at_every_row_c
         assert torch.equal(linear(plain, x, b), mkl)
 
 
-def test_rows_of_packed_is_the_embedding_lookup():
+def test_rows_of_panels_are_the_embedding_lookup():
     gen = torch.Generator().manual_seed(5)
     w = torch.randn(130, 24, generator=gen)
     packed = pack_weight(w, None)
     ids = torch.tensor([0, 63, 64, 129, 5, 5])
-    assert torch.equal(rows_of_packed(packed, ids), w[ids])
+    assert torch.equal(Panels(packed, 130).rows(ids), w[ids])
     narrow = torch.randn(20, 24, generator=gen)  # one panel of 32
     ids = torch.tensor([0, 19, 7])
-    assert torch.equal(rows_of_packed(pack_weight(narrow, None), ids), narrow[ids])
+    assert torch.equal(Panels(pack_weight(narrow, None), 20).rows(ids), narrow[ids])
 
 
 def test_pack_skips_what_the_kernel_cannot_take():
     layer = Linear(8, 8).to(torch.bfloat16)
     assert not pack_linear(layer)
-    assert layer.weight is not None and layer.packed_weight is None
+    assert layer.weight is not None and not isinstance(layer.weight_format, Panels)
 
 
 def test_pagedllm_cpu_isa_names_the_engine_builds_level(monkeypatch):

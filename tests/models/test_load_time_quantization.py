@@ -14,6 +14,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.layers.quantization.quantized_layers import quantized_kernels_available
 from pagedllm.layers import Linear
 from pagedllm.layers.quantization import quantize_linear
+from pagedllm.layers.weight_format import Quantized
 
 MODEL_DIR = STORIES_DIR / "hf"
 CASES = json.loads((STORIES_DIR / "golden_greedy.json").read_text())["cases"] \
@@ -27,8 +28,9 @@ pytestmark = [
 
 
 def _llm(scheme: str) -> LLM:
+    # float32 activations: the exact path these tests compare with the dequantized weights
     return LLM(str(MODEL_DIR), device="cpu", enforce_eager=True, kv_cache_memory_bytes=1 << 22,
-               quantization=scheme)
+               quantization=scheme, quantization_activations="float32")
 
 
 def test_q8_0_reproduces_the_golden_stories():
@@ -36,8 +38,10 @@ def test_q8_0_reproduces_the_golden_stories():
     model = llm.llm_engine.executor.runner.model
     layers = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
     # hidden 64 -> quantized; down_proj's 172 inputs are not whole blocks of 32: kept float
-    assert all((m.qweight is None) == name.endswith("down_proj") for name, m in layers.items())
-    assert all(m.qweight.format == "q8" for name, m in layers.items() if m.qweight is not None)
+    assert all((not isinstance(m.weight_format, Quantized)) == name.endswith("down_proj")
+               for name, m in layers.items())
+    assert all(m.weight_format.qweight.format == "q8" for m in layers.values()
+               if isinstance(m.weight_format, Quantized))
     params = [SamplingParams(temperature=0.0, max_tokens=len(c["greedy_ids"]), stop_token_ids=[1])
               for c in CASES]
     outputs = llm.generate([{"prompt_token_ids": c["prompt_ids"]} for c in CASES], params,

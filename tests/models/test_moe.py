@@ -15,6 +15,7 @@ from pagedllm.errors import ModelLoadError, UnsupportedModelError
 from pagedllm.layers import FusedMoE
 from pagedllm.kernels.cpu_extension import has_bf16_activations, load_cpu_ops
 from pagedllm.layers.moe_router import RoutingOrder, select_experts
+from pagedllm.layers.weight_format import Panels
 from pagedllm.models import load_model
 
 COMMON = dict(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -107,7 +108,7 @@ def test_layer_matches_per_expert_loop(packed):
     layer, w13, w2 = _random_layer()
     if packed:
         layer.process_weights_after_loading()
-        assert layer.packed_down is not None and layer.down_proj is None
+        assert isinstance(layer.expert_formats["down_proj"], Panels) and layer.down_proj is None
     gen = torch.Generator().manual_seed(1)
     x, logits = torch.randn(37, 48, generator=gen), torch.randn(37, 6, generator=gen) * 4
     weights, ids = select_experts(logits, 2, renormalize=True)
@@ -162,12 +163,14 @@ def test_experts_held_in_their_format_match_the_loop_bit_for_bit_in_any_batch(fm
     on its batch."""
     layer, w13, w2 = _held_layer(fmt)
     held = {"bf16": "bf16", "fp16": "fp16", "q8_0": "q8", "q4_0": "q4"}[fmt]
-    assert layer.gate_up_proj is None and layer.down_proj is None and layer.packed_down is None
-    assert layer.qweight_gate_up.format == layer.qweight_down.format == held
-    assert layer.qweight_gate_up.codes.shape[0] == 6
+    assert layer.gate_up_proj is None and layer.down_proj is None
+    assert not isinstance(layer.expert_formats["down_proj"], Panels)
+    assert [f.qweight.format for f in layer.expert_formats.values()] == [held] * 2
+    assert layer.expert_formats["gate_up_proj"].qweight.codes.shape[0] == 6
     gen = torch.Generator().manual_seed(1)
     x, logits = torch.randn(37, 64, generator=gen), torch.randn(37, 6, generator=gen) * 4
-    dtype = layer.qweight_down.codes.dtype if fmt in ("bf16", "fp16") else torch.float32
+    dtype = (layer.expert_formats["down_proj"].qweight.codes.dtype if fmt in ("bf16", "fp16")
+             else torch.float32)
     x = x.to(dtype)
     weights, ids = select_experts(logits, 2, renormalize=True)
     with torch.inference_mode():
@@ -179,7 +182,7 @@ def test_experts_held_in_their_format_match_the_loop_bit_for_bit_in_any_batch(fm
         for rows in ([5], [5, 9], list(range(3, 30)), [36, 5, 0]):
             assert torch.equal(layer(x[rows], logits[rows]), ours[rows]), rows
         if fmt.startswith("q"):  # int8 activations reach the experts too (one setting per layer)
-            from pagedllm.layers.quantization import set_quantization_activations
+            from pagedllm.runner.activation_choice import set_quantization_activations
 
             assert set_quantization_activations(layer, "int8") == 1
             int8 = layer(x, logits)
@@ -188,10 +191,10 @@ def test_experts_held_in_their_format_match_the_loop_bit_for_bit_in_any_batch(fm
             for rows in ([5], [36, 5, 0]):
                 assert torch.equal(layer(x[rows], logits[rows]), int8[rows]), rows
         if fmt == "bf16" and has_bf16_activations():  # bf16 activations: both projections
-            from pagedllm.layers.quantization import set_quantization_activations
+            from pagedllm.runner.activation_choice import set_quantization_activations
 
             assert set_quantization_activations(layer, "bfloat16") == 1
-            assert layer.qweight_gate_up.format == layer.qweight_down.format == "bf16_vnni"
+            assert [f.qweight.format for f in layer.expert_formats.values()] == ["bf16_vnni"] * 2
             narrow = layer(x, logits)
             assert max_diff(narrow.float(), expected) < 3e-2 * expected.abs().max()
             for rows in ([5], [36, 5, 0]):
@@ -225,7 +228,7 @@ def test_load_time_quantization_quantizes_the_experts(scheme, tmp_path):
     experts = [m for m in model.modules() if isinstance(m, FusedMoE)]
     held = {"q8_0": "q8", "q4_0": "q4"}[scheme]
     assert experts and all(m.gate_up_proj is None and m.down_proj is None for m in experts)
-    assert all(m.qweight_gate_up.format == m.qweight_down.format == held for m in experts)
+    assert all([f.qweight.format for f in m.expert_formats.values()] == [held] * 2 for m in experts)
     with torch.no_grad():  # the reference holds what the layers hold
         for name, param in hf_model.named_parameters():
             if name.startswith("model.layers.") and (
@@ -272,9 +275,13 @@ def test_fused_checkpoint_spelling_loads_the_same_model(name, tmp_path):
         assert torch.equal(ours[key], theirs[key]), key
     for a, b in ((m1, m2) for m1, m2 in zip(per_expert.modules(), fused.modules())
                  if isinstance(m1, FusedMoE)):
-        for attr in ("gate_up_proj", "down_proj", "packed_gate_up", "packed_down"):
+        for attr in ("gate_up_proj", "down_proj"):
             x, y = getattr(a, attr), getattr(b, attr)
             assert (x is None and y is None) or torch.equal(x, y), attr
+        assert a.expert_formats.keys() == b.expert_formats.keys()
+        for attr, fmt in a.expert_formats.items():
+            assert all(torch.equal(x, y) for x, y in zip(fmt.tensors(),
+                                                         b.expert_formats[attr].tensors())), attr
     check_mixed_batch(fused, hf_model, PagedRunner(fused, block_size=4))
 
 
@@ -312,8 +319,8 @@ def _tp_logits(folder: str) -> tuple[list, int]:
     model, _ = load_model(folder, torch.float32, torch.device("cpu"))
     with torch.inference_mode():
         logits = model.compute_logits(model(torch.tensor(TP_TOKENS), torch.arange(len(TP_TOKENS))))
-    experts = sum(m.packed_down.numel() if m.packed_down is not None else m.down_proj.numel()
-                  for m in model.modules() if isinstance(m, FusedMoE))
+    experts = sum(m.expert_formats["down_proj"].packed.numel() if "down_proj" in m.expert_formats
+                  else m.down_proj.numel() for m in model.modules() if isinstance(m, FusedMoE))
     return logits.tolist(), experts
 
 

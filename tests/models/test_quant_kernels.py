@@ -456,7 +456,7 @@ def test_a_quantized_linear_goes_through_linear():
     layer.bias.data.normal_(generator=gen)
     qw = quantize_linear(torch.randn(100, 96, generator=gen), "q4_0")
     set_quantized_weight(layer, qw)
-    assert layer.weight is None and layer.qweight is qw
+    assert layer.weight is None and layer.weight_format.qweight is qw
     assert qw.nbytes < 100 * 96 * 4 / 4  # a quarter of float32's bytes, with the panels' padding
     x = torch.randn(2, 3, 96, generator=gen)
     ref = F.linear(x.double(), qw.dequantize(torch.float64), layer.bias.double())
@@ -491,7 +491,7 @@ def test_a_bfloat16_models_linears_hold_half_panels(monkeypatch):
     want_embed = model.embed(ids)
     monkeypatch.setattr(linear_kernel, "_MEASURED", {})
     linear_kernel.choose_linear_kernels(model)
-    assert model.a.weight is None and model.a.qweight.format == "bf16"
+    assert model.a.weight is None and model.a.weight_format.qweight.format == "bf16"
     assert model.head.weight is None and model.embed.weight is None
     assert torch.equal(model.embed(ids), want_embed)
     x = torch.randn(5, 32, generator=gen).to(torch.bfloat16)
@@ -522,5 +522,5 @@ def test_a_q8_model_matches_transformers_on_the_dequantized_weights(name, tmp_pa
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     for layer in linears:
         set_quantized_weight(layer, quantize_linear(layer.weight, "q8_0"))
-    assert all(layer.weight is None and layer.qweight.format == "q8" for layer in linears)
+    assert all(layer.weight is None and layer.weight_format.qweight.format == "q8" for layer in linears)
     check_mixed_batch(model, hf_model, PagedRunner(model, block_size=4))

@@ -21,6 +21,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.layers.linear import Linear
 from pagedllm.runner import compile as compile_mod
 from pagedllm.runner.compile import compile_disabled_reason
+from pagedllm.layers.weight_format import Panels, Quantized
 
 SHARED_MODELS = Path(__file__).resolve().parents[2].parent / "shared" / "models"
 DEMO_MODEL = SHARED_MODELS / "stories260K" / "hf"
@@ -181,7 +182,7 @@ def _compare(model: str, vocab_size: int) -> None:
     # of the decoder is packed (_engines forces it), and the graph calls each as the opaque op
     # (counted below).
     linears = [m for m in runner.model.model.modules() if isinstance(m, Linear)]
-    assert linears and all(m.packed_weight is not None and m.weight is None for m in linears)
+    assert linears and all(isinstance(m.weight_format, Panels) and m.weight is None for m in linears)
     _compare_outputs(compiled, eager, vocab_size)
     with torch.inference_mode(), torch.profiler.profile() as prof:  # one forward, no step: no cache
         runner.compiled(torch.zeros(3, dtype=torch.long), torch.arange(3))
@@ -199,7 +200,8 @@ def test_compiled_matches_eager_quantized_moe(tmp_path):
     compiled, eager = LLM(model, enforce_eager=False, **kwargs), LLM(model, enforce_eager=True, **kwargs)
     runner = compiled.llm_engine.executor.runner
     assert runner.compiled is not None
-    assert any(getattr(m, "qweight", None) is not None for m in runner.model.modules())
+    assert any(isinstance(getattr(m, "weight_format", None), Quantized)
+               for m in runner.model.modules())
     _compare_outputs(compiled, eager, 32000)
 
 

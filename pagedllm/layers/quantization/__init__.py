@@ -5,8 +5,8 @@ kept in that format in memory and multiplied by pagedllm's CPU kernel (csrc/quan
 - quantized_weight.py  ``QuantizedWeight``: the packed weight, built from plain arrays
                        (``from_half``, ``from_q8/q4/q5/q6``), ``dequantize()``, ``nbytes``;
                        the table of GGUF/AWQ/GPTQ types and the layout each maps to
-- linear_method.py     one ``LinearMethod`` per format, ``set_quantized_weight(layer, qweight)``,
-                       ``set_quantization_activations(model, "int8")`` (csrc/int8_gemm.h)
+- linear_method.py     ``set_quantized_weight(layer, qweight)``: the layer's WeightFormat
+                       (layers/weight_format.py: Blocks, Half) from a loader's weight
 - round_to_nearest.py  ``quantize_linear(weight, "q8_0" | "q4_0")``: quantization at load
 - quantized_layers.py  ``GroupQuant`` (a loader's unpacked tensor) and the loaders' shared
                        mechanism: plan the layers that stay quantized, drop their float
@@ -17,19 +17,11 @@ kept in that format in memory and multiplied by pagedllm's CPU kernel (csrc/quan
 """
 from __future__ import annotations
 
-from pagedllm.layers.quantization.linear_method import (HalfLinearMethod,
-                                                        LinearMethod, Q4LinearMethod,
-                                                        Q5LinearMethod, Q6LinearMethod,
-                                                        Q8LinearMethod,
-                                                        check_kernel,
-                                                        kernel_matches_float64, method_for,
+from pagedllm.layers.quantization.linear_method import (check_kernel, kernel_matches_float64,
                                                         quantized_kernels_available,
-                                                        set_quantization_activations,
                                                         set_quantized_weight)
 from pagedllm.layers.quantization.quantized_weight import FORMATS, QuantizedWeight
 from pagedllm.layers.quantization.round_to_nearest import SCHEMES, quantize_linear
 
-__all__ = ["FORMATS", "SCHEMES", "HalfLinearMethod", "LinearMethod", "Q4LinearMethod",
-           "Q5LinearMethod", "Q6LinearMethod", "Q8LinearMethod", "QuantizedWeight", "check_kernel",
-           "kernel_matches_float64", "method_for", "quantize_linear", "quantized_kernels_available",
-           "set_quantization_activations", "set_quantized_weight"]
+__all__ = ["FORMATS", "SCHEMES", "QuantizedWeight", "check_kernel", "kernel_matches_float64",
+           "quantize_linear", "quantized_kernels_available", "set_quantized_weight"]

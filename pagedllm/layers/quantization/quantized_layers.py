@@ -123,7 +123,7 @@ def plan_quantized_layers(model: nn.Module, expected: dict,
         for piece, param_name in targets:
             module_name, _, attr = param_name.rpartition(".")
             # A tied embedding's tensor is the head's weight: the head holds it quantized and
-            # the embedding reads its rows from there (VocabParallelEmbedding.qweight).
+            # the embedding reads its rows from there (its head's weight_format).
             module_name = tied.get(module_name, module_name)
             module = modules[module_name]
             if attr == "weight" and isinstance(module, (Linear, ParallelLMHead)):
@@ -188,9 +188,8 @@ def share_tied_heads(model: nn.Module, heads: dict[str, str]) -> None:
     weight, once the head holds one."""
     modules = dict(model.named_modules())
     for embedding, head in heads.items():
-        qweight = getattr(modules[head], "qweight", None)
-        if qweight is not None:
-            modules[embedding].qweight = qweight
+        if modules[head].weight_format is not None:
+            modules[embedding].weight_format = modules[head].weight_format
 
 
 def this_rank(value: GroupQuant, part: Part) -> GroupQuant:
@@ -288,10 +287,9 @@ class QuantizedAttacher:
             if qweight.out_features != layer.out_features:
                 raise ModelLoadError(f"lm_head weight has {qweight.out_features} rows, the layer "
                                      f"{layer.out_features}")
-            from pagedllm.layers.quantization import method_for
+            from pagedllm.layers.weight_format import Quantized
 
-            layer.quant_method = method_for(qweight)
-            layer.qweight, layer.weight = qweight, None
+            layer.weight_format, layer.weight = Quantized.of(qweight), None
 
     def build(self, value: GroupQuant, bias: torch.Tensor | None) -> QuantizedWeight:
         """``value`` as a QuantizedWeight, the kernel checked on its (format, shape) first."""

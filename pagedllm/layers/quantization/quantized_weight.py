@@ -52,7 +52,11 @@ import torch
 from pagedllm.errors import ModelLoadError
 
 PANEL = 64  # output columns per panel (kPanel in csrc/skinny_gemm.cpp)
-FORMATS = ("bf16", "fp16", "bf16_vnni", "q8", "q4", "q5", "q6")
+# The format names, once: 16-bit weights (bf16_vnni: bf16 in the AMX tiles' layout) and
+# block-quantized codes.
+HALF_FORMATS = ("bf16", "fp16", "bf16_vnni")
+BLOCK_FORMATS = ("q8", "q4", "q5", "q6")
+FORMATS = HALF_FORMATS + BLOCK_FORMATS
 _HALF_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
@@ -317,7 +321,7 @@ class QuantizedWeight:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight [out, in] the kernel multiplies by (the reference of the tests), computed
         in float64 and rounded once to ``dtype``."""
-        if self.format in ("bf16", "fp16", "bf16_vnni"):
+        if self.format in HALF_FORMATS:
             values = self.codes.double()  # [P, in, 64]
             if self.format == "bf16":  # [P, in, 32, 2] pairs -> [P, in, 64] in column order
                 values = _pair_columns(values, undo=True)
