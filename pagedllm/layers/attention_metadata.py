@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 # The metadata's types live with the backend interface that reads them (backend.py); they are
@@ -19,20 +20,51 @@ from pagedllm.layers.attention.backend import (AttentionBackend, AttentionMetada
 from pagedllm.layers.attention.selector import get_attn_backend
 from pagedllm.utils import cdiv
 
-__all__ = ["AttentionMetadata", "DecodeBatch", "PrefillChunk", "build_attention_metadata"]
+__all__ = ["AttentionMetadata", "DecodeBatch", "PrefillChunk", "StagingBuffers", "build_attention_metadata"]
 
 ToDevice = Callable[[torch.Tensor], torch.Tensor]
+
+
+class StagingBuffers:
+    """Host arrays a step's metadata is written into, kept from step to step (vLLM's persistent
+    batch): filling a slice of a numpy array from a list and viewing it as a tensor
+    (``torch.from_numpy``) allocates nothing and dispatches one no-op operator, where
+    ``torch.tensor(list)`` dispatches several operators and allocates a tensor per field.
+
+    The tensors of a step alias these arrays, so each step's metadata must be done with before
+    the next is built (the runner builds one step at a time); the arrays grow on demand."""
+
+    def __init__(self) -> None:
+        self._arrays: dict[str, np.ndarray] = {}
+
+    def fill(self, name: str, values: list[int] | list[list[int]],
+             shape: tuple[int, ...]) -> torch.Tensor:
+        """``values`` (ints, or rows of ints) as an int64 tensor of ``shape``, a view of the
+        array ``name``."""
+        size = 1
+        for n in shape:
+            size *= n
+        array = self._arrays.get(name)
+        if array is None or array.shape[0] < size:
+            array = self._arrays[name] = np.empty(max(size, 2 * (0 if array is None else array.shape[0]), 64),
+                                                  dtype=np.int64)
+        view = array[:size].reshape(shape)
+        if size:  # numpy cannot broadcast an empty list into a [0, n] shape
+            view[...] = values
+        return torch.from_numpy(view)
 
 
 def build_attention_metadata(query_lens: list[int], num_computed_tokens: list[int],
                              block_tables: list[list[int]], block_size: int,
                              device: torch.device | str = "cpu",
                              backend: AttentionBackend | None = None,
-                             has_null_blocks: bool = False) -> AttentionMetadata:
+                             has_null_blocks: bool = False,
+                             buffers: StagingBuffers | None = None) -> AttentionMetadata:
     """Per-step metadata for requests ``i`` advancing by ``query_lens[i]`` tokens, for
     ``backend`` (default: the device's, see ``get_attn_backend``).
 
-    Built in plain Python (runs per block, not per token) and turned into one tensor per field:
+    Built in plain Python (runs per block, not per token) and turned into one tensor per field
+    through host arrays (``buffers``, kept by the caller across steps; fresh ones when None):
     a decode step has a single token per request, and a dozen small torch ops would cost more.
     Raises ValueError when a block table is too short for its request (a runner bug).
     ``has_null_blocks``: the tables are a sliding-window group's, whose slots outside the window
@@ -50,6 +82,10 @@ def build_attention_metadata(query_lens: list[int], num_computed_tokens: list[in
             raise ValueError(f"request {i}: {len(table)} blocks of {block_size} cannot hold "
                              f"{seq_len} tokens")
         query_start_loc.append(query_start_loc[-1] + seq_len - start)
+        if seq_len - start == 1:  # a decode: one position, one slot
+            positions.append(start)
+            slot_mapping.append(table[start // block_size] * block_size + start % block_size)
+            continue
         positions.extend(range(start, seq_len))
         pos = start
         while pos < seq_len:  # one run of consecutive slots per block touched
@@ -61,25 +97,29 @@ def build_attention_metadata(query_lens: list[int], num_computed_tokens: list[in
 
     max_blocks = max(1, max((len(t) for t in block_tables), default=0))
     # Padded with block 0, which is never read: keys past a request's length are masked.
-    tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in block_tables], dtype=torch.long)
-    tables = tables.view(num_reqs, max_blocks)
+    padded = [t + [0] * (max_blocks - len(t)) if len(t) < max_blocks else t for t in block_tables]
+    if buffers is None:
+        buffers = StagingBuffers()
+    tables = buffers.fill("block_tables", padded, (num_reqs, max_blocks))
     if has_null_blocks:
         tables.clamp_(min=0)
-
-    def longs(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
+    on_host = torch.device(device).type == "cpu"
 
     def to_dev(t: torch.Tensor) -> torch.Tensor:
-        return t.to(device, non_blocking=True)
+        return t if on_host else t.to(device, non_blocking=True)
+
+    def longs(name: str, values: list[int]) -> torch.Tensor:
+        return to_dev(buffers.fill(name, values, (len(values),)))
 
     if backend is None:
         backend = get_attn_backend("auto", torch.device(device).type)
     md = AttentionMetadata(
-        slot_mapping=longs(slot_mapping), query_start_loc=query_start_loc, seq_lens=seq_lens,
-        num_computed_tokens=list(num_computed_tokens), block_tables=to_dev(tables),
-        block_size=block_size, positions=longs(positions),
-        query_start_loc_tensor=longs(query_start_loc), seq_lens_tensor=longs(seq_lens),
-        backend=backend)
+        slot_mapping=longs("slot_mapping", slot_mapping), query_start_loc=query_start_loc,
+        seq_lens=seq_lens, num_computed_tokens=list(num_computed_tokens),
+        block_tables=to_dev(tables), block_size=block_size,
+        positions=longs("positions", positions),
+        query_start_loc_tensor=longs("query_start_loc", query_start_loc),
+        seq_lens_tensor=longs("seq_lens", seq_lens), backend=backend)
     if backend.needs_gather_plan:
         md.decode = _build_decode(query_lens, seq_lens, query_start_loc, tables, block_size, to_dev)
         md.prefills = _build_prefills(query_lens, num_computed_tokens, query_start_loc, seq_lens,

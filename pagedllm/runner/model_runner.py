@@ -16,7 +16,8 @@ from pagedllm.errors import ModelLoadError
 from pagedllm.core.outputs import PromptLogprobsChunk, RunnerOutput, SchedulerOutput, TokenLogprobs
 from pagedllm.layers.attention import get_attn_backend
 from pagedllm.runner.attention_choice import choose_cpu_attention
-from pagedllm.layers.attention_metadata import AttentionMetadata, build_attention_metadata
+from pagedllm.layers.attention_metadata import (AttentionMetadata, StagingBuffers,
+                                               build_attention_metadata)
 from pagedllm.layers.forward_context import set_forward_context
 from pagedllm.layers.attention.kv_cache_dtype import resolve_kv_cache_dtype
 from pagedllm.layers.kv_cache import (allocate_kv_cache, attention_layers, bind_kv_caches, copy_blocks,
@@ -98,6 +99,8 @@ class ModelRunner:
         self.kv_cache_tensors = plan_kv_tensors(self.kv_cache_groups,
                                                 [spec.bytes_per_token for _, spec in self._kv_layers])
         self._windowed_groups = [g.sliding_window is not None for g in self.kv_cache_groups]
+        # Host arrays each step's input ids and metadata are written into, one set per group.
+        self._staging = [StagingBuffers() for _ in self.kv_cache_groups]
 
     # -- KV cache ----------------------------------------------------------------------------
     def get_kv_cache_groups(self) -> list[int | None]:
@@ -145,10 +148,9 @@ class ModelRunner:
             return RunnerOutput.empty()
 
         input_ids: list[int] = []
-        positions: list[int] = []
         query_lens: list[int] = []
         num_computed: list[int] = []
-        block_tables: list[list[int]] = []
+        block_tables: list[list[list[int]]] = []
         samplers: list[tuple[ScheduledRequest, int]] = []  # (request, its first logits row)
         # (state, first row, first position, count): rows whose logits score prompt tokens.
         prompt_lp_jobs: list[tuple[CachedRequestState, int, int, int]] = []
@@ -156,8 +158,9 @@ class ModelRunner:
             state, start, n = s.state, s.start, s.num_tokens
             n_real = n - len(s.drafts)
             row0 = len(input_ids)
-            input_ids.extend(s.input_ids)
-            positions.extend(range(start, start + n))
+            input_ids.extend(state.token_ids[start:start + n_real])
+            if s.drafts:
+                input_ids.extend(s.drafts)
             query_lens.append(n)
             num_computed.append(start)
             block_tables.append(state.block_ids)  # one table per KV cache group
@@ -168,12 +171,13 @@ class ModelRunner:
             if s.samples:
                 samplers.append((s, row0 + n_real - 1))
 
-        device = self.device
-        ids_t = torch.tensor(input_ids, dtype=torch.long, device=device)
-        pos_t = torch.tensor(positions, dtype=torch.long, device=device)
         attn_md = self._attention_metadata(query_lens, num_computed, block_tables)
+        ids_t = self._staging[0].fill("input_ids", input_ids, (len(input_ids),))
+        if self.device.type != "cpu":
+            ids_t = ids_t.to(self.device, non_blocking=True)
         with set_forward_context(attn_md):
-            hidden = (self.compiled or self.model)(ids_t, pos_t)
+            # The metadata's positions are the model's: one tensor for both.
+            hidden = (self.compiled or self.model)(ids_t, attn_md.positions)
 
         req_ids = [s.state.req_id for s in scheduled]
         out = RunnerOutput(req_ids=req_ids, req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
@@ -192,10 +196,10 @@ class ModelRunner:
         if len(windowed) == 1:
             return build_attention_metadata(query_lens, num_computed, [t[0] for t in block_tables],
                                             self.block_size, self.device, self.attn_backend,
-                                            has_null_blocks=windowed[0])
+                                            has_null_blocks=windowed[0], buffers=self._staging[0])
         mds = [build_attention_metadata(query_lens, num_computed, [t[g] for t in block_tables],
                                         self.block_size, self.device, self.attn_backend,
-                                        has_null_blocks=windowed[g])
+                                        has_null_blocks=windowed[g], buffers=self._staging[g])
                for g in range(len(windowed))]
         mds[0].group_metadata = mds
         return mds[0]
@@ -211,7 +215,7 @@ class ModelRunner:
             groups.append((len(rows), s.drafts))
             for j in range(len(s.drafts) + 1):
                 rows.append((s.state, s.drafts[:j], row + j))
-        logits = self.model.compute_logits(hidden[torch.tensor([r[2] for r in rows], device=self.device)])
+        logits = self.model.compute_logits(self._hidden_rows(hidden, [r[2] for r in rows]))
         md, generators = self._sampling_metadata(rows)
         if grammar_bitmask:
             row_masks: list[bytes | None] = []
@@ -245,6 +249,15 @@ class ModelRunner:
                 if out.logprobs is None:
                     out.logprobs = [None] * len(out.req_ids)
                 out.logprobs[i] = [TokenLogprobs(*row_logprobs[first + j]) for j in range(len(toks))]
+
+    def _hidden_rows(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """``hidden[rows]`` for increasing ``rows``; consecutive ones (every decode step) as a
+        view, without an index tensor and its gather."""
+        first, num = rows[0], len(rows)
+        if rows[-1] - first == num - 1:
+            return hidden if num == hidden.shape[0] else hidden[first:first + num]
+        index = self._staging[0].fill("sample_rows", rows, (num,))
+        return hidden[index if self.device.type == "cpu" else index.to(self.device)]
 
     def _prompt_logprobs(self, hidden: torch.Tensor, jobs: list[tuple[CachedRequestState, int, int, int]]
                          ) -> dict[str, PromptLogprobsChunk]:

@@ -148,6 +148,8 @@ class SamplingMetadata:
 
 
 _ARGMAX_CHUNK = 128
+# Below this many logits the scalar loop is shorter than the chunked path's operators.
+_ARGMAX_SCALAR_MAX = 1 << 15
 
 
 def greedy_sample(logits: torch.Tensor) -> torch.Tensor:
@@ -158,7 +160,8 @@ def greedy_sample(logits: torch.Tensor) -> torch.Tensor:
     argmax inside that chunk only. Falls back to argmax when V is not a multiple of 128."""
     num_rows, vocab = logits.shape
     num_chunks = vocab // _ARGMAX_CHUNK
-    if logits.device.type != "cpu" or num_chunks < 2 or vocab % _ARGMAX_CHUNK:
+    if (logits.device.type != "cpu" or num_chunks < 2 or vocab % _ARGMAX_CHUNK
+            or num_rows * vocab < _ARGMAX_SCALAR_MAX):
         return logits.argmax(dim=-1)
     chunks = logits.reshape(num_rows, num_chunks, _ARGMAX_CHUNK)
     best_chunk = chunks.amax(dim=-1).argmax(dim=-1)  # [B]
@@ -177,7 +180,8 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         assert logits.dim() == 2 and logits.shape[1] == metadata.vocab_size, logits.shape
-        logits = logits.float()
+        if logits.dtype != torch.float32:  # .float() would dispatch even as a no-op
+            logits = logits.float()
         raw_logprobs, lp_rows = None, []
         if metadata.max_num_logprobs is not None:
             # From the raw logits, before any processing (vLLM's default "raw_logprobs").
