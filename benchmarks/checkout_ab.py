@@ -28,8 +28,16 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.common import (WORKLOADS, add_model_args, engine_args, log, make_workload,
-                               model_stats, resolve_model, write_json)
+from benchmarks.common import (
+    WORKLOADS,
+    add_model_args,
+    engine_args,
+    log,
+    make_workload,
+    model_stats,
+    resolve_model,
+    write_json,
+)
 
 # The process of one checkout: only pagedllm and the standard library (the other checkout's
 # benchmarks/ may differ). Reads the job as one JSON line, prints "ready" after the warm-up,

@@ -18,8 +18,16 @@ import statistics
 import sys
 import time
 
-from benchmarks.common import (WORKLOADS, add_model_args, engine_args, log, make_workload,
-                               model_stats, resolve_model, write_json)
+from benchmarks.common import (
+    WORKLOADS,
+    add_model_args,
+    engine_args,
+    log,
+    make_workload,
+    model_stats,
+    resolve_model,
+    write_json,
+)
 
 
 def main(argv: list[str] | None = None) -> dict:

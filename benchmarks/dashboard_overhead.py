@@ -19,10 +19,17 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import (WORKLOADS, add_model_args, engine_args, log, make_workload,
-                               model_stats, resolve_model, write_json)
+from benchmarks.common import (
+    WORKLOADS,
+    add_model_args,
+    engine_args,
+    log,
+    make_workload,
+    model_stats,
+    resolve_model,
+    write_json,
+)
 from benchmarks.latency import run_load, subprocess_server
-
 
 # The viewer runs in its own process, as a browser would: a reader in the benchmark's process
 # would take the load client's GIL and slow the client, not the server.

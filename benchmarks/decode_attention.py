@@ -30,11 +30,17 @@ import time
 import torch
 import torch.nn.functional as F
 
-from pagedllm.layers import (Attention, bind_kv_caches, build_attention_metadata,
-                             get_attn_backend, kv_cache_shape, set_forward_context)
 from pagedllm.config import KV_CACHE_DTYPES
-from pagedllm.layers.attention.kv_cache_dtype import resolve_kv_cache_dtype, to_cache_dtype
 from pagedllm.kernels.cpu_extension import can_run, cpu_description, load_cpu_ops
+from pagedllm.layers import (
+    Attention,
+    bind_kv_caches,
+    build_attention_metadata,
+    get_attn_backend,
+    kv_cache_shape,
+    set_forward_context,
+)
+from pagedllm.layers.attention.kv_cache_dtype import resolve_kv_cache_dtype, to_cache_dtype
 
 
 def _time(fn, iters: int) -> float:

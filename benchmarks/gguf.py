@@ -36,8 +36,17 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import (CACHE_DIR, REPO_ROOT, TOKENIZER_DIR, ServedPeer, log, make_workload,
-                               reset_peak_rss, rss_bytes, write_json)
+from benchmarks.common import (
+    CACHE_DIR,
+    REPO_ROOT,
+    TOKENIZER_DIR,
+    ServedPeer,
+    log,
+    make_workload,
+    reset_peak_rss,
+    rss_bytes,
+    write_json,
+)
 
 LLAMA_CPP_VENV = REPO_ROOT / ".venv-llama-cpp"
 _COMMON = dict(vocab_size=32000, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
@@ -186,9 +195,9 @@ class PagedLLM:
     """pagedllm on one GGUF file, answering the same jobs as the llama.cpp peer."""
 
     def __init__(self, path: Path, threads: int, activations: str = "auto") -> None:
-        from pagedllm import LLM
-
         import torch
+
+        from pagedllm import LLM
         torch.set_num_threads(threads)
         # The gguf package's files carry no tokenizer: the one llama.cpp's converter embeds.
         tokenizer = None if carries_tokenizer(path) else str(TOKENIZER_DIR)

@@ -21,8 +21,8 @@ import os
 import subprocess
 import sys
 
-from benchmarks.linear_kernels import layer_shapes, linear_candidates, time_interleaved
 from benchmarks.common import REPO_ROOT, log
+from benchmarks.linear_kernels import layer_shapes, linear_candidates, time_interleaved
 
 # The environment that keeps oneDNN and MKL (read when they start) to a level's instructions.
 LIBRARY_CAPS = {"v3": {"ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
@@ -41,9 +41,15 @@ def attention_candidates(shape: tuple[int, ...], isas: list[str]) -> dict:
 
     import torch
 
-    from pagedllm.layers import (Attention, bind_kv_caches, build_attention_metadata,
-                                 get_attn_backend, kv_cache_shape, set_forward_context)
     from pagedllm.kernels.cpu_extension import load_cpu_ops
+    from pagedllm.layers import (
+        Attention,
+        bind_kv_caches,
+        build_attention_metadata,
+        get_attn_backend,
+        kv_cache_shape,
+        set_forward_context,
+    )
 
     B, L, H, Hkv, D = shape
     bs = 16

@@ -45,8 +45,17 @@ import time
 from contextlib import ExitStack, contextmanager
 from typing import Iterator
 
-from benchmarks.common import (WORKLOADS, add_model_args, engine_args, log, make_workload,
-                                        model_stats, percentile, resolve_model, write_json)
+from benchmarks.common import (
+    WORKLOADS,
+    add_model_args,
+    engine_args,
+    log,
+    make_workload,
+    model_stats,
+    percentile,
+    resolve_model,
+    write_json,
+)
 
 
 def _free_port() -> int:

@@ -8,7 +8,8 @@ Q5_0's and Q6_K's blocks in the q5 and q6 panels), each timed against the float3
 the bytes the format holds. ``--int8`` adds the block formats with int8-quantized activations
 (csrc/int8_gemm.h), each timed against the same weight's exact (float32-activation) path too;
 ``--bf16-activations`` (or ``--amx``) adds bf16 with bf16 activations (csrc/bf16_gemm.h: AMX tiles,
-or AVX512-BF16 dot products on CPUs without AMX), against its exact path and oneDNN's bf16 ``F.linear`` (vLLM's bf16 matmul on such CPUs).
+or AVX512-BF16 dot products on CPUs without AMX), against its exact path and oneDNN's bf16
+``F.linear`` (vLLM's bf16 matmul on such CPUs).
 
 Before every timed call the caches are flushed (a pass over a buffer larger than the last-level
 cache), as in the engine, where a step reads ~170 MB of weights and KV and nothing stays cached

@@ -25,9 +25,19 @@ import gc
 import sys
 import warnings
 
-from benchmarks.common import (WORKLOADS, Workload, add_model_args, engine_args, log,
-                               make_workload, model_stats, reset_peak_rss, resolve_model,
-                               rss_bytes, write_json)
+from benchmarks.common import (
+    WORKLOADS,
+    Workload,
+    add_model_args,
+    engine_args,
+    log,
+    make_workload,
+    model_stats,
+    reset_peak_rss,
+    resolve_model,
+    rss_bytes,
+    write_json,
+)
 from pagedllm.config import KV_CACHE_DTYPES
 
 

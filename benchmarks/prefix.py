@@ -16,8 +16,7 @@ import random
 import sys
 import time
 
-from benchmarks.common import (add_model_args, engine_args, log, model_stats,
-                                        resolve_model, write_json)
+from benchmarks.common import add_model_args, engine_args, log, model_stats, resolve_model, write_json
 
 
 def make_prompts(vocab_size: int, num_requests: int, prefix_len: int, question_len: int,

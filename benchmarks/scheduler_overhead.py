@@ -33,8 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import (DEFAULT_VLLM_PYTHON, REPO_ROOT, VLLM_ENV, ServedPeer, log,
-                                         require_vllm_python)
+from benchmarks.common import DEFAULT_VLLM_PYTHON, REPO_ROOT, VLLM_ENV, ServedPeer, log, require_vllm_python
 from pagedllm.config import SchedulerConfig
 from pagedllm.core.request import Request
 from pagedllm.core.scheduler import Scheduler

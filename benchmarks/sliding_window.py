@@ -37,8 +37,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import (CACHE_DIR, add_engine_args, build_random_model, engine_args, log,
-                               write_json)
+from benchmarks.common import CACHE_DIR, add_engine_args, build_random_model, engine_args, log, write_json
 
 # Layer shapes (shared by both families): "small" runs an 8K request in a minute or two on two
 # cores; "tiny" is for the smoke test.

@@ -16,8 +16,7 @@ import json
 import random
 import time
 
-from benchmarks.common import (Workload, add_model_args, engine_args, log, model_stats,
-                                        resolve_model, write_json)
+from benchmarks.common import Workload, add_model_args, engine_args, log, model_stats, resolve_model, write_json
 
 DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
                 "prompt_lookup_min": 2}

@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import argparse
 import bisect
-import cProfile
 import contextlib
+import cProfile
 import pstats
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 from benchmarks.common import REPO_ROOT, log, write_json
@@ -159,6 +159,7 @@ def _count_torch(prof) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
 
 def measure(model: str, mode: str, batch: int, steps: int) -> dict:
     import torch
+
     from pagedllm import LLM
 
     llm = LLM(model, enforce_eager=(mode == "eager"), seed=0, max_num_seqs=max(batch, 8))
@@ -229,6 +230,7 @@ def count_metadata(batch: int, steps: int = 50) -> dict:
     on this thread: operators and allocations per build (a check of the engine-level counts,
     which torch.profiler may under-report inside a step)."""
     import torch
+
     import pagedllm.layers.attention_metadata as amd
     from pagedllm.layers.attention import get_attn_backend
 

@@ -74,8 +74,8 @@ def main(argv: list[str] | None = None) -> None:
 
         model = str(build_model(args.model_config))
 
-    from pagedllm import LLM
     import pagedllm.runner.model_runner as model_runner
+    from pagedllm import LLM
     from pagedllm.engine.engine_core import EngineCore
     from pagedllm.structured_output.manager import StructuredOutputManager
 
@@ -99,7 +99,8 @@ def main(argv: list[str] | None = None) -> None:
           f"{mask_s / so_s:.1%} of the run ({mask_s / max(so_steps, 1) * 1e3:.3f} ms/step: fill "
           f"{bucket['grammar_bitmask'] * 1e3:.0f} ms, advance {bucket['accept'] * 1e3:.0f} ms, apply "
           f"{bucket['apply_grammar_bitmask'] * 1e3:.0f} ms); step {so_s / max(so_steps, 1) * 1e3:.2f} ms "
-          f"vs {free_s / max(free_steps, 1) * 1e3:.2f} ms unconstrained ({so_s / so_steps / (free_s / free_steps):.2f}x)")
+          f"vs {free_s / max(free_steps, 1) * 1e3:.2f} ms unconstrained "
+          f"({so_s / so_steps / (free_s / free_steps):.2f}x)")
 
 
 if __name__ == "__main__":

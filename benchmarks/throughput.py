@@ -42,10 +42,23 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import (DEFAULT_VLLM_PYTHON, VLLM_ENV, WORKLOADS, ServedPeer,
-                                        Workload, add_model_args, engine_args, log, make_workload,
-                                        measure_matmul_flops, model_stats, require_vllm_python,
-                                        resolve_model, workload_flops, write_json)
+from benchmarks.common import (
+    DEFAULT_VLLM_PYTHON,
+    VLLM_ENV,
+    WORKLOADS,
+    ServedPeer,
+    Workload,
+    add_model_args,
+    engine_args,
+    log,
+    make_workload,
+    measure_matmul_flops,
+    model_stats,
+    require_vllm_python,
+    resolve_model,
+    workload_flops,
+    write_json,
+)
 
 VLLM_PEER = Path(__file__).with_name("vllm_peer.py")
 # Defaults the caller's environment may override: the model is a local folder and no hub or

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from pagedllm.config import EngineConfig
 from pagedllm.beam_search_params import BeamSearchParams
+from pagedllm.config import EngineConfig
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_outputs_params import StructuredOutputsParams

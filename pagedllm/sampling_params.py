@@ -35,6 +35,11 @@ class RequestOutputKind(IntEnum):
     FINAL_ONLY = 2  # only the finished output is returned
 
 
+def _bad(param: str, msg: str) -> ValidationError:
+    """The error for a bad ``param``: its name starts the message and is the error's param."""
+    return ValidationError(f"{param} {msg}", param)
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -86,56 +91,65 @@ class SamplingParams:
         self._all_stop_token_ids = frozenset(self.stop_token_ids)
 
     def _validate(self) -> None:
-        def bad(param: str, msg: str) -> ValidationError:
-            return ValidationError(f"{param} {msg}", param)
+        self._validate_numbers()
+        self._validate_limits()
+        self._validate_stops()
 
+    def _validate_numbers(self) -> None:
+        """Types, and the sampling knobs' ranges."""
         for name in _INT_FIELDS:
             check_ints(getattr(self, name), name)
         check_ints(self.stop_token_ids, "stop_token_ids")
         check_ints(list(self.logit_bias or ()), "logit_bias")
         if not isinstance(self.n, int) or self.n < 1:
-            raise bad("n", f"must be an integer >= 1, got {self.n!r}")
+            raise _bad("n", f"must be an integer >= 1, got {self.n!r}")
         for name in _FLOAT_FIELDS:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                raise bad(name, f"must be a finite number, got {v!r}")
+                raise _bad(name, f"must be a finite number, got {v!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not -2.0 <= v <= 2.0:
-                raise bad(name, f"must be in [-2, 2], got {v}")
+                raise _bad(name, f"must be in [-2, 2], got {v}")
         if not 0.0 < self.repetition_penalty <= 2.0:
-            raise bad("repetition_penalty", f"must be in (0, 2], got {self.repetition_penalty}")
+            raise _bad("repetition_penalty", f"must be in (0, 2], got {self.repetition_penalty}")
         if self.temperature < 0.0:
-            raise bad("temperature", f"must be >= 0, got {self.temperature}")
+            raise _bad("temperature", f"must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
-            raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
+            raise _bad("top_p", f"must be in (0, 1], got {self.top_p}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise bad("top_k", f"must be -1 (disable), 0 or a positive integer, got {self.top_k!r}")
+            raise _bad("top_k", f"must be -1 (disable), 0 or a positive integer, got {self.top_k!r}")
         if not 0.0 <= self.min_p <= 1.0:
-            raise bad("min_p", f"must be in [0, 1], got {self.min_p}")
+            raise _bad("min_p", f"must be in [0, 1], got {self.min_p}")
+
+    def _validate_limits(self) -> None:
+        """The seed, the output length and how many logprobs."""
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not INT64_MIN <= self.seed <= INT64_MAX):
-            raise bad("seed", f"must be an integer in [-2**63, 2**63 - 1], got {self.seed!r}")
+            raise _bad("seed", f"must be an integer in [-2**63, 2**63 - 1], got {self.seed!r}")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            raise bad("max_tokens", f"must be at least 1, got {self.max_tokens!r}")
+            raise _bad("max_tokens", f"must be at least 1, got {self.max_tokens!r}")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            raise bad("min_tokens", f"must be >= 0, got {self.min_tokens!r}")
+            raise _bad("min_tokens", f"must be >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise bad("min_tokens", f"must be <= max_tokens={self.max_tokens}, got {self.min_tokens}")
+            raise _bad("min_tokens", f"must be <= max_tokens={self.max_tokens}, got {self.min_tokens}")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 0 or v > 20):
-                raise bad(name, f"must be an integer in [0, 20], got {v!r}")
+                raise _bad(name, f"must be an integer in [0, 20], got {v!r}")
+
+    def _validate_stops(self) -> None:
+        """Stop strings and token ids, logit biases, structured outputs."""
         if any(not isinstance(s, str) or s == "" for s in self.stop):
-            raise bad("stop", "must be non-empty strings")
+            raise _bad("stop", "must be non-empty strings")
         check_text(self.stop, "stop")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise bad("stop_token_ids", "must be non-negative integers")
+            raise _bad("stop_token_ids", "must be non-negative integers")
         if self.logit_bias is not None and any(not -100.0 <= v <= 100.0 for v in self.logit_bias.values()):
-            raise bad("logit_bias", "values must be finite and in [-100, 100]")  # NaN fails too
+            raise _bad("logit_bias", "values must be finite and in [-100, 100]")  # NaN fails too
         if self.structured_outputs is not None and not isinstance(self.structured_outputs,
                                                                   StructuredOutputsParams):
-            raise bad("structured_outputs", "must be a StructuredOutputsParams")
+            raise _bad("structured_outputs", "must be a StructuredOutputsParams")
 
     @property
     def sampling_type_greedy(self) -> bool:

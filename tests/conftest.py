@@ -4,7 +4,8 @@ Engines run eagerly unless a test asks for torch.compile (``enforce_eager=False`
 ``enforce_eager`` compiles on CPU too, 7-40 s per engine, and most tests build several engines
 (some in subprocesses, which inherit the environment). tests/runner/test_compile.py and the
 compiled half of tests/models/test_compiled_parity.py (every family, weight format and KV cache
-dtype; marked slow) cover the compiled path. As vLLM's CPU CI does (VLLM_CPU_CI_ENV), the suite trades that coverage for time.
+dtype; marked slow) cover the compiled path. As vLLM's CPU CI does (VLLM_CPU_CI_ENV), the suite
+trades that coverage for time.
 """
 import os
 

@@ -1,9 +1,8 @@
 """tests/ci_support.py: locally a missing system tool skips, in CI it fails."""
 from __future__ import annotations
 
-import pytest
-
 import ci_support
+import pytest
 
 
 def test_missing_tool_skips_locally_and_fails_in_ci(monkeypatch):

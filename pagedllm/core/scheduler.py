@@ -16,8 +16,7 @@ from collections.abc import Iterable
 from pagedllm.config import SchedulerConfig
 from pagedllm.core.admission import validate_request
 from pagedllm.core.kv_cache_manager import NO_NEW_BLOCKS, KVCacheManager
-from pagedllm.core.outputs import (CachedRequestData, EngineCoreOutputs, NewRequestData,
-                                   RunnerOutput, SchedulerOutput)
+from pagedllm.core.outputs import CachedRequestData, EngineCoreOutputs, NewRequestData, RunnerOutput, SchedulerOutput
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.request_queue import create_request_queue
 from pagedllm.core.scheduler_stats import SchedulerStats

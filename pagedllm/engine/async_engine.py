@@ -24,8 +24,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from pagedllm.config import EngineConfig
 from pagedllm.beam_search_params import BeamSearchParams
+from pagedllm.config import EngineConfig
 from pagedllm.engine.core_client import multiprocessing_enabled  # noqa: F401 - for the CLI
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm_engine import LLMEngine

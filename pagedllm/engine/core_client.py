@@ -43,8 +43,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.outputs import EngineCoreOutputs, EngineCoreRequest
 from pagedllm.engine.core_proc import run_engine_core
 from pagedllm.errors import EngineDeadError
-from pagedllm.executor.ipc import (ChildProcess, Codec, RemoteTraceback, new_context, remote_error,
-                                   term_context)
+from pagedllm.executor.ipc import ChildProcess, Codec, RemoteTraceback, new_context, remote_error, term_context
 from pagedllm.runner.base import Runner
 
 ENV_ENABLE_MULTIPROCESSING = envs.PAGEDLLM_ENABLE_MULTIPROCESSING

@@ -37,7 +37,8 @@ class IncrementalDetokenizer:
         inside a character spelled by byte tokens would decode to U+FFFD forever."""
         start = max(0, len(prompt_token_ids) - _INITIAL_CONTEXT)
         lowest = max(0, start - 8)  # a UTF-8 character spans at most 4 byte tokens
-        while start > lowest and tokenizer.decode(prompt_token_ids[start:], skip_special_tokens=skip).startswith("\ufffd"):
+        while start > lowest and tokenizer.decode(
+                prompt_token_ids[start:], skip_special_tokens=skip).startswith("\ufffd"):
             start -= 1
         return list(prompt_token_ids[start:])
 

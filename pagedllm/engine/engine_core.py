@@ -14,8 +14,8 @@ import logging
 import time
 from collections import deque
 from collections.abc import Iterable
-from typing import Any
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_manager import max_blocks_per_request
@@ -30,8 +30,8 @@ from pagedllm.engine.step_trace import StepTraceWriter
 from pagedllm.engine.trace_stream import TraceSampler, trace_snapshot
 from pagedllm.errors import ValidationError
 from pagedllm.executor import create_executor
-from pagedllm.structured_output.manager import StructuredOutputManager
 from pagedllm.runner.base import Runner
+from pagedllm.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger("pagedllm")
 

@@ -9,15 +9,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from pagedllm.beam_search_params import BeamSearchParams
 from pagedllm.config import DEFAULT_MODEL_DIR, EngineConfig
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.tokenizer import apply_chat_template
 from pagedllm.errors import ValidationError, check_text
-from pagedllm.beam_search_params import BeamSearchParams
 from pagedllm.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
-
 
 # The demo model (stories260K) was trained on plain stories and ships no chat template; a minimal
 # one lives beside its folder, so the chat path of the demo works out of the box.

@@ -142,35 +142,49 @@ class OutputProcessor:
                     state.logprobs.append(self._logprob_dict(tl))
                     state.cumulative_logprob += tl.logprobs[0]
             if state.detokenizer is not None and new_ids:
-                # The EOS / stop token itself is never shown as text.
-                ids = new_ids
-                ended_by_token = finish_reason == "stop" and (stop_reason is None or isinstance(stop_reason, int))
-                if ended_by_token and not parent.params.include_stop_str_in_output:
-                    ids = new_ids[:-1]
-                stop_str = state.detokenizer.update(ids)
-                if stop_str is not None:
-                    if finish_reason is None:  # still running in the scheduler: finish it there
-                        stopped_by_string.append((state.request_id, stop_str))
-                    finish_reason, stop_reason = "stop", stop_str
+                finish_reason, stop_reason = self._update_text(state, new_ids, finish_reason, stop_reason,
+                                                               stopped_by_string)
             if finish_reason is not None:
                 state.finish_reason, state.stop_reason = finish_reason, stop_reason
                 parent.num_finished += 1
-            ro = self._make_output(parent, state)
-            if ro is not None:
-                prev = results.get(parent.request_id)
-                if prev is not None and parent.params.output_kind == RequestOutputKind.DELTA:
-                    ro.outputs = prev.outputs + ro.outputs  # n > 1: every child's delta of this step
-                results[parent.request_id] = ro
-            if parent.finished:
-                parent.metrics.finished_time = now
-                self.parents.pop(parent.request_id, None)
-                for child in parent.children:
-                    self.request_states.pop(child.request_id, None)
+            self._publish(results, parent, state, now)
         for rid, beams in outputs.finished_beams.items():
             beam_search = self.beam_searches.pop(rid, None)
             if beam_search is not None:  # None: aborted while its last step ran
                 results[rid] = self._beam_output(beam_search, beams)
         return list(results.values()), stopped_by_string
+
+    @staticmethod
+    def _update_text(state: RequestState, new_ids: list[int], finish_reason: str | None,
+                     stop_reason: int | str | None, stopped_by_string: list[tuple[str, str]]
+                     ) -> tuple[str | None, int | str | None]:
+        """Detokenize ``new_ids`` into ``state``; the finish, a stop string's included."""
+        # The EOS / stop token itself is never shown as text.
+        ids = new_ids
+        ended_by_token = finish_reason == "stop" and (stop_reason is None or isinstance(stop_reason, int))
+        if ended_by_token and not state.parent.params.include_stop_str_in_output:
+            ids = new_ids[:-1]
+        stop_str = state.detokenizer.update(ids)
+        if stop_str is None:
+            return finish_reason, stop_reason
+        if finish_reason is None:  # still running in the scheduler: finish it there
+            stopped_by_string.append((state.request_id, stop_str))
+        return "stop", stop_str
+
+    def _publish(self, results: dict[str, RequestOutput], parent: ParentRequest, state: RequestState,
+                 now: float) -> None:
+        """The parent's output of this step, if it shows one; a finished parent is forgotten."""
+        ro = self._make_output(parent, state)
+        if ro is not None:
+            prev = results.get(parent.request_id)
+            if prev is not None and parent.params.output_kind == RequestOutputKind.DELTA:
+                ro.outputs = prev.outputs + ro.outputs  # n > 1: every child's delta of this step
+            results[parent.request_id] = ro
+        if parent.finished:
+            parent.metrics.finished_time = now
+            self.parents.pop(parent.request_id, None)
+            for child in parent.children:
+                self.request_states.pop(child.request_id, None)
 
     def _beam_output(self, request: BeamSearchRequest, beams: list[FinishedBeam]) -> RequestOutput:
         completions = []

@@ -39,8 +39,8 @@ def explain_record(rec: Record) -> list[str]:
     for r in rec["reqs"]:
         lines.append(_req_sentence(r))
     for p in rec["preempted"]:
-        who = (f"it needed a block itself, none was free, and it is the most recently admitted "
-               f"running request" if p["needed_by"] == p["id"] else
+        who = ("it needed a block itself, none was free, and it is the most recently admitted "
+               "running request" if p["needed_by"] == p["id"] else
                f"{p['needed_by']} is running and needed a block, none was free")
         lines.append(f"{p['id']} preempted: {who}; {p['id']} gives all its blocks back and goes "
                      "to the head of the waiting queue (it recomputes later).")

@@ -18,8 +18,7 @@ from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.engine_stats import StepTimings
 from pagedllm.engine.parallel_sampling import ParallelSampling
 from pagedllm.engine.step_trace import StepRecorder, block_map
-from pagedllm.explain.render import (Record, is_plain, render_blocks, render_plain_step,
-                                     render_step)
+from pagedllm.explain.render import Record, is_plain, render_blocks, render_plain_step, render_step
 from pagedllm.runner.fake import FakeRunner
 from pagedllm.sampling_params import SamplingParams
 

@@ -33,16 +33,27 @@ from torch import nn
 
 from pagedllm.errors import ModelLoadError
 from pagedllm.gguf.config import hf_config
-from pagedllm.gguf.names import (CONFIG_TENSORS, expert_names, hf_name, is_expert_stack,
-                                 is_permuted, norm_shift, unpermute_rows)
+from pagedllm.gguf.names import (
+    CONFIG_TENSORS,
+    expert_names,
+    hf_name,
+    is_expert_stack,
+    is_permuted,
+    norm_shift,
+    unpermute_rows,
+)
 from pagedllm.gguf.quant_types import FLOAT_TYPES, GroupQuant, unpack
 from pagedllm.gguf.reader import GGUFCheckpoint, GGUFTensor, open_gguf
-from pagedllm.layers.quantization.quantized_layers import (Part, QuantizedParts,
-                                                           drop_float_weights,
-                                                           plan_quantized_layers,
-                                                           quantized_kernels_available,
-                                                           share_tied_heads, tied_heads)
 from pagedllm.layers import WeightSlice
+from pagedllm.layers.quantization.quantized_layers import (
+    Part,
+    QuantizedParts,
+    drop_float_weights,
+    plan_quantized_layers,
+    quantized_kernels_available,
+    share_tied_heads,
+    tied_heads,
+)
 from pagedllm.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)

@@ -15,8 +15,7 @@ import torch
 
 # The metadata's types live with the backend interface that reads them (backend.py); they are
 # named here too, where the metadata is built.
-from pagedllm.layers.attention.backend import (AttentionBackend, AttentionMetadata, DecodeBatch,
-                                               PrefillChunk)
+from pagedllm.layers.attention.backend import AttentionBackend, AttentionMetadata, DecodeBatch, PrefillChunk
 from pagedllm.layers.attention.selector import get_attn_backend
 from pagedllm.utils import cdiv
 

@@ -45,13 +45,13 @@ from pagedllm import envs
 from pagedllm.distributed.parallel_state import get_tp_group
 from pagedllm.distributed.tp_sizes import split_size
 from pagedllm.errors import ModelLoadError, UnsupportedModelError
+from pagedllm.kernels.op_registry import LayerRegistry, layer_op
 from pagedllm.layers.activation import GatedActivation
 from pagedllm.layers.linear import WeightSlice, pack_weight
 from pagedllm.layers.moe_router import RoutingOrder, check_routing, select_experts
-from pagedllm.kernels.op_registry import LayerRegistry, layer_op
 from pagedllm.layers.quantization import QuantizedWeight, quantized_kernels_available
-from pagedllm.layers.weight_format import Half, Panels, Quantized, WeightFormat
 from pagedllm.layers.quantization.mxfp4 import BLOCK_SIZE, dequantize_mxfp4
+from pagedllm.layers.weight_format import Half, Panels, Quantized, WeightFormat
 
 
 def kernel_wanted() -> bool:

@@ -16,9 +16,18 @@ import torch
 from torch import nn
 
 from pagedllm.hf_config import text_config
-from pagedllm.layers import (Attention, GatedActivation, MergedColumnParallelLinear,
-                             ParallelLMHead, QKVParallelLinear, RMSNorm, RotaryEmbedding,
-                             RowParallelLinear, VocabParallelEmbedding, apply_rotary)
+from pagedllm.layers import (
+    Attention,
+    GatedActivation,
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    apply_rotary,
+)
 from pagedllm.layers.layernorm import GemmaRMSNorm
 from pagedllm.models.decoder_args import DecoderArgs
 

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.models.decoder import (DecoderForCausalLM, DecoderLayer, DecoderModel, Rope,
-                                     make_norm)
+from pagedllm.models.decoder import DecoderForCausalLM, DecoderLayer, DecoderModel, Rope, make_norm
 from pagedllm.models.decoder_args import DecoderArgs
 
 

@@ -15,11 +15,11 @@ import torch
 from torch import nn
 
 from pagedllm.errors import ModelLoadError
+from pagedllm.hf_config import text_config
 from pagedllm.layers import Linear, MergedColumnParallelLinear, RowParallelLinear, pack_linear
 from pagedllm.layers.activation import GatedActivation
 from pagedllm.layers.fused_moe import ExpertLayout, FusedMoE, kernel_wanted
 from pagedllm.layers.moe_router import RoutingOrder
-from pagedllm.hf_config import text_config
 from pagedllm.models.decoder_args import DecoderArgs
 from pagedllm.models.llama import LlamaForCausalLM
 

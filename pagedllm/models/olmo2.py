@@ -13,8 +13,7 @@ import torch
 from torch import nn
 
 from pagedllm.distributed.parallel_state import get_tp_group
-from pagedllm.models.decoder import (DecoderAttention, DecoderForCausalLM, DecoderMLP, Rope,
-                                     make_norm)
+from pagedllm.models.decoder import DecoderAttention, DecoderForCausalLM, DecoderMLP, Rope, make_norm
 from pagedllm.models.decoder_args import DecoderArgs
 
 

@@ -21,10 +21,13 @@ from pagedllm.errors import ModelLoadError, UnsupportedModelError
 from pagedllm.layers import FusedMoE, Linear
 from pagedllm.layers.quantization import check_kernel, quantize_linear, set_quantized_weight
 from pagedllm.layers.quantization.checkpoint_formats import checkpoint_quant
-from pagedllm.layers.quantization.quantized_layers import (GroupQuant, QuantizedParts,
-                                                           drop_float_weights,
-                                                           plan_quantized_layers,
-                                                           quantized_kernels_available)
+from pagedllm.layers.quantization.quantized_layers import (
+    GroupQuant,
+    QuantizedParts,
+    drop_float_weights,
+    plan_quantized_layers,
+    quantized_kernels_available,
+)
 from pagedllm.layers.quantization.round_to_nearest import BLOCK
 from pagedllm.models.checkpoint_names import renamed
 

@@ -9,15 +9,15 @@ from pagedllm.models.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGenera
 from pagedllm.models.gpt_oss import GptOssForCausalLM
 from pagedllm.models.granite import GraniteForCausalLM
 from pagedllm.models.llama import LlamaForCausalLM
-from pagedllm.models.olmo2 import Olmo2ForCausalLM
-from pagedllm.models.phi3 import Phi3ForCausalLM
 from pagedllm.models.mixtral import MixtralForCausalLM
+from pagedllm.models.olmo2 import Olmo2ForCausalLM
 from pagedllm.models.olmoe import OlmoeForCausalLM
+from pagedllm.models.phi3 import Phi3ForCausalLM
 from pagedllm.models.qwen2 import Qwen2ForCausalLM
 from pagedllm.models.qwen2_moe import Qwen2MoeForCausalLM
 from pagedllm.models.qwen3 import Qwen3ForCausalLM
-from pagedllm.models.smollm3 import SmolLM3ForCausalLM
 from pagedllm.models.qwen3_moe import Qwen3MoeForCausalLM
+from pagedllm.models.smollm3 import SmolLM3ForCausalLM
 
 _MODELS: dict[str, type[nn.Module]] = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,

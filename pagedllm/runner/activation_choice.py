@@ -23,8 +23,7 @@ from pagedllm.kernels.cpu_extension import has_bf16_activations
 from pagedllm.layers.embed_head import VocabParallelEmbedding
 from pagedllm.layers.fused_moe import FusedMoE
 from pagedllm.layers.quantization import quantized_kernels_available
-from pagedllm.layers.weight_format import (ACTIVATIONS, Blocks, Quantized, WeightFormat,
-                                           check_format)
+from pagedllm.layers.weight_format import ACTIVATIONS, Blocks, Quantized, WeightFormat, check_format
 
 logger = logging.getLogger(__name__)
 

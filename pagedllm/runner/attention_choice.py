@@ -21,11 +21,11 @@ from collections.abc import Iterable
 import torch
 
 from pagedllm import envs
+from pagedllm.kernels.cpu_extension import cpu_description
 from pagedllm.layers.attention.backend import AttentionBackend
 from pagedllm.layers.attention.layer import Attention
 from pagedllm.layers.attention.selector import get_attn_backend
 from pagedllm.layers.attention_metadata import build_attention_metadata
-from pagedllm.kernels.cpu_extension import cpu_description
 from pagedllm.layers.forward_context import set_forward_context
 from pagedllm.layers.kv_cache import bind_kv_caches, kv_cache_shape
 from pagedllm.runner.linear_choice import TORCH_MARGIN, best_times

@@ -130,7 +130,8 @@ class CompiledForward:
         # Once warm, the one graph serves every step: dynamo's guards would only confirm it. Even
         # the "differentiating" guards that skip_guard_eval_unsafe keeps check every weight
         # tensor the graph reads, each reached through the module tree, a visible share of a
-        # batch-1 decode step (docs/cpu_kernels.md#the-compiled-graph). So the warm forward calls dynamo's bytecode for it directly, as vLLM's compile wrapper does;
+        # batch-1 decode step (docs/cpu_kernels.md#the-compiled-graph). So the warm forward calls
+        # dynamo's bytecode for it directly, as vLLM's compile wrapper does;
         # tests/runner/test_compile.py holds it to eager and checks nothing recompiles.
         if self._direct is not None:
             return self._direct(self.model, input_ids, positions)

@@ -11,7 +11,8 @@ every row count: one choice per shape) only when torch's is clearly faster, by T
 Near ties stay on the kernel: its sums do not depend on the row count, so a token gets the same
 bits in a decode and in a prefill chunk (recomputed after a preemption), where MKL picks its
 kernels by the row count; and a tie decided by a 2-core VM's noise would make two runs of the
-same model differ. One log line says what was chosen and why. A chosen layer then holds its weight as panels only (``pack_linear``), the
+same model differ. One log line says what was chosen and why. A chosen layer then holds its weight
+as panels only (``pack_linear``), the
 others keep the plain matrix: one copy either way.
 
 A shape is measured once per process (every engine a process builds then makes the same choice,

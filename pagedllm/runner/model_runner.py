@@ -12,27 +12,25 @@ import platform
 import torch
 
 from pagedllm.config import DTYPE_ALIASES, EngineConfig
-from pagedllm.errors import ModelLoadError
 from pagedllm.core.outputs import PromptLogprobsChunk, RunnerOutput, SchedulerOutput, TokenLogprobs
+from pagedllm.errors import ModelLoadError
 from pagedllm.layers.attention import get_attn_backend
-from pagedllm.runner.attention_choice import choose_cpu_attention
-from pagedllm.layers.attention_metadata import (AttentionMetadata, StagingBuffers,
-                                               build_attention_metadata)
-from pagedllm.layers.forward_context import set_forward_context
 from pagedllm.layers.attention.kv_cache_dtype import resolve_kv_cache_dtype
-from pagedllm.layers.kv_cache import (allocate_kv_cache, attention_layers, bind_kv_caches, copy_blocks,
-                                      kv_cache_layers)
-from pagedllm.runner.activation_choice import checkpoint_method, choose_activations
-from pagedllm.runner.linear_choice import choose_linear_kernels
-from pagedllm.runner.weight_table import log_weight_table, weight_table
+from pagedllm.layers.attention_metadata import AttentionMetadata, StagingBuffers, build_attention_metadata
+from pagedllm.layers.forward_context import set_forward_context
+from pagedllm.layers.kv_cache import allocate_kv_cache, attention_layers, bind_kv_caches, copy_blocks, kv_cache_layers
 from pagedllm.models.loader import load_model
+from pagedllm.runner.activation_choice import checkpoint_method, choose_activations
+from pagedllm.runner.attention_choice import choose_cpu_attention
 from pagedllm.runner.compile import maybe_compile
 from pagedllm.runner.frame_chunks import keep_frame_chunks
 from pagedllm.runner.grammar_bitmask import apply_grammar_bitmask
 from pagedllm.runner.input_batch import CachedRequestState, InputBatch, ScheduledRequest
 from pagedllm.runner.kv_cache_groups import group_layers, layer_placement, plan_kv_tensors
+from pagedllm.runner.linear_choice import choose_linear_kernels
 from pagedllm.runner.sampler import Sampler, SamplingMetadata, compute_topk_logprobs
 from pagedllm.runner.spec_decode import verify_drafts
+from pagedllm.runner.weight_table import log_weight_table, weight_table
 
 _DTYPES = {alias: getattr(torch, name) for alias, name in DTYPE_ALIASES.items()}
 _CPU_DEFAULT_KV_BYTES = 1 << 30

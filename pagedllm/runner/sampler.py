@@ -91,24 +91,16 @@ class SamplingMetadata:
                 min_p = f32(mps)
             gens = {i: gen for i, gen in enumerate(generators) if gen is not None and not greedy[i]}
 
-        bias_rows, bias_ids, bias_vals = [], [], []
-        for i, p in enumerate(params):
-            for tok, val in (p.logit_bias or {}).items():
-                if 0 <= tok < V:
-                    bias_rows.append(i)
-                    bias_ids.append(tok)
-                    bias_vals.append(val)
+        biased = _in_vocab([p.logit_bias or {} for p in params], V)
         logit_bias = None
-        if bias_rows:
-            logit_bias = (_i64(bias_rows, device), _i64(bias_ids, device), f32(bias_vals))
+        if biased:
+            logit_bias = (_i64([i for i, _ in biased], device), _i64([t for _, t in biased], device),
+                          f32([params[i].logit_bias[t] for i, t in biased]))
 
-        mask_rows, mask_ids = [], []
-        for i, ids in enumerate(stop_ids_to_mask):
-            for tok in ids:
-                if 0 <= tok < V:
-                    mask_rows.append(i)
-                    mask_ids.append(tok)
-        min_tokens_mask = (_i64(mask_rows, device), _i64(mask_ids, device)) if mask_rows else None
+        masked = _in_vocab(stop_ids_to_mask, V)
+        min_tokens_mask = None
+        if masked:
+            min_tokens_mask = (_i64([i for i, _ in masked], device), _i64([t for _, t in masked], device))
 
         rep = [p.repetition_penalty for p in params]
         freq = [p.frequency_penalty for p in params]
@@ -287,6 +279,11 @@ def _gather_topk_logprobs(
             ranks += list(range(1, n + 1))
         out.append((ids, lps, ranks))
     return out
+
+
+def _in_vocab(per_row: list, vocab_size: int) -> list[tuple[int, int]]:
+    """(row, token id) of every id of each row's collection that lies in the vocabulary."""
+    return [(i, tok) for i, ids in enumerate(per_row) for tok in ids if 0 <= tok < vocab_size]
 
 
 def _i64(values: list[int], device: torch.device | str) -> torch.Tensor:

@@ -7,15 +7,20 @@ layers. The FakeRunner reads every position a window sees through that group's t
 from __future__ import annotations
 
 import pytest
-from core_helpers import (assert_all_free, expected_tokens, make_request, make_runner,
-                          make_scheduler, run_to_completion, step)
+from core_helpers import (
+    assert_all_free,
+    expected_tokens,
+    make_request,
+    make_runner,
+    make_scheduler,
+    run_to_completion,
+    step,
+)
 
 from pagedllm.core.block_pool import NULL_BLOCK, NULL_BLOCK_ID
-from pagedllm.core.kv_cache_manager import (NO_NEW_BLOCKS, KVCacheManager,
-                                            max_blocks_per_request)
+from pagedllm.core.kv_cache_manager import NO_NEW_BLOCKS, KVCacheManager, max_blocks_per_request
 from pagedllm.errors import ValidationError
-from pagedllm.runner.kv_cache_groups import (KVCacheGroup, KVCacheTensor, group_layers,
-                                             layer_placement, plan_kv_tensors)
+from pagedllm.runner.kv_cache_groups import KVCacheGroup, KVCacheTensor, group_layers, layer_placement, plan_kv_tensors
 from pagedllm.utils import cdiv
 
 BS = 4
@@ -117,7 +122,7 @@ def test_out_of_window_blocks_are_freed_and_slots_hold_the_null_block():
 
 def test_a_window_of_one_block_keeps_the_last_blocks_only():
     mgr = hybrid(windows=(W,))  # Mistral: every layer windowed, one group
-    req = prefilled(mgr, "a", list(range(40)))
+    prefilled(mgr, "a", list(range(40)))
     table = mgr.get_block_ids("a")[0]
     assert table[:6] == [N] * 6 and N not in table[6:]  # the last step started at 32: reads 25..
     assert mgr.block_pool.get_num_free_blocks() == 20 - 4

@@ -1,7 +1,7 @@
 """KVCacheManager: chained hashes, prefix hits, all-or-nothing allocation, copy-on-write, free."""
 from __future__ import annotations
 
-from core_helpers import free_ids, make_request, make_runner, make_scheduler, step, step_with_stats
+from core_helpers import free_ids, make_request, make_runner, make_scheduler, step_with_stats
 
 from pagedllm.core.block_hash import extend_block_hashes, hash_block_tokens
 from pagedllm.core.kv_cache_manager import KVCacheManager

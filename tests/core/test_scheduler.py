@@ -7,12 +7,22 @@ from __future__ import annotations
 import random
 
 import pytest
-from core_helpers import (VOCAB, assert_all_free, expected_tokens, free_ids, make_request, make_runner,
-                          make_scheduler, run_to_completion, runner_output, step)
+from core_helpers import (
+    VOCAB,
+    assert_all_free,
+    expected_tokens,
+    free_ids,
+    make_request,
+    make_runner,
+    make_scheduler,
+    run_to_completion,
+    runner_output,
+    step,
+)
 
 from pagedllm.core.request import RequestStatus
-from pagedllm.runner.fake import fake_generate
 from pagedllm.errors import ValidationError
+from pagedllm.runner.fake import fake_generate
 
 
 def run_steps(sched, runner, n):

@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import random
 
+from core_helpers import make_request, make_scheduler
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-
-from core_helpers import make_request, make_scheduler
 
 from pagedllm.core.ngram_proposer import NgramProposer
 from pagedllm.core.request import RequestStatus

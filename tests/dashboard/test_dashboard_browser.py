@@ -20,7 +20,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from ci_support import skip_unless_ci
 from dash_helpers import send_completions
 
@@ -131,7 +130,8 @@ def test_live_dashboard_and_saved_trace(browser, server):
             ("t-finished", "t-preempted", "t-generation", "t-hit-rate", "t-waiting", "t-ttft")}
     assert int(text["t-preempted"]) == int(_metric(metrics, "vllm:num_preemptions_total")) > 0
     assert int(text["t-generation"]) == int(_metric(metrics, "vllm:generation_tokens_total")) == 16 * 60
-    hits, queries = _metric(metrics, "vllm:prefix_cache_hits_total"), _metric(metrics, "vllm:prefix_cache_queries_total")
+    hits, queries = (_metric(metrics, "vllm:prefix_cache_hits_total"),
+                     _metric(metrics, "vllm:prefix_cache_queries_total"))
     assert hits > 0 and text["t-hit-rate"] == f"{100 * hits / queries:.1f}%"
     assert text["t-waiting"] == "0" and text["t-ttft"].endswith(" ms")
     for canvas in CANVASES:

@@ -7,7 +7,6 @@ import threading
 
 import httpx
 import pytest
-
 from dash_helpers import LiveServer, send_completions, sse_events
 
 

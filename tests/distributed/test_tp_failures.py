@@ -16,8 +16,13 @@ from dist_helpers import DEMO_MODEL_DIR, SlowFakeRunner
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.outputs import CachedRequestData, SchedulerOutput
-from pagedllm.distributed.tp_sizes import (check_heads_split, check_tensor_parallel_size, split_size,
-                                          valid_tensor_parallel_sizes, vocab_rows_per_rank)
+from pagedllm.distributed.tp_sizes import (
+    check_heads_split,
+    check_tensor_parallel_size,
+    split_size,
+    valid_tensor_parallel_sizes,
+    vocab_rows_per_rank,
+)
 from pagedllm.errors import EngineDeadError, ValidationError
 from pagedllm.executor import create_executor
 from pagedllm.executor.multiproc import MultiprocExecutor

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from rank_processes import run_on_ranks
 
 TOKENS = [1, 5, 36, 0, 17, 35, 2, 18, 9]  # ids on both sides of the split (19 rows per rank)

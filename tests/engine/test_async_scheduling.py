@@ -39,11 +39,16 @@ def test_greedy_and_logprobs_identical_to_sync(pair, golden_cases, e2e, engine_a
     params = SamplingParams(temperature=0.0, max_tokens=40, logprobs=2)
     want = sync.generate(prompts, params, use_tqdm=False)
     got = async_.generate(prompts, params, use_tqdm=False)
+    # The two engines preempt at different steps, and a preempted request recomputes its tokens
+    # as prefill chunks, whose attention sums in another order than the decode steps that first
+    # computed them: on AVX2 code that moves a logprob by up to ~1e-5 (the parity tests' bound
+    # against transformers is 1e-4). Without preemption the schedules agree and so do the bits.
+    tol = 1e-4 if "num_gpu_blocks_override" in engine_args else 1e-5
     for a, b in zip(want, got):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             assert la.keys() == lb.keys()
-            assert all(abs(la[t].logprob - lb[t].logprob) < 1e-5 for t in la)
+            assert all(abs(la[t].logprob - lb[t].logprob) < tol for t in la)
     if "num_gpu_blocks_override" in engine_args:
         assert async_.get_metrics()["pagedllm:num_preemptions"] > 0
     e2e.assert_engine_idle(async_)

@@ -13,13 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import SHARED_MODELS, SYNTHETIC_TOKENIZER_DIR, build_tiny_model
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.layers import Linear, ParallelLMHead, VocabParallelEmbedding
 from pagedllm.kernels.cpu_extension import load_cpu_ops, native_isa
+from pagedllm.layers import Linear, ParallelLMHead, VocabParallelEmbedding
 from pagedllm.layers.weight_format import Panels, Quantized
-
-from conftest import SHARED_MODELS, SYNTHETIC_TOKENIZER_DIR, build_tiny_model
 
 STORIES_HF = SHARED_MODELS / "stories260K" / "hf"
 

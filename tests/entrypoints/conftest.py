@@ -21,7 +21,7 @@ from types import SimpleNamespace
 
 import openai
 import pytest
-from server_utils import CHAT_TEMPLATE, CLI_API_KEY, HTTP, ServerThread, make_fake_engine, scrape
+from server_utils import CHAT_TEMPLATE, CLI_API_KEY, ServerThread, make_fake_engine, scrape
 
 from pagedllm.config import default_model
 

@@ -9,8 +9,6 @@ import time
 import httpx
 import pytest
 
-from server_utils import HTTP
-
 from pagedllm import SamplingParams
 
 PROMPTS = ["Once upon a time", "The cat sat on the mat.", "Tom", "Lily and Ben were friends.",
@@ -98,7 +96,8 @@ def test_client_leaving_a_stream_aborts_its_request(server, metrics):
     seen, *texts = asyncio.run(run())
     assert seen == 3 and all(t.endswith("data: [DONE]") for t in texts)
     after = _wait_idle(metrics, server.url)
-    assert after["vllm:request_success_total{finished_reason=abort}"] - before["vllm:request_success_total{finished_reason=abort}"] == 1
+    assert (after["vllm:request_success_total{finished_reason=abort}"]
+            - before["vllm:request_success_total{finished_reason=abort}"]) == 1
     assert after["vllm:kv_cache_usage_perc"] == 0
     generated = after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"]
     assert generated < 4 * 60 + 200  # the leaver's 400 tokens were never all generated
@@ -124,6 +123,7 @@ def test_client_leaving_a_whole_request_aborts_it(server, metrics):
 
     asyncio.run(leave())
     after = _wait_idle(metrics, server.url, timeout=5)
-    assert after["vllm:request_success_total{finished_reason=abort}"] - before["vllm:request_success_total{finished_reason=abort}"] == 1
+    assert (after["vllm:request_success_total{finished_reason=abort}"]
+            - before["vllm:request_success_total{finished_reason=abort}"]) == 1
     assert after["vllm:kv_cache_usage_perc"] == 0
     assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] < 500

@@ -7,7 +7,6 @@ import re
 import time
 
 import pytest
-
 from server_utils import CHAT_TEMPLATE, HTTP
 
 from pagedllm.runner.fake import FakeRunner

@@ -65,7 +65,8 @@ HERMES_CASES = [
     ("Once upon a time there was a <tool", "Once upon a time there was a <tool", []),
     ("no calls here < tool_call >", "no calls here < tool_call >", []),
     ('x <tool_call>{"name": 5}</tool_call>', 'x <tool_call>{"name": 5}</tool_call>', []),
-    ('<tool_call>{"nom": "f", "arguments": {}}</tool_call>', '<tool_call>{"nom": "f", "arguments": {}}</tool_call>', []),
+    ('<tool_call>{"nom": "f", "arguments": {}}</tool_call>',
+     '<tool_call>{"nom": "f", "arguments": {}}</tool_call>', []),
     ("hello <tool_call>", "hello <tool_call>", []),
 ]
 LLAMA3_CASES = [

@@ -11,8 +11,16 @@ import jsonschema
 import openai
 import pytest
 from server_utils import HTTP, ServerThread
-from tool_helpers import (MESSAGES, SCHEMAS, TOOL_TEMPLATE, TOOLS, auto_options, check_call,
-                          scripted_server, streamed_calls)
+from tool_helpers import (
+    MESSAGES,
+    SCHEMAS,
+    TOOL_TEMPLATE,
+    TOOLS,
+    auto_options,
+    check_call,
+    scripted_server,
+    streamed_calls,
+)
 
 from pagedllm.config import default_model
 from pagedllm.errors import PagedLLMError

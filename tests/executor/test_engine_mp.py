@@ -4,14 +4,13 @@ worker."""
 from __future__ import annotations
 
 import pytest
+from executor_helpers import child_pids, workload
 
 from pagedllm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.model_info import ModelInfo
 from pagedllm.runner.fake import FakeRunner
 from pagedllm.sampling_params import SamplingParams
-
-from executor_helpers import child_pids, workload
 
 VOCAB = 1000
 # A small vocabulary, so the FakeRunner's tokens repeat and the n-gram proposer finds drafts.

@@ -13,6 +13,16 @@ from pathlib import Path
 
 import psutil
 import pytest
+from executor_helpers import (
+    VOCAB,
+    SlowFakeRunner,
+    child_pids,
+    failing_runner,
+    invalid_runner,
+    run_loop,
+    torch_free_runner,
+    workload,
+)
 
 from pagedllm.config import EngineConfig, ModelConfig, ParallelConfig
 from pagedllm.core.outputs import CachedRequestData, SchedulerOutput
@@ -22,9 +32,6 @@ from pagedllm.executor.ipc import RemoteTraceback
 from pagedllm.executor.multiproc import MultiprocExecutor
 from pagedllm.executor.uniproc import UniProcExecutor
 from pagedllm.runner.fake import FakeRunner
-
-from executor_helpers import (VOCAB, SlowFakeRunner, child_pids, failing_runner, invalid_runner,
-                              run_loop, torch_free_runner, workload)
 
 FAKE = functools.partial(FakeRunner, vocab_size=VOCAB, verify_kv=True)
 

@@ -3,6 +3,7 @@ samples the same greedy ids as the same runner in this process."""
 from __future__ import annotations
 
 import functools
+
 import pytest
 
 from pagedllm.config import DEFAULT_MODEL_DIR as DEMO

@@ -11,14 +11,13 @@ import types
 import typing
 
 import pytest
+from executor_helpers import run_loop, workload
 
 from pagedllm.core import outputs
 from pagedllm.core.outputs import RunnerOutput, SchedulerOutput
 from pagedllm.executor.wire import Codec, contract_types
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.structured_outputs_params import StructuredOutputsParams
-
-from executor_helpers import run_loop, workload
 
 CODEC = Codec()
 STRUCTURED = StructuredOutputsParams(json={"type": "object", "properties": {"a": {"enum": [1, 2]}}},

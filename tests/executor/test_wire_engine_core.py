@@ -5,13 +5,12 @@ from __future__ import annotations
 
 from pagedllm.beam_search_params import BeamSearchParams
 from pagedllm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from pagedllm.core.outputs import (EngineCoreOutputs, EngineCoreRequest, FinishedBeam,
-                                   PromptLogprobsChunk, TokenLogprobs)
+from pagedllm.core.outputs import EngineCoreOutputs, EngineCoreRequest, FinishedBeam, PromptLogprobsChunk, TokenLogprobs
 from pagedllm.core.scheduler_stats import SchedulerStats
 from pagedllm.engine.engine_core import EngineCore
 from pagedllm.errors import ValidationError
-from pagedllm.executor.wire import Codec
 from pagedllm.executor.ipc import error_info
+from pagedllm.executor.wire import Codec
 from pagedllm.runner.fake import FakeRunner
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 

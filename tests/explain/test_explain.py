@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 
 from pagedllm import SamplingParams
-from pagedllm.config import (CacheConfig, EngineConfig, ModelConfig, ObservabilityConfig,
-                             SchedulerConfig)
+from pagedllm.config import CacheConfig, EngineConfig, ModelConfig, ObservabilityConfig, SchedulerConfig
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.model_info import ModelInfo
 from pagedllm.entrypoints.cli import main as cli_main

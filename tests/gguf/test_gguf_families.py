@@ -16,16 +16,25 @@ from gguf import GGMLQuantizationType as T
 from gguf_helpers import _add_tensor, _write_metadata, permute
 from paged_helpers import randomize_
 from test_gguf import _check_greedy_and_logprobs
-from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, GraniteConfig,
-                          MixtralConfig, OlmoeConfig, Olmo2Config, Phi3Config, Qwen2MoeConfig,
-                          Qwen3MoeConfig)
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
+    GraniteConfig,
+    MixtralConfig,
+    Olmo2Config,
+    OlmoeConfig,
+    Phi3Config,
+    Qwen2MoeConfig,
+    Qwen3MoeConfig,
+)
 
 from pagedllm.errors import UnsupportedModelError
 from pagedllm.gguf import read_gguf_config
 from pagedllm.layers import FusedMoE
 from pagedllm.layers.quantization.quantized_layers import quantized_kernels_available
-from pagedllm.models import load_model
 from pagedllm.layers.weight_format import Quantized
+from pagedllm.models import load_model
 
 CPU = torch.device("cpu")
 V = gguf.GGUFValueType

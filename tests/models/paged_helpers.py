@@ -15,8 +15,7 @@ import torch
 from torch import nn
 
 from pagedllm.kernels import cpu_extension
-from pagedllm.layers import (bind_kv_caches, build_attention_metadata, kv_cache_layers,
-                             set_forward_context)
+from pagedllm.layers import bind_kv_caches, build_attention_metadata, kv_cache_layers, set_forward_context
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 STORIES_DIR = REPO_ROOT / ".." / "shared" / "models" / "stories260K"

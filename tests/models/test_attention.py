@@ -5,8 +5,14 @@ import pytest
 import torch
 from torch import nn
 
-from pagedllm.layers import (Attention, bind_kv_caches, build_attention_metadata, copy_blocks,
-                             get_attn_backend, kv_cache_shape)
+from pagedllm.layers import (
+    Attention,
+    bind_kv_caches,
+    build_attention_metadata,
+    copy_blocks,
+    get_attn_backend,
+    kv_cache_shape,
+)
 
 
 def test_metadata_slots_positions_and_groups():

@@ -11,10 +11,16 @@ import torch
 
 from pagedllm.config import ModelConfig
 from pagedllm.errors import ValidationError
-from pagedllm.layers import (Attention, bind_kv_caches, build_attention_metadata, get_attn_backend,
-                             kv_cache_shape, set_forward_context)
-from pagedllm.layers.attention import selector
 from pagedllm.kernels import cpu_extension
+from pagedllm.layers import (
+    Attention,
+    bind_kv_caches,
+    build_attention_metadata,
+    get_attn_backend,
+    kv_cache_shape,
+    set_forward_context,
+)
+from pagedllm.layers.attention import selector
 
 
 @pytest.fixture(scope="module")

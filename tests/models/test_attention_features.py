@@ -13,9 +13,15 @@ import torch
 from paged_helpers import check_isa_builds_compile
 
 from pagedllm.errors import ModelLoadError
-from pagedllm.layers import (Attention, bind_kv_caches, build_attention_metadata, get_attn_backend,
-                             kv_cache_shape, set_forward_context)
 from pagedllm.kernels import cpu_extension
+from pagedllm.layers import (
+    Attention,
+    bind_kv_caches,
+    build_attention_metadata,
+    get_attn_backend,
+    kv_cache_shape,
+    set_forward_context,
+)
 
 
 @pytest.fixture(scope="module")

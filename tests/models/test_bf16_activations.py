@@ -1,5 +1,6 @@
 """bf16 weights times activations rounded to bf16 (csrc/bf16_gemm.h: AMX tiles, or AVX512-BF16
-dot products on a CPU without AMX; the engine's ``quantization_activations="bfloat16"``): against float64 of the weight times x rounded to bf16
+dot products on a CPU without AMX; the engine's ``quantization_activations="bfloat16"``): against
+float64 of the weight times x rounded to bf16
 as the kernel rounds it, within float32 rounding; ragged shapes (in odd, not a multiple of the
 32-k tile; out not a multiple of the panel), 1-257 rows, a row's bits independent of its batch;
 stories260K in bfloat16 decoding the exact path's greedy ids; and the refusals, which run on
@@ -9,14 +10,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from pagedllm.errors import ModelLoadError
 from pagedllm.kernels.cpu_extension import has_bf16_activations, load_cpu_ops, native_isa
 from pagedllm.layers.quantization import QuantizedWeight
+from pagedllm.layers.quantization.linear_method import check_kernel
 from pagedllm.layers.weight_format import Quantized
 from pagedllm.runner.activation_choice import set_quantization_activations
-from pagedllm.layers.quantization.linear_method import check_kernel
 
 pytestmark = pytest.mark.skipif(load_cpu_ops() is None or native_isa() is None,
                                 reason="no AVX2/AVX-512 CPU kernels here")
@@ -101,8 +101,8 @@ def test_stories260k_in_bf16_decodes_the_exact_paths_greedy_ids():
     each prompt agree here."""
     from paged_helpers import STORIES_DIR, decode_steps
 
-    from pagedllm.runner.linear_choice import choose_linear_kernels
     from pagedllm.models import load_model
+    from pagedllm.runner.linear_choice import choose_linear_kernels
 
     prompts = [[1, 365, 264, 292], [1, 403, 250, 263, 431], [1, 450]]
     likely_bound, vocab_bound = 0.125, 0.25

@@ -5,11 +5,22 @@ from __future__ import annotations
 
 import pytest
 import torch
-from paged_helpers import PagedRunner, hf_log_probs, randomize_
+from paged_helpers import PagedRunner, randomize_
 from test_model_parity import SMALL, check_mixed_batch, save
-from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3Config,
-                          Gemma3ForConditionalGeneration, Gemma3TextConfig, GraniteConfig, MinistralConfig, MistralConfig,
-                          Olmo2Config, Phi3Config, SiglipVisionConfig, SmolLM3Config)
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3Config,
+    Gemma3ForConditionalGeneration,
+    Gemma3TextConfig,
+    GraniteConfig,
+    MinistralConfig,
+    MistralConfig,
+    Olmo2Config,
+    Phi3Config,
+    SiglipVisionConfig,
+    SmolLM3Config,
+)
 
 from pagedllm.models import load_model
 from pagedllm.models.registry import get_model_class
@@ -131,9 +142,9 @@ def test_gemma3_multimodal_checkpoint_loads_its_language_model(tmp_path, caplog)
 def test_phi3_fused_checkpoint_splits_over_ranks(tmp_path, monkeypatch):
     """Under a 2-way split each rank loads its own q/k/v (and gate/up) rows out of the fused
     checkpoint tensors, through the real loader."""
-    import pagedllm.layers.linear as linear_mod
     from safetensors.torch import save_file
 
+    import pagedllm.layers.linear as linear_mod
     from pagedllm.models.decoder_args import DecoderArgs
     from pagedllm.models.loader import load_weights
     from pagedllm.models.phi3 import Phi3Attention, Phi3MLP

@@ -11,12 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from test_quant_kernels import _weight  # the random q8/q4/q5 weights both kernel tests use
 
 from pagedllm.errors import ModelLoadError
 from pagedllm.kernels.cpu_extension import can_run, load_cpu_ops, native_isa
 from pagedllm.layers.weight_format import Blocks
 from pagedllm.runner.activation_choice import set_quantization_activations
-from test_quant_kernels import _weight  # the random q8/q4/q5 weights both kernel tests use
 
 pytestmark = pytest.mark.skipif(load_cpu_ops() is None or native_isa() is None,
                                 reason="no AVX2/AVX-512 CPU kernels here")

@@ -17,10 +17,8 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.config import CacheConfig
 from pagedllm.errors import ValidationError
 from pagedllm.kernels import cpu_extension
-from pagedllm.layers import (build_attention_metadata, get_attn_backend,
-                             kv_cache_shape, set_forward_context)
-from pagedllm.layers.attention.kv_cache_dtype import (as_stored, resolve_kv_cache_dtype,
-                                                      to_cache_dtype)
+from pagedllm.layers import build_attention_metadata, get_attn_backend, kv_cache_shape, set_forward_context
+from pagedllm.layers.attention.kv_cache_dtype import as_stored, resolve_kv_cache_dtype, to_cache_dtype
 from pagedllm.layers.kv_cache import copy_blocks
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16,

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
 from paged_helpers import STORIES_DIR
+from torch._subclasses.fake_tensor import FakeTensor
 
 from benchmarks.common import rss_bytes
 from pagedllm import LLM, SamplingParams

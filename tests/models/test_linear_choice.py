@@ -9,10 +9,10 @@ import math
 import pytest
 import torch
 
-from pagedllm.layers import Linear, ParallelLMHead, VocabParallelEmbedding
-from pagedllm.runner import linear_choice as linear_kernel
 from pagedllm.kernels.cpu_extension import load_cpu_ops, native_isa
+from pagedllm.layers import Linear, ParallelLMHead, VocabParallelEmbedding
 from pagedllm.layers.weight_format import Panels
+from pagedllm.runner import linear_choice as linear_kernel
 
 pytestmark = pytest.mark.skipif(native_isa() is None or load_cpu_ops() is None,
                                 reason="no tuned kernel for this CPU")

@@ -11,9 +11,9 @@ from paged_helpers import STORIES_DIR, check_greedy_logprobs
 from transformers import AutoModelForCausalLM
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.layers.quantization.quantized_layers import quantized_kernels_available
 from pagedllm.layers import Linear
 from pagedllm.layers.quantization import quantize_linear
+from pagedllm.layers.quantization.quantized_layers import quantized_kernels_available
 from pagedllm.layers.weight_format import Quantized
 
 MODEL_DIR = STORIES_DIR / "hf"

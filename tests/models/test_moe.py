@@ -12,8 +12,8 @@ from test_model_parity import check_mixed_batch, make_hf_model, max_diff, save
 from transformers import MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
 from pagedllm.errors import ModelLoadError, UnsupportedModelError
-from pagedllm.layers import FusedMoE
 from pagedllm.kernels.cpu_extension import has_bf16_activations, load_cpu_ops
+from pagedllm.layers import FusedMoE
 from pagedllm.layers.moe_router import RoutingOrder, select_experts
 from pagedllm.layers.weight_format import Panels
 from pagedllm.models import load_model

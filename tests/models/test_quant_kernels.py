@@ -15,14 +15,19 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.errors import ModelLoadError, ValidationError
+from pagedllm.kernels.cpu_extension import (
+    CSRC,
+    can_run,
+    compile_sources,
+    has_bf16_activations,
+    load_cpu_ops,
+    native_isa,
+)
 from pagedllm.layers import Linear, ParallelLMHead, VocabParallelEmbedding
-from pagedllm.runner import linear_choice as linear_kernel
-from pagedllm.kernels.cpu_extension import (CSRC, can_run, compile_sources, has_bf16_activations, load_cpu_ops,
-                                          native_isa)
 from pagedllm.layers.linear import linear
 from pagedllm.layers.quantization import QuantizedWeight, quantize_linear, set_quantized_weight
-from pagedllm.layers.quantization.quantized_weight import (GroupScales, _from_kgroups,
-                                                           _high_bit_codes)
+from pagedllm.layers.quantization.quantized_weight import GroupScales, _from_kgroups, _high_bit_codes
+from pagedllm.runner import linear_choice as linear_kernel
 
 pytestmark = pytest.mark.skipif(load_cpu_ops() is None, reason="no C++ compiler: no CPU kernels")
 
@@ -508,10 +513,10 @@ def test_a_q8_model_matches_transformers_on_the_dequantized_weights(name, tmp_pa
     """Every projection quantized to q8_0 at load (the lm_head kept): the paged model's log
     probs match transformers running the same weights dequantized (q8_0 round-trips exactly:
     quantizing a dequantized block gives back its codes and scale)."""
+    from paged_helpers import PagedRunner
     from test_model_parity import CONFIGS, check_mixed_batch, make_hf_model, save
 
     from pagedllm.models import load_model
-    from paged_helpers import PagedRunner
 
     hf_model = make_hf_model(CONFIGS[name]())
     with torch.no_grad():

@@ -5,13 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import Gemma3TextConfig, LlamaConfig, Phi3Config
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
 from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb as phi3_apply_rotary
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from pagedllm.errors import UnsupportedModelError
-from pagedllm.layers.rotary import (RopeConfig, RotaryEmbedding, apply_rotary, attention_scaling,
-                                    compute_inv_freq)
+from pagedllm.layers.rotary import RopeConfig, RotaryEmbedding, apply_rotary, attention_scaling, compute_inv_freq
 
 HEAD_DIM = 64
 

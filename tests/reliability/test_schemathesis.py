@@ -14,8 +14,12 @@ import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
-from schemathesis.checks import (content_type_conformance, not_a_server_error,
-                                 response_schema_conformance, status_code_conformance)
+from schemathesis.checks import (
+    content_type_conformance,
+    not_a_server_error,
+    response_schema_conformance,
+    status_code_conformance,
+)
 
 MAX_EXAMPLES = 25
 pytestmark = pytest.mark.slow  # ~40 s of requests on two shared cores; `make test` (CI) runs it

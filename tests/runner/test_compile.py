@@ -8,10 +8,9 @@ does not compile.
 from __future__ import annotations
 
 import os
-from unittest import mock
-
 import shutil
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -19,9 +18,9 @@ import torch._dynamo.utils
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.layers.linear import Linear
+from pagedllm.layers.weight_format import Panels, Quantized
 from pagedllm.runner import compile as compile_mod
 from pagedllm.runner.compile import compile_disabled_reason
-from pagedllm.layers.weight_format import Panels, Quantized
 
 SHARED_MODELS = Path(__file__).resolve().parents[2].parent / "shared" / "models"
 DEMO_MODEL = SHARED_MODELS / "stories260K" / "hf"

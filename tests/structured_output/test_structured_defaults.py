@@ -5,7 +5,6 @@ undeclared keys for tool arguments and response_format json_schema (unless stric
 from __future__ import annotations
 
 import pytest
-
 from so_helpers import DEMO_EOS, DEMO_HF
 
 from pagedllm import StructuredOutputsParams

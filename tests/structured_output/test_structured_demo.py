@@ -4,10 +4,9 @@ random schemas and 10 regexes validates, greedy and sampled with n = 4, with chu
 from __future__ import annotations
 
 import pytest
+from so_helpers import REGEXES, check_json, check_regex, random_schemas
 
 from pagedllm import SamplingParams, StructuredOutputsParams
-
-from so_helpers import REGEXES, check_json, check_regex, random_schemas
 
 PROMPTS = ["Once upon a time", "The little dog was", "Lily and Tom went to the park to play"]
 

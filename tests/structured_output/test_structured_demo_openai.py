@@ -12,7 +12,6 @@ import jsonschema
 import openai
 import pytest
 from fastapi.testclient import TestClient
-
 from so_helpers import DEMO_HF
 
 TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"

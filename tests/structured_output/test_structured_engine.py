@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+from so_helpers import DEMO_EOS, DEMO_HF, REGEXES, VOCAB, check_json, check_regex, random_schemas
 
 from pagedllm import SamplingParams, StructuredOutputsParams
 from pagedllm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
@@ -13,8 +14,6 @@ from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.model_info import ModelInfo
 from pagedllm.errors import ValidationError
 from pagedllm.runner.fake import FakeRunner
-
-from so_helpers import DEMO_EOS, DEMO_HF, REGEXES, VOCAB, check_json, check_regex, random_schemas
 
 PROMPTS = ["Once upon a time", "The little dog", "Lily"]
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
@@ -119,7 +118,8 @@ def test_requests_wait_for_their_grammar_off_the_step_loop(monkeypatch):
     compile_ = GrammarBackend.compile
     monkeypatch.setattr(GrammarBackend, "compile", lambda self, src: (gate.wait(10), compile_(self, src))[1])
     engine.add_request("plain", "Lily", SamplingParams(max_tokens=4))
-    engine.add_request("held", "Lily", SamplingParams(max_tokens=20, structured_outputs=StructuredOutputsParams(regex="[a-z]{4}")))
+    engine.add_request("held", "Lily", SamplingParams(
+        max_tokens=20, structured_outputs=StructuredOutputsParams(regex="[a-z]{4}")))
     for _ in range(6):  # the plain request runs and finishes while the grammar compiles
         engine.step()
     assert "held" not in core.scheduler.requests and core.structured_output.is_held("held")
@@ -136,7 +136,8 @@ def test_abort_while_held_leaves_nothing(monkeypatch):
 
     compile_ = GrammarBackend.compile
     monkeypatch.setattr(GrammarBackend, "compile", lambda self, src: (gate.wait(10), compile_(self, src))[1])
-    engine.add_request("h", "Lily", SamplingParams(max_tokens=20, n=4, structured_outputs=StructuredOutputsParams(regex="[0-9]{3}")))
+    engine.add_request("h", "Lily", SamplingParams(
+        max_tokens=20, n=4, structured_outputs=StructuredOutputsParams(regex="[0-9]{3}")))
     engine.abort_request("h")
     gate.set()
     assert not engine.engine_core.has_unfinished_requests()
@@ -174,7 +175,8 @@ def test_speculative_drafts_are_truncated_at_the_grammar():
     drafted = []
     set_drafts = core.scheduler.set_draft_tokens
     core.scheduler.set_draft_tokens = lambda rid, d: (drafted.append(d), set_drafts(rid, d))[1]
-    final = run(engine, {"d": ("Lily", SamplingParams(max_tokens=40, structured_outputs=StructuredOutputsParams(regex="[0-9]{6}")))})
+    final = run(engine, {"d": ("Lily", SamplingParams(
+        max_tokens=40, structured_outputs=StructuredOutputsParams(regex="[0-9]{6}")))})
     check_regex(final["d"].outputs[0].text, "[0-9]{6}")
     # The filler drafts [5, 5, 5] (token 5 is no digit) are the ones the grammar must cut; they
     # must have been proposed, or the check says nothing.
@@ -214,4 +216,5 @@ def test_a_held_request_is_validated_once(monkeypatch):
     check_regex(final["held"].outputs[0].text, "[ab]{3,8}")
     assert sorted(seen) == ["held", "plain"]
     with pytest.raises(ValidationError, match="maximum context length"):
-        engine.add_request("long", "Lily", SamplingParams(max_tokens=1000, structured_outputs=params.structured_outputs))
+        engine.add_request("long", "Lily",
+                           SamplingParams(max_tokens=1000, structured_outputs=params.structured_outputs))

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from fastapi.testclient import TestClient
 from so_helpers import DEMO_HF, VOCAB, check_json, check_regex
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import json
 
 from pagedllm import SamplingParams
-from pagedllm.config import (CacheConfig, EngineConfig, ModelConfig, ObservabilityConfig,
-                             SchedulerConfig)
+from pagedllm.config import CacheConfig, EngineConfig, ModelConfig, ObservabilityConfig, SchedulerConfig
 from pagedllm.core.block_pool import NULL_BLOCK_ID
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request

@@ -21,7 +21,6 @@ key field) as a Bearer header.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any

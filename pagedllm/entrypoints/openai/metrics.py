@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 

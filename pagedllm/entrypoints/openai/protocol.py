@@ -12,12 +12,13 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
-from pagedllm.errors import ValidationError
 from pagedllm import BeamSearchParams
 from pagedllm.entrypoints.openai.request_base import OpenAIRequest
 from pagedllm.entrypoints.openai.structured_request import structured_outputs_params
+from pagedllm.errors import ValidationError
 from pagedllm.sampling_params import GENERATION_DEFAULT_KEYS, RequestOutputKind, SamplingParams
 from pagedllm.structured_outputs_params import StructuredOutputsParams
+
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"

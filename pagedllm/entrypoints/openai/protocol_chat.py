@@ -8,10 +8,13 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
 from pagedllm import BeamSearchParams
-from pagedllm.entrypoints.openai.protocol import (OmitsUnrequested, OpenAIBaseModel, SamplingRequest,
-                                                  UsageInfo)
-from pagedllm.entrypoints.openai.protocol_tools import (ChatCompletionNamedToolChoiceParam,
-                                                        ChatCompletionToolsParam, DeltaToolCall, ToolCall)
+from pagedllm.entrypoints.openai.protocol import OmitsUnrequested, OpenAIBaseModel, SamplingRequest, UsageInfo
+from pagedllm.entrypoints.openai.protocol_tools import (
+    ChatCompletionNamedToolChoiceParam,
+    ChatCompletionToolsParam,
+    DeltaToolCall,
+    ToolCall,
+)
 from pagedllm.entrypoints.openai.tool_request import tool_structured_outputs
 from pagedllm.errors import ValidationError
 from pagedllm.sampling_params import SamplingParams

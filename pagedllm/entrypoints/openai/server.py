@@ -29,9 +29,16 @@ from pagedllm.entrypoints.openai.api_errors import error_response, install_excep
 from pagedllm.entrypoints.openai.auth import APIKeyMiddleware
 from pagedllm.entrypoints.openai.http_limits import BodyLimitMiddleware, header_timeout_protocol
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
-from pagedllm.entrypoints.openai.protocol import (CompletionRequest, DetokenizeRequest,
-                                                  DetokenizeResponse, ErrorResponse, ModelCard, ModelList,
-                                                  TokenizeRequest, TokenizeResponse)
+from pagedllm.entrypoints.openai.protocol import (
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
 from pagedllm.entrypoints.openai.protocol_chat import ChatCompletionRequest
 from pagedllm.entrypoints.openai.server_options import ServerOptions
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat

@@ -15,18 +15,35 @@ from fastapi.responses import StreamingResponse
 
 from pagedllm.engine.async_engine import AsyncLLM
 from pagedllm.engine.tokenizer import apply_chat_template
-from pagedllm.entrypoints.openai.template_kwargs import template_variables_only
-from pagedllm.entrypoints.openai.protocol import make_usage, random_id
-from pagedllm.entrypoints.openai.protocol_chat import (ChatCompletionChoice, ChatCompletionChunk,
-                                                       ChatCompletionRequest, ChatCompletionResponse,
-                                                       ChatLogProb, ChatLogProbs, ChatLogProbsContent,
-                                                       ChatResponseMessage, ChatStreamChoice, DeltaMessage)
-from pagedllm.entrypoints.openai.request_extras import check_truncate, truncate
-from pagedllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing, Stream, collect_final,
-                                                        decoded, merge_streams, sse, sse_error,
-                                                        top_by_rank, with_cancellation)
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
+from pagedllm.entrypoints.openai.protocol import make_usage, random_id
+from pagedllm.entrypoints.openai.protocol_chat import (
+    ChatCompletionChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogProb,
+    ChatLogProbs,
+    ChatLogProbsContent,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    DeltaMessage,
+)
+from pagedllm.entrypoints.openai.request_extras import check_truncate, truncate
 from pagedllm.entrypoints.openai.server_options import ServerOptions
+from pagedllm.entrypoints.openai.serving_engine import (
+    SSE_DONE,
+    OpenAIServing,
+    Stream,
+    collect_final,
+    decoded,
+    merge_streams,
+    sse,
+    sse_error,
+    top_by_rank,
+    with_cancellation,
+)
+from pagedllm.entrypoints.openai.template_kwargs import template_variables_only
 from pagedllm.entrypoints.openai.tool_parsers import ToolParser, ToolParserManager
 from pagedllm.entrypoints.openai.tool_parsers.forced_tool_calls import NamedToolCallParser, RequiredToolCallsParser
 from pagedllm.entrypoints.openai.tool_request import check_tool_usage

@@ -9,13 +9,26 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from pagedllm.entrypoints.openai.protocol import (CompletionChoice, CompletionLogProbs,
-                                                  CompletionRequest, CompletionResponse,
-                                                  make_usage, random_id)
+from pagedllm.entrypoints.openai.protocol import (
+    CompletionChoice,
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    make_usage,
+    random_id,
+)
 from pagedllm.entrypoints.openai.request_extras import check_truncate, prompt_logprobs_json, truncate
-from pagedllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing, Stream, collect_final,
-                                                        decoded, merge_streams, sse, sse_error,
-                                                        with_cancellation)
+from pagedllm.entrypoints.openai.serving_engine import (
+    SSE_DONE,
+    OpenAIServing,
+    Stream,
+    collect_final,
+    decoded,
+    merge_streams,
+    sse,
+    sse_error,
+    with_cancellation,
+)
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 
 _MIN_LOGPROB = -9999.0  # JSON has no -inf
@@ -53,7 +66,8 @@ class OpenAIServingCompletion(OpenAIServing):
             ids = await self.tokenize_prompt(p, request.add_special_tokens) if text is not None else list(p)
             kept = truncate(ids, request.truncate_prompt_tokens, self.llm.max_model_len)
             # A truncated prompt's text is no longer the request's: echo decodes the ids instead.
-            out.append({"prompt_token_ids": kept, **({"prompt": text} if text is not None and len(kept) == len(ids) else {})})
+            out.append({"prompt_token_ids": kept,
+                        **({"prompt": text} if text is not None and len(kept) == len(ids) else {})})
         return out
 
     # -- whole response ------------------------------------------------------------------------

@@ -10,15 +10,15 @@ from typing import Any, TypeVar
 from fastapi import Request
 from pydantic import BaseModel
 
+from pagedllm import BeamSearchParams
 from pagedllm.engine.async_engine import AsyncLLM, RequestStream
 from pagedllm.entrypoints.openai.api_errors import APIError, exception_to_body
 from pagedllm.entrypoints.openai.auth import KEY_SALT_STATE, combine_salt
+from pagedllm.entrypoints.openai.metrics import ServerMetrics
+from pagedllm.entrypoints.openai.request_extras import bad_word_token_ids, ban_bias
 from pagedllm.entrypoints.openai.server_options import ServerOptions
 from pagedllm.errors import ValidationError
 from pagedllm.outputs import Logprob, RequestOutput
-from pagedllm import BeamSearchParams
-from pagedllm.entrypoints.openai.metrics import ServerMetrics
-from pagedllm.entrypoints.openai.request_extras import bad_word_token_ids, ban_bias
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 T = TypeVar("T")

@@ -21,11 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedllm.layers.attention.backend import (AttentionBackend, AttentionLayer, AttentionMetadata,
-                                               is_plain)
+from pagedllm.kernels.cpu_extension import load_cpu_ops, load_paged_attention_op
+from pagedllm.layers.attention.backend import AttentionBackend, AttentionLayer, AttentionMetadata, is_plain
 from pagedllm.layers.attention.kv_cache_dtype import as_stored, to_cache_dtype
 from pagedllm.layers.attention.torch_backend import attend_causal
-from pagedllm.kernels.cpu_extension import load_cpu_ops, load_paged_attention_op
 
 __all__ = ["CpuPagedBackend", "load_paged_attention_op"]
 

@@ -18,10 +18,10 @@ import torch
 from torch import nn
 
 from pagedllm.errors import ModelLoadError
+from pagedllm.kernels.op_registry import LayerRegistry, layer_op
 from pagedllm.layers.attention.kv_cache_spec import KVCacheSpec
 from pagedllm.layers.attention.torch_backend import attend_sequence
 from pagedllm.layers.forward_context import get_attn_metadata
-from pagedllm.kernels.op_registry import LayerRegistry, layer_op
 
 
 class Attention(nn.Module):

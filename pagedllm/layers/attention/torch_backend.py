@@ -14,8 +14,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagedllm.layers.attention.backend import (AttentionBackend, AttentionLayer, AttentionMetadata,
-                                               DecodeBatch, PrefillChunk, is_plain)
+from pagedllm.layers.attention.backend import (
+    AttentionBackend,
+    AttentionLayer,
+    AttentionMetadata,
+    DecodeBatch,
+    PrefillChunk,
+    is_plain,
+)
 from pagedllm.layers.attention.kv_cache_dtype import as_stored, read_blocks, storage, to_cache_dtype
 
 

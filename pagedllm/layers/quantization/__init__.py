@@ -17,9 +17,12 @@ kept in that format in memory and multiplied by pagedllm's CPU kernel (csrc/quan
 """
 from __future__ import annotations
 
-from pagedllm.layers.quantization.linear_method import (check_kernel, kernel_matches_float64,
+from pagedllm.layers.quantization.linear_method import (
+                                                        check_kernel,
+                                                        kernel_matches_float64,
                                                         quantized_kernels_available,
-                                                        set_quantized_weight)
+                                                        set_quantized_weight,
+)
 from pagedllm.layers.quantization.quantized_weight import FORMATS, QuantizedWeight
 from pagedllm.layers.quantization.round_to_nearest import SCHEMES, quantize_linear
 

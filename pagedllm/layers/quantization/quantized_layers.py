@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from pagedllm.errors import ModelLoadError
+
 # The loaders ask it here (the rule lives with the methods that need the kernels).
 from pagedllm.layers.quantization.linear_method import quantized_kernels_available  # noqa: F401
 from pagedllm.layers.quantization.quantized_weight import GroupScales

@@ -138,7 +138,8 @@ class QuantizedWeight:
     q8 [P, ceil(in / 4), 64 x 4] int8, q4 [P, ceil(in / 4), 32 x 4] bytes, byte 4j + i of a
     quad holding column j (k = 4q + i) low and column j + 32 high; q5 [P, ceil(in / 4), 160]
     and q6 [P, ceil(in / 4), 192] bytes, q4's quad of the codes + 16 (+ 32: their low 4 bits)
-    and 32 (64) bytes of their high bits (``_HIGH_BITS``). ``scales`` and ``offsets`` float32 or float16 [P, in / group_size, 64],
+    and 32 (64) bytes of their high bits (``_HIGH_BITS``). ``scales`` and ``offsets`` float32 or
+    float16 [P, in / group_size, 64],
     or uint8 super-block records [P, in / S, 64 x (2 + S / group_size)] (``_group_panels``;
     None for bf16/fp16; offsets None: no offset). Zero rows pad the last panel, zero codes the
     last quad."""

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from pagedllm.entrypoints.openai.tool_parsers.abstract_tool_parser import (ExtractedToolCallInformation,
-                                                                           ToolParser)
+from pagedllm.entrypoints.openai.tool_parsers.abstract_tool_parser import ExtractedToolCallInformation, ToolParser
 from pagedllm.entrypoints.openai.tool_parsers.hermes_tool_parser import Hermes2ProToolParser
 from pagedllm.entrypoints.openai.tool_parsers.llama3_json_tool_parser import Llama3JsonToolParser
 from pagedllm.errors import ValidationError

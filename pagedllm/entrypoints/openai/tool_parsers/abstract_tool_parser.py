@@ -14,8 +14,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm.entrypoints.openai.protocol_chat import DeltaMessage
-from pagedllm.entrypoints.openai.protocol_tools import (DeltaFunctionCall, DeltaToolCall, FunctionCall,
-                                                        ToolCall, make_tool_call_id)
+from pagedllm.entrypoints.openai.protocol_tools import (
+    DeltaFunctionCall,
+    DeltaToolCall,
+    FunctionCall,
+    ToolCall,
+    make_tool_call_id,
+)
 from pagedllm.entrypoints.openai.tool_parsers.partial_json import PartialCall, ScanMemo
 
 
