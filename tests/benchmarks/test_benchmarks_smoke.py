@@ -303,7 +303,7 @@ def test_gguf_without_llama_cpp_measures_pagedllm_alone(tmp_path, capsys, monkey
     lines = captured.out.strip().splitlines()
     assert len(lines) == 1
     line = lines[0]
-    assert line.startswith("tiny Q8_0 (float32 activations, pagedllm alone, file by the gguf package): ")
+    assert line.startswith("tiny Q8_0 (auto activations, pagedllm alone, file by the gguf package): ")
     r = json.loads(out.read_text())["results"][0]
     m = r["medians"]
     assert list(m) == ["pagedllm"] and r["file_by"] == "gguf package"

@@ -181,7 +181,7 @@ def test_moe_experts_stay_quantized_and_match_transformers(method, tmp_path):
     experts = [m for m in model.modules() if isinstance(m, FusedMoE)]
     assert experts and all(m.gate_up_proj is None and m.down_proj is None for m in experts)
     assert all([f.qweight.format for f in m.expert_formats.values()] == ["q4"] * 2 for m in experts)
-    assert all(m.qweight_down.codes.shape[0] == 4 for m in experts)
+    assert all(m.expert_formats["down_proj"].qweight.codes.shape[0] == 4 for m in experts)
     check_mixed_batch(model, hf_model, PagedRunner(model, block_size=4))
 
 
@@ -298,8 +298,8 @@ def test_autoawq_folder_matches_its_own_dequantization():
         prefix, _, fused = name.rpartition(".")
         if fused not in FUSED_PARTS:
             continue
-        assert module.weight is None and module.qweight.group_size == 32
-        weight = module.qweight.dequantize()  # [out, in], the fused parts stacked by rows
+        assert module.weight is None and module.weight_format.qweight.group_size == 32
+        weight = module.weight_format.qweight.dequantize()  # [out, in], the fused parts stacked by rows
         sizes = getattr(module, "output_sizes", [weight.shape[0]])
         for part, rows in zip(FUSED_PARTS[fused], weight.split(sizes), strict=True):
             key = f"{prefix}.{part}.weight"
