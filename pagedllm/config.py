@@ -43,7 +43,8 @@ def _doc(text: str, **kw):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    model: str = _doc("Path of a local Hugging Face model folder.", default_factory=default_model)
+    model: str = _doc("A local model folder or GGUF file (LLM() and the CLI also take a Hub id).",
+                      default_factory=default_model)
     tokenizer: str | None = _doc("Tokenizer folder; defaults to the model folder.", default=None)
     dtype: str = _doc("Weights and activations: auto (float32 on CPU, bfloat16 on CUDA), "
                       "float32, bfloat16 or float16.", default="auto")

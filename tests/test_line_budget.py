@@ -14,9 +14,10 @@ PKG = Path(__file__).resolve().parents[1] / "pagedllm"
 # Package (a folder under pagedllm/, "." for the top-level modules) -> its ceiling in lines.
 BUDGET = {
     ".": 950,
+    "checkpoint": 250,
     "core": 1800,
     "distributed": 300,
-    "engine": 3050,
+    "engine": 3060,
     "entrypoints": 3850,
     "executor": 1250,
     "explain": 750,

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from pagedllm.beam_search_params import BeamSearchParams
+from pagedllm.checkpoint.hub import resolve_engine_args
 from pagedllm.config import EngineConfig
 from pagedllm.engine.core_client import multiprocessing_enabled  # noqa: F401 - for the CLI
 from pagedllm.engine.input_processor import PromptType
@@ -88,6 +89,7 @@ class AsyncLLM:
                          multiprocess: bool | None = None, **engine_args: Any) -> "AsyncLLM":
         """``multiprocess``: the engine core in its own process (None: the
         PAGEDLLM_ENABLE_MULTIPROCESSING environment variable; ``pagedllm serve`` defaults it on)."""
+        model, engine_args = resolve_engine_args(model, engine_args)  # a Hub id: the cached folder
         engine = LLMEngine(EngineConfig.from_kwargs(model, **engine_args), multiprocess=multiprocess)
         llm = cls(engine, watchdog_timeout_s)
         llm._owns_engine = True

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedllm.beam_search_params import BeamSearchParams
+from pagedllm.checkpoint.hub import resolve_engine_args
 from pagedllm.config import DEFAULT_MODEL_DIR, EngineConfig
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm_engine import LLMEngine
@@ -54,6 +55,7 @@ class LLM:
         # Accepted for vLLM compatibility: pagedllm never runs a model's own code.
         if "trust_remote_code" not in _engine_field_names():
             engine_args.pop("trust_remote_code", None)
+        model, engine_args = resolve_engine_args(model, engine_args)  # a Hub id: the cached folder
         config = EngineConfig.from_kwargs(model, **engine_args)
         self.llm_engine = LLMEngine(config)
         self._counter = itertools.count()

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pagedllm.beam_search_params import BeamSearchParams
+from pagedllm.checkpoint.hub import resolve_engine_args
 from pagedllm.config import EngineConfig
 from pagedllm.core.outputs import EngineCoreOutputs, EngineCoreRequest
 from pagedllm.engine.core_client import EngineCoreClient, MPEngineCoreClient, multiprocessing_enabled
@@ -117,6 +118,7 @@ class LLMEngine:
 
     @classmethod
     def from_engine_args(cls, model: str | None = None, **engine_args: Any) -> "LLMEngine":
+        model, engine_args = resolve_engine_args(model, engine_args)  # a Hub id: the cached folder
         return cls(EngineConfig.from_kwargs(model, **engine_args))
 
     def default_sampling_params(self) -> SamplingParams:

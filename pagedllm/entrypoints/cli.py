@@ -57,6 +57,14 @@ def _dashed(arg: str) -> str:
     return name.replace("_", "-") + eq + value
 
 
+def add_hub_args(p: argparse.ArgumentParser) -> None:
+    """A model (or --tokenizer) may be a Hub id: user/repo, or user/repo:Q4_K_M for a GGUF file."""
+    hub = p.add_argument_group("models by name (Hugging Face Hub ids; HF_TOKEN, HF_HOME, HF_HUB_OFFLINE=1)")
+    hub.add_argument("--revision", default=argparse.SUPPRESS, help="the model's branch, tag or commit (default: main)")
+    hub.add_argument("--tokenizer-revision", default=argparse.SUPPRESS, help="the tokenizer's (default: --revision)")
+    hub.add_argument("--gguf-file", default=argparse.SUPPRESS, help="the repository's GGUF file to load, by name")
+
+
 def _flag_type(annotation: Any) -> Any:
     """The argparse type of a field annotation: ``int | None`` -> int."""
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
@@ -107,7 +115,7 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: frozenset[str] = froz
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     names = engine_field_names() - {"model"}
-    names.update(("speculative_config", "structured_outputs_config"))
+    names.update(("speculative_config", "structured_outputs_config", "revision", "tokenizer_revision", "gguf_file"))
     return {name: getattr(args, name) for name in names if hasattr(args, name)}
 
 
@@ -118,8 +126,9 @@ def _add_serve(sub: Any) -> None:
     p = sub.add_parser("serve", help="serve the OpenAI-compatible API",
                        description="Serve a model over the OpenAI-compatible HTTP API. Flags take "
                                    "vLLM's spellings, with dashes or underscores.")
-    p.add_argument("model_tag", nargs="?", metavar="MODEL", help="model folder (default: the demo model)")
-    p.add_argument("--model", default=None, help="model folder (same as MODEL)")
+    p.add_argument("model_tag", nargs="?", metavar="MODEL",
+                   help="model folder, GGUF file or Hub id (user/repo[:QUANT]; default: the demo model)")
+    p.add_argument("--model", default=None, help="same as MODEL")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     p.add_argument("--served-model-name", nargs="+", default=None,
@@ -132,10 +141,12 @@ def _add_serve(sub: Any) -> None:
                    help="seconds in-flight requests get to finish on SIGINT/SIGTERM (default: 5)")
     add_serve_args(p, engine_field_names())
     add_engine_args(p)
+    add_hub_args(p)
     p.set_defaults(func=cmd_serve)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from pagedllm.checkpoint.hub import parse_hub_id
     from pagedllm.config import default_model
     from pagedllm.engine.async_engine import AsyncLLM, multiprocessing_enabled
     from pagedllm.engine.llm import default_chat_template
@@ -155,7 +166,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # PAGEDLLM_ENABLE_MULTIPROCESSING=0 keeps it in this process.
     llm = AsyncLLM.from_engine_args(model, multiprocess=multiprocessing_enabled(default=True),
                                     **engine_kwargs(args))
-    app = build_app(llm, args.served_model_name, chat_template, options=options)
+    # A Hub id is served under its own name, not the cache folder's.
+    names = args.served_model_name or ([model] if parse_hub_id(model) else None)
+    app = build_app(llm, names, chat_template, options=options)
     run_server(app, args.host, args.port, args.uvicorn_log_level or args.log_level,
                args.shutdown_timeout, **listen)
     return 0
@@ -166,7 +179,8 @@ def _add_generate(sub: Any) -> None:
     p = sub.add_parser("generate", help="generate completions for prompts and print them",
                        description="Generate a completion for each prompt and print it.")
     p.add_argument("prompts", nargs="+", metavar="PROMPT")
-    p.add_argument("--model", default=None, help="model folder (default: the demo model, or $PAGEDLLM_MODEL)")
+    p.add_argument("--model", default=None,
+                   help="model folder, GGUF file or Hub id (default: the demo model, or $PAGEDLLM_MODEL)")
     s = p.add_argument_group("sampling (defaults: the model's generation_config, then vLLM's)")
     s.add_argument("--max-tokens", type=int, default=64)
     s.add_argument("--temperature", type=float)
@@ -180,6 +194,7 @@ def _add_generate(sub: Any) -> None:
     s.add_argument("--stop", action="append", help="a stop string (repeatable)")
     s.add_argument("--ignore-eos", action="store_true", default=None)
     add_engine_args(p, skip=frozenset({"seed"}))
+    add_hub_args(p)
     p.set_defaults(func=cmd_generate)
 
 

@@ -119,7 +119,7 @@ def _imported_roots(node) -> list[str]:
 
 LIGHT_MODULES = sorted(
     [*(PKG / "core").glob("*.py"), *(PKG / "engine").glob("*.py"),
-     *(PKG / "structured_output").glob("*.py"),
+     *(PKG / "structured_output").glob("*.py"), *(PKG / "checkpoint").glob("*.py"),
      PKG / "runner" / "base.py", PKG / "runner" / "fake.py",
      PKG / "config.py", PKG / "hf_config.py", PKG / "sampling_params.py", PKG / "errors.py", PKG / "envs.py",
      PKG / "utils.py", PKG / "__init__.py"])
@@ -182,12 +182,14 @@ ALLOWED = {
     # Executors join workers into the group: the torch-free launch data and size checks only
     # (parallel_state is imported in the worker, lazily).
     "executor": {"base", "core", "runner_light", "runner", "executor", "distributed", "gguf"},
-    "engine": {"base", "core", "runner_light", "executor", "engine", "structured_output", "gguf"},
+    "engine": {"base", "core", "runner_light", "executor", "engine", "structured_output", "gguf", "checkpoint"},
+    # Where a model's files are: a local path, or a Hub id resolved to huggingface_hub's cache.
+    "checkpoint": {"base", "checkpoint"},
     # Grammars and matchers for structured outputs (the runner applies the masks on its own).
     "structured_output": {"base", "core", "structured_output", "gguf.tokenizer"},
     # The public API only: LLM, AsyncLLM, the tokenizer helpers, the plain-data modules.
     "entrypoints": {"base", "package", "engine.llm", "engine.async_engine", "engine.tokenizer",
-                    "engine.step_trace", "explain", "entrypoints",
+                    "engine.step_trace", "explain", "entrypoints", "checkpoint.hub",
                     # a bad schema or regex is a 400 at the door; tools' schemas closed there
                     "structured_output.grammar", "structured_output.strict_schema"},
     # pagedllm explain: scenarios on the Scheduler and the FakeRunner, rendered from step traces.

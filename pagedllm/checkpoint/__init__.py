@@ -1,0 +1,1 @@
+"""Opening a model: where its files are (a local path, or a Hub id resolved to the cache)."""
