@@ -23,6 +23,7 @@ from collections.abc import Sequence
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from pagedllm.entrypoints.anthropic.protocol import error_json
 from pagedllm.entrypoints.openai.api_errors import error_response
 
 OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/metrics",
@@ -64,20 +65,23 @@ class APIKeyMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        path = route_path(scope)  # Anthropic's routes answer in their own error shape
+        reject = error_json if path.startswith("/v1/messages") else error_response
         values = [v for k, v in scope["headers"] if k == b"authorization"]
-        if len(values) > 1:
-            await error_response(400, "more than one Authorization header")(scope, receive, send)
+        # Anthropic's clients send the key as x-api-key: the same key, another header.
+        api_keys = [b"Bearer " + v for k, v in scope["headers"] if k == b"x-api-key"]
+        if len(values) > 1 or len(api_keys) > 1 or (values and api_keys and values != api_keys):
+            await reject(400, "more than one Authorization or x-api-key header")(scope, receive, send)
             return
-        path = route_path(scope)
         if scope["method"] == "OPTIONS" or path in OPEN_PATHS or path.startswith(OPEN_PREFIXES):
             await self.app(scope, receive, send)
             return
-        got = values[0] if values else b""
+        got = (values or api_keys or [b""])[0]
         # Compare with every key, so the time taken does not say which key was close.
         matches = [secrets.compare_digest(got, e) for e in self.expected]
         if not any(matches):
-            await error_response(401, "invalid or missing API key: send the header "
-                                      "'Authorization: Bearer <key>'")(scope, receive, send)
+            await reject(401, "invalid or missing API key: send the header 'Authorization: Bearer <key>' "
+                              "(or 'x-api-key: <key>')")(scope, receive, send)
             return
         if self.salt_per_key:
             scope.setdefault("state", {})[KEY_SALT_STATE] = self.salts[matches.index(True)]

@@ -2,7 +2,8 @@
 it with uvicorn (SIGINT/SIGTERM: stop accepting, let in-flight requests finish for a grace
 period, then stop the engine, which ends the rest with an error).
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/messages (Anthropic's, over
+the chat route: anthropic/), GET /v1/models, GET /health,
 GET|POST /ping, GET /metrics, GET /version, POST /tokenize, POST /detokenize,
 POST /reset_prefix_cache. Which need the API key: see auth.py; limits: http_limits.py.
 """
@@ -25,6 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from pagedllm import __version__
 from pagedllm.engine.async_engine import AsyncLLM
+from pagedllm.entrypoints.anthropic.serving_messages import messages_router
 from pagedllm.entrypoints.openai.api_errors import error_response, install_exception_handlers
 from pagedllm.entrypoints.openai.auth import APIKeyMiddleware
 from pagedllm.entrypoints.openai.http_limits import BodyLimitMiddleware, header_timeout_protocol
@@ -134,6 +136,7 @@ def build_app(engine: AsyncLLM | Any, served_model_names: list[str] | None = Non
         return await chat.create_chat_completion(request, raw_request)
 
     app.include_router(v1)
+    app.include_router(messages_router(chat))  # Anthropic's /v1/messages
     from pagedllm.entrypoints.openai.dashboard import dashboard_router  # /dashboard, /v1/trace/stream
 
     app.include_router(dashboard_router(llm))
