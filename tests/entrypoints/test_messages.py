@@ -240,3 +240,14 @@ def test_translation_to_chat_messages():
     assert chat.effective_tool_choice() == "required" and chat.parallel_tool_calls is False
     assert chat.stop == ["\n"] and chat.max_tokens == 5
     assert [t.function.parameters for t in chat.tools] == [t["input_schema"] for t in TOOLS]
+
+
+def test_tool_calls_cut_by_max_tokens(messages_server):
+    """tool_choice any (parallel calls allowed): greedy, the demo model keeps calling until
+    max_tokens; the calls that closed come back as tool_use blocks, stop_reason max_tokens."""
+    message = _client(messages_server).messages.create(
+        model="demo", max_tokens=300, messages=USER, tools=TOOLS, tool_choice={"type": "any"}, extra_body=GREEDY)
+    assert message.stop_reason == "max_tokens" and len(message.content) >= 2
+    for block in message.content:
+        assert block.type == "tool_use"
+        check_call(block.name, json.dumps(block.input))

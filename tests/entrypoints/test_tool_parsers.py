@@ -129,3 +129,18 @@ def test_special_tokens_kept_when_tools_are_used():
     r = Request()
     r.tool_choice = "none"
     assert hermes().adjust_request(r).skip_special_tokens is True
+
+
+def test_complete_calls_of_a_truncated_array():
+    """A required reply cut by max_tokens: the calls that closed are kept, the open one is not;
+    text that is not an array of calls has none."""
+    parser = RequiredToolCallsParser()
+    text = '[{"name": "a", "parameters": {"x": [1, "]"]}}, {"name": "b", "parameters": {}}, {"name": "c", "param'
+    assert not parser.extract_tool_calls(text).tools_called
+    calls = parser.extract_complete_tool_calls(text)
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("a", {"x": [1, "]"]}), ("b", {})]
+    assert parser.extract_complete_tool_calls('[{"name": "a", "parameters": {"x": ') == []
+    assert parser.extract_complete_tool_calls('{"name": "a"}') == []
+    hermes = ToolParserManager.get_tool_parser("hermes")().extract_complete_tool_calls(
+        'hi <tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"na')
+    assert [(c.function.name, c.function.arguments) for c in hermes] == [("a", "{}")]

@@ -74,19 +74,33 @@ def test_forced_tool_calls_parse_and_validate(tool_server, tool_choice, stream):
 
 def test_required_parallel_calls(tool_server):
     """Without parallel_tool_calls=false the array may hold many calls; greedy, the demo model
-    keeps adding calls until max_tokens. The stream has sent each finished call by then (and they
-    validate); the whole reply, cut short, is the raw text with no calls (finish_reason length)."""
+    keeps adding calls until max_tokens. The whole reply returns the calls that closed before the
+    cut (finish_reason length); the stream has sent the same calls by then (its last one may be
+    cut off: its name went out before the cut)."""
     kwargs = dict(model="demo", messages=MESSAGES, tools=TOOLS, tool_choice="required", max_tokens=300,
                   temperature=0)
     client = _client(tool_server)
     whole = client.chat.completions.create(**kwargs).choices[0]
-    assert whole.finish_reason == "length" and not whole.message.tool_calls
-    assert whole.message.content.startswith("[")
+    assert whole.finish_reason == "length" and whole.message.content is None
+    assert len(whole.message.tool_calls) >= 2
+    for call in whole.message.tool_calls:
+        check_call(call.function.name, call.function.arguments)
     _, calls, reasons = streamed_calls(client.chat.completions.create(stream=True, **kwargs))
-    assert reasons == ["length"] and len(calls) >= 3
-    for _, name, arguments in list(calls.values())[:-1]:  # the last may be cut off
-        check_call(name, arguments)
-        assert f'"{name}"' in whole.message.content
+    assert reasons == ["length"] and len(calls) in (len(whole.message.tool_calls), len(whole.message.tool_calls) + 1)
+    assert [(name, json.loads(arguments)) for _, name, arguments in list(calls.values())[:len(whole.message.tool_calls)]
+            ] == [(c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls]
+
+
+def test_required_single_call_stays_one(tool_server):
+    """parallel_tool_calls=false bounds the array to one call: it closes after it (tool_calls);
+    cut inside that call, the reply has no complete call and is the raw text."""
+    kwargs = dict(model="demo", messages=MESSAGES, tools=TOOLS, tool_choice="required", temperature=0,
+                  parallel_tool_calls=False)
+    client = _client(tool_server)
+    one = client.chat.completions.create(max_tokens=300, **kwargs).choices[0]
+    assert one.finish_reason == "tool_calls" and len(one.message.tool_calls) == 1
+    cut = client.chat.completions.create(max_tokens=6, **kwargs).choices[0]
+    assert cut.finish_reason == "length" and not cut.message.tool_calls and cut.message.content.startswith("[")
 
 
 def test_auto_on_a_model_that_writes_no_call_is_content(tool_server):

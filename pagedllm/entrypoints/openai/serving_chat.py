@@ -158,6 +158,10 @@ class OpenAIServingChat(OpenAIServing):
         if parser is None:
             return ChatResponseMessage(content=request.echoed() + text), finish_reason
         info = parser.extract_tool_calls(text, request)
+        if not info.tools_called and finish_reason == "length" and tool_choice == "required":
+            # An array of calls cut by max_tokens: the calls it finished are answers still.
+            info.tool_calls = parser.extract_complete_tool_calls(text)
+            info.tools_called, info.content = bool(info.tool_calls), None
         if not info.tools_called:  # no calls, or cut short by max_tokens: the text as it is
             return ChatResponseMessage(content=text), finish_reason
         calls = info.tool_calls if request.parallel_tool_calls is not False else info.tool_calls[:1]

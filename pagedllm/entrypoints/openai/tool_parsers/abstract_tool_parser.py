@@ -89,6 +89,17 @@ class ToolParser:
             return ExtractedToolCallInformation(False, [], model_output)
         return ExtractedToolCallInformation(True, calls, parsed.content or None)  # type: ignore[arg-type]
 
+    def extract_complete_tool_calls(self, model_output: str) -> list[ToolCall]:
+        """The calls that closed before the text was cut short (max_tokens): a reply cut
+        inside its third call still holds the first two whole."""
+        memo, self.memo = self.memo, None
+        try:
+            parsed = self.parse(model_output, final=False)
+        finally:
+            self.memo = memo
+        calls = [_finished(c) for c in parsed.calls] if parsed.valid else []
+        return [c for c in calls if c is not None]
+
     def extract_tool_calls_streaming(self, previous_text: str, current_text: str, delta_text: str,
                                      request: Any = None, finished: bool = False) -> DeltaMessage | None:
         """The delta to send after ``delta_text`` arrived (None: nothing to send yet).
