@@ -251,3 +251,43 @@ def test_tool_calls_cut_by_max_tokens(messages_server):
     for block in message.content:
         assert block.type == "tool_use"
         check_call(block.name, json.dumps(block.input))
+
+
+def test_claude_code_request_shapes(demo_tokenizer):
+    """A two-turn tool conversation shaped as Claude Code sends it (system and content blocks with
+    cache_control, metadata, anthropic-beta headers and ?beta=true, a tool schema with $schema, a
+    large max_tokens, a streamed reply, a tool_result with is_error) on a scripted model."""
+    reply = 'Running. <tool_call>{"name": "Bash", "arguments": {"command": "ls"}}</tool_call>'
+    srv = scripted_server(demo_tokenizer, reply)
+    bash = {"name": "Bash", "description": "Run a shell command",
+            "input_schema": {"$schema": "http://json-schema.org/draft-07/schema#", "type": "object",
+                             "properties": {"command": {"type": "string"}}, "required": ["command"],
+                             "additionalProperties": False}}
+    body = {"model": "demo", "max_tokens": 32000, "temperature": 1, "stream": True, "tools": [bash],
+            "metadata": {"user_id": "user_abc_account__session_1"},
+            "system": [{"type": "text", "text": "You are a coding agent.", "cache_control": {"type": "ephemeral"}}],
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "List the files",
+                                                      "cache_control": {"type": "ephemeral"}}]}]}
+    headers = {"x-api-key": "unused", "anthropic-version": "2023-06-01",
+               "anthropic-beta": "claude-code-20250219,interleaved-thinking-2025-05-14"}
+    try:
+        for turn in range(2):
+            events = []
+            with httpx.stream("POST", f"{srv.url}/v1/messages?beta=true", json=body, headers=headers,
+                              timeout=60) as r:
+                assert r.status_code == 200, r.read()
+                for frame in r.read().decode().split("\n\n"):
+                    if frame.strip():
+                        events.append(json.loads(dict(line.split(": ", 1) for line in frame.split("\n"))["data"]))
+            blocks = check_event_order(events)
+            assert [b["type"] for b in blocks] == ["text", "tool_use"], turn
+            assert blocks[0]["text"].strip() == "Running."
+            assert json.loads(blocks[1]["partial_json"]) == {"command": "ls"}
+            assert events[-2]["delta"]["stop_reason"] == "tool_use"
+            content = [{"type": "text", "text": blocks[0]["text"]},
+                       {"type": "tool_use", "id": blocks[1]["id"], "name": "Bash", "input": {"command": "ls"}}]
+            body["messages"] += [{"role": "assistant", "content": content},
+                                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": blocks[1]["id"],
+                                                               "content": "a.txt\nb.txt", "is_error": False}]}]
+    finally:
+        srv.stop()

@@ -12,7 +12,7 @@ are dropped (the engine produced no such thing); images and documents are refuse
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import ValidationError as PydanticValidationError
 
@@ -23,6 +23,13 @@ from pagedllm.errors import ValidationError
 _DROPPED_BLOCKS = ("thinking", "redacted_thinking")
 # OpenAI's finish_reason -> Anthropic's stop_reason ("stop" is end_turn or stop_sequence).
 _STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use", "abort": "end_turn"}
+
+
+class MessagesChatRequest(ChatCompletionRequest):
+    """A chat request made from a Messages request: Anthropic's max_tokens is an upper bound
+    (clients such as Claude Code send 32000 whatever the model's context), so a longer one is
+    cut to the room the prompt leaves instead of refused."""
+    max_tokens_is_bound: ClassVar[bool] = True
 
 
 def to_chat_request(request: MessagesTokenCountRequest, stream: bool = False) -> ChatCompletionRequest:
@@ -37,7 +44,7 @@ def to_chat_request(request: MessagesTokenCountRequest, stream: bool = False) ->
     if stream:  # usage at the end; the prompt's ids in the first chunk give message_start its count
         body.update(stream=True, stream_options={"include_usage": True}, return_token_ids=True)
     try:
-        return ChatCompletionRequest.model_validate(body)
+        return MessagesChatRequest.model_validate(body)
     except PydanticValidationError as e:
         first = e.errors()[0]
         where = ".".join(str(p) for p in first.get("loc", ()))

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
@@ -78,6 +78,8 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[ChatCompletionToolsParam] | None = None
     tool_choice: Literal["none", "auto", "required"] | ChatCompletionNamedToolChoiceParam | None = None
     parallel_tool_calls: bool | None = True
+    # True where max_tokens is a bound the context may shrink (Anthropic's), not a demand.
+    max_tokens_is_bound: ClassVar[bool] = False
 
     def output_constraint(self) -> Any:
         """A tool call the request forces (required, a named function) is generated under its

@@ -107,6 +107,9 @@ class OpenAIServingChat(OpenAIServing):
             build = getattr(self.llm.tokenizer, "build_inputs_with_special_tokens", None)
             prompt_ids = list(build(prompt_ids)) if build is not None else prompt_ids
         prompt_ids = truncate(prompt_ids, request.truncate_prompt_tokens, self.llm.max_model_len)
+        room = self.llm.max_model_len - len(prompt_ids)
+        if request.max_tokens_is_bound and getattr(params, "max_tokens", None) and 0 < room < params.max_tokens:
+            params = params.clone(max_tokens=room)
         if request.use_beam_search and request.requested_max_tokens() is None:
             params = request.to_sampling_params(
                 self.generation_defaults, max(1, self.llm.max_model_len - len(prompt_ids)))
