@@ -2,8 +2,14 @@
 (HF_ENDPOINT), downloaded once into HF_HOME, then served offline from that cache."""
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 from fake_hub import FakeHub, FakeRepo
 
@@ -126,3 +132,35 @@ def test_cli_generate_by_hub_id(hub, capsys):
                  "--kv-cache-memory-bytes", str(1 << 20)]) == 0
     assert capsys.readouterr().out.startswith("Once upon a time")
     assert {p.split("/resolve/")[1].split("/")[0] for _, p in hub.requests if "/resolve/" in p} == {"v1"}
+
+
+def test_serve_a_hub_id(hub, tmp_path):
+    """`pagedllm serve user/repo`: downloaded through HF_ENDPOINT, served under the Hub id."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = (tmp_path / "serve.log").open("w+")
+    proc = subprocess.Popen([sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "demo/stories260K",
+                             "--revision", "v1", "--port", str(port), "--log-level", "warning",
+                             "--max-num-seqs", "4", "--shutdown-timeout", "1"],
+                            stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "PAGEDLLM_ENABLE_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, log.seek(0) or log.read()
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        assert [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]] == ["demo/stories260K"]
+        r = httpx.post(f"{url}/v1/completions", json={"model": "demo/stories260K", "prompt": "Once upon",
+                                                       "max_tokens": 4}, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        assert "v1" in {p.split("/resolve/")[1].split("/")[0] for _, p in hub.requests if "/resolve/" in p}
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
