@@ -18,7 +18,7 @@ BUDGET = {
     "core": 1800,
     "distributed": 300,
     "engine": 3060,
-    "entrypoints": 4300,
+    "entrypoints": 4320,
     "executor": 1250,
     "explain": 750,
     "gguf": 1050,

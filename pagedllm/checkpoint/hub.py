@@ -67,17 +67,17 @@ def resolve_model(model: str, revision: str | None = None, gguf_file: str | None
     repo_id, tag = hub
     if tag is not None and gguf_file is not None:
         raise ValidationError(f"{model!r} names a quantization and gguf_file names a file: give one", "gguf_file")
-    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
-    if offline:
-        folder = _cached_snapshot(repo_id, revision)
-        names = [str(p.relative_to(folder)) for p in Path(folder).rglob("*") if p.is_file()]
-        wanted = select_files(repo_id, names, tag, gguf_file, tokenizer_only)
-        missing = [n for n in wanted if not (Path(folder) / n).is_file()]
-        if missing:
-            raise ModelLoadError(f"HF_HUB_OFFLINE=1 and {repo_id} is cached without {', '.join(missing)}: "
-                                 "run once online or unset HF_HUB_OFFLINE")
+    choice = (repo_id, revision, tag, gguf_file, tokenizer_only)
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+        folder, wanted = _from_cache(*choice, "HF_HUB_OFFLINE=1", "run once online or unset HF_HUB_OFFLINE")
     else:
-        folder, wanted = _download(repo_id, revision, tag, gguf_file, tokenizer_only)
+        try:
+            folder, wanted = _download(*choice)
+        except Exception as e:  # the Hub unreachable: the cache serves what it holds, as transformers does
+            if not _unreachable(e):
+                raise
+            folder, wanted = _from_cache(*choice, f"the Hub cannot be reached ({type(e).__name__}: {e})",
+                                         "check the network and HF_ENDPOINT, or set HF_HUB_OFFLINE=1")
     gguf = sorted(n for n in wanted if n.endswith(".gguf"))
     return str(Path(folder) / gguf[0]) if gguf else folder
 
@@ -137,17 +137,32 @@ def _hub_kwargs() -> dict[str, Any]:
     return {"endpoint": os.environ.get("HF_ENDPOINT") or None, "token": os.environ.get("HF_TOKEN") or None}
 
 
-def _cached_snapshot(repo_id: str, revision: str | None) -> str:
+def _unreachable(e: Exception) -> bool:
+    """A connection that failed (huggingface_hub's HTTP client names its errors TransportError,
+    whichever httpx it ships) or a download that found neither the Hub nor the cache."""
+    return isinstance(e, OSError) or any(c.__name__ == "TransportError" for c in type(e).__mro__)
+
+
+def _from_cache(repo_id: str, revision: str | None, tag: str | None, gguf_file: str | None,
+                tokenizer_only: bool, why: str, fix: str) -> tuple[str, list[str]]:
+    """The cached snapshot and the files of it the engine needs, without a network call."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     try:
-        return snapshot_download(repo_id, revision=revision, cache_dir=_cache_dir(), local_files_only=True)
+        folder = snapshot_download(repo_id, revision=revision, cache_dir=_cache_dir(), local_files_only=True)
     except LocalEntryNotFoundError:
-        raise ModelLoadError(f"HF_HUB_OFFLINE=1 and {repo_id}"
-                             f"{'@' + revision if revision else ''} is not in the cache "
-                             f"({_cache_dir() or 'the default HF_HOME'}): run once online or unset "
-                             "HF_HUB_OFFLINE") from None
+        raise ModelLoadError(f"{why} and {repo_id}{'@' + revision if revision else ''} is not in the cache "
+                             f"({_cache_dir() or 'the default HF_HOME'}): {fix}") from None
+    names = [str(p.relative_to(folder)) for p in Path(folder).rglob("*") if p.is_file()]
+    try:
+        wanted = select_files(repo_id, names, tag, gguf_file, tokenizer_only)
+    except ValidationError as e:  # what the cache holds, not what the Hub has
+        raise ModelLoadError(f"{why}, and in the cache: {e.message}: {fix}") from None
+    missing = [n for n in wanted if not (Path(folder) / n).is_file()]
+    if missing:
+        raise ModelLoadError(f"{why} and {repo_id} is cached without {', '.join(missing)}: {fix}")
+    return folder, wanted
 
 
 def _download(repo_id: str, revision: str | None, tag: str | None, gguf_file: str | None,

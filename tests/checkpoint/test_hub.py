@@ -60,13 +60,26 @@ def test_download_once_only_engine_files_then_offline(hub, monkeypatch, tmp_path
         assert (Path(folder) / name).read_bytes() == (DEMO / name).read_bytes()
     assert resolve_model("demo/stories260K") == folder
     assert sorted(hub.file_gets()) == want  # the second time, nothing is fetched again
-    hub.server.shutdown()  # offline: served from the cache, any request would fail
+    hub.server.shutdown()  # the Hub gone: the cache serves what it holds
+    hub.server.server_close()
+    assert resolve_model("demo/stories260K") == folder
+    with pytest.raises(ModelLoadError, match="the Hub cannot be reached .* demo/gguf is not in the cache"):
+        resolve_model("demo/gguf:Q4_K_M")
     seen = len(hub.requests)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert resolve_model("demo/stories260K") == folder
     assert len(hub.requests) == seen
     with pytest.raises(ModelLoadError, match="HF_HUB_OFFLINE=1 and demo/gguf is not in the cache"):
         resolve_model("demo/gguf:Q4_K_M")
+
+
+def test_offline_gguf_from_the_cache(hub, monkeypatch):
+    assert Path(resolve_model("demo/gguf:Q4_K_M")).name == "model-Q4_K_M.gguf"
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert Path(resolve_model("demo/gguf:Q4_K_M")).name == "model-Q4_K_M.gguf"
+    with pytest.raises(ModelLoadError, match=r"HF_HUB_OFFLINE=1, and in the cache: demo/gguf has no GGUF file "
+                                             r"of quantization Q8_0; it has: Q4_K_M: run once online"):
+        resolve_model("demo/gguf:Q8_0")
 
 
 def test_llm_and_tokenizer_by_hub_id(hub):
