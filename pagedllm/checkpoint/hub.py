@@ -10,6 +10,7 @@ call, not at import: ``HF_ENDPOINT``, ``HF_HOME``/``HF_HUB_CACHE``, ``HF_TOKEN``
 from __future__ import annotations
 
 import fnmatch
+import json
 import os
 import re
 from pathlib import Path
@@ -28,6 +29,7 @@ _ENGINE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tok
 _TOKENIZER_FILES = tuple(f for f in _ENGINE_FILES if f not in ("quantize_config.json", "quant_config.json"))
 # llama.cpp's quantization names inside GGUF file names (Q4_K_M, IQ2_XXS, F16, BF16, MXFP4, ...).
 _QUANT = re.compile(r"(?<![A-Za-z0-9])(I?Q\d_[A-Z0-9_]*?|Q\d_\d|[BF]F?16|F32|MXFP4)(?=[-.]|$)", re.IGNORECASE)
+_INDEX = "model.safetensors.index.json"
 _SHARD = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
 HUB_ENGINE_ARGS = ("revision", "tokenizer_revision", "gguf_file")
 
@@ -94,9 +96,13 @@ def select_files(repo_id: str, names: list[str], tag: str | None, gguf_file: str
             raise ValidationError(f"{repo_id} has no file {gguf_file!r}; its GGUF files: "
                                   f"{', '.join(_ggufs(names)) or 'none'}", "gguf_file")
         return [*extras, gguf_file, *_other_shards(gguf_file, names)]
-    weights = [n for n in top if fnmatch.fnmatch(n, "*.safetensors") or n == "model.safetensors.index.json"]
+    weights = [n for n in top if fnmatch.fnmatch(n, "*.safetensors") or n == _INDEX]
     if tag is None and weights:
-        return extras + weights
+        # The loader reads the index's shards, or model.safetensors: Mistral's repositories also
+        # hold consolidated.safetensors, the same weights again in another layout.
+        if "model.safetensors" in weights and _INDEX not in weights:
+            return [*extras, "model.safetensors"]
+        return extras + weights  # with an index: cut to its shards once it is read
     ggufs = _ggufs(names)
     if tag is not None:
         matches = [n for n in ggufs if tag.lower() in (q.lower() for q in _QUANT.findall(Path(n).name))]
@@ -112,6 +118,15 @@ def select_files(repo_id: str, names: list[str], tag: str | None, gguf_file: str
         raise ValidationError(f"{repo_id} holds several GGUF files: name one as {repo_id}:QUANT or with "
                               f"--gguf-file ({', '.join(ggufs)})", "model")
     raise ModelLoadError(f"{repo_id} holds neither safetensors weights nor a GGUF file")
+
+
+def indexed_shards(wanted: list[str], index: Path) -> list[str]:
+    """``wanted`` with only the safetensors files the index's weight_map names."""
+    try:
+        named = set(json.loads(index.read_text())["weight_map"].values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return wanted  # the loader reports a broken index in its own words
+    return [n for n in wanted if not n.endswith(".safetensors") or n in named]
 
 
 def _ggufs(names: list[str]) -> list[str]:
@@ -159,6 +174,8 @@ def _from_cache(repo_id: str, revision: str | None, tag: str | None, gguf_file: 
         wanted = select_files(repo_id, names, tag, gguf_file, tokenizer_only)
     except ValidationError as e:  # what the cache holds, not what the Hub has
         raise ModelLoadError(f"{why}, and in the cache: {e.message}: {fix}") from None
+    if (Path(folder) / _INDEX).is_file():
+        wanted = indexed_shards(wanted, Path(folder) / _INDEX)
     missing = [n for n in wanted if not (Path(folder) / n).is_file()]
     if missing:
         raise ModelLoadError(f"{why} and {repo_id} is cached without {', '.join(missing)}: {fix}")
@@ -177,6 +194,9 @@ def _download(repo_id: str, revision: str | None, tag: str | None, gguf_file: st
         info = HfApi(**kwargs).model_info(repo_id, revision=revision)
         wanted = select_files(repo_id, [s.rfilename for s in info.siblings or []], tag, gguf_file,
                               tokenizer_only)
+        if _INDEX in wanted:
+            index = hf_hub_download(repo_id, _INDEX, revision=revision, cache_dir=_cache_dir(), **kwargs)
+            wanted = indexed_shards(wanted, Path(index))
         path = None
         for name in wanted:  # by the name asked for, so the cache records it (offline use)
             path = hf_hub_download(repo_id, name, revision=revision, cache_dir=_cache_dir(), **kwargs)

@@ -2,6 +2,7 @@
 (HF_ENDPOINT), downloaded once into HF_HOME, then served offline from that cache."""
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -32,6 +33,14 @@ def _demo_repo() -> FakeRepo:
 def hub(tmp_path, monkeypatch):
     repos = {"demo/stories260K": _demo_repo(),
              "demo/gguf": FakeRepo({**{n: n.encode() for n in GGUF_NAMES}, "README.md": b"-"}),
+             "demo/sharded": FakeRepo({"config.json": b"{}", "consolidated.safetensors": b"c",
+                                       "model.safetensors.index.json": json.dumps({"weight_map": {
+                                           "a": "model-00001-of-00002.safetensors",
+                                           "b": "model-00002-of-00002.safetensors"}}).encode(),
+                                       "model-00001-of-00002.safetensors": b"1",
+                                       "model-00002-of-00002.safetensors": b"2"}),
+             "demo/mistral": FakeRepo({"config.json": b"{}", "consolidated.safetensors": b"c",
+                                       "model.safetensors": b"m"}),
              "demo/gated": FakeRepo({"config.json": b"{}", "model.safetensors": b"0"}, gated=True)}
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     for name in ("HF_HUB_OFFLINE", "HF_HUB_CACHE", "HF_TOKEN"):
@@ -101,6 +110,17 @@ def test_gguf_by_quantization_and_by_name(hub):
     assert Path(resolve_model("demo/gguf", gguf_file="model-Q8_0.gguf")).name == "model-Q8_0.gguf"
     assert Path(resolve_model("demo/gguf:Q6_K")).name == "big-Q6_K-00001-of-00002.gguf"
     assert sorted(hub.file_gets()) == sorted(["model-Q4_K_M.gguf", "model-Q8_0.gguf", *GGUF_NAMES[4:]])
+
+
+def test_only_the_weights_the_loader_reads(hub, monkeypatch):
+    """An index's shards, or model.safetensors: never consolidated.safetensors beside them."""
+    sharded = resolve_model("demo/sharded")
+    assert sorted(hub.file_gets()) == ["config.json", "model-00001-of-00002.safetensors",
+                                       "model-00002-of-00002.safetensors", "model.safetensors.index.json"]
+    resolve_model("demo/mistral")
+    assert "consolidated.safetensors" not in hub.file_gets() and "model.safetensors" in hub.file_gets()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert resolve_model("demo/sharded") == sharded
 
 
 def test_errors(hub):
