@@ -104,10 +104,12 @@ def select_files(repo_id: str, names: list[str], tag: str | None, gguf_file: str
             return [*extras, "model.safetensors"]
         return extras + weights  # with an index: cut to its shards once it is read
     ggufs = _ggufs(names)
+    if tag is None and len(ggufs) > 1 and any("Q4_K_M" in _quants(n) for n in ggufs):
+        tag = "Q4_K_M"  # llama.cpp's (and Ollama's) default quantization of a repository
     if tag is not None:
-        matches = [n for n in ggufs if tag.lower() in (q.lower() for q in _QUANT.findall(Path(n).name))]
+        matches = [n for n in ggufs if tag.upper() in _quants(n)]
         if not matches:
-            quants = sorted({q.upper() for n in ggufs for q in _QUANT.findall(Path(n).name)})
+            quants = sorted(set().union(*map(_quants, ggufs)))
             raise ValidationError(f"{repo_id} has no GGUF file of quantization {tag}; it has: "
                                   f"{', '.join(quants) or 'no GGUF files'}", "model")
         first = sorted(matches)[0]
@@ -127,6 +129,10 @@ def indexed_shards(wanted: list[str], index: Path) -> list[str]:
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return wanted  # the loader reports a broken index in its own words
     return [n for n in wanted if not n.endswith(".safetensors") or n in named]
+
+
+def _quants(name: str) -> set[str]:
+    return {q.upper() for q in _QUANT.findall(Path(name).name)}
 
 
 def _ggufs(names: list[str]) -> list[str]:

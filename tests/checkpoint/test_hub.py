@@ -33,6 +33,7 @@ def _demo_repo() -> FakeRepo:
 def hub(tmp_path, monkeypatch):
     repos = {"demo/stories260K": _demo_repo(),
              "demo/gguf": FakeRepo({**{n: n.encode() for n in GGUF_NAMES}, "README.md": b"-"}),
+             "demo/gguf2": FakeRepo({"m-Q8_0.gguf": b"8", "m-BF16.gguf": b"16"}),
              "demo/sharded": FakeRepo({"config.json": b"{}", "consolidated.safetensors": b"c",
                                        "model.safetensors.index.json": json.dumps({"weight_map": {
                                            "a": "model-00001-of-00002.safetensors",
@@ -109,7 +110,10 @@ def test_gguf_by_quantization_and_by_name(hub):
     assert Path(path).name == "model-Q4_K_M.gguf" and Path(path).read_bytes() == b"model-Q4_K_M.gguf"
     assert Path(resolve_model("demo/gguf", gguf_file="model-Q8_0.gguf")).name == "model-Q8_0.gguf"
     assert Path(resolve_model("demo/gguf:Q6_K")).name == "big-Q6_K-00001-of-00002.gguf"
-    assert sorted(hub.file_gets()) == sorted(["model-Q4_K_M.gguf", "model-Q8_0.gguf", *GGUF_NAMES[4:]])
+    assert Path(resolve_model("demo/gguf")).name == "model-Q4_K_M.gguf"  # llama.cpp's default
+    assert Path(resolve_model("demo/gguf2:bf16")).name == "m-BF16.gguf"
+    assert sorted(hub.file_gets()) == sorted(["model-Q4_K_M.gguf", "model-Q8_0.gguf", *GGUF_NAMES[4:],
+                                              "m-BF16.gguf"])
 
 
 def test_only_the_weights_the_loader_reads(hub, monkeypatch):
@@ -127,8 +131,8 @@ def test_errors(hub):
     with pytest.raises(ValidationError, match="no GGUF file of quantization Q5_K_M; it has: IQ2_XXS, "
                                               "Q4_K_M, Q6_K, Q8_0"):
         resolve_model("demo/gguf:Q5_K_M")
-    with pytest.raises(ValidationError, match="several GGUF files: name one as demo/gguf:QUANT"):
-        resolve_model("demo/gguf")
+    with pytest.raises(ValidationError, match="several GGUF files: name one as demo/gguf2:QUANT"):
+        resolve_model("demo/gguf2")
     with pytest.raises(ValidationError, match="has no file 'nope.gguf'"):
         resolve_model("demo/gguf", gguf_file="nope.gguf")
     with pytest.raises(ValidationError, match="nobody/nothing is neither a local path nor a Hub repository"):
