@@ -291,3 +291,12 @@ def test_claude_code_request_shapes(demo_tokenizer):
                                                                "content": "a.txt\nb.txt", "is_error": False}]}]
     finally:
         srv.stop()
+
+
+def test_body_limit_in_anthropic_shape(fake_server):
+    srv = fake_server(options=ServerOptions(max_request_body_bytes=1000))
+    big = {"model": "demo", "max_tokens": 4, "messages": [{"role": "user", "content": "x" * 2000}]}
+    r = httpx.post(f"{srv.url}/v1/messages", json=big, timeout=30)
+    assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large"
+    r = httpx.post(f"{srv.url}/v1/chat/completions", json=big, timeout=30)
+    assert r.status_code == 413 and r.json()["error"]["type"] != "request_too_large"  # OpenAI's shape

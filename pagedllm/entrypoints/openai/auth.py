@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import hashlib
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
+from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedllm.entrypoints.anthropic.protocol import error_json
@@ -52,6 +53,11 @@ def route_path(scope: Scope) -> str:
     return path[len(root):] or "/" if root and path.startswith(root) else path
 
 
+def error_responder(scope: Scope) -> Callable[[int, str], JSONResponse]:
+    """Anthropic's routes answer in their own error shape, the rest in OpenAI's."""
+    return error_json if route_path(scope).startswith("/v1/messages") else error_response
+
+
 class APIKeyMiddleware:
     """Plain ASGI (streaming and disconnect detection pass through untouched)."""
 
@@ -65,8 +71,8 @@ class APIKeyMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        path = route_path(scope)  # Anthropic's routes answer in their own error shape
-        reject = error_json if path.startswith("/v1/messages") else error_response
+        path = route_path(scope)
+        reject = error_responder(scope)
         values = [v for k, v in scope["headers"] if k == b"authorization"]
         # Anthropic's clients send the key as x-api-key: the same key, another header.
         api_keys = [b"Bearer " + v for k, v in scope["headers"] if k == b"x-api-key"]

@@ -19,7 +19,7 @@ import h11
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from pagedllm.entrypoints.openai.api_errors import error_response
+from pagedllm.entrypoints.openai.auth import error_responder
 
 
 class BodyLimitMiddleware:
@@ -28,9 +28,9 @@ class BodyLimitMiddleware:
         self.max_body_bytes = max_body_bytes
         self.body_timeout = body_timeout
 
-    def _too_large(self) -> Any:
-        return error_response(413, f"the request body is larger than {self.max_body_bytes} bytes "
-                                   "(the server's --max-request-body-bytes)")
+    def _too_large(self, scope: Scope) -> Any:
+        return error_responder(scope)(413, f"the request body is larger than {self.max_body_bytes} "
+                                           "bytes (the server's --max-request-body-bytes)")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
@@ -38,7 +38,7 @@ class BodyLimitMiddleware:
             return
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
-            await self._too_large()(scope, receive, send)
+            await self._too_large(scope)(scope, receive, send)
             return
         chunks: list[bytes] = []
         size = 0
@@ -46,15 +46,15 @@ class BodyLimitMiddleware:
             try:
                 message = await asyncio.wait_for(receive(), self.body_timeout)
             except asyncio.TimeoutError:
-                await error_response(408, f"the request body did not arrive within "
-                                          f"{self.body_timeout:g} s")(scope, receive, send)
+                await error_responder(scope)(408, f"the request body did not arrive within "
+                                                  f"{self.body_timeout:g} s")(scope, receive, send)
                 return
             if message["type"] == "http.disconnect":
                 return  # the client is gone: nothing to answer
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_body_bytes:
-                await self._too_large()(scope, receive, send)
+                await self._too_large(scope)(scope, receive, send)
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):
