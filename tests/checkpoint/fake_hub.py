@@ -16,6 +16,7 @@ class FakeRepo:
     files: dict[str, bytes]
     revisions: dict[str, str] = field(default_factory=lambda: {"main": "a" * 40})
     gated: bool = False
+    token: str | None = None  # a gated repository's files are served to this token
 
 
 class FakeHub:
@@ -90,7 +91,7 @@ class FakeHub:
         if found is None:
             return
         repo, sha = found
-        if repo.gated:
+        if repo.gated and handler.headers.get("Authorization") != f"Bearer {repo.token}":
             _error(handler, 401, "GatedRepo", "Access to this model is restricted")
             return
         if name not in repo.files:

@@ -42,7 +42,8 @@ def hub(tmp_path, monkeypatch):
                                        "model-00002-of-00002.safetensors": b"2"}),
              "demo/mistral": FakeRepo({"config.json": b"{}", "consolidated.safetensors": b"c",
                                        "model.safetensors": b"m"}),
-             "demo/gated": FakeRepo({"config.json": b"{}", "model.safetensors": b"0"}, gated=True)}
+             "demo/gated": FakeRepo({"config.json": b"{}", "model.safetensors": b"0"}, gated=True,
+                                   token="hf_granted")}
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     for name in ("HF_HUB_OFFLINE", "HF_HUB_CACHE", "HF_TOKEN"):
         monkeypatch.delenv(name, raising=False)
@@ -144,6 +145,11 @@ def test_errors(hub):
     with pytest.raises(ValidationError, match="names a quantization and gguf_file"):
         resolve_model("demo/gguf:Q8_0", gguf_file="model-Q8_0.gguf")
     assert hub.file_gets() == []
+
+
+def test_hf_token_opens_a_gated_repository(hub, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "hf_granted")
+    assert (Path(resolve_model("demo/gated")) / "model.safetensors").read_bytes() == b"0"
 
 
 def test_local_paths_untouched(tmp_path):
