@@ -1,0 +1,139 @@
+"""Adapters applied against PEFT's model in float32, on tiny random Llama and Qwen2 bases: each
+adapter alone and all eight mixed in one batch with base rows among them (prompt logprobs within
+1e-4, greedy ids the reference's argmax), a row's tokens the same whatever shares its step, the
+prefix cache never shared across adapters, fewer slots than adapters (LRU), preemption, and the
+worker-process executor."""
+from __future__ import annotations
+
+import contextlib
+import random
+
+import pytest
+import torch
+from lora_helpers import VOCAB
+
+from pagedllm import LLM, LoRARequest, SamplingParams
+
+TOL = 1e-4
+NEAR_TIE = 1e-3
+
+
+def _prompts(seed: int, lengths) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[1] + [rng.randrange(3, VOCAB) for _ in range(n - 1)] for n in lengths]
+
+
+def _reference_rows(peft_model, token_ids: list[int], base: bool):
+    """[len, V] float64 log-softmax of PEFT's model (its base with ``base``)."""
+    with torch.no_grad(), (peft_model.disable_adapter() if base else contextlib.nullcontext()):
+        logits = peft_model(torch.tensor([token_ids])).logits[0]
+    return torch.log_softmax(logits.double(), dim=-1)
+
+
+def _check(out, prompt, peft_model, base: bool, what: str) -> None:
+    """Prompt logprobs within TOL of the reference; each greedy token its argmax (or a near tie)."""
+    tokens = list(out.outputs[0].token_ids)
+    rows = _reference_rows(peft_model, prompt + tokens, base)
+    for pos in range(1, len(prompt)):
+        got = out.prompt_logprobs[pos][prompt[pos]].logprob
+        assert abs(got - float(rows[pos - 1, prompt[pos]])) <= TOL, f"{what} pos {pos}"
+    for i, tok in enumerate(tokens):
+        row = rows[len(prompt) - 1 + i]
+        top2 = row.topk(2)
+        if float(top2.values[0] - top2.values[1]) > NEAR_TIE:
+            assert tok == int(top2.indices[0]), f"{what} token {i}"
+
+
+def _params(max_tokens: int = 6) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, prompt_logprobs=0, ignore_eos=True)
+
+
+def _requests(adapters) -> list[LoRARequest]:
+    return [LoRARequest(f"adapter{i}", i + 1, str(folder)) for i, (folder, _) in enumerate(adapters)]
+
+
+@pytest.fixture(scope="module")
+def engine(lora_family):
+    arch, base, adapters = lora_family
+    llm = LLM(str(base), device="cpu", dtype="float32", enable_lora=True, max_loras=8,
+              max_lora_rank=64, max_num_batched_tokens=64, block_size=8)
+    yield arch, llm, adapters
+    del llm
+
+
+def test_each_adapter_alone(engine):
+    arch, llm, adapters = engine
+    prompts = _prompts(1, [13, 21])
+    for request, (_, peft_model) in zip(_requests(adapters), adapters):
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _params(), use_tqdm=False,
+                            lora_request=request)
+        for prompt, out in zip(prompts, outs):
+            _check(out, prompt, peft_model, False, f"{arch} {request.lora_name}")
+
+
+def test_eight_adapters_mixed_with_base_rows(engine):
+    arch, llm, adapters = engine
+    requests = _requests(adapters)
+    loras = [None, *requests[:4], None, *requests[4:]]
+    prompts = _prompts(2, [9 + 3 * i for i in range(len(loras))])
+    mixed = llm.generate([{"prompt_token_ids": p} for p in prompts], _params(), use_tqdm=False,
+                         lora_request=loras)
+    peft_of = {r.lora_int_id: m for r, (_, m) in zip(requests, adapters)}
+    for prompt, lora, out in zip(prompts, loras, mixed):
+        peft_model = peft_of[lora.lora_int_id] if lora else adapters[0][1]
+        _check(out, prompt, peft_model, lora is None, f"{arch} mixed {lora}")
+    # A row's result does not depend on which adapters share its step.
+    for prompt, lora, out in zip(prompts, loras, mixed):
+        alone = llm.generate([{"prompt_token_ids": prompt}], _params(), use_tqdm=False,
+                             lora_request=lora)[0]
+        assert alone.outputs[0].token_ids == out.outputs[0].token_ids
+
+
+def test_prefix_cache_is_keyed_by_adapter(engine):
+    _, llm, adapters = engine
+    first, second = _requests(adapters)[:2]
+    prompt = {"prompt_token_ids": _prompts(3, [40])[0]}
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    cached = [llm.generate([prompt], params, use_tqdm=False, lora_request=lora)[0].num_cached_tokens
+              for lora in (first, first, second, None, second)]
+    assert cached[0] == 0 and cached[1] > 0  # the same adapter hits its own blocks
+    assert cached[2] == 0 and cached[3] == 0  # another adapter, or the base, never does
+    assert cached[4] > 0
+
+
+def test_fewer_slots_than_adapters_and_preemption(lora_family):
+    """Two slots for eight adapters (the scheduler admits two at a time, the worker evicts the
+    least recently used), and a cache so small that requests are preempted and recomputed."""
+    arch, base, adapters = lora_family
+    llm = LLM(str(base), device="cpu", dtype="float32", enable_lora=True, max_loras=2,
+              max_cpu_loras=3, max_lora_rank=64, block_size=4, num_gpu_blocks_override=24,
+              max_num_seqs=4, max_num_batched_tokens=16)
+    requests = _requests(adapters)
+    loras = [requests[i % 8] if i % 3 else None for i in range(10)]
+    prompts = _prompts(4, [14 + i for i in range(10)])
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _params(16), use_tqdm=False,
+                        lora_request=loras)
+    assert llm.get_metrics()["pagedllm:num_preemptions"] > 0
+    peft_of = {r.lora_int_id: m for r, (_, m) in zip(requests, adapters)}
+    for prompt, lora, out in zip(prompts, loras, outs):
+        peft_model = peft_of[lora.lora_int_id] if lora else adapters[0][1]
+        _check(out, prompt, peft_model, lora is None, f"{arch} small {lora}")
+    manager = llm.llm_engine.executor.runner.lora_manager
+    assert len(manager.slot_of) <= 2 and len(manager.loaded) <= 3
+
+
+def test_worker_process_executor(lora_family):
+    arch, base, adapters = lora_family
+    if arch != "llama":
+        pytest.skip("one family suffices for the wire")
+    llm = LLM(str(base), device="cpu", dtype="float32", enable_lora=True, max_loras=2,
+              max_lora_rank=64, distributed_executor_backend="mp")
+    requests = _requests(adapters)[:2]
+    prompts = _prompts(5, [11, 17, 8])
+    loras = [requests[0], None, requests[1]]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _params(), use_tqdm=False,
+                        lora_request=loras)
+    for prompt, lora, (_, peft_model), out in zip(prompts, loras, [adapters[0], adapters[0], adapters[1]],
+                                                  outs):
+        _check(out, prompt, peft_model, lora is None, f"mp {lora}")
+    llm.llm_engine.shutdown()
