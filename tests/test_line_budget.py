@@ -17,7 +17,7 @@ BUDGET = {
     "core": 1800,
     "distributed": 300,
     "engine": 3150,
-    "entrypoints": 3850,
+    "entrypoints": 3975,
     "executor": 1275,
     "explain": 750,
     "gguf": 1050,
