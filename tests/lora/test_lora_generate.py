@@ -137,3 +137,38 @@ def test_worker_process_executor(lora_family):
                                                   outs):
         _check(out, prompt, peft_model, lora is None, f"mp {lora}")
     llm.llm_engine.shutdown()
+
+
+def _peft_on_dequantized_base(base, adapter_folder, manager):
+    """PEFT's model on the base whose linear weights are those the quantized layers hold,
+    dequantized (the reference of every weight format)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                                      adapter_folder).eval()
+    with torch.no_grad():
+        for name, target in manager.targets.items():
+            fmt = manager.layers[target.layer_name]
+            rows = torch.arange(target.out_offset, target.out_offset + target.out_size)
+            module = model.base_model.model.get_submodule(name)
+            getattr(module, "base_layer", module).weight.copy_(fmt.base.dequantize_rows(rows).float())
+    return model
+
+
+@pytest.mark.parametrize("quantization", ["q8_0", "q4_0"])
+def test_quantized_base_against_peft_on_the_dequantized_base(lora_family, quantization):
+    arch, base, adapters = lora_family
+    llm = LLM(str(base), device="cpu", dtype="float32", enable_lora=True, max_loras=2,
+              max_lora_rank=64, quantization=quantization, quantization_activations="float32")
+    manager = llm.llm_engine.executor.runner.lora_manager
+    assert {fmt.name for fmt in manager.layers.values()} == {quantization[:2]}  # the base is quantized
+    requests = _requests(adapters)
+    loras = [requests[3], None, requests[7]]
+    prompts = _prompts(6, [12, 9, 15])
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _params(), use_tqdm=False,
+                        lora_request=loras)
+    folder = {r.lora_int_id: f for r, (f, _) in zip(requests, adapters)}
+    for prompt, lora, out in zip(prompts, loras, outs):
+        reference = _peft_on_dequantized_base(base, folder[(lora or requests[0]).lora_int_id], manager)
+        _check(out, prompt, reference, lora is None, f"{arch} {quantization} {lora}")
