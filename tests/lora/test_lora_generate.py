@@ -1,8 +1,8 @@
 """Adapters applied against PEFT's model in float32, on tiny random Llama and Qwen2 bases: each
 adapter alone and all eight mixed in one batch with base rows among them (prompt logprobs within
 1e-4, greedy ids the reference's argmax), a row's tokens the same whatever shares its step, the
-prefix cache never shared across adapters, fewer slots than adapters (LRU), preemption, and the
-worker-process executor."""
+prefix cache never shared across adapters, fewer slots than adapters (LRU), preemption, the
+worker-process executor, quantized bases and two tensor-parallel ranks."""
 from __future__ import annotations
 
 import contextlib
@@ -172,3 +172,26 @@ def test_quantized_base_against_peft_on_the_dequantized_base(lora_family, quanti
     for prompt, lora, out in zip(prompts, loras, outs):
         reference = _peft_on_dequantized_base(base, folder[(lora or requests[0]).lora_int_id], manager)
         _check(out, prompt, reference, lora is None, f"{arch} {quantization} {lora}")
+
+
+@pytest.mark.slow  # two worker processes, each loading the model
+def test_tensor_parallel_two_ranks(lora_family, monkeypatch):
+    """A sharded like its base's input side, B like its output side: two ranks give PEFT's numbers."""
+    arch, base, adapters = lora_family
+    if arch != "llama":
+        pytest.skip("one family suffices for the sharding")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    llm = LLM(str(base), device="cpu", dtype="float32", enable_lora=True, max_loras=4,
+              max_lora_rank=64, tensor_parallel_size=2)
+    try:
+        requests = _requests(adapters)
+        loras = [requests[3], None, requests[1], requests[7]]
+        prompts = _prompts(7, [10, 13, 8, 12])
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _params(), use_tqdm=False,
+                            lora_request=loras)
+        peft_of = {r.lora_int_id: m for r, (_, m) in zip(requests, adapters)}
+        for prompt, lora, out in zip(prompts, loras, outs):
+            peft_model = peft_of[lora.lora_int_id] if lora else adapters[0][1]
+            _check(out, prompt, peft_model, lora is None, f"tp=2 {lora}")
+    finally:
+        llm.llm_engine.shutdown()
