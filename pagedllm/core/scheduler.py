@@ -22,6 +22,16 @@ from pagedllm.core.request_queue import create_request_queue
 from pagedllm.core.scheduler_stats import SchedulerStats
 from pagedllm.errors import check_request_id_free
 
+
+def _count_loras(requests: Iterable[Request]) -> dict[str, int]:
+    """Adapter name -> how many of ``requests`` use it."""
+    counts: dict[str, int] = {}
+    for r in requests:
+        if r.lora_request is not None:
+            counts[r.lora_request.lora_name] = counts.get(r.lora_request.lora_name, 0) + 1
+    return counts
+
+
 # The shared "no new block in any group" entry (the usual decode step); the runner only reads it.
 _NO_IDS: list[list[int]] = []
 
@@ -385,6 +395,9 @@ class Scheduler:
         blocks = self.kv_cache_manager.block_pool.take_events()
         stats.num_blocks_allocated, stats.num_blocks_freed = blocks.num_allocated, blocks.num_freed
         stats.num_blocks_evicted, stats.num_blocks_copied = blocks.num_evicted, len(so.block_copies)
+        if self.max_loras:
+            stats.running_lora_adapters = _count_loras(self.running)
+            stats.waiting_lora_adapters = _count_loras(self.waiting)
 
     # -- Finishing from outside: abort, stop strings, beams that end -----------------------------
     def finish_requests(self, request_ids: str | Iterable[str],

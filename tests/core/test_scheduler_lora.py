@@ -3,7 +3,7 @@
 and requests of a running adapter are admitted meanwhile. Adapters also key the prefix cache."""
 from __future__ import annotations
 
-from core_helpers import make_runner, run_to_completion, step
+from core_helpers import make_runner, run_to_completion, step, step_with_stats
 
 from pagedllm.config import SchedulerConfig
 from pagedllm.core.request import Request
@@ -24,7 +24,9 @@ def test_at_most_max_loras_adapters_run_at_once():
     runner = make_runner(sched)
     for rid, lora, n in (("r1", A, 2), ("r2", B, 6), ("r3", C, 2), ("r4", None, 2), ("r5", A, 2)):
         sched.add_request(_request(rid, lora, n))
-    so, _ = step(sched, runner)
+    so, outs = step_with_stats(sched, runner)
+    stats = outs.scheduler_stats  # what metrics' lora_requests_info shows
+    assert (stats.running_lora_adapters, stats.waiting_lora_adapters) == ({"a": 2, "b": 1}, {"c": 1})
     # C would be a third adapter: r3 waits; the base request and A's second one go past it.
     assert list(so.num_scheduled_tokens) == ["r1", "r2", "r4", "r5"]
     assert so.skipped_req_ids == ["r3"]
