@@ -9,12 +9,19 @@ from dataclasses import dataclass
 
 import torch
 
+# Up to this many rows, a step with several adapters runs one pass over every resident adapter
+# (masked to each row's own) instead of a pass per adapter: a decode step's few rows make the
+# per-adapter passes' fixed costs dominate, a long prefill's rows make the masked work dominate.
+DENSE_MAX_ROWS = 256
+
 
 @dataclass
 class LoRAMapping:
     """``groups``: (slot, the rows that use it) per slot in use this step; rows are None when
-    the slot's rows are the whole batch (one adapter alone: no gather, no scatter)."""
+    the slot's rows are the whole batch (one adapter alone: no gather, no scatter).
+    ``row_slots``: each row's slot (-1: the base), set when the step takes the one masked pass."""
     groups: list[tuple[int, torch.Tensor | None]]
+    row_slots: torch.Tensor | None = None
 
 
 def build_lora_mapping(row_slots: list[tuple[int | None, int]], device: torch.device
@@ -29,6 +36,12 @@ def build_lora_mapping(row_slots: list[tuple[int | None, int]], device: torch.de
         row += count
     if not rows_of:
         return None
+    if len(rows_of) > 1 and row <= DENSE_MAX_ROWS:
+        slots = [-1] * row
+        for slot, rows in rows_of.items():
+            for r in rows:
+                slots[r] = slot
+        return LoRAMapping([], torch.tensor(slots, dtype=torch.long, device=device))
     return LoRAMapping([(slot, None if len(rows) == row else
                          torch.tensor(rows, dtype=torch.long, device=device))
                         for slot, rows in rows_of.items()])
