@@ -129,7 +129,8 @@ class EngineCore:
                                   "lora_request")
         if self.loras.get(lora_request.lora_int_id) != lora_request:
             refused = [e for e in self.executor.collective_rpc("add_lora", lora_request) if e]
-            if refused:
+            if refused:  # ranks that took it drop it again: no rank keeps half an adapter set
+                self.executor.collective_rpc("remove_lora", lora_request.lora_int_id)
                 raise ValidationError(refused[0], "lora_request")
             self.loras[lora_request.lora_int_id] = lora_request
         return True

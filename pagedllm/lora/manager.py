@@ -5,6 +5,7 @@ step needs it. Adding an adapter loads and checks it in full first: a refused on
 """
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 
 import torch
@@ -17,6 +18,8 @@ from pagedllm.lora.mapping import LoRAMapping, build_lora_mapping
 from pagedllm.lora.peft_loader import LoRAModel, load_peft_adapter
 from pagedllm.lora.request import LoRARequest
 from pagedllm.lora.targets import lora_targets
+
+logger = logging.getLogger("pagedllm")
 
 
 class LoRAManager:
@@ -49,6 +52,8 @@ class LoRAManager:
         model = load_peft_adapter(request, self.targets, self.max_lora_rank, self.dtype)
         self.requests[request.lora_int_id] = request
         self._keep_loaded(model)
+        logger.info("LoRA adapter %r: rank %d on %d layers, %.2f MiB", request.lora_name, model.rank,
+                    len(model.layers), model.nbytes / (1 << 20))
 
     def remove_lora(self, lora_int_id: int) -> bool:
         if self.requests.pop(lora_int_id, None) is None:
