@@ -198,6 +198,23 @@ class ObservabilityConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    enable_lora: bool = _doc("Serve LoRA adapters on the base model (docs/lora.md).", default=False)
+    max_loras: int = _doc("Most adapters resident in the worker, and in one step.", default=1)
+    max_lora_rank: int = _doc("Highest adapter rank accepted at load.", default=16)
+    max_cpu_loras: int | None = _doc("Most adapters kept loaded beyond the resident ones (LRU); "
+                                     "unset: max_loras.", default=None)
+
+    def __post_init__(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            if getattr(self, name) < 1:
+                raise ValidationError(f"{name} must be >= 1, got {getattr(self, name)}", name)
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValidationError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras "
+                                  f"({self.max_loras})", "max_cpu_loras")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model_config: ModelConfig = field(default_factory=ModelConfig)
     cache_config: CacheConfig = field(default_factory=CacheConfig)
@@ -208,12 +225,13 @@ class EngineConfig:
     # vLLM's structured_outputs_config (--structured-outputs-config '{"disable_any_whitespace":
     # true}'): the engine's default for requests that leave an option unset.
     structured_outputs_config: dict | None = None
+    lora_config: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self) -> None:
         # Engine arguments travel to worker and core processes, and seeds and sizes into torch:
         # 64 bits at most, refused here by name rather than deep inside a worker.
         for part in (self.model_config, self.cache_config, self.scheduler_config,
-                     self.parallel_config):
+                     self.parallel_config, self.lora_config):
             for f in fields(part):
                 check_ints(getattr(part, f.name), f.name)
         check_ints(list((self.speculative_config or {}).values()), "speculative_config")
@@ -232,7 +250,7 @@ class EngineConfig:
     def from_kwargs(cls, model: str | None = None, **kwargs) -> "EngineConfig":
         """Build from vLLM-style flat engine arguments (``LLM(model, max_num_seqs=...)``)."""
         parts: dict[type, dict] = {ModelConfig: {}, CacheConfig: {}, SchedulerConfig: {},
-                                   ParallelConfig: {}, ObservabilityConfig: {}}
+                                   ParallelConfig: {}, ObservabilityConfig: {}, LoRAConfig: {}}
         if model is not None:
             parts[ModelConfig]["model"] = str(model)
         speculative_config = kwargs.pop("speculative_config", None)
@@ -247,4 +265,5 @@ class EngineConfig:
         return cls(ModelConfig(**parts[ModelConfig]), CacheConfig(**parts[CacheConfig]),
                    SchedulerConfig(**parts[SchedulerConfig]), speculative_config,
                    ParallelConfig(**parts[ParallelConfig]),
-                   ObservabilityConfig(**parts[ObservabilityConfig]), structured_outputs_config)
+                   ObservabilityConfig(**parts[ObservabilityConfig]), structured_outputs_config,
+                   LoRAConfig(**parts[LoRAConfig]))

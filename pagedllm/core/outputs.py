@@ -10,6 +10,7 @@ from typing import Any
 
 from pagedllm.beam_search_params import BeamSearchParams
 from pagedllm.core.scheduler_stats import SchedulerStats
+from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -25,6 +26,7 @@ class EngineCoreRequest:
     priority: int = 0
     cache_salt: str | None = None
     beam_search_params: BeamSearchParams | None = None
+    lora_request: LoRARequest | None = None
 
 
 @dataclass(slots=True)
@@ -46,6 +48,7 @@ class NewRequestData:
     block_ids: list[list[int]]  # its block table in each KV cache group (-1: the null block)
     num_computed_tokens: int  # tokens already in the cache (prefix-cache hit) before this step
     eos_token_ids: frozenset[int] = frozenset()
+    lora_request: LoRARequest | None = None  # the adapter its rows run with
 
 
 @dataclass(slots=True)

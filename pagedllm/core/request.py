@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from enum import IntEnum
 
+from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -43,7 +44,7 @@ class Request:
         "priority", "cache_salt", "max_tokens", "status", "num_computed_tokens", "num_cached_tokens",
         "stop_reason", "num_preemptions", "block_hashes", "spec_token_ids", "num_skipped_past",
         "num_sent_tokens", "is_beam", "all_token_ids", "num_prompt_tokens", "max_num_tokens",
-        "maybe_stop_ids", "num_output_placeholders",
+        "maybe_stop_ids", "num_output_placeholders", "lora_request",
     )
 
     def __init__(
@@ -57,6 +58,7 @@ class Request:
         priority: int = 0,
         cache_salt: str | None = None,
         output_token_ids: list[int] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -66,7 +68,10 @@ class Request:
         self.max_tokens = max_tokens if max_tokens is not None else sampling_params.max_tokens
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.priority = priority
-        self.cache_salt = cache_salt
+        self.lora_request = lora_request
+        # The prefix cache's extra key: an adapter's KV is never another's (or the base's).
+        self.cache_salt = cache_salt if lora_request is None else (
+            f"{cache_salt or ''}\x00{lora_request.cache_key}")
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first admission; -1 until admitted

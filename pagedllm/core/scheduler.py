@@ -22,6 +22,16 @@ from pagedllm.core.request_queue import create_request_queue
 from pagedllm.core.scheduler_stats import SchedulerStats
 from pagedllm.errors import check_request_id_free
 
+
+def _count_loras(requests: Iterable[Request]) -> dict[str, int]:
+    """Adapter name -> how many of ``requests`` use it."""
+    counts: dict[str, int] = {}
+    for r in requests:
+        if r.lora_request is not None:
+            counts[r.lora_request.lora_name] = counts.get(r.lora_request.lora_name, 0) + 1
+    return counts
+
+
 # The shared "no new block in any group" entry (the usual decode step); the runner only reads it.
 _NO_IDS: list[list[int]] = []
 
@@ -29,9 +39,11 @@ _NO_IDS: list[list[int]] = []
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, num_blocks: int, block_size: int,
                  max_model_len: int, enable_caching: bool = True,
-                 sliding_windows: tuple[int | None, ...] = (None,)) -> None:
+                 sliding_windows: tuple[int | None, ...] = (None,), max_loras: int = 0) -> None:
         """``sliding_windows``: each KV cache group's window (None: full attention), as the
-        runner grouped the model's layers; one full-attention group by default."""
+        runner grouped the model's layers; one full-attention group by default. ``max_loras``:
+        most LoRA adapters running at once (the worker's slots); 0: no adapters."""
+        self.max_loras = max_loras
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.long_prefill_token_threshold = scheduler_config.long_prefill_token_threshold
@@ -181,11 +193,15 @@ class Scheduler:
         """
         kv = self.kv_cache_manager
         skipped: list[Request] = []
+        # The adapters running: a request with another one waits while every slot is taken.
+        loras = {r.lora_request.lora_int_id for r in self.running if r.lora_request} if self.max_loras else None
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting.pop_request()
-            hit_blocks, num_hit = kv.get_computed_blocks(req)
-            n = self._num_new_tokens(req.num_tokens - num_hit, budget)
-            if kv.allocate_slots(req, n, num_hit, hit_blocks) is None:
+            blocked = self._lora_blocked(req, loras)
+            if not blocked:
+                hit_blocks, num_hit = kv.get_computed_blocks(req)
+                n = self._num_new_tokens(req.num_tokens - num_hit, budget)
+            if blocked or kv.allocate_slots(req, n, num_hit, hit_blocks) is None:
                 skipped.append(req)
                 if len(skipped) > self.max_skip_ahead or any(
                         s.num_skipped_past >= self.max_skip_ahead for s in skipped):
@@ -199,6 +215,8 @@ class Scheduler:
             req.num_computed_tokens = num_hit
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            if loras is not None and req.lora_request is not None:
+                loras.add(req.lora_request.lora_int_id)
             num_scheduled[req.request_id] = n
             budget -= n
             if any(s.num_skipped_past >= self.max_skip_ahead for s in skipped):
@@ -206,6 +224,12 @@ class Scheduler:
         if skipped:
             self.waiting.prepend_requests(skipped)
         return [r.request_id for r in skipped]
+
+    def _lora_blocked(self, req: Request, loras: set[int] | None) -> bool:
+        """Whether ``req``'s adapter would be one more than max_loras beside ``loras``."""
+        lora = req.lora_request
+        return (loras is not None and lora is not None and lora.lora_int_id not in loras
+                and len(loras) >= self.max_loras)
 
     def _preempt(self, req: Request) -> None:
         """Recompute preemption: free every block and go back to the head of the queue.
@@ -255,7 +279,7 @@ class Scheduler:
             if req.num_sent_tokens == 0:
                 new_reqs.append(NewRequestData(rid, req.prompt_token_ids, req.output_token_ids,
                                                req.sampling_params, kv.get_block_ids(rid), start,
-                                               req.eos_token_ids))
+                                               req.eos_token_ids, req.lora_request))
             else:
                 add_id(rid)
                 add_blocks(new_block_ids[rid])
@@ -371,6 +395,9 @@ class Scheduler:
         blocks = self.kv_cache_manager.block_pool.take_events()
         stats.num_blocks_allocated, stats.num_blocks_freed = blocks.num_allocated, blocks.num_freed
         stats.num_blocks_evicted, stats.num_blocks_copied = blocks.num_evicted, len(so.block_copies)
+        if self.max_loras:
+            stats.running_lora_adapters = _count_loras(self.running)
+            stats.waiting_lora_adapters = _count_loras(self.waiting)
 
     # -- Finishing from outside: abort, stop strings, beams that end -----------------------------
     def finish_requests(self, request_ids: str | Iterable[str],

@@ -30,4 +30,7 @@ class SchedulerStats:
     num_blocks_freed: int = 0
     num_blocks_evicted: int = 0
     num_blocks_copied: int = 0  # copy-on-write copies
+    # LoRA adapter name -> requests running / waiting with it (filled when adapters are on).
+    running_lora_adapters: dict[str, int] = field(default_factory=dict)
+    waiting_lora_adapters: dict[str, int] = field(default_factory=dict)
 

@@ -31,6 +31,7 @@ from pagedllm.engine.core_client import multiprocessing_enabled  # noqa: F401 - 
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.errors import EngineDeadError, check_request_id_free
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -210,6 +211,12 @@ class AsyncLLM:
     async def reset_prefix_cache(self) -> bool:
         return await self.run(self.engine.reset_prefix_cache)
 
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        return await self.run(self.engine.add_lora, lora_request)
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        return await self.run(self.engine.remove_lora, lora_int_id)
+
     async def abort(self, request_id: str) -> None:
         """Abort a request from outside its stream; the stream then ends without a finished output."""
         queue = self._streams.pop(request_id, None)
@@ -300,7 +307,8 @@ class AsyncLLM:
     # -- requests ------------------------------------------------------------------------------
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | BeamSearchParams,
                           priority: int = 0, cache_salt: str | None = None,
-                          arrival_time: float | None = None) -> "RequestStream":
+                          arrival_time: float | None = None,
+                          lora_request: LoRARequest | None = None) -> "RequestStream":
         """Queue a request now (a ValidationError raises here, nothing queued) and return its
         stream. A server validates every prompt this way before it sends a status line."""
         if self._dead is not None:
@@ -319,7 +327,7 @@ class AsyncLLM:
                                prompt, params, priority)
             else:
                 await self.run(self._add_on_engine, self.engine.add_request, request_id, prompt,
-                               params, arrival_time, priority, cache_salt)
+                               params, arrival_time, priority, cache_salt, lora_request)
         except BaseException as e:
             self._streams.pop(request_id, None)
             if isinstance(e, asyncio.CancelledError):

@@ -44,6 +44,7 @@ from pagedllm.core.outputs import EngineCoreOutputs, EngineCoreRequest
 from pagedllm.engine.core_proc import run_engine_core
 from pagedllm.errors import EngineDeadError
 from pagedllm.executor.ipc import ChildProcess, Codec, RemoteTraceback, new_context, remote_error, term_context
+from pagedllm.lora.request import LoRARequest
 from pagedllm.runner.base import Runner
 
 ENV_ENABLE_MULTIPROCESSING = envs.PAGEDLLM_ENABLE_MULTIPROCESSING
@@ -148,6 +149,15 @@ class MPEngineCoreClient:
 
     def reset_prefix_cache(self) -> bool:
         return self._call("reset_prefix_cache")
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        return self._call("add_lora", lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self._call("remove_lora", lora_int_id)
+
+    def list_loras(self) -> list[int]:
+        return self._call("list_loras")
 
     def get_metrics(self) -> dict[str, float]:
         return self._call("get_metrics")

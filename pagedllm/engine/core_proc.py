@@ -31,7 +31,8 @@ from pagedllm.engine.engine_core import EngineCore
 from pagedllm.executor.ipc import Codec, error_info, parent_process, send_unless_orphaned
 
 # Calls answered with a "reply"/"error" message; the rest are fire-and-forget.
-CALLS_WITH_REPLY = frozenset({"add_request", "reset_prefix_cache", "get_metrics", "trace_snapshot"})
+CALLS_WITH_REPLY = frozenset({"add_request", "reset_prefix_cache", "get_metrics", "trace_snapshot",
+                              "add_lora", "remove_lora", "list_loras"})
 CALLS = CALLS_WITH_REPLY | {"abort_requests", "finish_requests", "set_trace_stream"}
 # An idle core wakes this often to check its workers: a rank that died between requests is
 # reported (and /health turns 503) without waiting for the next request to find it.

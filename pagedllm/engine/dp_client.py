@@ -36,6 +36,7 @@ from pagedllm.engine.core_client import MPEngineCoreClient
 from pagedllm.engine.dp_router import DPRouter
 from pagedllm.engine.parallel_sampling import sample_request_ids
 from pagedllm.errors import EngineDeadError
+from pagedllm.lora.request import LoRARequest
 from pagedllm.runner.base import Runner
 
 _POLL_MS = 100  # a wait looks at shutdown this often (a socket or a process ending wakes it)
@@ -127,6 +128,17 @@ class DPEngineCoreClient:
     def reset_prefix_cache(self) -> bool:
         self._check_alive()
         return all([client.reset_prefix_cache() for client in self.clients])
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        self._check_alive()
+        return all([client.add_lora(lora_request) for client in self.clients])
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        self._check_alive()
+        return any([client.remove_lora(lora_int_id) for client in self.clients])
+
+    def list_loras(self) -> list[int]:
+        return self.clients[0].list_loras()
 
     def get_metrics(self) -> dict[str, float]:
         """The replicas' metrics added up (usage fractions averaged), as one engine's."""

@@ -30,6 +30,7 @@ from pagedllm.engine.step_trace import StepTraceWriter
 from pagedllm.engine.trace_stream import TraceSampler, trace_snapshot
 from pagedllm.errors import ValidationError
 from pagedllm.executor import create_executor
+from pagedllm.lora.request import LoRARequest
 from pagedllm.runner.base import Runner
 from pagedllm.structured_output.manager import StructuredOutputManager
 
@@ -54,8 +55,11 @@ class EngineCore:
         self.num_blocks = num_blocks
         logger.info("KV cache: %d blocks of %d tokens (%d tokens); max_model_len %d",
                     num_blocks, cc.block_size, num_blocks * cc.block_size, max_model_len)
+        lc = config.lora_config
         self.scheduler = Scheduler(config.scheduler_config, num_blocks, cc.block_size,
-                                   max_model_len, cc.enable_prefix_caching, self.kv_cache_groups)
+                                   max_model_len, cc.enable_prefix_caching, self.kv_cache_groups,
+                                   max_loras=lc.max_loras if lc.enable_lora else 0)
+        self.loras: dict[int, LoRARequest] = {}  # the adapters every rank holds, by lora_int_id
         # Sharing, at its own level above the scheduler's one rule.
         self.parallel_sampling = ParallelSampling(self.scheduler)
         self.beam_search = BeamSearch(self.scheduler)
@@ -92,6 +96,8 @@ class EngineCore:
                                  request.beam_search_params, request.eos_token_ids,
                                  request.arrival_time, request.priority)
             return
+        if request.lora_request is not None:
+            self.add_lora(request.lora_request)
         params = request.sampling_params
         samples = []
         for i, sid in enumerate(sample_request_ids(request.request_id, params.n)):
@@ -100,7 +106,7 @@ class EngineCore:
                 n=1, seed=None if params.seed is None else params.seed + i)
             samples.append(Request(sid, request.prompt_token_ids, sample_params, request.eos_token_ids,
                                    arrival_time=request.arrival_time, priority=request.priority,
-                                   cache_salt=request.cache_salt))
+                                   cache_salt=request.cache_salt, lora_request=request.lora_request))
         if params.structured_outputs is None:
             self.parallel_sampling.add(samples[0], samples[1:])
             return
@@ -114,6 +120,35 @@ class EngineCore:
         self.structured_output.add(request.request_id, params.structured_outputs,
                                    [s.request_id for s in samples], request.eos_token_ids,
                                    lambda: self.parallel_sampling.add(samples[0], samples[1:], validated=True))
+
+    # -- LoRA adapters (docs/lora.md) --------------------------------------------------------
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter on every rank; ValidationError, and nothing loaded, if it does not fit."""
+        if not self.config.lora_config.enable_lora:
+            raise ValidationError("this engine serves no LoRA adapters; start it with enable_lora",
+                                  "lora_request")
+        if self.loras.get(lora_request.lora_int_id) != lora_request:
+            refused = [e for e in self.executor.collective_rpc("add_lora", lora_request) if e]
+            if refused:  # ranks that took it drop it again: no rank keeps half an adapter set
+                self.executor.collective_rpc("remove_lora", lora_request.lora_int_id)
+                raise ValidationError(refused[0], "lora_request")
+            self.loras[lora_request.lora_int_id] = lora_request
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Unload an adapter; refused (ValidationError) while requests use it, False if unknown."""
+        users = [r for r in self.scheduler.requests.values()
+                 if r.lora_request is not None and r.lora_request.lora_int_id == lora_int_id]
+        if users:
+            raise ValidationError(f"LoRA adapter {lora_int_id} is in use by {len(users)} requests; "
+                                  "unload it when they finish", "lora_request")
+        if self.loras.pop(lora_int_id, None) is None:
+            return False
+        self.executor.collective_rpc("remove_lora", lora_int_id)
+        return True
+
+    def list_loras(self) -> list[int]:
+        return sorted(self.loras)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Abort requests (their samples or beam searches) now; idempotent, unknown ids ignored."""

@@ -16,6 +16,7 @@ from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.tokenizer import apply_chat_template
 from pagedllm.errors import ValidationError, check_text
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -70,8 +71,10 @@ class LLM:
     # -- generate ----------------------------------------------------------------------------
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
-        """Generate for every prompt; results come back in input order."""
+                 use_tqdm: bool = True, priority: list[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt; results come back in input order. ``lora_request``: the
+        adapter of every prompt, or a list of one per prompt (None: the base model)."""
         if isinstance(prompts, (str, dict)) or (
                 isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -92,12 +95,17 @@ class LLM:
                        else p.clone(output_kind=RequestOutputKind.FINAL_ONLY) for p in params_list]
         if priority is not None and len(priority) != len(prompts):
             raise ValidationError("priority needs one value per prompt", "priority")
+        loras = (list(lora_request) if isinstance(lora_request, (list, tuple))
+                 else [lora_request] * len(prompts))
+        if len(loras) != len(prompts):
+            raise ValidationError("give one lora_request, or one per prompt", "lora_request")
         request_ids = []
         try:
             for i, (prompt, params) in enumerate(zip(prompts, params_list)):
                 rid = str(next(self._counter))
                 self.llm_engine.add_request(rid, prompt, params,
-                                            priority=priority[i] if priority is not None else 0)
+                                            priority=priority[i] if priority is not None else 0,
+                                            lora_request=loras[i])
                 request_ids.append(rid)
         except Exception:
             # Bad input loses nothing: the requests queued before the bad one are withdrawn.

@@ -27,6 +27,7 @@ from pagedllm.engine.model_info import ModelInfo
 from pagedllm.engine.output_processor import BeamSearchRequest, OutputProcessor, ParentRequest
 from pagedllm.engine.parallel_sampling import sample_request_ids
 from pagedllm.errors import ValidationError, check_int, check_request_id_free
+from pagedllm.lora.request import LoRARequest, check_lora_request
 from pagedllm.outputs import RequestMetrics, RequestOutput
 from pagedllm.runner.base import Runner
 from pagedllm.sampling_params import SamplingParams
@@ -128,8 +129,9 @@ class LLMEngine:
     # -- requests ----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
                     arrival_time: float | None = None, priority: int = 0,
-                    cache_salt: str | None = None) -> None:
-        """Validate and queue a request; raises ValidationError (and queues nothing) if bad."""
+                    cache_salt: str | None = None, lora_request: LoRARequest | None = None) -> None:
+        """Validate and queue a request; raises ValidationError (and queues nothing) if bad.
+        ``lora_request``: the adapter it runs with (None: the base model)."""
         self._check_new_id(request_id)
         params = params if params is not None else self.default_sampling_params()
         if not isinstance(params, SamplingParams):
@@ -148,7 +150,7 @@ class LLMEngine:
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.engine_core.add_request(EngineCoreRequest(
             request_id, prompt_ids, params, self.model_info.eos_token_ids, arrival_time, priority,
-            cache_salt))
+            cache_salt, lora_request=check_lora_request(lora_request)))
         parent = ParentRequest(request_id, text, prompt_ids, params, RequestMetrics(arrival_time))
         self.output_processor.add_request(parent, sample_request_ids(request_id, params.n))
         self.num_prompt_tokens += len(prompt_ids)
@@ -210,6 +212,17 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         return self.engine_core.reset_prefix_cache()
+
+    # LoRA adapters (vLLM's names): load one now (ValidationError if it does not fit the base),
+    # unload one no request uses, list the loaded ids.
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        return self.engine_core.add_lora(check_lora_request(lora_request))
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.engine_core.remove_lora(lora_int_id)
+
+    def list_loras(self) -> list[int]:
+        return self.engine_core.list_loras()
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()

@@ -25,12 +25,13 @@ from pathlib import Path
 from typing import Any
 
 from pagedllm import config as _config
-from pagedllm.config import CacheConfig, ModelConfig, ObservabilityConfig, SchedulerConfig
+from pagedllm.config import CacheConfig, LoRAConfig, ModelConfig, ObservabilityConfig, SchedulerConfig
 from pagedllm.errors import PagedLLMError
 
 # ParallelConfig joins when the engine has one (its executors are being built alongside).
 ENGINE_CONFIGS = tuple(c for c in (ModelConfig, CacheConfig, SchedulerConfig,
-                                   getattr(_config, "ParallelConfig", None), ObservabilityConfig)
+                                   getattr(_config, "ParallelConfig", None), ObservabilityConfig,
+                                   LoRAConfig)
                        if c is not None)
 # vLLM's short spellings of engine flags
 _SHORT_FLAGS = {"tensor_parallel_size": "-tp", "data_parallel_size": "-dp", "quantization": "-q"}

@@ -95,6 +95,12 @@ def add_serve_args(p: argparse.ArgumentParser, engine_fields: set[str]) -> None:
     http.add_argument("--ssl-ca-certs", default=None)
     http.add_argument("--ssl-cert-reqs", type=int, default=0,
                       help="whether client certificates are required (see Python's ssl module)")
+    lora = p.add_argument_group("LoRA adapters (with --enable-lora; docs/lora.md)")
+    lora.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                      help="adapters served from the start, each by its name (a request's model)")
+    lora.add_argument("--allow-runtime-lora-updating", action="store_true",
+                      help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter (behind the "
+                           "API key), off by default as in vLLM")
     tools = p.add_argument_group("tool calling (tool_choice required / a named function need no flag)")
     tools.add_argument("--enable-auto-tool-choice", action="store_true",
                        help='allow tool_choice "auto": the model decides, and --tool-call-parser '
@@ -146,7 +152,9 @@ def server_options(args: argparse.Namespace) -> Any:
         enable_log_requests=args.enable_log_requests and not args.disable_log_requests,
         max_log_len=args.max_log_len, disable_fastapi_docs=args.disable_fastapi_docs,
         generation_config=args.generation_config,
-        enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser)
+        enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
+        lora_modules=tuple(args.lora_modules or ()),
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating)
 
 
 def uvicorn_kwargs(args: argparse.Namespace) -> dict[str, Any]:

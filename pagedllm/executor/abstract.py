@@ -40,6 +40,10 @@ class Executor(ABC):
     def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         """Run one step on every rank; rank 0's output. Raises EngineDeadError if a worker died."""
 
+    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
+        """Call a runner method (``worker.CALLS``) on every rank; each rank's result."""
+        raise NotImplementedError(f"{type(self).__name__} does not run {method}")
+
     @abstractmethod
     def check_health(self) -> None:
         """Return if every rank is alive; raise EngineDeadError (saying which and why) if not."""
@@ -82,6 +86,9 @@ class RankGroupExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         return self._call("execute_model", scheduler_output)[0]
+
+    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
+        return self._call(method, *args)
 
     def check_health(self) -> None:
         if self._is_shut_down:

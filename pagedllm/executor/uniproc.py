@@ -1,6 +1,8 @@
 """UniProcExecutor: the runner in this process (one rank), with no wire in between."""
 from __future__ import annotations
 
+from typing import Any
+
 from pagedllm.core.outputs import RunnerOutput, SchedulerOutput
 from pagedllm.errors import EngineDeadError
 from pagedllm.executor.abstract import Executor
@@ -23,6 +25,9 @@ class UniProcExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         return self.runner.execute_model(scheduler_output)
+
+    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
+        return [getattr(self.runner, method)(*args)]
 
     def check_health(self) -> None:
         if self._is_shut_down:

@@ -26,7 +26,7 @@ from pagedllm.executor.ipc import send_unless_orphaned as _send
 
 # What the executor may call on the runner (the Runner protocol of pagedllm/runner/base.py).
 CALLS = frozenset({"determine_num_blocks", "get_kv_cache_groups", "initialize_kv_cache",
-                   "execute_model"})
+                   "execute_model", "add_lora", "remove_lora"})
 
 
 class Worker:

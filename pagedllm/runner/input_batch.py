@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagedllm.core.outputs import SchedulerOutput
+from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -30,6 +31,7 @@ class CachedRequestState:
     num_computed_tokens: int
     eos_token_ids: frozenset[int]
     num_unconfirmed: int = 0
+    lora_request: LoRARequest | None = None
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -70,7 +72,7 @@ class InputBatch:
             requests[new.req_id] = CachedRequestState(
                 new.req_id, new.prompt_token_ids + new.output_token_ids, len(new.prompt_token_ids),
                 new.sampling_params, [list(t) for t in new.block_ids], new.num_computed_tokens,
-                new.eos_token_ids)
+                new.eos_token_ids, lora_request=new.lora_request)
         cached = so.scheduled_cached_reqs
         for rid, blocks, num_computed, new_ids in zip(cached.req_ids, cached.new_block_ids,
                                                       cached.num_computed_tokens, cached.new_token_ids):

@@ -13,12 +13,15 @@ import torch
 
 from pagedllm.config import DTYPE_ALIASES, EngineConfig
 from pagedllm.core.outputs import PromptLogprobsChunk, RunnerOutput, SchedulerOutput, TokenLogprobs
-from pagedllm.errors import ModelLoadError
+from pagedllm.errors import ModelLoadError, ValidationError
 from pagedllm.layers.attention import get_attn_backend
 from pagedllm.layers.attention.kv_cache_dtype import resolve_kv_cache_dtype
 from pagedllm.layers.attention_metadata import AttentionMetadata, StagingBuffers, build_attention_metadata
 from pagedllm.layers.forward_context import set_forward_context
 from pagedllm.layers.kv_cache import allocate_kv_cache, attention_layers, bind_kv_caches, copy_blocks, kv_cache_layers
+from pagedllm.lora.manager import LoRAManager
+from pagedllm.lora.mapping import set_lora_mapping
+from pagedllm.lora.request import LoRARequest
 from pagedllm.models.loader import load_model
 from pagedllm.runner.activation_choice import checkpoint_method, choose_activations
 from pagedllm.runner.attention_choice import choose_cpu_attention
@@ -73,8 +76,13 @@ class ModelRunner:
         if self.device.type == "cpu":
             _keep_freed_memory()  # after every load-time conversion: what they freed goes back
         keep_frame_chunks()  # before the first forward: Python's frame stack stays mapped
-        # The compiled forward, or None: eager (see runner/compile.py).
-        self.compiled = maybe_compile(self.model, mc.enforce_eager, self.device, warmup_tokens=16)
+        # Adapters wrap the layers' formats, after every choice above (pagedllm/lora/).
+        self.lora_manager = (LoRAManager(self.model, config.lora_config, self.dtype)
+                             if config.lora_config.enable_lora else None)
+        # The compiled forward, or None: eager (see runner/compile.py); adapters run eagerly,
+        # their slots change between steps.
+        self.compiled = maybe_compile(self.model, True if self.lora_manager else mc.enforce_eager,
+                                      self.device, warmup_tokens=16)
         self.vocab_size = self.model.vocab_size
         self.sampler = Sampler()
         self.input_batch = InputBatch()
@@ -173,7 +181,9 @@ class ModelRunner:
         ids_t = self._staging[0].fill("input_ids", input_ids, (len(input_ids),))
         if self.device.type != "cpu":
             ids_t = ids_t.to(self.device, non_blocking=True)
-        with set_forward_context(attn_md):
+        lora_mapping = None if self.lora_manager is None else self.lora_manager.step_mapping(
+            [(s.state.lora_request, s.num_tokens) for s in scheduled], self.device)
+        with set_forward_context(attn_md), set_lora_mapping(lora_mapping):
             # The metadata's positions are the model's: one tensor for both.
             hidden = (self.compiled or self.model)(ids_t, attn_md.positions)
 
@@ -185,6 +195,20 @@ class ModelRunner:
         if samplers:
             self._sample(hidden, samplers, out, so.grammar_bitmask)
         return out
+
+    # -- LoRA adapters -----------------------------------------------------------------------
+    def add_lora(self, lora_request: LoRARequest) -> str | None:
+        """Load an adapter; the reason as text (the executor raises it) if refused, else None."""
+        if self.lora_manager is None:
+            return "this engine serves no LoRA adapters; start it with enable_lora"
+        try:
+            self.lora_manager.add_lora(lora_request)
+        except ValidationError as exc:
+            return exc.message
+        return None
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.lora_manager is not None and self.lora_manager.remove_lora(lora_int_id)
 
     def _attention_metadata(self, query_lens: list[int], num_computed: list[int],
                             block_tables: list[list[list[int]]]) -> AttentionMetadata:

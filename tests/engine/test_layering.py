@@ -122,7 +122,7 @@ LIGHT_MODULES = sorted(
      *(PKG / "structured_output").glob("*.py"), *(PKG / "checkpoint").glob("*.py"),
      PKG / "runner" / "base.py", PKG / "runner" / "fake.py",
      PKG / "config.py", PKG / "hf_config.py", PKG / "sampling_params.py", PKG / "errors.py", PKG / "envs.py",
-     PKG / "utils.py", PKG / "__init__.py"])
+     PKG / "utils.py", PKG / "__init__.py", PKG / "lora" / "__init__.py", PKG / "lora" / "request.py"])
 
 
 @pytest.mark.parametrize("path", LIGHT_MODULES, ids=lambda p: str(p.relative_to(PKG)))
@@ -164,6 +164,8 @@ def test_static_check_catches_a_top_level_import():
 BASE = {"config", "sampling_params", "errors", "beam_search_params", "outputs", "structured_outputs_params",
         "hf_config", "envs", "utils"}
 RUNNER_LIGHT = {"runner", "runner.base", "runner.fake", "runner.input_batch"}
+# Plain data every layer carries (which adapter a request runs with).
+BASE_MODULES = {"lora.request"}
 ALLOWED = {
     "base": {"base"},
     "core": {"base", "core"},
@@ -173,12 +175,14 @@ ALLOWED = {
     # The C++ kernels, their build and the op registry: below the modules that call them.
     "kernels": {"base", "kernels"},
     "layers": {"base", "distributed", "kernels", "layers"},
+    # LoRA adapters: wrap the layers' weight formats (pagedllm/lora/).
+    "lora": {"base", "distributed", "kernels", "layers", "lora"},
     "models": {"base", "distributed", "kernels", "layers", "models", "gguf"},
     # GGUF files: reading, config and tokenizer torch-free (the engine reads a file's config);
     # model_loader.py builds the model from it (torch).
     "gguf": {"base", "distributed", "layers", "models.registry", "gguf"},
     "runner": {"base", "core.outputs", "core.scheduler_stats", "runner_light", "runner", "kernels",
-               "layers", "models", "distributed"},
+               "layers", "models", "distributed", "lora"},
     # Executors join workers into the group: the torch-free launch data and size checks only
     # (parallel_state is imported in the worker, lazily).
     "executor": {"base", "core", "runner_light", "runner", "executor", "distributed", "gguf"},
@@ -209,6 +213,8 @@ def layer_of(module: str) -> str:
         return "package"
     if module in RUNNER_LIGHT:
         return "runner_light"
+    if module in BASE_MODULES:
+        return "base"
     first = module.split(".")[0]
     return "base" if first in BASE else first
 

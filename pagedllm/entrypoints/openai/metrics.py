@@ -20,6 +20,7 @@ its own name, so a new engine metric shows up without a change here.
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -129,6 +130,9 @@ class _EngineCollector:
         self.success = {e: dict.fromkeys(FINISH_REASONS, 0.0) for e in engines}
         # engine label -> draft position -> times accepted
         self.accepted_per_pos: dict[str, dict[int, int]] = {e: {} for e in engines}
+        self.max_lora = 0  # max_loras when the engine serves adapters
+        # engine label -> (time, running adapters, waiting adapters) of its last step
+        self.lora_info: dict[str, tuple[float, str, str]] = {}
 
     def collect(self) -> Iterator[Metric]:
         families: dict[str, Metric] = {}
@@ -158,6 +162,8 @@ class _EngineCollector:
                 for pos, count in sorted(per_pos.items()):
                     family.add_metric([self.model_name, engine, str(pos)], count)
             yield family
+        if self.max_lora:
+            yield self._lora_requests_info()
         labels = sorted({*self.cache_info, "engine", "num_gpu_blocks"})
         family = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
                                    labels=labels)
@@ -169,6 +175,17 @@ class _EngineCollector:
         yield family
 
 
+    def _lora_requests_info(self) -> Metric:
+        """vLLM's ``lora_requests_info``: the adapters running and waiting, as labels (names
+        joined by commas), valued at the time of the step that reported them."""
+        family = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
+                                   labels=("max_lora", "running_lora_adapters", "waiting_lora_adapters",
+                                           "engine"))
+        for engine, (when, running, waiting) in self.lora_info.items():
+            family.add_metric([str(self.max_lora), running, waiting, engine], when)
+        return family
+
+
 class ServerMetrics:
     def __init__(self, llm: AsyncLLM, model_name: str, cache_info: dict[str, str] | None = None) -> None:
         self.llm = llm
@@ -176,6 +193,8 @@ class ServerMetrics:
         self.model_name = model_name
         self.engines = [str(i) for i in range(getattr(llm, "data_parallel_size", 1))]
         self._engine = _EngineCollector(model_name, cache_info or {}, self.engines)
+        lora_config = getattr(getattr(llm.engine, "config", None), "lora_config", None)
+        self._engine.max_lora = lora_config.max_loras if lora_config and lora_config.enable_lora else 0
         self.registry.register(self._engine)
         token_buckets = build_1_2_5_buckets(max(1, llm.max_model_len))
 
@@ -200,6 +219,9 @@ class ServerMetrics:
         engine = str(core_outputs.engine_index)
         if engine not in self.iteration_tokens:
             return  # a replica this registry was not built for
+        if self._engine.max_lora:
+            self._engine.lora_info[engine] = (time.time(), ",".join(stats.running_lora_adapters),
+                                              ",".join(stats.waiting_lora_adapters))
         if stats.num_prompt_tokens or stats.num_generation_tokens:
             self.iteration_tokens[engine].observe(stats.num_prompt_tokens + stats.num_generation_tokens)
         per_pos = self._engine.accepted_per_pos[engine]

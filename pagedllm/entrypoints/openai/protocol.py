@@ -225,6 +225,7 @@ class ModelCard(OpenAIBaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "pagedllm"
     root: str | None = None
+    parent: str | None = None  # an adapter's base model
     max_model_len: int | None = None
 
 

@@ -5,7 +5,8 @@ period, then stop the engine, which ends the rest with an error).
 Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/messages (Anthropic's, over
 the chat route: anthropic/), GET /v1/models, GET /health,
 GET|POST /ping, GET /metrics, GET /version, POST /tokenize, POST /detokenize,
-POST /reset_prefix_cache. Which need the API key: see auth.py; limits: http_limits.py.
+POST /reset_prefix_cache; with --allow-runtime-lora-updating POST /v1/load_lora_adapter and
+/v1/unload_lora_adapter (serving_lora.py). Which need the API key: see auth.py; limits: http_limits.py.
 """
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ from pagedllm.entrypoints.openai.protocol_chat import ChatCompletionRequest
 from pagedllm.entrypoints.openai.server_options import ServerOptions
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_lora import LoRAModules, lora_router
 from pagedllm.errors import ValidationError
 
 logger = logging.getLogger(__name__)
@@ -119,13 +121,16 @@ def build_app(engine: AsyncLLM | Any, served_model_names: list[str] | None = Non
     metrics = ServerMetrics(llm, names[0], _cache_config_info(llm))
     completions = OpenAIServingCompletion(llm, names, options, metrics)
     chat = OpenAIServingChat(llm, names, chat_template, options, metrics)
+    loras = LoRAModules(llm, names[0])
+    loras.load_at_start(options.lora_modules)
+    completions.lora_modules = chat.lora_modules = loras.by_name
 
     v1 = APIRouter(prefix="/v1")
 
     @v1.get("/models")
     async def list_models() -> ModelList:
         return ModelList(data=[ModelCard(id=name, root=llm.model_path, max_model_len=llm.max_model_len)
-                               for name in names])
+                               for name in names] + loras.model_cards(llm.max_model_len))
 
     @v1.post("/completions", responses=_STREAMED)
     async def create_completion(request: CompletionRequest, raw_request: Request) -> Any:
@@ -137,6 +142,8 @@ def build_app(engine: AsyncLLM | Any, served_model_names: list[str] | None = Non
 
     app.include_router(v1)
     app.include_router(messages_router(chat))  # Anthropic's /v1/messages
+    if options.allow_runtime_lora_updating:
+        app.include_router(lora_router(loras))
     from pagedllm.entrypoints.openai.dashboard import dashboard_router  # /dashboard, /v1/trace/stream
 
     app.include_router(dashboard_router(llm))

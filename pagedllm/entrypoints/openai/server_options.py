@@ -45,6 +45,8 @@ class ServerOptions:
     trust_request_chat_template: bool = False
     max_num_stop_strings: int = 64  # stop strings are matched per token: their number is bounded
     tool_call_parser: str | None = None
+    lora_modules: tuple[str, ...] = ()  # --lora-modules: NAME=PATH each
+    allow_runtime_lora_updating: bool = False
 
     def __post_init__(self) -> None:
         if self.max_logprobs < 0:

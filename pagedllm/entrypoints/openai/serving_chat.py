@@ -117,7 +117,8 @@ class OpenAIServingChat(OpenAIServing):
         try:
             streams = await self.add_requests(request_id, [{"prompt_token_ids": prompt_ids}], params,
                                               request.priority,
-                                              self.cache_salt(raw_request, request.cache_salt))
+                                              self.cache_salt(raw_request, request.cache_salt),
+                                              request.model)
         except ValidationError as e:  # the prompt is what the messages rendered to: name them
             if e.param == "prompt":
                 e.param = "messages"

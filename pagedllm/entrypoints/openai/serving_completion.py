@@ -47,7 +47,7 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts = await self._engine_prompts(request, prompts)
         request_id = request.request_id or random_id("cmpl")
         streams = await self.add_requests(request_id, prompts, params, request.priority,
-                                          self.cache_salt(raw_request, request.cache_salt))
+                                          self.cache_salt(raw_request, request.cache_salt), request.model)
         created = int(time.time())
         if request.stream:
             return StreamingResponse(self._stream(request, request_id, created, streams),

@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 from pydantic import BaseModel
 
-from pagedllm import BeamSearchParams
+from pagedllm import BeamSearchParams, LoRARequest
 from pagedllm.engine.async_engine import AsyncLLM, RequestStream
 from pagedllm.entrypoints.openai.api_errors import APIError, exception_to_body
 from pagedllm.entrypoints.openai.auth import KEY_SALT_STATE, combine_salt
@@ -51,6 +51,8 @@ class OpenAIServing:
         self.options = options or ServerOptions()
         self.generation_defaults = self.options.generation_defaults(llm.model_info.generation_defaults)
         self.max_seqs_per_request = self.options.seqs_per_request_cap(engine_max_num_seqs(llm))
+        # The adapters served, by name (the request's model picks one); shared by the handlers.
+        self.lora_modules: dict[str, LoRARequest] = {}
 
     def check_limits(self, num_seqs: int, seqs_param: str, logprobs: dict[str, int | None],
                      params: SamplingParams | BeamSearchParams | None = None) -> None:
@@ -93,12 +95,12 @@ class OpenAIServing:
         return combine_salt(getattr(raw_request.state, KEY_SALT_STATE, None), request_salt)
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.served_model_names:
+        if model is not None and model not in self.served_model_names and model not in self.lora_modules:
             raise APIError(404, f"the model {model!r} does not exist; this server serves "
                                 f"{', '.join(repr(n) for n in self.served_model_names)}", "model")
 
     async def add_requests(self, request_id: str, prompts: list[Any], params: SamplingParams,
-                           priority: int, cache_salt: str | None) -> list[Stream]:
+                           priority: int, cache_salt: str | None, model: str | None = None) -> list[Stream]:
         """Queue one engine request per prompt; if one is rejected, withdraw those queued."""
         if self.options.enable_log_requests:
             cut = self.options.max_log_len
@@ -108,7 +110,8 @@ class OpenAIServing:
         try:
             for i, prompt in enumerate(prompts):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-                stream = await self.llm.add_request(rid, prompt, params, priority, cache_salt)
+                stream = await self.llm.add_request(rid, prompt, params, priority, cache_salt,
+                                                    lora_request=self.lora_modules.get(model or ""))
                 streams.append(stream if self.metrics is None else ObservedStream(stream, params, self.metrics))
         except BaseException:
             for s in streams:

@@ -1,0 +1,116 @@
+"""LoRAFormat: a layer's weight format with the adapters' updates added to its product.
+
+The base product runs once for the whole batch through the format the layer already had (any
+of layers/weight_format.py, or the plain ``weight``); then each adapter slot in use this step
+adds ``(x A^T) B^T`` to its own rows: one shrink over every projection the adapter trains in
+this layer (A's stacked), then one expand per projection into its output columns (a fused
+qkv or gate_up layer gets each projection's update in its own columns, an untrained one none).
+A row's result depends on its own adapter only, never on which others share the step.
+
+A step of few rows with several adapters (decode) takes one masked pass instead: every resident
+adapter's A stacked (grouped by projection), each row's shrunk columns of other adapters zeroed,
+then one expand per projection over every adapter's B: a fixed number of products per layer
+whatever the number of adapters.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from pagedllm.layers.weight_format import WeightFormat
+from pagedllm.lora.mapping import get_lora_mapping
+from pagedllm.lora.peft_loader import LoRAProjection
+
+# A slot's weights: A stacked [sum r, in], and per projection (first output column, columns,
+# first column of the shrunk x, rank, B [columns, rank]).
+SlotWeights = tuple[torch.Tensor, list[tuple[int, int, int, int, torch.Tensor]]]
+# Every slot's weights for the masked pass: A [all ranks, in], each column's slot, and per
+# projection (first output column, columns, first shrunk column, their count, B [columns, count]).
+StackedWeights = tuple[torch.Tensor, torch.Tensor, list[tuple[int, int, int, int, torch.Tensor]]]
+
+
+class LoRAFormat:
+    """Wraps ``base`` (None: ``weight`` with ``F.linear``); anything but ``apply`` is the base's."""
+
+    def __init__(self, base: WeightFormat | None, weight: torch.Tensor | None, num_slots: int) -> None:
+        self.base, self.weight = base, weight
+        self.slots: list[SlotWeights | None] = [None] * num_slots
+        self._projections: list[list[LoRAProjection] | None] = [None] * num_slots
+        self._stacked: StackedWeights | None = None  # built at the first masked pass after a change
+
+    def set_slot(self, slot: int, projections: list[LoRAProjection] | None) -> None:
+        """Hold an adapter's projections of this layer in ``slot`` (None: the slot adds nothing)."""
+        self._projections[slot], self._stacked = projections or None, None
+        if not projections:
+            self.slots[slot] = None
+            return
+        expands, first = [], 0
+        for p in projections:
+            rank = p.lora_a.shape[0]
+            expands.append((p.target.out_offset, p.target.out_size, first, rank, p.lora_b))
+            first += rank
+        lora_a = projections[0].lora_a if len(projections) == 1 else torch.cat(
+            [p.lora_a for p in projections])
+        self.slots[slot] = (lora_a, expands)
+
+    def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        y = F.linear(x, self.weight, bias) if self.base is None else self.base.apply(x, bias)
+        mapping = get_lora_mapping()
+        if mapping is None:
+            return y
+        if mapping.row_slots is not None:
+            return self._apply_masked(x, y, mapping.row_slots)
+        for slot, rows in mapping.groups:
+            held = self.slots[slot]
+            if held is None:
+                continue
+            lora_a, expands = held
+            xs = x if rows is None else x.index_select(0, rows)
+            shrunk = xs.to(lora_a.dtype) @ lora_a.T  # [rows, sum r]
+            for offset, size, first, rank, lora_b in expands:
+                delta = (shrunk[:, first:first + rank] @ lora_b.T).to(y.dtype)  # [rows, size]
+                out = y[:, offset:offset + size]
+                if rows is None:
+                    out += delta
+                else:
+                    out.index_add_(0, rows, delta)
+        return y
+
+    def _apply_masked(self, x: torch.Tensor, y: torch.Tensor, row_slots: torch.Tensor) -> torch.Tensor:
+        stacked = self._stack()
+        if stacked is None:
+            return y
+        lora_a, col_slots, expands = stacked
+        # [rows, all ranks]: each row keeps its own adapter's columns (exact zeros elsewhere).
+        shrunk = (x.to(lora_a.dtype) @ lora_a.T).mul_(row_slots[:, None] == col_slots)
+        for offset, size, first, count, lora_b in expands:
+            y[:, offset:offset + size] += (shrunk[:, first:first + count] @ lora_b.T).to(y.dtype)
+        return y
+
+    def _stack(self) -> StackedWeights | None:
+        if self._stacked is None:
+            by_offset: dict[int, list[tuple[int, LoRAProjection]]] = {}
+            for slot, projections in enumerate(self._projections):
+                for p in projections or ():
+                    by_offset.setdefault(p.target.out_offset, []).append((slot, p))
+            if not by_offset:
+                return None
+            parts, col_slots, expands = [], [], []
+            for offset in sorted(by_offset):
+                entries, first = by_offset[offset], len(col_slots)
+                for slot, p in entries:
+                    parts.append(p.lora_a)
+                    col_slots.extend([slot] * p.lora_a.shape[0])
+                expands.append((offset, entries[0][1].target.out_size, first, len(col_slots) - first,
+                                torch.cat([p.lora_b for _, p in entries], dim=1)))
+            self._stacked = (torch.cat(parts), torch.tensor(col_slots, device=parts[0].device), expands)
+        return self._stacked
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for what this class does not define: the base's name, sizes, tensors.
+        base = self.__dict__.get("base")
+        if base is None:
+            raise AttributeError(name)
+        return getattr(base, name)

@@ -1,0 +1,122 @@
+"""LoRAManager: the worker's adapters. Up to ``max_loras`` sit in slots the wrapped layers read
+(least recently used evicted first, never one the step needs); up to ``max_cpu_loras`` stay
+loaded beyond them (an LRU too); any other known adapter is read from its folder again when a
+step needs it. Adding an adapter loads and checks it in full first: a refused one leaves no trace.
+"""
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+
+import torch
+from torch import nn
+
+from pagedllm.config import LoRAConfig
+from pagedllm.errors import ValidationError
+from pagedllm.lora.lora_format import LoRAFormat
+from pagedllm.lora.mapping import LoRAMapping, build_lora_mapping
+from pagedllm.lora.peft_loader import LoRAModel, load_peft_adapter
+from pagedllm.lora.request import LoRARequest
+from pagedllm.lora.targets import lora_targets
+
+logger = logging.getLogger("pagedllm")
+
+
+class LoRAManager:
+    def __init__(self, model: nn.Module, lora_config: LoRAConfig, dtype: torch.dtype) -> None:
+        self.max_loras = lora_config.max_loras
+        self.max_lora_rank = lora_config.max_lora_rank
+        self.max_cpu_loras = lora_config.max_cpu_loras or lora_config.max_loras
+        self.dtype = dtype
+        self.targets = lora_targets(model)
+        modules = dict(model.named_modules())
+        self.layers: dict[str, LoRAFormat] = {}
+        for name in sorted({t.layer_name for t in self.targets.values()}):
+            layer = modules[name]
+            fmt = LoRAFormat(layer.weight_format, layer.weight, self.max_loras)
+            layer.weight_format = self.layers[name] = fmt
+        self.requests: dict[int, LoRARequest] = {}  # every adapter added and not removed
+        self.loaded: OrderedDict[int, LoRAModel] = OrderedDict()  # LRU of loaded adapters
+        self.slot_of: OrderedDict[int, int] = OrderedDict()  # resident id -> slot, LRU first
+
+    def add_lora(self, request: LoRARequest) -> None:
+        """Load and check ``request``'s adapter (ValidationError, nothing kept, if it does not fit
+        the base); again for a known id only if its name or path changed."""
+        known = self.requests.get(request.lora_int_id)
+        if known is not None and known == request:
+            return
+        if known is not None:
+            raise ValidationError(f"lora_int_id {request.lora_int_id} is adapter {known.lora_name!r} "
+                                  f"({known.lora_path}); give {request.lora_name!r} another id",
+                                  "lora_request")
+        model = load_peft_adapter(request, self.targets, self.max_lora_rank, self.dtype)
+        self.requests[request.lora_int_id] = request
+        self._keep_loaded(model)
+        logger.info("LoRA adapter %r: rank %d on %d layers, %.2f MiB", request.lora_name, model.rank,
+                    len(model.layers), model.nbytes / (1 << 20))
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        if self.requests.pop(lora_int_id, None) is None:
+            return False
+        self.loaded.pop(lora_int_id, None)
+        slot = self.slot_of.pop(lora_int_id, None)
+        if slot is not None:
+            self._fill_slot(slot, None)
+        return True
+
+    def list_loras(self) -> list[int]:
+        return sorted(self.requests)
+
+    def activate(self, lora_int_ids: set[int]) -> dict[int, int]:
+        """Make the step's adapters resident; their slots (id -> slot)."""
+        if len(lora_int_ids) > self.max_loras:
+            raise RuntimeError(f"a step uses {len(lora_int_ids)} adapters, above max_loras "
+                               f"{self.max_loras} (the scheduler caps them)")
+        for lora_int_id in lora_int_ids:
+            if lora_int_id in self.slot_of:
+                self.slot_of.move_to_end(lora_int_id)
+                continue
+            used = set(self.slot_of.values())
+            free = [s for s in range(self.max_loras) if s not in used]
+            if free:
+                slot = free[0]
+            else:  # evict the least recently used adapter this step does not need
+                victim = next(i for i in self.slot_of if i not in lora_int_ids)
+                slot = self.slot_of.pop(victim)
+            self._fill_slot(slot, self._model(lora_int_id))
+            self.slot_of[lora_int_id] = slot
+        return {i: self.slot_of[i] for i in lora_int_ids}
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the loaded adapters (the slots' stacked A's besides)."""
+        return sum(m.nbytes for m in self.loaded.values())
+
+    def _model(self, lora_int_id: int) -> LoRAModel:
+        model = self.loaded.get(lora_int_id)
+        if model is None:  # fell out of the CPU LRU: read again (it was checked when added)
+            model = load_peft_adapter(self.requests[lora_int_id], self.targets, self.max_lora_rank,
+                                      self.dtype)
+        self._keep_loaded(model)
+        return model
+
+    def _keep_loaded(self, model: LoRAModel) -> None:
+        self.loaded[model.lora_int_id] = model
+        self.loaded.move_to_end(model.lora_int_id)
+        while len(self.loaded) > self.max_cpu_loras:
+            self.loaded.popitem(last=False)
+
+    def _fill_slot(self, slot: int, model: LoRAModel | None) -> None:
+        for name, fmt in self.layers.items():
+            fmt.set_slot(slot, None if model is None else model.layers.get(name))
+
+    def step_mapping(self, rows: list[tuple[LoRARequest | None, int]], device: torch.device
+                     ) -> LoRAMapping | None:
+        """The step's mapping from each request's (adapter or None, rows), in batch order, its
+        adapters made resident first."""
+        ids = {r.lora_int_id for r, _ in rows if r is not None}
+        if not ids:
+            return None
+        slots = self.activate(ids)
+        return build_lora_mapping([(None if r is None else slots[r.lora_int_id], n) for r, n in rows],
+                                  device)
