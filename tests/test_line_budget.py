@@ -13,18 +13,18 @@ PKG = Path(__file__).resolve().parents[1] / "pagedllm"
 
 # Package (a folder under pagedllm/, "." for the top-level modules) -> its ceiling in lines.
 BUDGET = {
-    ".": 950,
-    "core": 1800,
+    ".": 1300,
+    "core": 1850,
     "distributed": 300,
-    "engine": 3050,
+    "engine": 3350,
     "entrypoints": 3850,
     "executor": 1250,
     "explain": 750,
     "gguf": 1050,
     "kernels": 400,
     "layers": 3500,
-    "models": 1450,
-    "runner": 2000,
+    "models": 1800,
+    "runner": 2050,
     "structured_output": 450,
 }
 # The C++ kernels (kernels/csrc and the runner's arena allocator).

@@ -10,6 +10,7 @@ from typing import Any
 
 from pagedllm.beam_search_params import BeamSearchParams
 from pagedllm.core.scheduler_stats import SchedulerStats
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -25,6 +26,8 @@ class EngineCoreRequest:
     priority: int = 0
     cache_salt: str | None = None
     beam_search_params: BeamSearchParams | None = None
+    # A pooling request: one forward over the whole prompt, its output a vector.
+    pooling_params: PoolingParams | None = None
 
 
 @dataclass(slots=True)
@@ -46,6 +49,7 @@ class NewRequestData:
     block_ids: list[list[int]]  # its block table in each KV cache group (-1: the null block)
     num_computed_tokens: int  # tokens already in the cache (prefix-cache hit) before this step
     eos_token_ids: frozenset[int] = frozenset()
+    pooling_params: PoolingParams | None = None
 
 
 @dataclass(slots=True)
@@ -118,6 +122,8 @@ class RunnerOutput:
     # Per request, None or one TokenLogprobs per sampled token (SamplingParams.logprobs).
     logprobs: list[list[TokenLogprobs] | None] | None = None
     prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
+    # Pooling requests computed this step: req_id -> its vector (the pooler's output).
+    pooler_output: dict[str, list[float]] = field(default_factory=dict)
 
     @classmethod
     def empty(cls) -> "RunnerOutput":
@@ -159,6 +165,8 @@ class EngineCoreOutputs:
     scheduler_stats: SchedulerStats = field(default_factory=SchedulerStats)
     # Beam searches that ended this step: request id -> its beams, best first.
     finished_beams: dict[str, list[FinishedBeam]] = field(default_factory=dict)
+    # Pooling requests that finished this step: request id -> its vector.
+    pooler_output: dict[str, list[float]] = field(default_factory=dict)
     # The data-parallel replica whose step this is (its client stamps it; 0 with one replica).
     engine_index: int = 0
     # The step's trace record (docs/trace_schema.md), on the steps the dashboard's sampler

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from pagedllm.config import SchedulerConfig
-from pagedllm.core.admission import validate_request
+from pagedllm.core.admission import validate_pooling_request, validate_request
 from pagedllm.core.kv_cache_manager import NO_NEW_BLOCKS, KVCacheManager
 from pagedllm.core.outputs import CachedRequestData, EngineCoreOutputs, NewRequestData, RunnerOutput, SchedulerOutput
 from pagedllm.core.request import Request, RequestStatus
@@ -61,7 +61,11 @@ class Scheduler:
 
     def validate(self, request: Request) -> None:
         """Raise ValidationError unless ``request`` could run alone in the empty cache."""
-        validate_request(request, self.max_model_len, self.kv_cache_manager)
+        if request.pooling_params is not None:
+            validate_pooling_request(request, self.max_model_len, self.max_num_batched_tokens,
+                                     self.kv_cache_manager)
+        else:
+            validate_request(request, self.max_model_len, self.kv_cache_manager)
 
     def _register(self, request: Request, validated: bool = False) -> None:
         check_request_id_free(request.request_id, self.requests)  # derived ids (samples, beams) too
@@ -183,9 +187,12 @@ class Scheduler:
         skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting.pop_request()
-            hit_blocks, num_hit = kv.get_computed_blocks(req)
-            n = self._num_new_tokens(req.num_tokens - num_hit, budget)
-            if kv.allocate_slots(req, n, num_hit, hit_blocks) is None:
+            if req.pooling_params is None:
+                hit_blocks, num_hit = kv.get_computed_blocks(req)
+                n = self._num_new_tokens(req.num_tokens - num_hit, budget)
+            else:  # never chunked, and no hit: a pooler reads every position's hidden state
+                hit_blocks, num_hit, n = None, 0, req.num_tokens
+            if n > budget or kv.allocate_slots(req, n, num_hit, hit_blocks) is None:
                 skipped.append(req)
                 if len(skipped) > self.max_skip_ahead or any(
                         s.num_skipped_past >= self.max_skip_ahead for s in skipped):
@@ -255,7 +262,7 @@ class Scheduler:
             if req.num_sent_tokens == 0:
                 new_reqs.append(NewRequestData(rid, req.prompt_token_ids, req.output_token_ids,
                                                req.sampling_params, kv.get_block_ids(rid), start,
-                                               req.eos_token_ids))
+                                               req.eos_token_ids, req.pooling_params))
             else:
                 add_id(rid)
                 add_blocks(new_block_ids[rid])
@@ -265,7 +272,8 @@ class Scheduler:
                 spec_tokens[rid] = req.spec_token_ids[:start + n - len(all_ids)]
             req.num_computed_tokens = start + n
             req.num_sent_tokens = len(all_ids)
-            if placeholders and start + n >= len(all_ids) + req.num_output_placeholders and not req.is_beam:
+            if (placeholders and start + n >= len(all_ids) + req.num_output_placeholders and not req.is_beam
+                    and req.pooling_params is None):
                 req.num_output_placeholders += 1  # it samples: one more token in flight
         block_copies, replaced = kv.take_block_copies()
         finished, self.finished_req_ids = self.finished_req_ids, set()
@@ -304,6 +312,10 @@ class Scheduler:
             req = requests.get(rid)
             if req is None or req.status is not running_status:
                 continue  # aborted (or finished) after it was scheduled
+            if req.pooling_params is not None:  # its one step is done: it finishes with its vector
+                self._finish_pooling(req, runner_output.pooler_output, outputs)
+                any_finished = True
+                continue
             new_logprobs = logprobs[runner_output.req_id_to_index[rid]] if logprobs else None
             if req.num_output_placeholders and new_ids:
                 req.num_output_placeholders -= 1  # the token in flight has landed
@@ -339,6 +351,15 @@ class Scheduler:
         stats.num_generation_tokens = num_generated
         self._fill_stats(stats, scheduler_output)
         return outputs
+
+    def _finish_pooling(self, req: Request, pooler_output: dict[str, list[float]],
+                        outputs: EngineCoreOutputs) -> None:
+        rid = req.request_id
+        assert rid in pooler_output, f"{rid}: the runner pooled nothing for a pooling request"
+        outputs.pooler_output[rid] = pooler_output[rid]
+        req.status = RequestStatus.FINISHED_STOPPED
+        outputs.finished[rid] = ("stop", None)
+        self._free_request(req)
 
     @staticmethod
     def _update_spec_decode(req: Request, num_drafts: int, num_sampled: int,

@@ -31,9 +31,12 @@ from pagedllm.engine.trace_stream import TraceSampler, trace_snapshot
 from pagedllm.errors import ValidationError
 from pagedllm.executor import create_executor
 from pagedllm.runner.base import Runner
+from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger("pagedllm")
+# What a pooling request's Request holds for sampling params: it samples nothing.
+_POOLING_STAND_IN = SamplingParams(max_tokens=1)
 
 
 class EngineCore:
@@ -91,6 +94,12 @@ class EngineCore:
             self.beam_search.add(request.request_id, request.prompt_token_ids,
                                  request.beam_search_params, request.eos_token_ids,
                                  request.arrival_time, request.priority)
+            return
+        if request.pooling_params is not None:  # one sequence, its output a vector
+            self.scheduler.add_request(Request(
+                request.request_id, request.prompt_token_ids, _POOLING_STAND_IN, frozenset(),
+                arrival_time=request.arrival_time, priority=request.priority,
+                pooling_params=request.pooling_params))
             return
         params = request.sampling_params
         samples = []

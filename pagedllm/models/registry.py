@@ -4,6 +4,12 @@ from __future__ import annotations
 from torch import nn
 
 from pagedllm.errors import UnsupportedModelError
+from pagedllm.models.bert import (
+    BertForSequenceClassification,
+    BertModel,
+    XLMRobertaForSequenceClassification,
+    XLMRobertaModel,
+)
 from pagedllm.models.gemma2 import Gemma2ForCausalLM
 from pagedllm.models.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from pagedllm.models.gpt_oss import GptOssForCausalLM
@@ -38,6 +44,12 @@ _MODELS: dict[str, type[nn.Module]] = {
     "OlmoeForCausalLM": OlmoeForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    # Encoders: pooling models only (embeddings, cross-encoders; models/bert.py).
+    "BertModel": BertModel,
+    "BertForSequenceClassification": BertForSequenceClassification,
+    "RobertaModel": XLMRobertaModel,
+    "XLMRobertaModel": XLMRobertaModel,
+    "XLMRobertaForSequenceClassification": XLMRobertaForSequenceClassification,
 }
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagedllm.core.outputs import SchedulerOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -30,6 +31,7 @@ class CachedRequestState:
     num_computed_tokens: int
     eos_token_ids: frozenset[int]
     num_unconfirmed: int = 0
+    pooling_params: PoolingParams | None = None  # a pooling request: pooled, never sampled
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -70,7 +72,7 @@ class InputBatch:
             requests[new.req_id] = CachedRequestState(
                 new.req_id, new.prompt_token_ids + new.output_token_ids, len(new.prompt_token_ids),
                 new.sampling_params, [list(t) for t in new.block_ids], new.num_computed_tokens,
-                new.eos_token_ids)
+                new.eos_token_ids, pooling_params=new.pooling_params)
         cached = so.scheduled_cached_reqs
         for rid, blocks, num_computed, new_ids in zip(cached.req_ids, cached.new_block_ids,
                                                       cached.num_computed_tokens, cached.new_token_ids):
@@ -95,7 +97,7 @@ class InputBatch:
             drafts = spec.get(rid, []) if spec else []
             start = state.num_computed_tokens
             state.num_computed_tokens = start + n
-            samples = start + n - len(drafts) >= len(state.token_ids)
+            samples = start + n - len(drafts) >= len(state.token_ids) and state.pooling_params is None
             scheduled.append(ScheduledRequest(state, start, n, drafts, samples))
         return scheduled
 

@@ -19,18 +19,24 @@ from pagedllm.layers.attention.kv_cache_dtype import resolve_kv_cache_dtype
 from pagedllm.layers.attention_metadata import AttentionMetadata, StagingBuffers, build_attention_metadata
 from pagedllm.layers.forward_context import set_forward_context
 from pagedllm.layers.kv_cache import allocate_kv_cache, attention_layers, bind_kv_caches, copy_blocks, kv_cache_layers
+from pagedllm.models.bert import TOKEN_TYPE_SHIFT
 from pagedllm.models.loader import load_model
+from pagedllm.models.pooler import Pooler
+from pagedllm.pooler_config import load_pooler_config
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.runner.activation_choice import checkpoint_method, choose_activations
 from pagedllm.runner.attention_choice import choose_cpu_attention
 from pagedllm.runner.compile import maybe_compile
 from pagedllm.runner.frame_chunks import keep_frame_chunks
 from pagedllm.runner.grammar_bitmask import apply_grammar_bitmask
 from pagedllm.runner.input_batch import CachedRequestState, InputBatch, ScheduledRequest
-from pagedllm.runner.kv_cache_groups import group_layers, layer_placement, plan_kv_tensors
+from pagedllm.runner.kv_cache_groups import KVCacheGroup, group_layers, layer_placement, plan_kv_tensors
 from pagedllm.runner.linear_choice import choose_linear_kernels
 from pagedllm.runner.sampler import Sampler, SamplingMetadata, compute_topk_logprobs
 from pagedllm.runner.spec_decode import verify_drafts
 from pagedllm.runner.weight_table import log_weight_table, weight_table
+from pagedllm.runner_type import resolve_runner_type
+from pagedllm.utils import cdiv
 
 _DTYPES = {alias: getattr(torch, name) for alias, name in DTYPE_ALIASES.items()}
 _CPU_DEFAULT_KV_BYTES = 1 << 30
@@ -59,6 +65,9 @@ class ModelRunner:
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache_config.kv_cache_dtype, self.dtype)
         torch.manual_seed(mc.seed)
         self.model, self.hf_config = load_model(mc.model, self.dtype, self.device, mc.quantization)
+        # A pooling model's step ends in the pooler instead of the sampler.
+        self.pooler = (Pooler(load_pooler_config(mc.model, config.pooler_config), self.model, self.dtype,
+                              self.device) if resolve_runner_type(mc.runner, mc.model) == "pooling" else None)
         if self.device.type == "cpu":
             # Each layer's weight in the layout of the faster kernel on this CPU, one copy
             # (runner/linear_choice.py).
@@ -74,13 +83,16 @@ class ModelRunner:
             _keep_freed_memory()  # after every load-time conversion: what they freed goes back
         keep_frame_chunks()  # before the first forward: Python's frame stack stays mapped
         # The compiled forward, or None: eager (see runner/compile.py).
-        self.compiled = maybe_compile(self.model, mc.enforce_eager, self.device, warmup_tokens=16)
+        # An encoder (no KV) attends per request in a Python loop: it runs eager.
+        encoder = not attention_layers(self.model)
+        self.compiled = maybe_compile(self.model, True if encoder else mc.enforce_eager, self.device,
+                                      warmup_tokens=16)
         self.vocab_size = self.model.vocab_size
         self.sampler = Sampler()
         self.input_batch = InputBatch()
         self.kv_caches: list[torch.Tensor] = []
         self.attn_backend = get_attn_backend(mc.attention_backend, self.device.type)
-        if mc.attention_backend == "auto" and self.attn_backend.name == "cpu_paged":
+        if mc.attention_backend == "auto" and self.attn_backend.name == "cpu_paged" and not encoder:
             # The kernel against the torch backend on this model's heads (the safety net).
             self.attn_backend = choose_cpu_attention(attention_layers(self.model),
                                                      self.kv_cache_dtype, self.dtype)
@@ -92,8 +104,9 @@ class ModelRunner:
         if not all(spec.causal for _, spec in self._kv_layers):
             raise ModelLoadError("this model has non-causal attention layers that keep KV; the "
                                  "attention backends compute causal attention only")
-        self.kv_cache_groups = group_layers([spec.sliding_window for _, spec in self._kv_layers],
-                                            max_model_len)
+        # An encoder keeps no KV: one empty group, so the scheduler's block tables stay the same.
+        self.kv_cache_groups = (group_layers([spec.sliding_window for _, spec in self._kv_layers], max_model_len)
+                                if self._kv_layers else [KVCacheGroup(None, ())])
         self.kv_cache_tensors = plan_kv_tensors(self.kv_cache_groups,
                                                 [spec.bytes_per_token for _, spec in self._kv_layers])
         self._windowed_groups = [g.sliding_window is not None for g in self.kv_cache_groups]
@@ -111,6 +124,8 @@ class ModelRunner:
 
     def determine_num_blocks(self, block_size: int) -> int:
         cc = self.config.cache_config
+        if not self.kv_cache_tensors:  # no KV: block ids are bookkeeping, as many as requests can use
+            return self.config.scheduler_config.max_num_seqs * cdiv(self.max_model_len, block_size)
         if cc.kv_cache_memory_bytes is not None:
             budget = cc.kv_cache_memory_bytes
         elif self.device.type == "cuda":
@@ -133,8 +148,9 @@ class ModelRunner:
         # no padding): each tensor in its first layer's shape, the others view it in theirs.
         self.kv_caches = [allocate_kv_cache(self._kv_layers[t.layer_indices[0]][1].shape(
             num_blocks, block_size), self.kv_cache_dtype, self.device) for t in tensors]
-        bind_kv_caches([layer for layer, _ in self._kv_layers], self.kv_caches,
-                       layer_placement(self.kv_cache_groups, tensors))
+        if tensors:
+            bind_kv_caches([layer for layer, _ in self._kv_layers], self.kv_caches,
+                           layer_placement(self.kv_cache_groups, tensors))
         self.block_size = block_size
 
     # -- one step ----------------------------------------------------------------------------
@@ -150,6 +166,7 @@ class ModelRunner:
         num_computed: list[int] = []
         block_tables: list[list[list[int]]] = []
         samplers: list[tuple[ScheduledRequest, int]] = []  # (request, its first logits row)
+        poolers: list[tuple[str, int, int, PoolingParams]] = []  # (request, first row, rows, params)
         # (state, first row, first position, count): rows whose logits score prompt tokens.
         prompt_lp_jobs: list[tuple[CachedRequestState, int, int, int]] = []
         for s in scheduled:
@@ -168,6 +185,9 @@ class ModelRunner:
                 prompt_lp_jobs.append((state, row0, start, count))
             if s.samples:
                 samplers.append((s, row0 + n_real - 1))
+            elif state.pooling_params is not None:
+                poolers.append((state.req_id, row0, n, state.pooling_params))
+                self._mark_token_types(input_ids, row0, n, state.pooling_params)
 
         attn_md = self._attention_metadata(query_lens, num_computed, block_tables)
         ids_t = self._staging[0].fill("input_ids", input_ids, (len(input_ids),))
@@ -184,7 +204,17 @@ class ModelRunner:
             out.prompt_logprobs = self._prompt_logprobs(hidden, prompt_lp_jobs)
         if samplers:
             self._sample(hidden, samplers, out, so.grammar_bitmask)
+        if poolers:
+            vectors = self.pooler(hidden, [(row0, n) for _, row0, n, _ in poolers], [p[3] for p in poolers])
+            out.pooler_output = {rid: vec for (rid, _, _, _), vec in zip(poolers, vectors)}
         return out
+
+    def _mark_token_types(self, input_ids: list[int], row0: int, n: int, params: PoolingParams) -> None:
+        """A text pair's second segment: token type 1, carried in the ids' high bits (models/bert.py)."""
+        start = params.token_type_start
+        if start is not None and getattr(self.model, "supports_token_types", False):
+            for i in range(row0 + start, row0 + n):
+                input_ids[i] |= 1 << TOKEN_TYPE_SHIFT
 
     def _attention_metadata(self, query_lens: list[int], num_computed: list[int],
                             block_tables: list[list[list[int]]]) -> AttentionMetadata:
