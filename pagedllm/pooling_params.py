@@ -47,4 +47,5 @@ class PoolingParams:
         return self.extra_kwargs.get("compressed_token_type_ids")
 
     def clone(self, **changes) -> "PoolingParams":
-        return replace(self, extra_kwargs=dict(self.extra_kwargs), **changes)
+        changes.setdefault("extra_kwargs", dict(self.extra_kwargs))
+        return replace(self, **changes)
