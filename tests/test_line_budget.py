@@ -17,7 +17,7 @@ BUDGET = {
     "core": 1850,
     "distributed": 300,
     "engine": 3350,
-    "entrypoints": 3850,
+    "entrypoints": 4250,
     "executor": 1250,
     "explain": 750,
     "gguf": 1050,

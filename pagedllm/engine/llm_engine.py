@@ -91,6 +91,9 @@ class LLMEngine:
                                        if self.runner_type == "pooling" else None)
         self.num_prompt_tokens = 0  # prompt tokens of the requests received
         self.num_requests_finished = 0
+        # Pooling traffic, counted apart from generation's prompt tokens and finished requests.
+        self.num_pooling_prompt_tokens = 0
+        self.num_pooling_requests_finished = 0
         self.num_scheduled_tokens = 0  # tokens the steps computed: the watchdog's sign of progress
         # See every step's EngineCoreOutputs (its SchedulerStats, its replica) on the engine
         # thread, wherever the core runs; step_observers also see the SchedulerOutput, in-process only.
@@ -187,7 +190,7 @@ class LLMEngine:
         except Exception:
             self.pooling.abort_requests([request_id])
             raise
-        self.num_prompt_tokens += len(request.prompt_token_ids)
+        self.num_pooling_prompt_tokens += len(request.prompt_token_ids)
 
     def _check_new_id(self, request_id: str) -> None:
         check_request_id_free(request_id, self.output_processor.parents, self.output_processor.beam_searches,
@@ -210,12 +213,12 @@ class LLMEngine:
         for observe in self.output_observers:
             observe(core_outputs)
         outputs, stopped = self.output_processor.process_outputs(core_outputs)
-        if core_outputs.pooler_output:
-            outputs += self.pooling.process_outputs(core_outputs)
+        pooled = self.pooling.process_outputs(core_outputs) if core_outputs.pooler_output else []
+        self.num_pooling_requests_finished += len(pooled)
         for child_id, stop_str in stopped:  # a stop string showed up in the text
             self.engine_core.finish_requests([child_id], stop_str)
         self.num_requests_finished += sum(1 for o in outputs if o.finished)
-        return outputs
+        return outputs + pooled if pooled else outputs
 
     def _record_first_scheduled(self, core_outputs: EngineCoreOutputs) -> None:
         """Stamp RequestMetrics.first_scheduled_time (the server's queue-time histogram): the
@@ -247,4 +250,6 @@ class LLMEngine:
         """Counters and gauges, named as the server exports them."""
         return {**self.engine_core.get_metrics(),
                 "pagedllm:prompt_tokens": self.num_prompt_tokens,
-                "pagedllm:request_success": self.num_requests_finished}
+                "pagedllm:request_success": self.num_requests_finished,
+                "pagedllm:pooling_input_tokens": self.num_pooling_prompt_tokens,
+                "pagedllm:pooling_requests": self.num_pooling_requests_finished}

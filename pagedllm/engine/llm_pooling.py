@@ -105,7 +105,7 @@ class PoolingMixin:
         if not config.num_labels:  # a bi-encoder: cosine of the embeddings
             texts = list(dict.fromkeys([t for pair in pairs for t in pair]))
             vectors = {t: o.outputs.embedding for t, o in zip(texts, self.embed(texts, params.clone(normalize=True)))}
-            return [ScoringRequestOutput(str(i), ScoringOutput(_cosine(vectors[a], vectors[b])), [])
+            return [ScoringRequestOutput(str(i), ScoringOutput(cosine(vectors[a], vectors[b])), [])
                     for i, (a, b) in enumerate(pairs)]
         tokenizer = engine.tokenizer
         if tokenizer is None:
@@ -140,6 +140,6 @@ def score_pairs(data_1: str | Sequence[str], data_2: str | Sequence[str]) -> lis
     return list(zip(first, second))
 
 
-def _cosine(a: list[float], b: list[float]) -> float:
+def cosine(a: list[float], b: list[float]) -> float:
     dot = sum(x * y for x, y in zip(a, b))
     return dot / (math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b)) or 1.0)

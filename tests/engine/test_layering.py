@@ -188,7 +188,7 @@ ALLOWED = {
     # Grammars and matchers for structured outputs (the runner applies the masks on its own).
     "structured_output": {"base", "core", "structured_output", "gguf.tokenizer"},
     # The public API only: LLM, AsyncLLM, the tokenizer helpers, the plain-data modules.
-    "entrypoints": {"base", "package", "engine.llm", "engine.async_engine", "engine.tokenizer",
+    "entrypoints": {"base", "package", "engine.llm", "engine.llm_pooling", "engine.async_engine", "engine.tokenizer",
                     "engine.step_trace", "explain", "entrypoints",
                     # a bad schema or regex is a 400 at the door; tools' schemas closed there
                     "structured_output.grammar", "structured_output.strict_schema"},
