@@ -43,6 +43,19 @@ def test_embed_matches_sentence_transformers(tmp_path, pooling):
         assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-4
 
 
+def test_xlm_roberta_embedder_matches_sentence_transformers(tmp_path):
+    folder = save_st_bert(tmp_path, pooling="mean", dense=None, arch="xlm-roberta")
+    # No [UNK]: its id is XLM-R's padding id, whose position transformers does not count.
+    texts = ["the cat sat on the mat", "a dog", "red cats ran far on a blue mat"]
+    llm = LLM(str(folder))
+    assert llm.llm_engine.max_model_len == 64  # 66 positions, counted from padding id 1 + 1
+    outs = llm.embed(texts)
+    assert all(1 not in o.prompt_token_ids for o in outs)
+    for out, want in zip(outs, _reference(folder, texts)):
+        assert _cos(out.outputs.embedding, want) >= 0.99999
+        assert max(abs(a - b) for a, b in zip(out.outputs.embedding, want)) <= 1e-4
+
+
 def test_mixed_batch_gives_each_input_its_solo_vector(cls_dense):
     llm = LLM(str(cls_dense), max_num_batched_tokens=64)
     assert llm.llm_engine.executor.runner.kv_caches == []  # an encoder keeps no KV

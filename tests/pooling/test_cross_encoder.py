@@ -2,13 +2,11 @@
 CrossEncoder and transformers on the same folder."""
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
 from pagedllm import LLM
-from tests.pooling.st_models import bert_config, write_bert_tokenizer
+from tests.pooling.st_models import bert_config, one_token_type, write_bert_tokenizer
 
 QUERIES = ["the cat", "a red dog ran"]
 DOCS = ["the cat sat on the mat", "a dog ran far", "blue mats", "the red cat sat on a dog"]
@@ -33,11 +31,8 @@ def _save(folder, arch: str, num_labels: int):
     out = folder / "model"
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    if arch == "xlm-roberta":  # one token type: the tokenizer must not send type ids
-        path = out / "tokenizer_config.json"
-        cfg = json.loads(path.read_text())
-        cfg["model_input_names"] = ["input_ids", "attention_mask"]
-        path.write_text(json.dumps(cfg))
+    if arch == "xlm-roberta":
+        one_token_type(out)
     return out
 
 
