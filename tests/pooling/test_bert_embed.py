@@ -101,3 +101,15 @@ def test_model_without_matryoshka_refuses_dimensions(tmp_path):
     folder = save_st_bert(tmp_path, dense=None)
     with pytest.raises(ValidationError, match="matryoshka"):
         LLM(str(folder)).embed("a cat", PoolingParams(dimensions=4))
+
+
+def test_engine_core_in_its_own_process(cls_dense, monkeypatch):
+    inproc = LLM(str(cls_dense)).embed(TEXTS)
+    monkeypatch.setenv("PAGEDLLM_ENABLE_MULTIPROCESSING", "1")  # PoolingParams and vectors on the wire
+    llm = LLM(str(cls_dense))
+    try:
+        assert type(llm.llm_engine.engine_core).__name__ == "MPEngineCoreClient"
+        for got, want in zip(llm.embed(TEXTS), inproc):
+            assert got.outputs.embedding == want.outputs.embedding
+    finally:
+        llm.llm_engine.shutdown()
