@@ -11,7 +11,9 @@ from pathlib import Path
 from pagedllm.errors import ModelLoadError, ValidationError
 
 POOLING_TYPES = ("CLS", "MEAN", "LAST")
-_OVERRIDE_KEYS = ("pooling_type", "normalize")
+# classifier_from_token: a decoder as a yes/no reranker (Qwen3-Reranker): the score is
+# sigmoid(logit[yes] - logit[no]) at the last token, [no, yes] given as tokens or token ids.
+_OVERRIDE_KEYS = ("pooling_type", "normalize", "classifier_from_token")
 # sentence-transformers' 1_Pooling/config.json flags -> pooling type.
 _ST_MODES = {"pooling_mode_cls_token": "CLS", "pooling_mode_mean_tokens": "MEAN",
              "pooling_mode_lasttoken": "LAST"}
@@ -40,6 +42,7 @@ class PoolerConfig:
     multi_label: bool = False  # problem_type multi_label_classification: sigmoid per label
     prompts: dict[str, str] = field(default_factory=dict)
     default_prompt_name: str | None = None
+    classifier_from_token: tuple[str | int, ...] = ()  # (no, yes): a decoder's two logits
 
     @property
     def embedding_size(self) -> int:
@@ -138,15 +141,21 @@ def load_pooler_config(model: str, overrides: dict | None = None) -> PoolerConfi
     archs = config.get("architectures") or []
     classifier = any(a.endswith("ForSequenceClassification") for a in archs)
     id2label = {int(k): str(v) for k, v in (config.get("id2label") or {}).items()} if classifier else {}
+    from_token = tuple(overrides.get("classifier_from_token") or ())
+    if from_token:
+        if len(from_token) != 2 or not all(isinstance(t, (str, int)) for t in from_token):
+            raise ValidationError("classifier_from_token must name two tokens, [no, yes]", "pooler_config")
+        id2label = {0: str(from_token[1])}
     return PoolerConfig(
         pooling_type=pooling_type,
         normalize=bool(overrides.get("normalize", normalize)),
         hidden_size=int(text["hidden_size"]),
         dense=tuple(dense),
         is_matryoshka=bool(config.get("is_matryoshka") or config.get("matryoshka_dimensions")),
-        num_labels=len(id2label) if classifier else 0,
+        num_labels=len(id2label),
         id2label=id2label,
         multi_label=config.get("problem_type") == "multi_label_classification",
         prompts=dict(st.get("prompts") or {}),
         default_prompt_name=st.get("default_prompt_name"),
+        classifier_from_token=from_token,
     )

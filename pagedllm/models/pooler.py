@@ -38,13 +38,47 @@ def _load_dense(spec: DenseSpec, dtype: torch.dtype, device: torch.device) -> nn
     return nn.Sequential(linear, _DENSE_ACTIVATIONS[spec.activation]()).to(dtype=dtype, device=device)
 
 
+def token_ids(tokens: tuple[str | int, ...], model_path: str) -> list[int]:
+    """Token ids as given, or each token string's single id in the model's tokenizer."""
+    if all(isinstance(t, int) for t in tokens):
+        return list(tokens)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    ids = []
+    for t in tokens:
+        found = t if isinstance(t, int) else tokenizer.convert_tokens_to_ids(t)
+        if found is None or found == tokenizer.unk_token_id:
+            raise ModelLoadError(f"classifier_from_token: {t!r} is not one token of this model's vocabulary")
+        ids.append(int(found))
+    return ids
+
+
+class YesNoClassifier(nn.Module):
+    """Qwen3-Reranker: the relevance logit is logit[yes] - logit[no] at the last token, so its
+    sigmoid is the softmax of the two."""
+
+    def __init__(self, model: nn.Module, ids: list[int]) -> None:
+        super().__init__()
+        self.model = [model]  # a list: not a submodule of the pooler
+        self.no, self.yes = ids
+
+    def forward(self, last_rows: torch.Tensor) -> torch.Tensor:
+        logits = self.model[0].compute_logits(last_rows)
+        return (logits[:, self.yes] - logits[:, self.no]).unsqueeze(-1)
+
+
 class Pooler(nn.Module):
-    def __init__(self, config: PoolerConfig, model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, config: PoolerConfig, model: nn.Module, dtype: torch.dtype, device: torch.device,
+                 model_path: str = "") -> None:
         super().__init__()
         self.config = config
         self.dense = nn.ModuleList(_load_dense(spec, dtype, device) for spec in config.dense)
-        # A classifier's head lives in the model (its checkpoint names are the model's).
+        # A classifier's head lives in the model (its checkpoint names are the model's); a
+        # decoder reranker reads two of its logits.
         self.classify = getattr(model, "classify", None)
+        if config.classifier_from_token:
+            self.classify = YesNoClassifier(model, token_ids(config.classifier_from_token, model_path))
 
     def _pool(self, hidden: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
         """``[T, hidden]`` and each request's rows ``(first, count)`` -> ``[B, hidden]``."""

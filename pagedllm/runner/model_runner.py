@@ -67,7 +67,8 @@ class ModelRunner:
         self.model, self.hf_config = load_model(mc.model, self.dtype, self.device, mc.quantization)
         # A pooling model's step ends in the pooler instead of the sampler.
         self.pooler = (Pooler(load_pooler_config(mc.model, config.pooler_config), self.model, self.dtype,
-                              self.device) if resolve_runner_type(mc.runner, mc.model) == "pooling" else None)
+                              self.device, mc.tokenizer or mc.model)
+                       if resolve_runner_type(mc.runner, mc.model) == "pooling" else None)
         if self.device.type == "cpu":
             # Each layer's weight in the layout of the faster kernel on this CPU, one copy
             # (runner/linear_choice.py).
