@@ -23,7 +23,7 @@ BUDGET = {
     "gguf": 1050,
     "kernels": 400,
     "layers": 3500,
-    "models": 1800,
+    "models": 1950,
     "runner": 2050,
     "structured_output": 450,
 }

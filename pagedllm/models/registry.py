@@ -16,6 +16,7 @@ from pagedllm.models.gpt_oss import GptOssForCausalLM
 from pagedllm.models.granite import GraniteForCausalLM
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.mixtral import MixtralForCausalLM
+from pagedllm.models.modernbert import ModernBertModel
 from pagedllm.models.olmo2 import Olmo2ForCausalLM
 from pagedllm.models.olmoe import OlmoeForCausalLM
 from pagedllm.models.phi3 import Phi3ForCausalLM
@@ -50,6 +51,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "RobertaModel": XLMRobertaModel,
     "XLMRobertaModel": XLMRobertaModel,
     "XLMRobertaForSequenceClassification": XLMRobertaForSequenceClassification,
+    "ModernBertModel": ModernBertModel,
 }
 
 

@@ -49,6 +49,13 @@ def save_st_bert(folder: Path, pooling: str = "cls", dense: int | None = 16, nor
     hf = folder / "hf"
     if arch == "bert":
         model = BertModel(bert_config(vocab_size))
+    elif arch == "modernbert":  # a window of 8 (4 each side): the test's texts are longer
+        from transformers import ModernBertConfig, ModernBertModel
+
+        model = ModernBertModel(ModernBertConfig(
+            vocab_size=vocab_size, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+            num_attention_heads=4, local_attention=8, global_attn_every_n_layers=3, max_position_embeddings=128,
+            pad_token_id=0, bos_token_id=2, eos_token_id=3, cls_token_id=2, sep_token_id=3))
     else:
         model = XLMRobertaModel(XLMRobertaConfig(
             vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,

@@ -56,6 +56,16 @@ def test_xlm_roberta_embedder_matches_sentence_transformers(tmp_path):
         assert max(abs(a - b) for a, b in zip(out.outputs.embedding, want)) <= 1e-4
 
 
+def test_modernbert_embedder_matches_sentence_transformers(tmp_path):
+    folder = save_st_bert(tmp_path, pooling="mean", dense=None, arch="modernbert")
+    texts = TEXTS + ["the cat sat on the red mat and the dog ran far on a blue mat"]  # past the window
+    outs = LLM(str(folder), max_num_batched_tokens=64).embed(texts)
+    assert len(outs[-1].prompt_token_ids) > 8
+    for out, want in zip(outs, _reference(folder, texts)):
+        assert _cos(out.outputs.embedding, want) >= 0.99999
+        assert max(abs(a - b) for a, b in zip(out.outputs.embedding, want)) <= 1e-4
+
+
 def test_mixed_batch_gives_each_input_its_solo_vector(cls_dense):
     llm = LLM(str(cls_dense), max_num_batched_tokens=64)
     assert llm.llm_engine.executor.runner.kv_caches == []  # an encoder keeps no KV
