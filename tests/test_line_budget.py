@@ -16,7 +16,7 @@ BUDGET = {
     ".": 1300,
     "core": 1850,
     "distributed": 300,
-    "engine": 3350,
+    "engine": 3400,
     "entrypoints": 4250,
     "executor": 1250,
     "explain": 750,

@@ -98,9 +98,7 @@ class PoolingMixin:
         the cosine similarity of the two embeddings."""
         pairs = score_pairs(data_1, data_2)
         engine = self.llm_engine
-        config = engine.pooling.pooler_config
-        if config is None:
-            engine.pooling.make_request("", "", PoolingParams(), 0.0, 0)  # the generator's error
+        config = engine.pooling.check_pooling_model()
         params = (pooling_params or PoolingParams()).clone(truncate_prompt_tokens=truncate_prompt_tokens)
         if not config.num_labels:  # a bi-encoder: cosine of the embeddings
             texts = list(dict.fromkeys([t for pair in pairs for t in pair]))
@@ -112,8 +110,7 @@ class PoolingMixin:
             raise ValidationError("score() needs a tokenizer", "input")
         prompts, per_pair = [], []
         for a, b in pairs:
-            kwargs = {"truncation": True, "max_length": engine.max_model_len} if truncate_prompt_tokens else {}
-            enc = tokenizer(a, b, **kwargs)
+            enc = tokenizer(a, b, **pair_truncation(truncate_prompt_tokens, engine.max_model_len))
             types = list(enc.get("token_type_ids") or [])
             start = types.index(1) if 1 in types else None
             prompts.append({"prompt_token_ids": list(enc.input_ids)})
@@ -138,6 +135,17 @@ def score_pairs(data_1: str | Sequence[str], data_2: str | Sequence[str]) -> lis
         raise ValidationError(f"data_1 has {len(first)} texts and data_2 {len(second)}: give one text "
                               f"against many, or two lists of the same length", "input")
     return list(zip(first, second))
+
+
+def pair_truncation(truncate: int | None, max_model_len: int) -> dict:
+    """The tokenizer's arguments that cut a text pair to ``truncate`` tokens (-1: the model's
+    limit), the longer text first, special tokens kept."""
+    if truncate is None:
+        return {}
+    if truncate != -1 and not 1 <= truncate <= max_model_len:
+        raise ValidationError(f"truncate_prompt_tokens must be -1 or in [1, {max_model_len}], got {truncate}",
+                              "truncate_prompt_tokens")
+    return {"truncation": "longest_first", "max_length": max_model_len if truncate == -1 else truncate}
 
 
 def cosine(a: list[float], b: list[float]) -> float:

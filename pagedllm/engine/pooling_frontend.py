@@ -36,13 +36,16 @@ class PoolingFrontend:
         self.pooler_config = pooler_config  # None: a generator
         self.pending: dict[str, _Pending] = {}
 
-    def make_request(self, request_id: str, prompt: PromptType, params: PoolingParams,
-                     arrival_time: float, priority: int) -> EngineCoreRequest:
-        config = self.pooler_config
-        if config is None:
+    def check_pooling_model(self) -> PoolerConfig:
+        if self.pooler_config is None:
             raise ValidationError(f"this model generates text: it serves {GENERATE_ROUTES}, not "
                                   f"embeddings or scores (start it with runner='pooling' to pool "
                                   f"its hidden states)", "model")
+        return self.pooler_config
+
+    def make_request(self, request_id: str, prompt: PromptType, params: PoolingParams,
+                     arrival_time: float, priority: int) -> EngineCoreRequest:
+        config = self.check_pooling_model()
         if not isinstance(params, PoolingParams):
             raise ValidationError("pooling_params must be a PoolingParams", "pooling_params")
         params = params.clone(task=params.task or "embed")

@@ -120,6 +120,7 @@ def test_engine_core_in_its_own_process(cls_dense, monkeypatch):
     try:
         assert type(llm.llm_engine.engine_core).__name__ == "MPEngineCoreClient"
         for got, want in zip(llm.embed(TEXTS), inproc):
-            assert got.outputs.embedding == want.outputs.embedding
+            # Another process may run other thread counts: sums in another order.
+            assert max(abs(a - b) for a, b in zip(got.outputs.embedding, want.outputs.embedding)) <= 1e-6
     finally:
         llm.llm_engine.shutdown()

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from pagedllm import LLM
+from pagedllm.errors import ValidationError
 from tests.pooling.st_models import bert_config, one_token_type, write_bert_tokenizer
 
 QUERIES = ["the cat", "a red dog ran"]
@@ -64,3 +65,15 @@ def test_classify_softmax_over_labels(tmp_path):
             want = torch.softmax(model(**tokenizer(text, return_tensors="pt")).logits[0], dim=-1)
         assert len(out.outputs.probs) == 3
         assert torch.allclose(torch.tensor(out.outputs.probs), want, atol=1e-5)
+
+
+def test_pair_truncation_keeps_special_tokens(tmp_path):
+    folder = _save(tmp_path, "bert", num_labels=1)
+    llm = LLM(str(folder))
+    long_doc = " ".join(["cat"] * 100)
+    with pytest.raises(ValidationError, match="has 105 tokens but this model's maximum length is 64"):
+        llm.score("the cat", long_doc)
+    scores = llm.score("the cat", [long_doc, DOCS[0]], truncate_prompt_tokens=20)
+    assert len(scores) == 2 and all(0 < s.outputs.score < 1 for s in scores)
+    ids = scores[0].prompt_token_ids
+    assert len(ids) == 20 and ids[0] == 2 and ids[-1] == 3 and ids.count(3) == 2  # [CLS] a [SEP] b [SEP]

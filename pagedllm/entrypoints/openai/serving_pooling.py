@@ -13,7 +13,7 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
 from pagedllm.engine.async_engine import AsyncLLM
-from pagedllm.engine.llm_pooling import cosine, score_pairs
+from pagedllm.engine.llm_pooling import cosine, pair_truncation, score_pairs
 from pagedllm.entrypoints.openai.protocol import random_id
 from pagedllm.entrypoints.openai.protocol_pooling import (
     ClassificationData,
@@ -133,7 +133,7 @@ class OpenAIServingPooling(OpenAIServing):
         tokenizer = self.llm.tokenizer
         if tokenizer is None:
             raise ValidationError("scoring text needs the model's tokenizer", "input")
-        kwargs = {"truncation": True, "max_length": self.llm.max_model_len} if truncate else {}
+        kwargs = pair_truncation(truncate, self.llm.max_model_len)
         prompts, params = [], []
         for a, b in pairs:
             enc = await self.tokenizer_call(tokenizer, a, b, **kwargs)
