@@ -124,3 +124,9 @@ def test_engine_core_in_its_own_process(cls_dense, monkeypatch):
             assert max(abs(a - b) for a, b in zip(got.outputs.embedding, want.outputs.embedding)) <= 1e-6
     finally:
         llm.llm_engine.shutdown()
+
+
+def test_bfloat16_weights_stay_close_to_float32(cls_dense):
+    want = [o.outputs.embedding for o in LLM(str(cls_dense)).embed(TEXTS)]
+    got = [o.outputs.embedding for o in LLM(str(cls_dense), dtype="bfloat16").embed(TEXTS)]
+    assert all(_cos(a, b) >= 0.999 for a, b in zip(got, want))
