@@ -66,8 +66,9 @@ def test_modernbert_embedder_matches_sentence_transformers(tmp_path):
         assert max(abs(a - b) for a, b in zip(out.outputs.embedding, want)) <= 1e-4
 
 
-def test_mixed_batch_gives_each_input_its_solo_vector(cls_dense):
-    llm = LLM(str(cls_dense), max_num_batched_tokens=64)
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_mixed_batch_gives_each_input_its_solo_vector(cls_dense, async_scheduling):
+    llm = LLM(str(cls_dense), max_num_batched_tokens=24, async_scheduling=async_scheduling)
     assert llm.llm_engine.executor.runner.kv_caches == []  # an encoder keeps no KV
     batch = [o.outputs.embedding for o in llm.embed(TEXTS)]
     for text, vec in zip(TEXTS, batch):
