@@ -131,3 +131,14 @@ def test_bfloat16_weights_stay_close_to_float32(cls_dense):
     want = [o.outputs.embedding for o in LLM(str(cls_dense)).embed(TEXTS)]
     got = [o.outputs.embedding for o in LLM(str(cls_dense), dtype="bfloat16").embed(TEXTS)]
     assert all(_cos(a, b) >= 0.999 for a, b in zip(got, want))
+
+
+@pytest.mark.slow
+def test_data_parallel_replicas_pool_too(cls_dense):
+    want = [o.outputs.embedding for o in LLM(str(cls_dense)).embed(TEXTS)]
+    llm = LLM(str(cls_dense), data_parallel_size=2)
+    try:
+        got = [o.outputs.embedding for o in llm.embed(TEXTS)]
+    finally:
+        llm.llm_engine.shutdown()
+    assert all(max(abs(a - b) for a, b in zip(g, w)) <= 1e-6 for g, w in zip(got, want))
