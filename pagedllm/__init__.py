@@ -11,6 +11,7 @@ from pagedllm.beam_search_params import BeamSearchParams
 from pagedllm.config import EngineConfig
 from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_outputs_params import StructuredOutputsParams
 
@@ -18,7 +19,7 @@ if TYPE_CHECKING:
     from pagedllm.engine.llm import LLM
 
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "BeamSearchParams", "EngineConfig",
-           "RequestOutput", "CompletionOutput", "LoRARequest"]
+           "RequestOutput", "CompletionOutput", "LoRARequest", "PoolingParams"]
 __version__ = "0.1.0"
 
 

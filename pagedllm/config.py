@@ -11,6 +11,7 @@ from pathlib import Path
 
 from pagedllm import envs
 from pagedllm.errors import ValidationError, check_ints
+from pagedllm.runner_type import RUNNER_TYPES
 
 # The demo model lives in the shared folder beside the repository; PAGEDLLM_MODEL overrides it.
 _REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -71,8 +72,14 @@ class ModelConfig:
         "row in blocks of 32, integer dot products); bfloat16 for bf16 weights (dtype=bfloat16: "
         "rounded to bf16, AMX tiles or AVX512-BF16 dot products); docs/quantization.md.",
         default="auto")
+    runner: str = _doc("auto (pooling for a *Model, *ForSequenceClassification or "
+                       "sentence-transformers checkpoint, else generate), generate or pooling "
+                       "(embed, classify, score: docs/pooling.md).", default="auto")
 
     def __post_init__(self) -> None:
+        if self.runner not in RUNNER_TYPES:
+            raise ValidationError(f"runner must be one of {', '.join(RUNNER_TYPES)}; got {self.runner!r}",
+                                  "runner")
         if self.dtype != "auto" and self.dtype not in DTYPE_ALIASES:
             raise ValidationError(
                 f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}", "dtype")
@@ -226,6 +233,9 @@ class EngineConfig:
     # true}'): the engine's default for requests that leave an option unset.
     structured_outputs_config: dict | None = None
     lora_config: LoRAConfig = field(default_factory=LoRAConfig)
+    # vLLM's pooler_config ('{"pooling_type": "MEAN", "normalize": true}'): overrides what the
+    # checkpoint's sentence-transformers files say (models/pooler_config.py checks it).
+    pooler_config: dict | None = None
 
     def __post_init__(self) -> None:
         # Engine arguments travel to worker and core processes, and seeds and sizes into torch:
@@ -255,6 +265,7 @@ class EngineConfig:
             parts[ModelConfig]["model"] = str(model)
         speculative_config = kwargs.pop("speculative_config", None)
         structured_outputs_config = kwargs.pop("structured_outputs_config", None)
+        pooler_config = kwargs.pop("pooler_config", None)
         for key, value in kwargs.items():
             for klass, values in parts.items():
                 if key in {f.name for f in fields(klass)}:
@@ -266,4 +277,4 @@ class EngineConfig:
                    SchedulerConfig(**parts[SchedulerConfig]), speculative_config,
                    ParallelConfig(**parts[ParallelConfig]),
                    ObservabilityConfig(**parts[ObservabilityConfig]), structured_outputs_config,
-                   LoRAConfig(**parts[LoRAConfig]))
+                   LoRAConfig(**parts[LoRAConfig]), pooler_config)

@@ -18,7 +18,10 @@ def text_config(config: dict) -> dict:
 
 
 def max_position_embeddings(config: dict) -> int:
-    return int(text_config(config).get("max_position_embeddings", 2048))
+    text = text_config(config)
+    # RoBERTa's positions start after its padding id: the table's first pad_token_id + 1 rows are unused.
+    offset = text.get("pad_token_id", 1) + 1 if text.get("model_type") in ("roberta", "xlm-roberta") else 0
+    return int(text.get("max_position_embeddings", 2048)) - offset
 
 
 def sliding_window(config: dict) -> int | None:

@@ -13,19 +13,19 @@ PKG = Path(__file__).resolve().parents[1] / "pagedllm"
 
 # Package (a folder under pagedllm/, "." for the top-level modules) -> its ceiling in lines.
 BUDGET = {
-    ".": 950,
+    ".": 1300,
     "checkpoint": 250,
-    "core": 1800,
+    "core": 1900,
     "distributed": 300,
-    "engine": 3150,
-    "entrypoints": 4500,
+    "engine": 3500,
+    "entrypoints": 4850,
     "executor": 1300,
     "explain": 750,
     "gguf": 1050,
     "kernels": 400,
     "layers": 3500,
     "lora": 600,
-    "models": 1450,
+    "models": 1950,
     "runner": 2050,
     "structured_output": 450,
 }

@@ -38,6 +38,29 @@ def validate_request(request: Request, max_model_len: int, kv: KVCacheManager) -
             f"the KV cache more memory", "max_tokens")
 
 
+def validate_pooling_request(request: Request, max_model_len: int, max_num_batched_tokens: int,
+                             kv: KVCacheManager) -> None:
+    """A pooling request runs its whole input in one step: it must fit the model's length, the
+    step's token budget (it is never chunked) and the empty cache."""
+    num_prompt = request.num_prompt_tokens
+    if num_prompt == 0:
+        raise ValidationError("the input is empty; give at least one token", "input")
+    if num_prompt > max_model_len:
+        raise ValidationError(
+            f"the input has {num_prompt} tokens but this model's maximum length is {max_model_len}; "
+            f"shorten it or set truncate_prompt_tokens", "input")
+    if num_prompt > max_num_batched_tokens:
+        raise ValidationError(
+            f"the input has {num_prompt} tokens but max_num_batched_tokens is "
+            f"{max_num_batched_tokens} (a pooling input runs in one step); shorten it or raise "
+            f"max_num_batched_tokens", "input")
+    request.max_tokens = 1
+    if kv.num_blocks_needed(num_prompt) > kv.num_blocks:
+        raise ValidationError(f"the input needs {kv.num_blocks_needed(num_prompt)} KV blocks but "
+                              f"the whole cache has {kv.num_blocks}; give the KV cache more memory",
+                              "input")
+
+
 def _max_total_tokens(kv: KVCacheManager, max_model_len: int) -> int:
     """The longest request (prompt + outputs, at most ``max_model_len``) the empty cache holds."""
     if kv.num_groups == 1 and kv.sliding_windows[0] is None:  # the plain paged cache

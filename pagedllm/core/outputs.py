@@ -11,6 +11,7 @@ from typing import Any
 from pagedllm.beam_search_params import BeamSearchParams
 from pagedllm.core.scheduler_stats import SchedulerStats
 from pagedllm.lora.request import LoRARequest
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -27,6 +28,8 @@ class EngineCoreRequest:
     cache_salt: str | None = None
     beam_search_params: BeamSearchParams | None = None
     lora_request: LoRARequest | None = None
+    # A pooling request: one forward over the whole prompt, its output a vector.
+    pooling_params: PoolingParams | None = None
 
 
 @dataclass(slots=True)
@@ -49,6 +52,7 @@ class NewRequestData:
     num_computed_tokens: int  # tokens already in the cache (prefix-cache hit) before this step
     eos_token_ids: frozenset[int] = frozenset()
     lora_request: LoRARequest | None = None  # the adapter its rows run with
+    pooling_params: PoolingParams | None = None
 
 
 @dataclass(slots=True)
@@ -121,6 +125,8 @@ class RunnerOutput:
     # Per request, None or one TokenLogprobs per sampled token (SamplingParams.logprobs).
     logprobs: list[list[TokenLogprobs] | None] | None = None
     prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
+    # Pooling requests computed this step: req_id -> its vector (the pooler's output).
+    pooler_output: dict[str, list[float]] = field(default_factory=dict)
 
     @classmethod
     def empty(cls) -> "RunnerOutput":
@@ -162,6 +168,8 @@ class EngineCoreOutputs:
     scheduler_stats: SchedulerStats = field(default_factory=SchedulerStats)
     # Beam searches that ended this step: request id -> its beams, best first.
     finished_beams: dict[str, list[FinishedBeam]] = field(default_factory=dict)
+    # Pooling requests that finished this step: request id -> its vector.
+    pooler_output: dict[str, list[float]] = field(default_factory=dict)
     # The data-parallel replica whose step this is (its client stamps it; 0 with one replica).
     engine_index: int = 0
     # The step's trace record (docs/trace_schema.md), on the steps the dashboard's sampler

@@ -10,6 +10,7 @@ import time
 from enum import IntEnum
 
 from pagedllm.lora.request import LoRARequest
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -44,7 +45,7 @@ class Request:
         "priority", "cache_salt", "max_tokens", "status", "num_computed_tokens", "num_cached_tokens",
         "stop_reason", "num_preemptions", "block_hashes", "spec_token_ids", "num_skipped_past",
         "num_sent_tokens", "is_beam", "all_token_ids", "num_prompt_tokens", "max_num_tokens",
-        "maybe_stop_ids", "num_output_placeholders", "lora_request",
+        "maybe_stop_ids", "num_output_placeholders", "lora_request", "pooling_params",
     )
 
     def __init__(
@@ -59,6 +60,7 @@ class Request:
         cache_salt: str | None = None,
         output_token_ids: list[int] | None = None,
         lora_request: LoRARequest | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -87,6 +89,9 @@ class Request:
         # Beam search: the engine, not the sampler, picks this request's next token; the
         # scheduler only reports the step's top-k logprobs once its sequence is computed.
         self.is_beam = False
+        # A pooling request runs its whole prompt in one step, reads no prefix-cache hit and
+        # finishes with its vector (``sampling_params`` is a one-token stand-in).
+        self.pooling_params = pooling_params
         self.num_prompt_tokens = len(self.prompt_token_ids)
         # A plain attribute, not a property: it is read on the per-step hot path. A sequence
         # forked from another starts with outputs (a beam's tokens so far).

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from pagedllm.config import SchedulerConfig
-from pagedllm.core.admission import validate_request
+from pagedllm.core.admission import validate_pooling_request, validate_request
 from pagedllm.core.kv_cache_manager import NO_NEW_BLOCKS, KVCacheManager
 from pagedllm.core.outputs import CachedRequestData, EngineCoreOutputs, NewRequestData, RunnerOutput, SchedulerOutput
 from pagedllm.core.request import Request, RequestStatus
@@ -73,7 +73,11 @@ class Scheduler:
 
     def validate(self, request: Request) -> None:
         """Raise ValidationError unless ``request`` could run alone in the empty cache."""
-        validate_request(request, self.max_model_len, self.kv_cache_manager)
+        if request.pooling_params is not None:
+            validate_pooling_request(request, self.max_model_len, self.max_num_batched_tokens,
+                                     self.kv_cache_manager)
+        else:
+            validate_request(request, self.max_model_len, self.kv_cache_manager)
 
     def _register(self, request: Request, validated: bool = False) -> None:
         check_request_id_free(request.request_id, self.requests)  # derived ids (samples, beams) too
@@ -199,9 +203,8 @@ class Scheduler:
             req = self.waiting.pop_request()
             blocked = self._lora_blocked(req, loras)
             if not blocked:
-                hit_blocks, num_hit = kv.get_computed_blocks(req)
-                n = self._num_new_tokens(req.num_tokens - num_hit, budget)
-            if blocked or kv.allocate_slots(req, n, num_hit, hit_blocks) is None:
+                hit_blocks, num_hit, n = self._admission_size(req, budget)
+            if blocked or n > budget or kv.allocate_slots(req, n, num_hit, hit_blocks) is None:
                 skipped.append(req)
                 if len(skipped) > self.max_skip_ahead or any(
                         s.num_skipped_past >= self.max_skip_ahead for s in skipped):
@@ -224,6 +227,14 @@ class Scheduler:
         if skipped:
             self.waiting.prepend_requests(skipped)
         return [r.request_id for r in skipped]
+
+    def _admission_size(self, req: Request, budget: int) -> tuple[list | None, int, int]:
+        """A waiting request's prefix hit (blocks, tokens) and the tokens it would run now. A
+        pooling request is never chunked and takes no hit: its pooler reads every position."""
+        if req.pooling_params is not None:
+            return None, 0, req.num_tokens
+        hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(req)
+        return hit_blocks, num_hit, self._num_new_tokens(req.num_tokens - num_hit, budget)
 
     def _lora_blocked(self, req: Request, loras: set[int] | None) -> bool:
         """Whether ``req``'s adapter would be one more than max_loras beside ``loras``."""
@@ -279,7 +290,7 @@ class Scheduler:
             if req.num_sent_tokens == 0:
                 new_reqs.append(NewRequestData(rid, req.prompt_token_ids, req.output_token_ids,
                                                req.sampling_params, kv.get_block_ids(rid), start,
-                                               req.eos_token_ids, req.lora_request))
+                                               req.eos_token_ids, req.lora_request, req.pooling_params))
             else:
                 add_id(rid)
                 add_blocks(new_block_ids[rid])
@@ -289,7 +300,8 @@ class Scheduler:
                 spec_tokens[rid] = req.spec_token_ids[:start + n - len(all_ids)]
             req.num_computed_tokens = start + n
             req.num_sent_tokens = len(all_ids)
-            if placeholders and start + n >= len(all_ids) + req.num_output_placeholders and not req.is_beam:
+            if (placeholders and start + n >= len(all_ids) + req.num_output_placeholders and not req.is_beam
+                    and req.pooling_params is None):
                 req.num_output_placeholders += 1  # it samples: one more token in flight
         block_copies, replaced = kv.take_block_copies()
         finished, self.finished_req_ids = self.finished_req_ids, set()
@@ -328,6 +340,10 @@ class Scheduler:
             req = requests.get(rid)
             if req is None or req.status is not running_status:
                 continue  # aborted (or finished) after it was scheduled
+            if req.pooling_params is not None:  # its one step is done: it finishes with its vector
+                self._finish_pooling(req, runner_output.pooler_output, outputs)
+                any_finished = True
+                continue
             new_logprobs = logprobs[runner_output.req_id_to_index[rid]] if logprobs else None
             if req.num_output_placeholders and new_ids:
                 req.num_output_placeholders -= 1  # the token in flight has landed
@@ -363,6 +379,15 @@ class Scheduler:
         stats.num_generation_tokens = num_generated
         self._fill_stats(stats, scheduler_output)
         return outputs
+
+    def _finish_pooling(self, req: Request, pooler_output: dict[str, list[float]],
+                        outputs: EngineCoreOutputs) -> None:
+        rid = req.request_id
+        assert rid in pooler_output, f"{rid}: the runner pooled nothing for a pooling request"
+        outputs.pooler_output[rid] = pooler_output[rid]
+        req.status = RequestStatus.FINISHED_STOPPED
+        outputs.finished[rid] = ("stop", None)
+        self._free_request(req)
 
     @staticmethod
     def _update_spec_decode(req: Request, num_drafts: int, num_sampled: int,

@@ -33,6 +33,8 @@ from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.errors import EngineDeadError, check_request_id_free
 from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
+from pagedllm.pooling_outputs import PoolingRequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -358,6 +360,32 @@ class AsyncLLM:
                 yield out
         finally:
             stream.close()
+
+    async def encode(self, prompt: PromptType, params: PoolingParams, request_id: str,
+                     priority: int = 0) -> PoolingRequestOutput:
+        """A pooling request's one output (its vector); ValidationError before anything is
+        queued if it is bad. Cancelling the wait aborts it."""
+        if self._dead is not None:
+            raise self._dead
+        self.start()
+        check_request_id_free(request_id, self._streams)
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = queue
+        try:
+            await self.run(self._add_on_engine, self.engine.add_pooling_request, request_id, prompt,
+                           params, None, priority)
+            assert self._wake is not None
+            self._wake.set()
+            _, item = await queue.get()
+        except BaseException:
+            if self._streams.pop(request_id, None) is not None:
+                self._abort_soon(request_id)
+            raise
+        if isinstance(item, BaseException):
+            raise item
+        if item is None:
+            raise EngineDeadError(f"pooling request {request_id} was aborted")
+        return item
 
     def _abort_soon(self, request_id: str) -> None:
         """Abort before the next step (callable from a generator's finally, which cannot wait)."""

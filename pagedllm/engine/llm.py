@@ -14,6 +14,7 @@ from pagedllm.checkpoint.hub import resolve_engine_args
 from pagedllm.config import DEFAULT_MODEL_DIR, EngineConfig
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.llm_pooling import PoolingMixin
 from pagedllm.engine.tokenizer import apply_chat_template
 from pagedllm.errors import ValidationError, check_text
 from pagedllm.lora.request import LoRARequest
@@ -43,8 +44,8 @@ def _engine_field_names() -> set[str]:
             for f in dataclasses.fields(part)}
 
 
-class LLM:
-    """An engine for offline batch inference.
+class LLM(PoolingMixin):
+    """An engine for offline batch inference (a pooling model's API: engine/llm_pooling.py).
 
     ``LLM(model, **engine_args)`` takes vLLM's engine argument names (max_num_seqs,
     max_num_batched_tokens, max_model_len, block_size, enable_prefix_caching,

@@ -26,10 +26,14 @@ from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.model_info import ModelInfo
 from pagedllm.engine.output_processor import BeamSearchRequest, OutputProcessor, ParentRequest
 from pagedllm.engine.parallel_sampling import sample_request_ids
+from pagedllm.engine.pooling_frontend import POOLING_ROUTES, PoolingFrontend
 from pagedllm.errors import ValidationError, check_int, check_request_id_free
 from pagedllm.lora.request import LoRARequest, check_lora_request
 from pagedllm.outputs import RequestMetrics, RequestOutput
+from pagedllm.pooler_config import load_pooler_config
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.runner.base import Runner
+from pagedllm.runner_type import resolve_runner_type
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedllm")
@@ -83,8 +87,15 @@ class LLMEngine:
             config, self.max_model_len, runner, multiprocess)
         self.input_processor = InputProcessor(tokenizer, self.model_info.vocab_size)
         self.output_processor = OutputProcessor(tokenizer)
+        self.runner_type = resolve_runner_type(mc.runner, mc.model)
+        self.pooling = PoolingFrontend(tokenizer, self.input_processor, self.max_model_len,
+                                       load_pooler_config(mc.model, config.pooler_config)
+                                       if self.runner_type == "pooling" else None)
         self.num_prompt_tokens = 0  # prompt tokens of the requests received
         self.num_requests_finished = 0
+        # Pooling traffic, counted apart from generation's prompt tokens and finished requests.
+        self.num_pooling_prompt_tokens = 0
+        self.num_pooling_requests_finished = 0
         self.num_scheduled_tokens = 0  # tokens the steps computed: the watchdog's sign of progress
         # See every step's EngineCoreOutputs (its SchedulerStats, its replica) on the engine
         # thread, wherever the core runs; step_observers also see the SchedulerOutput, in-process only.
@@ -133,6 +144,9 @@ class LLMEngine:
         """Validate and queue a request; raises ValidationError (and queues nothing) if bad.
         ``lora_request``: the adapter it runs with (None: the base model)."""
         self._check_new_id(request_id)
+        if self.runner_type == "pooling":
+            raise ValidationError(f"this is a pooling model: it serves {POOLING_ROUTES}, not text "
+                                  f"generation", "model")
         params = params if params is not None else self.default_sampling_params()
         if not isinstance(params, SamplingParams):
             raise ValidationError("sampling_params must be a SamplingParams", "sampling_params")
@@ -168,14 +182,30 @@ class LLMEngine:
         self.output_processor.add_beam_search(BeamSearchRequest(request_id, text, prompt_ids))
         self.num_prompt_tokens += len(prompt_ids)
 
+    def add_pooling_request(self, request_id: str, prompt: PromptType, params: PoolingParams,
+                            arrival_time: float | None = None, priority: int = 0) -> None:
+        """Queue a pooling request (its output one vector); ValidationError if bad."""
+        self._check_new_id(request_id)
+        check_int(priority, "priority")
+        arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        request = self.pooling.make_request(request_id, prompt, params, arrival_time, priority)
+        try:
+            self.engine_core.add_request(request)
+        except Exception:
+            self.pooling.abort_requests([request_id])
+            raise
+        self.num_pooling_prompt_tokens += len(request.prompt_token_ids)
+
     def _check_new_id(self, request_id: str) -> None:
-        check_request_id_free(request_id, self.output_processor.parents, self.output_processor.beam_searches)
+        check_request_id_free(request_id, self.output_processor.parents, self.output_processor.beam_searches,
+                              self.pooling.pending)
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Abort now (idempotent): blocks are freed at once; no further output is produced."""
         if isinstance(request_ids, str):
             request_ids = [request_ids]
-        self.engine_core.abort_requests(self.output_processor.abort_requests(list(request_ids)))
+        self.engine_core.abort_requests(self.output_processor.abort_requests(list(request_ids))
+                                        + self.pooling.abort_requests(list(request_ids)))
 
     # -- the loop ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -187,10 +217,12 @@ class LLMEngine:
         for observe in self.output_observers:
             observe(core_outputs)
         outputs, stopped = self.output_processor.process_outputs(core_outputs)
+        pooled = self.pooling.process_outputs(core_outputs) if core_outputs.pooler_output else []
+        self.num_pooling_requests_finished += len(pooled)
         for child_id, stop_str in stopped:  # a stop string showed up in the text
             self.engine_core.finish_requests([child_id], stop_str)
         self.num_requests_finished += sum(1 for o in outputs if o.finished)
-        return outputs
+        return outputs + pooled if pooled else outputs
 
     def _record_first_scheduled(self, core_outputs: EngineCoreOutputs) -> None:
         """Stamp RequestMetrics.first_scheduled_time (the server's queue-time histogram): the
@@ -205,7 +237,8 @@ class LLMEngine:
                 state.parent.metrics.first_scheduled_time = now
 
     def has_unfinished_requests(self) -> bool:
-        return self.engine_core.has_unfinished_requests() or self.output_processor.has_unfinished_requests()
+        return (self.engine_core.has_unfinished_requests() or self.output_processor.has_unfinished_requests()
+                or bool(self.pooling.pending))
 
     def get_num_unfinished_requests(self) -> int:
         return self.output_processor.get_num_unfinished_requests()
@@ -232,4 +265,6 @@ class LLMEngine:
         """Counters and gauges, named as the server exports them."""
         return {**self.engine_core.get_metrics(),
                 "pagedllm:prompt_tokens": self.num_prompt_tokens,
-                "pagedllm:request_success": self.num_requests_finished}
+                "pagedllm:request_success": self.num_requests_finished,
+                "pagedllm:pooling_input_tokens": self.num_pooling_prompt_tokens,
+                "pagedllm:pooling_requests": self.num_pooling_requests_finished}

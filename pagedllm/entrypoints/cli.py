@@ -112,11 +112,15 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: frozenset[str] = froz
                        help='Structured outputs defaults as a JSON object (vLLM\'s), e.g. '
                             '\'{"disable_any_whitespace": true}\' for compact JSON; unset: at '
                             'most one space between JSON tokens.')
+    group.add_argument("--pooler-config", dest="pooler_config", type=_json_dict, default=argparse.SUPPRESS,
+                       help='A pooling model\'s pooler as a JSON object (vLLM\'s), e.g. '
+                            '\'{"pooling_type": "MEAN", "normalize": true}\'; unset: the checkpoint\'s.')
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     names = engine_field_names() - {"model"}
-    names.update(("speculative_config", "structured_outputs_config", "revision", "tokenizer_revision", "gguf_file"))
+    names.update(("speculative_config", "structured_outputs_config", "revision", "tokenizer_revision", "gguf_file",
+                  "pooler_config"))
     return {name: getattr(args, name) for name in names if hasattr(args, name)}
 
 

@@ -4,12 +4,19 @@ from __future__ import annotations
 from torch import nn
 
 from pagedllm.errors import UnsupportedModelError
+from pagedllm.models.bert import (
+    BertForSequenceClassification,
+    BertModel,
+    XLMRobertaForSequenceClassification,
+    XLMRobertaModel,
+)
 from pagedllm.models.gemma2 import Gemma2ForCausalLM
 from pagedllm.models.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from pagedllm.models.gpt_oss import GptOssForCausalLM
 from pagedllm.models.granite import GraniteForCausalLM
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.mixtral import MixtralForCausalLM
+from pagedllm.models.modernbert import ModernBertModel
 from pagedllm.models.olmo2 import Olmo2ForCausalLM
 from pagedllm.models.olmoe import OlmoeForCausalLM
 from pagedllm.models.phi3 import Phi3ForCausalLM
@@ -38,6 +45,13 @@ _MODELS: dict[str, type[nn.Module]] = {
     "OlmoeForCausalLM": OlmoeForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    # Encoders: pooling models only (embeddings, cross-encoders; models/bert.py).
+    "BertModel": BertModel,
+    "BertForSequenceClassification": BertForSequenceClassification,
+    "RobertaModel": XLMRobertaModel,
+    "XLMRobertaModel": XLMRobertaModel,
+    "XLMRobertaForSequenceClassification": XLMRobertaForSequenceClassification,
+    "ModernBertModel": ModernBertModel,
 }
 
 

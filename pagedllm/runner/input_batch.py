@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from pagedllm.core.outputs import SchedulerOutput
 from pagedllm.lora.request import LoRARequest
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -32,6 +33,7 @@ class CachedRequestState:
     eos_token_ids: frozenset[int]
     num_unconfirmed: int = 0
     lora_request: LoRARequest | None = None
+    pooling_params: PoolingParams | None = None  # a pooling request: pooled, never sampled
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -72,7 +74,8 @@ class InputBatch:
             requests[new.req_id] = CachedRequestState(
                 new.req_id, new.prompt_token_ids + new.output_token_ids, len(new.prompt_token_ids),
                 new.sampling_params, [list(t) for t in new.block_ids], new.num_computed_tokens,
-                new.eos_token_ids, lora_request=new.lora_request)
+                new.eos_token_ids, lora_request=new.lora_request,
+                pooling_params=new.pooling_params)
         cached = so.scheduled_cached_reqs
         for rid, blocks, num_computed, new_ids in zip(cached.req_ids, cached.new_block_ids,
                                                       cached.num_computed_tokens, cached.new_token_ids):
@@ -97,7 +100,7 @@ class InputBatch:
             drafts = spec.get(rid, []) if spec else []
             start = state.num_computed_tokens
             state.num_computed_tokens = start + n
-            samples = start + n - len(drafts) >= len(state.token_ids)
+            samples = start + n - len(drafts) >= len(state.token_ids) and state.pooling_params is None
             scheduled.append(ScheduledRequest(state, start, n, drafts, samples))
         return scheduled
 

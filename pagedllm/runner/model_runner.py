@@ -22,18 +22,24 @@ from pagedllm.layers.kv_cache import allocate_kv_cache, attention_layers, bind_k
 from pagedllm.lora.manager import LoRAManager
 from pagedllm.lora.mapping import set_lora_mapping
 from pagedllm.lora.request import LoRARequest
+from pagedllm.models.bert import TOKEN_TYPE_SHIFT
 from pagedllm.models.loader import load_model
+from pagedllm.models.pooler import Pooler
+from pagedllm.pooler_config import load_pooler_config
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.runner.activation_choice import checkpoint_method, choose_activations
 from pagedllm.runner.attention_choice import choose_cpu_attention
 from pagedllm.runner.compile import maybe_compile
 from pagedllm.runner.frame_chunks import keep_frame_chunks
 from pagedllm.runner.grammar_bitmask import apply_grammar_bitmask
 from pagedllm.runner.input_batch import CachedRequestState, InputBatch, ScheduledRequest
-from pagedllm.runner.kv_cache_groups import group_layers, layer_placement, plan_kv_tensors
+from pagedllm.runner.kv_cache_groups import KVCacheGroup, group_layers, layer_placement, plan_kv_tensors
 from pagedllm.runner.linear_choice import choose_linear_kernels
 from pagedllm.runner.sampler import Sampler, SamplingMetadata, compute_topk_logprobs
 from pagedllm.runner.spec_decode import verify_drafts
 from pagedllm.runner.weight_table import log_weight_table, weight_table
+from pagedllm.runner_type import resolve_runner_type
+from pagedllm.utils import cdiv
 
 _DTYPES = {alias: getattr(torch, name) for alias, name in DTYPE_ALIASES.items()}
 _CPU_DEFAULT_KV_BYTES = 1 << 30
@@ -62,6 +68,10 @@ class ModelRunner:
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache_config.kv_cache_dtype, self.dtype)
         torch.manual_seed(mc.seed)
         self.model, self.hf_config = load_model(mc.model, self.dtype, self.device, mc.quantization)
+        # A pooling model's step ends in the pooler instead of the sampler.
+        self.pooler = (Pooler(load_pooler_config(mc.model, config.pooler_config), self.model, self.dtype,
+                              self.device, mc.tokenizer or mc.model)
+                       if resolve_runner_type(mc.runner, mc.model) == "pooling" else None)
         if self.device.type == "cpu":
             # Each layer's weight in the layout of the faster kernel on this CPU, one copy
             # (runner/linear_choice.py).
@@ -79,16 +89,17 @@ class ModelRunner:
         # Adapters wrap the layers' formats, after every choice above (pagedllm/lora/).
         self.lora_manager = (LoRAManager(self.model, config.lora_config, self.dtype)
                              if config.lora_config.enable_lora else None)
-        # The compiled forward, or None: eager (see runner/compile.py); adapters run eagerly,
-        # their slots change between steps.
-        self.compiled = maybe_compile(self.model, True if self.lora_manager else mc.enforce_eager,
-                                      self.device, warmup_tokens=16)
+        # The compiled forward, or None: eager (see runner/compile.py). Adapters run eagerly (their
+        # slots change between steps), and so does an encoder (no KV: it attends per request in a loop).
+        encoder = not attention_layers(self.model)
+        eager = mc.enforce_eager or self.lora_manager is not None or encoder
+        self.compiled = maybe_compile(self.model, eager, self.device, warmup_tokens=16)
         self.vocab_size = self.model.vocab_size
         self.sampler = Sampler()
         self.input_batch = InputBatch()
         self.kv_caches: list[torch.Tensor] = []
         self.attn_backend = get_attn_backend(mc.attention_backend, self.device.type)
-        if mc.attention_backend == "auto" and self.attn_backend.name == "cpu_paged":
+        if mc.attention_backend == "auto" and self.attn_backend.name == "cpu_paged" and not encoder:
             # The kernel against the torch backend on this model's heads (the safety net).
             self.attn_backend = choose_cpu_attention(attention_layers(self.model),
                                                      self.kv_cache_dtype, self.dtype)
@@ -100,8 +111,9 @@ class ModelRunner:
         if not all(spec.causal for _, spec in self._kv_layers):
             raise ModelLoadError("this model has non-causal attention layers that keep KV; the "
                                  "attention backends compute causal attention only")
-        self.kv_cache_groups = group_layers([spec.sliding_window for _, spec in self._kv_layers],
-                                            max_model_len)
+        # An encoder keeps no KV: one empty group, so the scheduler's block tables stay the same.
+        self.kv_cache_groups = (group_layers([spec.sliding_window for _, spec in self._kv_layers], max_model_len)
+                                if self._kv_layers else [KVCacheGroup(None, ())])
         self.kv_cache_tensors = plan_kv_tensors(self.kv_cache_groups,
                                                 [spec.bytes_per_token for _, spec in self._kv_layers])
         self._windowed_groups = [g.sliding_window is not None for g in self.kv_cache_groups]
@@ -119,6 +131,8 @@ class ModelRunner:
 
     def determine_num_blocks(self, block_size: int) -> int:
         cc = self.config.cache_config
+        if not self.kv_cache_tensors:  # no KV: block ids are bookkeeping, as many as requests can use
+            return self.config.scheduler_config.max_num_seqs * cdiv(self.max_model_len, block_size)
         if cc.kv_cache_memory_bytes is not None:
             budget = cc.kv_cache_memory_bytes
         elif self.device.type == "cuda":
@@ -141,8 +155,9 @@ class ModelRunner:
         # no padding): each tensor in its first layer's shape, the others view it in theirs.
         self.kv_caches = [allocate_kv_cache(self._kv_layers[t.layer_indices[0]][1].shape(
             num_blocks, block_size), self.kv_cache_dtype, self.device) for t in tensors]
-        bind_kv_caches([layer for layer, _ in self._kv_layers], self.kv_caches,
-                       layer_placement(self.kv_cache_groups, tensors))
+        if tensors:
+            bind_kv_caches([layer for layer, _ in self._kv_layers], self.kv_caches,
+                           layer_placement(self.kv_cache_groups, tensors))
         self.block_size = block_size
 
     # -- one step ----------------------------------------------------------------------------
@@ -158,6 +173,7 @@ class ModelRunner:
         num_computed: list[int] = []
         block_tables: list[list[list[int]]] = []
         samplers: list[tuple[ScheduledRequest, int]] = []  # (request, its first logits row)
+        poolers: list[tuple[str, int, int, PoolingParams]] = []  # (request, first row, rows, params)
         # (state, first row, first position, count): rows whose logits score prompt tokens.
         prompt_lp_jobs: list[tuple[CachedRequestState, int, int, int]] = []
         for s in scheduled:
@@ -176,6 +192,9 @@ class ModelRunner:
                 prompt_lp_jobs.append((state, row0, start, count))
             if s.samples:
                 samplers.append((s, row0 + n_real - 1))
+            elif state.pooling_params is not None:
+                poolers.append((state.req_id, row0, n, state.pooling_params))
+                self._mark_token_types(input_ids, row0, n, state.pooling_params)
 
         attn_md = self._attention_metadata(query_lens, num_computed, block_tables)
         ids_t = self._staging[0].fill("input_ids", input_ids, (len(input_ids),))
@@ -194,6 +213,9 @@ class ModelRunner:
             out.prompt_logprobs = self._prompt_logprobs(hidden, prompt_lp_jobs)
         if samplers:
             self._sample(hidden, samplers, out, so.grammar_bitmask)
+        if poolers:
+            vectors = self.pooler(hidden, [(row0, n) for _, row0, n, _ in poolers], [p[3] for p in poolers])
+            out.pooler_output = {rid: vec for (rid, _, _, _), vec in zip(poolers, vectors)}
         return out
 
     # -- LoRA adapters -----------------------------------------------------------------------
@@ -209,6 +231,13 @@ class ModelRunner:
 
     def remove_lora(self, lora_int_id: int) -> bool:
         return self.lora_manager is not None and self.lora_manager.remove_lora(lora_int_id)
+
+    def _mark_token_types(self, input_ids: list[int], row0: int, n: int, params: PoolingParams) -> None:
+        """A text pair's second segment: token type 1, carried in the ids' high bits (models/bert.py)."""
+        start = params.token_type_start
+        if start is not None and getattr(self.model, "supports_token_types", False):
+            for i in range(row0 + start, row0 + n):
+                input_ids[i] |= 1 << TOKEN_TYPE_SHIFT
 
     def _attention_metadata(self, query_lens: list[int], num_computed: list[int],
                             block_tables: list[list[list[int]]]) -> AttentionMetadata:

@@ -329,3 +329,15 @@ def test_gguf_without_llama_cpp_measures_pagedllm_alone(tmp_path, capsys, monkey
     # K-quants need llama.cpp's quantizer: refused in one line before anything is built.
     with pytest.raises(SystemExit, match="Q4_K_M: run bash benchmarks/setup_llama_cpp.sh"):
         bench.main(["--shape", "tiny", "--type", "Q4_K_M", "--read-bandwidth", "1e10"])
+
+
+def test_embed(tmp_path, capsys):
+    from benchmarks import embed
+
+    out = tmp_path / "e.json"
+    embed.main(["--shape", "tiny", "--folder", str(tmp_path), "--num-texts", "6", "--min-len", "8",
+                "--max-len", "40", "--num-queries", "3", "--rounds", "1", "--json", str(out)])
+    _one_line(capsys, "embed (tiny")
+    r = json.loads(out.read_text())
+    assert r["pagedllm"]["texts_per_s"] > 0 and r["sentence_transformers"]["query_p50_ms"] > 0
+    assert r["bulk_ratio"] == r["pagedllm"]["texts_per_s"] / r["sentence_transformers"]["texts_per_s"]

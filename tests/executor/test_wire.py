@@ -16,10 +16,13 @@ from executor_helpers import run_loop, workload
 from pagedllm.core import outputs
 from pagedllm.core.outputs import RunnerOutput, SchedulerOutput
 from pagedllm.executor.wire import Codec, contract_types
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.structured_outputs_params import StructuredOutputsParams
 
 CODEC = Codec()
+POOLING = PoolingParams(task="score", dimensions=8, normalize=False, use_activation=True, truncate_prompt_tokens=-1,
+                        extra_kwargs={"compressed_token_type_ids": 5})
 STRUCTURED = StructuredOutputsParams(json={"type": "object", "properties": {"a": {"enum": [1, 2]}}},
                                      disable_any_whitespace=True)
 SAMPLING = SamplingParams(n=2, temperature=0.7, top_p=0.9, top_k=5, seed=3, stop=["\n", "END"],
@@ -35,6 +38,8 @@ def _sample(hint, empty: bool, depth: int = 0):
         return None if empty else _sample(non_none[0], empty, depth)
     if hint is SamplingParams:
         return SamplingParams() if empty else SAMPLING
+    if hint is PoolingParams:  # a valid task, so never the generic sample's strings
+        return PoolingParams() if empty else POOLING
     if hint is StructuredOutputsParams:  # exactly one kind: never all fields, never none
         return StructuredOutputsParams(regex="[0-9]+") if empty else STRUCTURED
     if dataclasses.is_dataclass(hint):
@@ -99,7 +104,7 @@ def test_every_outputs_dataclass_is_registered():
 @pytest.mark.parametrize("empty", [False, True], ids=["full", "empty"])
 @pytest.mark.parametrize("cls", CONTRACTS, ids=lambda c: c.__name__)
 def test_contract_round_trip(cls, empty):
-    obj = _sample(cls, empty) if cls is StructuredOutputsParams else _build(cls, empty)
+    obj = _sample(cls, empty) if cls in (StructuredOutputsParams, PoolingParams) else _build(cls, empty)
     back = round_trip(obj)
     assert back == obj
     assert_same(obj, back)

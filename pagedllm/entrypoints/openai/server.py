@@ -5,7 +5,8 @@ period, then stop the engine, which ends the rest with an error).
 Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/messages (Anthropic's, over
 the chat route: anthropic/), GET /v1/models, GET /health,
 GET|POST /ping, GET /metrics, GET /version, POST /tokenize, POST /detokenize,
-POST /reset_prefix_cache; with --allow-runtime-lora-updating POST /v1/load_lora_adapter and
+POST /reset_prefix_cache; a pooling model's /v1/embeddings, /pooling, /classify, /score,
+/rerank (serving_pooling.py); with --allow-runtime-lora-updating POST /v1/load_lora_adapter and
 /v1/unload_lora_adapter (serving_lora.py). Which need the API key: see auth.py; limits: http_limits.py.
 """
 from __future__ import annotations
@@ -47,6 +48,7 @@ from pagedllm.entrypoints.openai.server_options import ServerOptions
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_lora import LoRAModules, lora_router
+from pagedllm.entrypoints.openai.serving_pooling import OpenAIServingPooling, pooling_router
 from pagedllm.errors import ValidationError
 
 logger = logging.getLogger(__name__)
@@ -144,6 +146,7 @@ def build_app(engine: AsyncLLM | Any, served_model_names: list[str] | None = Non
     app.include_router(messages_router(chat))  # Anthropic's /v1/messages
     if options.allow_runtime_lora_updating:
         app.include_router(lora_router(loras))
+    app.include_router(pooling_router(llm, names, OpenAIServingPooling(llm, names, options, metrics)))
     from pagedllm.entrypoints.openai.dashboard import dashboard_router  # /dashboard, /v1/trace/stream
 
     app.include_router(dashboard_router(llm))

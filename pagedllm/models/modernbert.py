@@ -1,0 +1,129 @@
+"""ModernBERT: a pre-norm encoder with rotary positions, a GeGLU MLP, no biases, and local
+attention (each token sees those within half the window on either side) on all but every
+n-th layer, whose attention is global. Like BERT, it keeps no KV: each request attends to its
+own rows of the step."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.layers.forward_context import get_attn_metadata
+from pagedllm.layers.linear import Linear
+
+_ACTIVATIONS = {"gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "silu": F.silu}
+
+
+def _layer_types(config: dict) -> list[str]:
+    """transformers 5 writes layer_types; older configs a period (global_attn_every_n_layers)."""
+    if config.get("layer_types"):
+        return list(config["layer_types"])
+    every = config.get("global_attn_every_n_layers", 3)
+    return ["sliding_attention" if i % every else "full_attention" for i in range(config["num_hidden_layers"])]
+
+
+def _rope_theta(config: dict, layer_type: str) -> float:
+    params = (config.get("rope_parameters") or {}).get(layer_type) or {}
+    legacy = config.get("global_rope_theta", 160000.0) if layer_type == "full_attention" else \
+        config.get("local_rope_theta", 10000.0)
+    return float(params.get("rope_theta", legacy))
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding over halves (x [H, T, D], cos/sin [T, D])."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class ModernBertAttention(nn.Module):
+    def __init__(self, config: dict, window: int | None, theta: float) -> None:
+        super().__init__()
+        hidden, bias = config["hidden_size"], config.get("attention_bias", False)
+        self.num_heads = config["num_attention_heads"]
+        self.head_dim = hidden // self.num_heads
+        self.Wqkv = Linear(hidden, 3 * hidden, bias=bias)
+        self.Wo = Linear(hidden, hidden, bias=bias)
+        self.window = window  # None: global; else the largest distance a token sees
+        self.register_buffer("inv_freq", 1.0 / theta ** (torch.arange(0, self.head_dim, 2).float() / self.head_dim),
+                             persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        md = get_attn_metadata()
+        starts = md.query_start_loc if md is not None else [0, x.shape[0]]
+        freqs = positions[:, None].float() * self.inv_freq.to(x.device)  # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        q, k, v = self.Wqkv(x).view(-1, 3, self.num_heads, self.head_dim).permute(1, 2, 0, 3)  # 3 x [H, T, D]
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        out = torch.empty_like(q)
+        for a, b in zip(starts[:-1], starts[1:]):
+            mask = None
+            if self.window is not None:
+                pos = torch.arange(b - a, device=x.device)
+                mask = (pos[:, None] - pos[None, :]).abs() <= self.window
+            out[:, a:b] = F.scaled_dot_product_attention(q[:, a:b], k[:, a:b], v[:, a:b], attn_mask=mask)
+        return self.Wo(out.transpose(0, 1).reshape(x.shape))
+
+
+class ModernBertMLP(nn.Module):
+    def __init__(self, config: dict) -> None:
+        super().__init__()
+        hidden, inter, bias = config["hidden_size"], config["intermediate_size"], config.get("mlp_bias", False)
+        self.Wi = Linear(hidden, 2 * inter, bias=bias)
+        self.Wo = Linear(inter, hidden, bias=bias)
+        self.act = _ACTIVATIONS[config.get("hidden_activation", "gelu")]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        up, gate = self.Wi(x).chunk(2, dim=-1)
+        return self.Wo(self.act(up) * gate)
+
+
+def _norm(config: dict) -> nn.LayerNorm:
+    return nn.LayerNorm(config["hidden_size"], eps=config.get("norm_eps", 1e-5), bias=config.get("norm_bias", False))
+
+
+class ModernBertLayer(nn.Module):
+    def __init__(self, config: dict, i: int, layer_type: str) -> None:
+        super().__init__()
+        window = config.get("local_attention", 128) // 2 if layer_type == "sliding_attention" else None
+        self.attn_norm = _norm(config) if i else nn.Identity()  # the embedding's norm serves layer 0
+        self.attn = ModernBertAttention(config, window, _rope_theta(config, layer_type))
+        self.mlp_norm = _norm(config)
+        self.mlp = ModernBertMLP(config)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), positions)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class ModernBertEmbeddings(nn.Module):
+    def __init__(self, config: dict) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(config["vocab_size"], config["hidden_size"])
+        self.norm = _norm(config)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.tok_embeddings(input_ids))
+
+
+class ModernBertModel(nn.Module):
+    """``forward(input_ids [T], positions [T]) -> hidden [T, hidden]``: whole inputs only."""
+
+    def __init__(self, config: dict) -> None:
+        super().__init__()
+        self.embeddings = ModernBertEmbeddings(config)
+        self.layers = nn.ModuleList(ModernBertLayer(config, i, t) for i, t in enumerate(_layer_types(config)))
+        self.final_norm = _norm(config)
+        self.vocab_size, self.hidden_size = config["vocab_size"], config["hidden_size"]
+        self.num_layers, self.num_heads = config["num_hidden_layers"], config["num_attention_heads"]
+        self.max_position_embeddings = config.get("max_position_embeddings", 8192)
+        # The masked-LM head a checkpoint may carry is not an embedder's.
+        self.skipped_checkpoint_prefixes = ("head.", "decoder.")
+        self.checkpoint_renames = {"model.": ""}
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embeddings(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions)
+        return self.final_norm(x)

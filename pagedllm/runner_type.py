@@ -1,0 +1,31 @@
+"""Which runner a model gets: ``generate`` (the sampler ends each step) or ``pooling`` (a pooler
+turns the hidden states into a vector). vLLM's ``runner`` argument; ``auto`` reads the checkpoint.
+Standard library only: the engine decides before any weight is loaded."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+RUNNER_TYPES = ("auto", "generate", "pooling")
+# Architectures that end in a head other than a language model's.
+_POOLING_SUFFIXES = ("Model", "ForSequenceClassification")
+
+
+def is_pooling_checkpoint(model: str) -> bool:
+    """A *Model or *ForSequenceClassification architecture, or a sentence-transformers folder
+    (modules.json)."""
+    folder = Path(model)
+    if (folder / "modules.json").is_file():
+        return True
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return any(str(a).endswith(_POOLING_SUFFIXES) for a in config.get("architectures") or ())
+
+
+def resolve_runner_type(runner: str, model: str) -> str:
+    """``generate`` or ``pooling``; ``auto`` from the checkpoint."""
+    if runner != "auto":
+        return runner
+    return "pooling" if is_pooling_checkpoint(model) else "generate"
