@@ -4,7 +4,8 @@ period, then stop the engine, which ends the rest with an error).
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
 GET|POST /ping, GET /metrics, GET /version, POST /tokenize, POST /detokenize,
-POST /reset_prefix_cache. Which need the API key: see auth.py; limits: http_limits.py.
+POST /reset_prefix_cache, POST /v1/responses (GET|DELETE /v1/responses/{id}). Which need the
+API key: see auth.py; limits: http_limits.py.
 """
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ from pagedllm.entrypoints.openai.protocol_chat import ChatCompletionRequest
 from pagedllm.entrypoints.openai.server_options import ServerOptions
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses, responses_router
 from pagedllm.errors import ValidationError
 
 logger = logging.getLogger(__name__)
@@ -134,6 +136,7 @@ def build_app(engine: AsyncLLM | Any, served_model_names: list[str] | None = Non
         return await chat.create_chat_completion(request, raw_request)
 
     app.include_router(v1)
+    app.include_router(responses_router(OpenAIServingResponses(chat)))  # /v1/responses: over the chat handler
     from pagedllm.entrypoints.openai.dashboard import dashboard_router  # /dashboard, /v1/trace/stream
 
     app.include_router(dashboard_router(llm))
