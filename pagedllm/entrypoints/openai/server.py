@@ -117,6 +117,7 @@ def build_app(engine: AsyncLLM | Any, served_model_names: list[str] | None = Non
     install_exception_handlers(app)
     _add_middleware(app, options, api_keys)
     metrics = ServerMetrics(llm, names[0], _cache_config_info(llm))
+    app.state.metrics = metrics  # a router over several models merges them
     completions = OpenAIServingCompletion(llm, names, options, metrics)
     chat = OpenAIServingChat(llm, names, chat_template, options, metrics)
 
