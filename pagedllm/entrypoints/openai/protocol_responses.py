@@ -94,7 +94,7 @@ def items_to_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
             raise ValidationError("each input item must be an object", "input")
         kind = item.get("type", "message")
         if kind == "message":
-            role = _ROLES.get(item.get("role"))  # type: ignore[arg-type]
+            role = _ROLES.get(item["role"]) if isinstance(item.get("role"), str) else None
             if role is None:
                 raise ValidationError(f"input message role {item.get('role')!r} is not one of "
                                       f"{', '.join(_ROLES)}", "input")

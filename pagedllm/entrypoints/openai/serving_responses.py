@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Iterator
-from typing import Any
+from typing import Any, Literal
 
 import pydantic
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from pagedllm.entrypoints.openai.api_errors import APIError
+from pagedllm.entrypoints.openai.protocol import OpenAIBaseModel
 from pagedllm.entrypoints.openai.protocol_responses import (
     CHAT_TO_RESPONSES_PARAM,
     FunctionCallItem,
@@ -212,10 +213,24 @@ class ResponseEvents:
         yield self.event("response.failed", response=self.response.model_dump())
 
 
+# What /openapi.json says POST /v1/responses answers: the response, or a stream of events.
+_STREAMED: dict[int | str, dict[str, Any]] = {
+    200: {"description": "The response (JSON), or with stream: true a text/event-stream of Responses events",
+          "content": {"text/event-stream": {"schema": {  # one event: its type line and its JSON data
+              "type": "object", "properties": {"event": {"type": "string"}, "data": {"type": "string"}},
+              "required": ["data"]}}}}}
+
+
+class ResponseDeleted(OpenAIBaseModel):
+    id: str
+    object: Literal["response"] = "response"
+    deleted: bool = True
+
+
 def responses_router(responses: OpenAIServingResponses) -> APIRouter:
     router = APIRouter(prefix="/v1")
 
-    @router.post("/responses")
+    @router.post("/responses", response_model=ResponseObject, responses=_STREAMED)
     async def create_response(request: ResponsesRequest, raw_request: Request) -> Any:
         return await responses.create_response(request, raw_request)
 
@@ -224,9 +239,9 @@ def responses_router(responses: OpenAIServingResponses) -> APIRouter:
         return responses.retrieve(response_id)
 
     @router.delete("/responses/{response_id}")
-    async def delete_response(response_id: str) -> dict[str, Any]:
+    async def delete_response(response_id: str) -> ResponseDeleted:
         responses.retrieve(response_id)  # 404 when absent
         responses.store.delete(response_id)
-        return {"id": response_id, "object": "response", "deleted": True}
+        return ResponseDeleted(id=response_id)
 
     return router
