@@ -217,12 +217,14 @@ def _children(pid: int) -> list[psutil.Process]:
 
 
 @pytest.mark.slow
-def test_cli_two_models_no_orphans():
-    """`pagedllm serve --model a=DEMO --model b=DEMO`: each model an engine core process; SIGTERM
-    leaves none behind."""
+def test_cli_models_no_orphans(tmp_path):
+    """`pagedllm serve --model a=DEMO --models-file F`: each model an engine core process; a
+    keep-alive unload stops its process, and SIGTERM leaves none behind."""
     port = _free_port()
+    models_file = tmp_path / "models.json"
+    models_file.write_text(json.dumps({"models": [{"id": "b", "model": default_model(), "keep_alive": "1s"}]}))
     cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--model", f"a={default_model()}",
-           "--model", f"b={default_model()}", "--port", str(port), "--keep-alive", "forever",
+           "--models-file", str(models_file), "--port", str(port), "--keep-alive", "forever",
            "--log-level", "warning", "--max-num-seqs", "4", "--kv-cache-memory-bytes", str(4 << 20),
            "--shutdown-timeout", "1"]
     log = tempfile.TemporaryFile(mode="w+")
@@ -235,9 +237,15 @@ def test_cli_two_models_no_orphans():
         assert _complete(client, "a") == _complete(client, "b")
         children = _children(proc.pid)
         assert len(children) >= 2  # one engine core per model
+        deadline = time.monotonic() + 30
+        while {m["id"]: m["state"] for m in HTTP.get(f"{url}/v1/models").json()["data"]}["b"] != "unloaded":
+            assert time.monotonic() < deadline, "b was never unloaded"
+            time.sleep(0.1)
+        _, alive = psutil.wait_procs(children, timeout=2)  # the unload has reaped b's already
+        assert 0 < len(alive) < len(children)  # b's core stopped, a's runs on
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
-        gone, alive = psutil.wait_procs(children, timeout=20)
+        _, alive = psutil.wait_procs(children, timeout=20)
         assert not alive, f"left behind: {alive}"
     finally:
         if proc.poll() is None:
