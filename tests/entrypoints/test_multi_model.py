@@ -84,13 +84,16 @@ def test_two_models_interleaved(reference_llm):
         assert [_complete(client, m) for m in ("a", "b", "a", "b")] == [expected] * 4
         chat = client.chat.completions.create(model="b", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
         assert chat.model == "b"
+        resp = client.responses.create(model="b", input="hi", max_output_tokens=4)
+        assert resp.model == "b"
+        assert client.responses.retrieve(resp.id, extra_query={"model": "b"}).output_text == resp.output_text
         assert _states(srv) == {"a": "loaded", "b": "loaded"}
         with pytest.raises(openai.NotFoundError) as e:
             _complete(client, "c")
         assert e.value.body["param"] == "model" and "'a'" in e.value.body["message"]
         series = _series(srv)
         assert series[("vllm:request_success_total", "a")] == 2
-        assert series[("vllm:request_success_total", "b")] == 3
+        assert series[("vllm:request_success_total", "b")] == 4
         assert series[("pagedllm:model_loads_total", "a")] == 1 and series[("pagedllm:model_loaded", "b")] == 1
         assert HTTP.get(f"{srv.url}/health").status_code == 200
     finally:

@@ -176,3 +176,42 @@ def test_store_is_bounded():
     for i in range(3):
         store.put(ResponseObject(id=f"resp_{i}", model="m"), [])
     assert len(store) == 2 and store.get("resp_0") is None and store.get("resp_2") is not None
+
+
+SHELL_TOOL = {  # Codex's shell tool, as its requests declare it
+    "type": "function", "name": "shell", "description": "Runs a shell command and returns its output.",
+    "strict": False,
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["command"],
+                   "properties": {"command": {"type": "array", "items": {"type": "string", "maxLength": 8},
+                                              "maxItems": 2},
+                                  "workdir": {"type": "string", "maxLength": 8}}}}
+
+
+def _codex_turn(client, history: list) -> tuple[list, object]:
+    """One turn as Codex sends it: store off, the whole history each time, streamed."""
+    events = _events(client.responses.create(
+        model=MODEL_NAME, instructions="You are a coding agent.", input=history, tools=[SHELL_TOOL],
+        tool_choice={"type": "function", "name": "shell"} if len(history) == 1 else "none",
+        parallel_tool_calls=False, reasoning={"effort": "medium", "summary": "auto"}, store=False,
+        stream=True, include=["reasoning.encrypted_content"], max_output_tokens=120, temperature=0,
+        extra_body={"prompt_cache_key": "session-1"}))
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    return done, events[-1].response
+
+
+def test_codex_shaped_tool_conversation(client):
+    """Codex's request shape over two turns: a forced shell call, then its output and the
+    whole history (a reasoning item included) sent back without previous_response_id."""
+    history: list = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "List files"}]}]
+    items, response = _codex_turn(client, history)
+    assert [i.type for i in items] == ["function_call"] and response.status == "completed"
+    call = items[0]
+    assert isinstance(json.loads(call.arguments)["command"], list)
+    with pytest.raises(openai.NotFoundError):  # store: false
+        client.responses.retrieve(response.id)
+    history += [{"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "opaque"},
+                {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+                {"type": "function_call_output", "call_id": call.call_id, "output": "README.md\nsetup.py"}]
+    items, response = _codex_turn(client, history)
+    assert [i.type for i in items] == ["message"] and items[0].content[0].text == response.output_text
+    assert response.output_text and response.usage.input_tokens > 0
