@@ -175,6 +175,43 @@ def test_requests_while_loading_wait():
         srv.stop()
 
 
+def test_a_dead_engine_is_reloaded_by_the_next_request():
+    from pagedllm.entrypoints.openai.model_pool import ModelPool
+    from pagedllm.entrypoints.openai.model_router import engine_loader
+    from pagedllm.entrypoints.openai.server_options import ServerOptions
+
+    async def scenario() -> None:
+        pool = ModelPool([_spec("a")], engine_loader(ServerOptions(), None, False))
+        try:
+            a = await pool.acquire("a")
+            dead = a.loaded.llm
+            await pool.release(a)
+            await dead.shutdown()  # its streams end with EngineDeadError; /health would be 503
+            assert dead.errored
+            a = await pool.acquire("a")
+            assert a.loaded.llm is not dead and not a.loaded.llm.errored and a.num_loads == 2
+            await pool.release(a)
+        finally:
+            await pool.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_the_api_key_is_checked_before_a_model_loads():
+    from pagedllm.entrypoints.openai.server_options import ServerOptions
+
+    srv = _serve([_spec("a")], options=ServerOptions(api_keys=("k1",)))
+    try:
+        body = {"model": "a", "prompt": PROMPT, "max_tokens": 2}
+        assert HTTP.post(f"{srv.url}/v1/completions", json=body).status_code == 401
+        assert HTTP.get(f"{srv.url}/v1/models").status_code == 401
+        headers = {"Authorization": "Bearer k1"}
+        assert HTTP.get(f"{srv.url}/v1/models", headers=headers).json()["data"][0]["state"] == "unloaded"
+        assert HTTP.post(f"{srv.url}/v1/completions", json=body, headers=headers).status_code == 200
+    finally:
+        srv.stop()
+
+
 def test_failed_load_is_a_503_and_the_server_goes_on(tmp_path):
     srv = _serve([_spec("a"), ModelSpec("broken", str(tmp_path / "missing"))])
     try:

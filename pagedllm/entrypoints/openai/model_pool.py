@@ -87,6 +87,8 @@ class ModelPool:
         if served is None:
             raise APIError(404, f"the model {model_id!r} does not exist; this server serves "
                                 f"{', '.join(repr(i) for i in self.models)}", "model")
+        if served.state == LOADED and served.loaded is not None and served.loaded.llm.errored and not served.busy:
+            await self._unload(served, only_if_idle=True)  # a dead engine: the request loads a fresh one
         served.num_waiting += 1
         try:
             if served.state != LOADED:
