@@ -205,6 +205,7 @@ def test_the_api_key_is_checked_before_a_model_loads():
         body = {"model": "a", "prompt": PROMPT, "max_tokens": 2}
         assert HTTP.post(f"{srv.url}/v1/completions", json=body).status_code == 401
         assert HTTP.get(f"{srv.url}/v1/models").status_code == 401
+        assert HTTP.get(f"{srv.url}/dashboard").status_code == 503  # open, so it loads nothing
         headers = {"Authorization": "Bearer k1"}
         assert HTTP.get(f"{srv.url}/v1/models", headers=headers).json()["data"][0]["state"] == "unloaded"
         assert HTTP.post(f"{srv.url}/v1/completions", json=body, headers=headers).status_code == 200

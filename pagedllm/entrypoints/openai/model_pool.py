@@ -82,11 +82,14 @@ class ModelPool:
             await self._unload(served)
 
     # -- requests ------------------------------------------------------------------------------
-    async def acquire(self, model_id: str | None) -> ServedModel:
+    async def acquire(self, model_id: str | None, load: bool = True) -> ServedModel:
+        """The model, loaded (``load`` false: only if it is loaded already, else a 503)."""
         served = self.models.get(model_id or self.default_id)
         if served is None:
             raise APIError(404, f"the model {model_id!r} does not exist; this server serves "
                                 f"{', '.join(repr(i) for i in self.models)}", "model")
+        if not load and served.state != LOADED:
+            raise APIError(503, f"the model {served.spec.id!r} is not loaded; a request to it loads it", "model")
         if served.state == LOADED and served.loaded is not None and served.loaded.llm.errored and not served.busy:
             await self._unload(served, only_if_idle=True)  # a dead engine: the request loads a fresh one
         served.num_waiting += 1

@@ -25,7 +25,7 @@ from pagedllm import __version__
 from pagedllm.engine.async_engine import AsyncLLM
 from pagedllm.engine.llm import default_chat_template
 from pagedllm.entrypoints.openai.api_errors import APIError, error_response, install_exception_handlers
-from pagedllm.entrypoints.openai.auth import route_path
+from pagedllm.entrypoints.openai.auth import OPEN_PATHS, OPEN_PREFIXES, route_path
 from pagedllm.entrypoints.openai.model_pool import LOADED, LoadedModel, ModelPool
 from pagedllm.entrypoints.openai.model_specs import ModelSpec
 from pagedllm.entrypoints.openai.protocol import ModelCard, ModelList
@@ -159,8 +159,10 @@ class ModelDispatchMiddleware:
             await self.app(scope, receive, send)
             return
         body, replay = await _buffered(receive)
-        try:
-            served = await self.pool.acquire(_requested_model(scope, body))
+        path = route_path(scope)
+        try:  # a route open without the API key never loads a model
+            served = await self.pool.acquire(_requested_model(scope, body),
+                                             load=path not in OPEN_PATHS and not path.startswith(OPEN_PREFIXES))
         except APIError as e:
             await error_response(e.status, e.message, e.param)(scope, replay, send)
             return
