@@ -17,7 +17,7 @@ BUDGET = {
     "core": 1800,
     "distributed": 300,
     "engine": 3050,
-    "entrypoints": 5000,
+    "entrypoints": 5030,
     "executor": 1250,
     "explain": 750,
     "gguf": 1050,

@@ -133,13 +133,12 @@ def test_memory_budget_evicts_the_idle_model():
 
 def test_budget_waits_for_a_busy_model():
     """b needs a's room while a serves a request: b's load waits for a's release; none is lost."""
-    from pagedllm.entrypoints.openai.model_pool import ModelPool
-    from pagedllm.entrypoints.openai.model_router import engine_loader
+    from pagedllm.entrypoints.openai.model_router import make_pool
     from pagedllm.entrypoints.openai.server_options import ServerOptions
 
     async def scenario() -> None:
-        pool = ModelPool([_spec("a", memory_bytes=100), _spec("b", memory_bytes=100)],
-                         engine_loader(ServerOptions(), None, False), memory_budget=150)
+        pool = make_pool([_spec("a", memory_bytes=100), _spec("b", memory_bytes=100)], ServerOptions(),
+                         memory_budget=150, multiprocess=False)
         await pool.start()
         try:
             a = await pool.acquire("a")
@@ -176,12 +175,11 @@ def test_requests_while_loading_wait():
 
 
 def test_a_dead_engine_is_reloaded_by_the_next_request():
-    from pagedllm.entrypoints.openai.model_pool import ModelPool
-    from pagedllm.entrypoints.openai.model_router import engine_loader
+    from pagedllm.entrypoints.openai.model_router import make_pool
     from pagedllm.entrypoints.openai.server_options import ServerOptions
 
     async def scenario() -> None:
-        pool = ModelPool([_spec("a")], engine_loader(ServerOptions(), None, False))
+        pool = make_pool([_spec("a")], ServerOptions(), multiprocess=False)
         try:
             a = await pool.acquire("a")
             dead = a.loaded.llm
@@ -195,6 +193,32 @@ def test_a_dead_engine_is_reloaded_by_the_next_request():
             await pool.shutdown()
 
     asyncio.run(scenario())
+
+
+def test_unloaded_engines_are_freed():
+    """Nothing keeps an unloaded model's engine alive (FastAPI's endpoint caches would)."""
+    import gc
+    import weakref
+
+    from pagedllm.entrypoints.openai.model_router import make_pool
+    from pagedllm.entrypoints.openai.server_options import ServerOptions
+
+    async def scenario() -> list:
+        pool = make_pool([_spec("a")], ServerOptions(), multiprocess=False)
+        engines = []
+        try:
+            for _ in range(3):
+                a = await pool.acquire("a")
+                engines.append(weakref.ref(a.loaded.llm))
+                await pool.release(a)
+                await pool.unload("a")
+        finally:
+            await pool.shutdown()
+        return engines
+
+    engines = asyncio.run(scenario())
+    gc.collect()
+    assert [ref() for ref in engines] == [None, None, None]
 
 
 def test_the_api_key_is_checked_before_a_model_loads():

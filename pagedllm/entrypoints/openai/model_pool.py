@@ -52,10 +52,13 @@ class ServedModel:
 
 class ModelPool:
     def __init__(self, specs: list[ModelSpec], load: Callable[[ModelSpec], Awaitable[LoadedModel]],
-                 memory_budget: int | None = None, load_timeout_s: float = 600.0) -> None:
+                 memory_budget: int | None = None, load_timeout_s: float = 600.0,
+                 forget: Callable[[], None] | None = None) -> None:
+        """``forget``: drops what outlives an unloaded model elsewhere (caches holding its app)."""
         self.models = {spec.id: ServedModel(spec) for spec in specs}
         self.default_id = specs[0].id
         self._load_fn = load
+        self._forget = forget
         self.memory_budget = memory_budget
         self.load_timeout_s = load_timeout_s
         self._released = asyncio.Condition()
@@ -108,6 +111,10 @@ class ModelPool:
         async with self._released:
             self._released.notify_all()
 
+    async def unload(self, model_id: str) -> None:
+        """Unload the model now if no request uses it (its next request loads it again)."""
+        await self._unload(self.models[model_id], only_if_idle=True)
+
     async def _ensure_loaded(self, served: ServedModel) -> None:
         """Wait (at most the load timeout) for the model's load, starting it if none runs."""
         if served.load_task is None or served.load_task.done():
@@ -147,6 +154,8 @@ class ModelPool:
                 await loaded.llm.shutdown()
             finally:
                 del loaded
+                if self._forget is not None:
+                    self._forget()
                 gc.collect()  # the weights and KV cache go now, not at the next collection
                 served.state = UNLOADED
                 served.num_unloads += 1

@@ -61,11 +61,28 @@ def engine_loader(options: ServerOptions, api_key: str | None, multiprocess: boo
     return load
 
 
+def forget_endpoints() -> None:
+    """FastAPI caches facts about each endpoint function in module-level LRU caches, which keep
+    an unloaded model's endpoints, and through their closures its engine, alive: clear them."""
+    import fastapi.dependencies.models as dependency_models
+
+    for value in vars(dependency_models).values():
+        if callable(getattr(value, "cache_clear", None)):
+            value.cache_clear()
+
+
+def make_pool(specs: list[ModelSpec], options: ServerOptions, api_key: str | None = None,
+              memory_budget: int | None = None, load_timeout_s: float = 600.0,
+              multiprocess: bool | None = None) -> ModelPool:
+    return ModelPool(specs, engine_loader(options, api_key, multiprocess), memory_budget, load_timeout_s,
+                     forget=forget_endpoints)
+
+
 def build_router_app(specs: list[ModelSpec], options: ServerOptions | None = None, api_key: str | None = None,
                      memory_budget: int | None = None, load_timeout_s: float = 600.0,
                      multiprocess: bool | None = None) -> FastAPI:
     options = options or ServerOptions()
-    pool = ModelPool(specs, engine_loader(options, api_key, multiprocess), memory_budget, load_timeout_s)
+    pool = make_pool(specs, options, api_key, memory_budget, load_timeout_s, multiprocess)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
