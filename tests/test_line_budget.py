@@ -18,7 +18,7 @@ BUDGET = {
     "core": 1900,
     "distributed": 300,
     "engine": 3500,
-    "entrypoints": 4850,
+    "entrypoints": 6050,
     "executor": 1300,
     "explain": 750,
     "gguf": 1050,

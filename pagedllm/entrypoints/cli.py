@@ -126,6 +126,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 # -- serve ---------------------------------------------------------------------------------------
 def _add_serve(sub: Any) -> None:
+    from pagedllm.entrypoints.openai.model_specs import add_multi_model_args
     from pagedllm.entrypoints.serve_args import add_serve_args
 
     p = sub.add_parser("serve", help="serve the OpenAI-compatible API",
@@ -133,7 +134,9 @@ def _add_serve(sub: Any) -> None:
                                    "vLLM's spellings, with dashes or underscores.")
     p.add_argument("model_tag", nargs="?", metavar="MODEL",
                    help="model folder, GGUF file or Hub id (user/repo[:QUANT]; default: the demo model)")
-    p.add_argument("--model", default=None, help="same as MODEL")
+    p.add_argument("--model", action="append", default=None,
+                   help="same as MODEL; given again (--model A --model B, or ID=PATH), "
+                        "several models behind one server")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     p.add_argument("--served-model-name", nargs="+", default=None,
@@ -145,6 +148,7 @@ def _add_serve(sub: Any) -> None:
     p.add_argument("--shutdown-timeout", type=float, default=5.0,
                    help="seconds in-flight requests get to finish on SIGINT/SIGTERM (default: 5)")
     add_serve_args(p, engine_field_names())
+    add_multi_model_args(p)
     add_engine_args(p)
     add_hub_args(p)
     p.set_defaults(func=cmd_serve)
@@ -158,11 +162,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from pagedllm.entrypoints.openai.server import build_app, load_chat_template, run_server
     from pagedllm.entrypoints.serve_args import check_compat_flags, server_options, uvicorn_kwargs
 
-    if args.model_tag and args.model and args.model_tag != args.model:
-        raise PagedLLMError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
-    model = args.model_tag or args.model or default_model()
+    models = list(dict.fromkeys(([args.model_tag] if args.model_tag else []) + (args.model or [])))
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     check_compat_flags(args, engine_field_names())
+    if len(models) > 1 or args.models_file:  # several models behind one router
+        from pagedllm.entrypoints.openai.model_router import serve_models
+
+        return serve_models(args, models, engine_kwargs(args), load_chat_template(args.chat_template))
+    model = models[0] if models else default_model()
     options = server_options(args)
     listen = uvicorn_kwargs(args)
     chat_template = load_chat_template(args.chat_template) or default_chat_template(model)

@@ -7,7 +7,8 @@ the chat route: anthropic/), GET /v1/models, GET /health,
 GET|POST /ping, GET /metrics, GET /version, POST /tokenize, POST /detokenize,
 POST /reset_prefix_cache; a pooling model's /v1/embeddings, /pooling, /classify, /score,
 /rerank (serving_pooling.py); with --allow-runtime-lora-updating POST /v1/load_lora_adapter and
-/v1/unload_lora_adapter (serving_lora.py). Which need the API key: see auth.py; limits: http_limits.py.
+/v1/unload_lora_adapter (serving_lora.py); POST /v1/responses (GET|DELETE /v1/responses/{id}).
+Which need the API key: see auth.py; limits: http_limits.py.
 """
 from __future__ import annotations
 
@@ -49,6 +50,7 @@ from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_lora import LoRAModules, lora_router
 from pagedllm.entrypoints.openai.serving_pooling import OpenAIServingPooling, pooling_router
+from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses, responses_router
 from pagedllm.errors import ValidationError
 
 logger = logging.getLogger(__name__)
@@ -121,6 +123,7 @@ def build_app(engine: AsyncLLM | Any, served_model_names: list[str] | None = Non
     install_exception_handlers(app)
     _add_middleware(app, options, api_keys)
     metrics = ServerMetrics(llm, names[0], _cache_config_info(llm))
+    app.state.metrics = metrics  # a router over several models merges them
     completions = OpenAIServingCompletion(llm, names, options, metrics)
     chat = OpenAIServingChat(llm, names, chat_template, options, metrics)
     loras = LoRAModules(llm, names[0])
@@ -147,6 +150,7 @@ def build_app(engine: AsyncLLM | Any, served_model_names: list[str] | None = Non
     if options.allow_runtime_lora_updating:
         app.include_router(lora_router(loras))
     app.include_router(pooling_router(llm, names, OpenAIServingPooling(llm, names, options, metrics)))
+    app.include_router(responses_router(OpenAIServingResponses(chat)))  # /v1/responses: over the chat handler
     from pagedllm.entrypoints.openai.dashboard import dashboard_router  # /dashboard, /v1/trace/stream
 
     app.include_router(dashboard_router(llm))
