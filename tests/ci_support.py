@@ -7,6 +7,7 @@ skip. Python packages of the ``test`` extra are imported plainly: a missing one 
 from __future__ import annotations
 
 import os
+import socket
 
 import pytest
 
@@ -21,3 +22,10 @@ def skip_unless_ci(reason: str) -> None:
         pytest.fail(f"{reason} (CI installs it: a skip here would hide a broken install)",
                     pytrace=False)
     pytest.skip(reason)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a server a test starts)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

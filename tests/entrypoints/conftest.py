@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,6 +20,7 @@ from types import SimpleNamespace
 
 import openai
 import pytest
+from ci_support import free_port
 from server_utils import CHAT_TEMPLATE, CLI_API_KEY, ServerThread, make_fake_engine, scrape
 
 from pagedllm.config import default_model
@@ -39,17 +39,12 @@ def _one_torch_thread():
     torch.set_num_threads(previous)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="session", autouse=True)
 def cli_server() -> Iterator[SimpleNamespace]:
     """`pagedllm serve` in a subprocess with an API key. Started first and not waited for here:
     the model loads in the background while the in-process tests run."""
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", default_model(),
            "--port", str(port), "--served-model-name", MODEL_NAME, "--api-key", CLI_API_KEY,
            "--chat-template", CHAT_TEMPLATE, "--log-level", "warning", "--max-num-seqs", "8",

@@ -17,7 +17,7 @@ import time
 import openai
 import psutil
 import pytest
-from conftest import _free_port
+from ci_support import free_port
 from prometheus_client.parser import text_string_to_metric_families
 from server_utils import CHAT_TEMPLATE, HTTP, ServerThread, wait_for_health
 
@@ -285,7 +285,7 @@ def _children(pid: int) -> list[psutil.Process]:
 def test_cli_models_no_orphans(tmp_path):
     """`pagedllm serve --model a=DEMO --models-file F`: each model an engine core process; a
     keep-alive unload stops its process, and SIGTERM leaves none behind."""
-    port = _free_port()
+    port = free_port()
     models_file = tmp_path / "models.json"
     models_file.write_text(json.dumps({"models": [{"id": "b", "model": default_model(), "keep_alive": "1s"}]}))
     cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--model", f"a={default_model()}",

@@ -8,11 +8,12 @@ import json
 
 import openai
 import pytest
-from conftest import MODEL_NAME
 from server_utils import HTTP
 
 from pagedllm.entrypoints.openai.protocol_responses import ResponseObject
 from pagedllm.entrypoints.openai.response_store import ResponseStore
+
+MODEL_NAME = "demo"  # the name conftest.py's server serves
 
 WEATHER_TOOL = {"type": "function", "name": "get_weather", "description": "the weather in a city",
                 "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},

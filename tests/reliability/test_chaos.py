@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,6 +22,7 @@ import time
 import httpx
 import pytest
 from chaos_mix import check_outcomes, idle_leaks, make_actions, run_chaos, wait_idle
+from ci_support import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -30,11 +30,6 @@ ENGINE_FLAGS = {"num_gpu_blocks_override": 48, "block_size": 4, "max_num_seqs": 
 NUM_ACTIONS = 160
 SEED = 15
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen | None, log, timeout_s: float = 120.0) -> None:
@@ -89,7 +84,7 @@ def _children(pid: int) -> list:
 
 
 def test_chaos_against_pagedllm_serve():
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--host", "127.0.0.1",
            "--port", str(port), "--log-level", "warning", "--uvicorn-log-level", "warning",
