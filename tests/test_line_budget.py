@@ -13,7 +13,7 @@ PKG = Path(__file__).resolve().parents[1] / "pagedllm"
 
 # Package (a folder under pagedllm/, "." for the top-level modules) -> its ceiling in lines.
 BUDGET = {
-    ".": 950,
+    ".": 1020,
     "core": 1800,
     "distributed": 300,
     "engine": 3050,
@@ -24,7 +24,7 @@ BUDGET = {
     "kernels": 400,
     "layers": 3500,
     "models": 1450,
-    "runner": 2000,
+    "runner": 2250,
     "structured_output": 450,
 }
 # The C++ kernels (kernels/csrc and the runner's arena allocator).

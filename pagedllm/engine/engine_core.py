@@ -20,7 +20,7 @@ from typing import Any
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_manager import max_blocks_per_request
 from pagedllm.core.ngram_proposer import NgramProposer
-from pagedllm.core.outputs import EngineCoreOutputs, EngineCoreRequest, SchedulerOutput
+from pagedllm.core.outputs import DRAFT_PLACEHOLDER, EngineCoreOutputs, EngineCoreRequest, SchedulerOutput
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.beam_search import BeamSearch
@@ -31,6 +31,7 @@ from pagedllm.engine.trace_stream import TraceSampler, trace_snapshot
 from pagedllm.errors import ValidationError
 from pagedllm.executor import create_executor
 from pagedllm.runner.base import Runner
+from pagedllm.speculative_config import SpeculativeConfig
 from pagedllm.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger("pagedllm")
@@ -59,7 +60,8 @@ class EngineCore:
         # Sharing, at its own level above the scheduler's one rule.
         self.parallel_sampling = ParallelSampling(self.scheduler)
         self.beam_search = BeamSearch(self.scheduler)
-        self.proposer = make_proposer(config.speculative_config)
+        self.speculative_config = SpeculativeConfig.from_dict(config.speculative_config)
+        self.proposer = make_proposer(self.speculative_config)
         # Structured outputs: grammars compile off the step loop; requests wait there meanwhile.
         mc = config.model_config
         so_defaults = config.structured_outputs_config or {}
@@ -75,7 +77,7 @@ class EngineCore:
         # finished with async scheduling (executed in order on one thread), none without.
         self._in_flight: deque[tuple[SchedulerOutput, Future]] = deque()
         async_scheduling = config.scheduler_config.async_scheduling
-        if async_scheduling and self.proposer is not None:
+        if async_scheduling and self.speculative_config is not None:
             raise ValidationError("async_scheduling does not work with speculative decoding yet: "
                                   "drafts need the previous token; turn one of them off",
                                   "async_scheduling")
@@ -175,13 +177,20 @@ class EngineCore:
         self.structured_output.accept(outputs, self.scheduler.requests)
         for group in self.beam_search.step(outputs, stalled):
             outputs.finished_beams[group.request_id] = group.results()
-        if self.proposer is not None:
+        spec = self.speculative_config
+        if spec is not None:
             requests = self.scheduler.requests
             for rid, new_ids in zip(outputs.req_ids, outputs.new_token_ids):
                 req = requests.get(rid)
-                if new_ids and rid not in outputs.finished and req is not None:
-                    drafts = self.proposer.propose(req.all_token_ids)
-                    self.scheduler.set_draft_tokens(rid, self.structured_output.truncate_drafts(rid, drafts))
+                if not new_ids or rid in outputs.finished or req is None:
+                    continue
+                if self.proposer is not None:
+                    drafts = self.structured_output.truncate_drafts(rid, self.proposer.propose(req.all_token_ids))
+                elif self.structured_output.has_grammar(rid):
+                    drafts = []  # the bitmask needs the drafts before the step: served without them
+                else:  # slots the runner's draft model fills (runner/draft_model.py)
+                    drafts = [DRAFT_PLACEHOLDER] * spec.num_speculative_tokens
+                self.scheduler.set_draft_tokens(rid, drafts)
 
     # -- state -------------------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
@@ -227,26 +236,8 @@ class EngineCore:
             getattr(observer, "close", lambda: None)()
 
 
-def make_proposer(speculative_config: dict | None) -> NgramProposer | None:
-    """vLLM's speculative_config: {"method": "ngram", "num_speculative_tokens": k,
-    "prompt_lookup_max": 4, "prompt_lookup_min": 2}."""
-    if not speculative_config:
+def make_proposer(spec: SpeculativeConfig | None) -> NgramProposer | None:
+    """The engine core's own proposer: n-gram lookup; a draft model proposes in the runner."""
+    if spec is None or spec.uses_draft_model:
         return None
-    if not isinstance(speculative_config, dict):
-        raise ValidationError("speculative_config must be a JSON object", "speculative_config")
-    cfg = dict(speculative_config)
-    method = cfg.pop("method", "ngram")
-    if method not in ("ngram", "ngram-prompt-lookup"):
-        raise ValidationError(f"speculative method {method!r} is not supported; use 'ngram'",
-                              "speculative_config")
-    k = cfg.pop("num_speculative_tokens", None)
-    lo, hi = cfg.pop("prompt_lookup_min", None), cfg.pop("prompt_lookup_max", None)
-    if cfg:
-        raise ValidationError(f"unknown speculative_config keys: {sorted(cfg)}", "speculative_config")
-    if not isinstance(k, int) or k < 1:
-        raise ValidationError("speculative_config needs num_speculative_tokens >= 1", "speculative_config")
-    hi = hi if hi is not None else (lo if lo is not None else 4)
-    lo = lo if lo is not None else min(2, hi)
-    if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
-        raise ValidationError("need 1 <= prompt_lookup_min <= prompt_lookup_max", "speculative_config")
-    return NgramProposer(k, lo, hi)
+    return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)

@@ -30,6 +30,8 @@ class CachedRequestState:
     num_computed_tokens: int
     eos_token_ids: frozenset[int]
     num_unconfirmed: int = 0
+    # Positions whose KV the draft model holds (runner/draft_model.py); None: not run yet.
+    num_draft_computed: int | None = None
 
     @property
     def output_token_ids(self) -> list[int]:

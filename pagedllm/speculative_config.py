@@ -1,0 +1,64 @@
+"""vLLM's ``speculative_config``: which method drafts tokens, and how many per step.
+
+``{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}``
+(prompt lookup, in the engine core) or ``{"method": "draft_model", "model": PATH,
+"num_speculative_tokens": k}`` (a second, smaller model in the runner; ``quantization`` its own,
+as ModelConfig's). Parsed once at the edge; a bad value names the key to change.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedllm.errors import ValidationError
+
+_NGRAM_METHODS = ("ngram", "ngram-prompt-lookup")
+_KEYS = {"ngram": {"prompt_lookup_min", "prompt_lookup_max"},
+         "draft_model": {"model", "quantization"}}
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str  # "ngram" or "draft_model"
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    model: str | None = None  # the draft model: a folder, a .gguf file or a Hub id
+    quantization: str | None = None  # the draft's (None: what its checkpoint is)
+
+    @property
+    def uses_draft_model(self) -> bool:
+        return self.method == "draft_model"
+
+    @classmethod
+    def from_dict(cls, speculative_config: dict | None) -> SpeculativeConfig | None:
+        if not speculative_config:
+            return None
+        if not isinstance(speculative_config, dict):
+            raise ValidationError("speculative_config must be a JSON object", "speculative_config")
+        cfg = dict(speculative_config)
+        method = cfg.pop("method", "ngram")
+        method = "ngram" if method in _NGRAM_METHODS else method
+        if method not in _KEYS:
+            raise ValidationError(f"speculative method {method!r} is not supported; use 'ngram' or "
+                                  "'draft_model'", "speculative_config")
+        k = cfg.pop("num_speculative_tokens", None)
+        unknown = set(cfg) - _KEYS[method]
+        if unknown:
+            raise ValidationError(f"unknown speculative_config keys for method {method!r}: "
+                                  f"{sorted(unknown)}", "speculative_config")
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValidationError("speculative_config needs num_speculative_tokens >= 1", "speculative_config")
+        if method == "draft_model":
+            model, quantization = cfg.get("model"), cfg.get("quantization")
+            if not isinstance(model, str) or not model:
+                raise ValidationError("speculative_config with method 'draft_model' needs \"model\": "
+                                      "the draft model's path or Hub id", "speculative_config")
+            if quantization is not None and not isinstance(quantization, str):
+                raise ValidationError("speculative_config.quantization must be a string", "speculative_config")
+            return cls(method, k, model=model, quantization=quantization)
+        lo, hi = cfg.get("prompt_lookup_min"), cfg.get("prompt_lookup_max")
+        hi = hi if hi is not None else (lo if lo is not None else 4)
+        lo = lo if lo is not None else min(2, hi)
+        if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
+            raise ValidationError("need 1 <= prompt_lookup_min <= prompt_lookup_max", "speculative_config")
+        return cls(method, k, lo, hi)
