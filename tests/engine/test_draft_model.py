@@ -175,3 +175,26 @@ def test_bad_speculative_configs_name_what_to_change(spec, match):
 
     with pytest.raises(ValidationError, match=match):
         SpeculativeConfig.from_dict(spec)
+
+
+def test_a_quantized_draft_of_the_same_weights(models):
+    """The draft loads through the normal loaders with a weight format of its own."""
+    reference = _run(LLM(models["target"], enforce_eager=True))
+    spec = {**_spec(models["target"]), "quantization": "q8_0"}
+    llm = LLM(models["target"], enforce_eager=True, speculative_config=spec)
+    assert _run(llm) == reference
+    m = llm.get_metrics()
+    assert m["pagedllm:spec_decode_num_accepted_tokens"] > 0.8 * m["pagedllm:spec_decode_num_draft_tokens"]
+    _assert_idle(llm)
+
+
+def test_the_draft_runs_in_the_worker_process(models):
+    reference = _run(LLM(models["target"], enforce_eager=True))
+    llm = LLM(models["target"], enforce_eager=True, distributed_executor_backend="mp",
+              speculative_config=_spec(models["target"]))
+    try:
+        assert _run(llm) == reference
+        m = llm.get_metrics()
+        assert m["pagedllm:spec_decode_num_accepted_tokens"] == m["pagedllm:spec_decode_num_draft_tokens"] > 0
+    finally:
+        llm.llm_engine.shutdown()
