@@ -3,7 +3,10 @@
 ``{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}``
 (prompt lookup, in the engine core) or ``{"method": "draft_model", "model": PATH,
 "num_speculative_tokens": k}`` (a second, smaller model in the runner; ``quantization`` its own,
-as ModelConfig's). Parsed once at the edge; a bad value names the key to change.
+as ModelConfig's; ``adaptive_draft_length``, on by default, lets each request draft fewer than k
+from its measured acceptance, core/draft_length.py). Either method: ``disable_by_batch_size``
+(vLLM's) drafts nothing while that many requests or more are running or waiting. Parsed once at
+the edge; a bad value names the key to change.
 """
 from __future__ import annotations
 
@@ -12,8 +15,8 @@ from dataclasses import dataclass
 from pagedllm.errors import ValidationError
 
 _NGRAM_METHODS = ("ngram", "ngram-prompt-lookup")
-_KEYS = {"ngram": {"prompt_lookup_min", "prompt_lookup_max"},
-         "draft_model": {"model", "quantization"}}
+_KEYS = {"ngram": {"prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"},
+         "draft_model": {"model", "quantization", "adaptive_draft_length", "disable_by_batch_size"}}
 
 
 @dataclass(frozen=True)
@@ -24,6 +27,8 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     model: str | None = None  # the draft model: a folder, a .gguf file or a Hub id
     quantization: str | None = None  # the draft's (None: what its checkpoint is)
+    adaptive_draft_length: bool = True  # draft_model: fewer drafts for requests that reject them
+    disable_by_batch_size: int | None = None  # no drafts while this many requests are queued
 
     @property
     def uses_draft_model(self) -> bool:
@@ -48,17 +53,26 @@ class SpeculativeConfig:
                                   f"{sorted(unknown)}", "speculative_config")
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValidationError("speculative_config needs num_speculative_tokens >= 1", "speculative_config")
+        off = cfg.pop("disable_by_batch_size", None)
+        if off is not None and (not isinstance(off, int) or isinstance(off, bool) or off < 1):
+            raise ValidationError("speculative_config.disable_by_batch_size must be an int >= 1",
+                                  "speculative_config")
         if method == "draft_model":
+            adaptive = cfg.get("adaptive_draft_length", True)
+            if not isinstance(adaptive, bool):
+                raise ValidationError("speculative_config.adaptive_draft_length must be true or false",
+                                      "speculative_config")
             model, quantization = cfg.get("model"), cfg.get("quantization")
             if not isinstance(model, str) or not model:
                 raise ValidationError("speculative_config with method 'draft_model' needs \"model\": "
                                       "the draft model's path or Hub id", "speculative_config")
             if quantization is not None and not isinstance(quantization, str):
                 raise ValidationError("speculative_config.quantization must be a string", "speculative_config")
-            return cls(method, k, model=model, quantization=quantization)
+            return cls(method, k, model=model, quantization=quantization, adaptive_draft_length=adaptive,
+                       disable_by_batch_size=off)
         lo, hi = cfg.get("prompt_lookup_min"), cfg.get("prompt_lookup_max")
         hi = hi if hi is not None else (lo if lo is not None else 4)
         lo = lo if lo is not None else min(2, hi)
         if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
             raise ValidationError("need 1 <= prompt_lookup_min <= prompt_lookup_max", "speculative_config")
-        return cls(method, k, lo, hi)
+        return cls(method, k, lo, hi, disable_by_batch_size=off)

@@ -14,9 +14,9 @@ PKG = Path(__file__).resolve().parents[1] / "pagedllm"
 # Package (a folder under pagedllm/, "." for the top-level modules) -> its ceiling in lines.
 BUDGET = {
     ".": 1020,
-    "core": 1800,
+    "core": 1860,
     "distributed": 300,
-    "engine": 3050,
+    "engine": 3080,
     "entrypoints": 3850,
     "executor": 1250,
     "explain": 750,

@@ -18,6 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from pagedllm.config import EngineConfig
+from pagedllm.core.draft_length import DraftLength
 from pagedllm.core.kv_cache_manager import max_blocks_per_request
 from pagedllm.core.ngram_proposer import NgramProposer
 from pagedllm.core.outputs import DRAFT_PLACEHOLDER, EngineCoreOutputs, EngineCoreRequest, SchedulerOutput
@@ -62,6 +63,9 @@ class EngineCore:
         self.beam_search = BeamSearch(self.scheduler)
         self.speculative_config = SpeculativeConfig.from_dict(config.speculative_config)
         self.proposer = make_proposer(self.speculative_config)
+        spec = self.speculative_config
+        self.draft_length = (DraftLength(spec.num_speculative_tokens)
+                             if spec is not None and spec.uses_draft_model and spec.adaptive_draft_length else None)
         # Structured outputs: grammars compile off the step loop; requests wait there meanwhile.
         mc = config.model_config
         so_defaults = config.structured_outputs_config or {}
@@ -160,7 +164,8 @@ class EngineCore:
         for sid in failed:  # never queued: the front end learns here that they ended
             outputs.finished[sid] = ("abort", None)
             outputs.add(sid, [])
-        self._share(outputs, stalled=scheduler_output.is_empty and self.scheduler.has_unfinished_requests())
+        self._share(outputs, scheduler_output.scheduled_spec_decode_tokens,
+                    stalled=scheduler_output.is_empty and self.scheduler.has_unfinished_requests())
         self.stats.add(outputs.scheduler_stats)
         return outputs
 
@@ -171,26 +176,39 @@ class EngineCore:
         done.set_result(self.executor.execute_model(scheduler_output))
         return done
 
-    def _share(self, outputs: EngineCoreOutputs, stalled: bool) -> None:
+    def _share(self, outputs: EngineCoreOutputs, scheduled_drafts: dict[str, list[int]], stalled: bool) -> None:
         """After the scheduler's update: samples fork, beams advance, drafts are proposed."""
         self.parallel_sampling.step(outputs)
         self.structured_output.accept(outputs, self.scheduler.requests)
         for group in self.beam_search.step(outputs, stalled):
             outputs.finished_beams[group.request_id] = group.results()
-        spec = self.speculative_config
-        if spec is not None:
-            requests = self.scheduler.requests
-            for rid, new_ids in zip(outputs.req_ids, outputs.new_token_ids):
-                req = requests.get(rid)
-                if not new_ids or rid in outputs.finished or req is None:
-                    continue
-                if self.proposer is not None:
-                    drafts = self.structured_output.truncate_drafts(rid, self.proposer.propose(req.all_token_ids))
-                elif self.structured_output.has_grammar(rid):
-                    drafts = []  # the bitmask needs the drafts before the step: served without them
-                else:  # slots the runner's draft model fills (runner/draft_model.py)
-                    drafts = [DRAFT_PLACEHOLDER] * spec.num_speculative_tokens
-                self.scheduler.set_draft_tokens(rid, drafts)
+        if self.speculative_config is not None:
+            self._propose_drafts(outputs, scheduled_drafts)
+
+    def _propose_drafts(self, outputs: EngineCoreOutputs, scheduled_drafts: dict[str, list[int]]) -> None:
+        """Each request that got a token gets its next drafts: n-gram ones, or the slots the
+        runner's draft model fills (runner/draft_model.py), as many as its acceptance pays for."""
+        spec, lengths = self.speculative_config, self.draft_length
+        requests = self.scheduler.requests
+        off = spec.disable_by_batch_size is not None and len(requests) >= spec.disable_by_batch_size
+        for rid, new_ids in zip(outputs.req_ids, outputs.new_token_ids):
+            req = requests.get(rid)
+            if lengths is not None and rid in scheduled_drafts and new_ids:
+                lengths.observe(rid, len(scheduled_drafts[rid]), len(new_ids) - 1)
+            if not new_ids or rid in outputs.finished or req is None:
+                continue
+            if off:
+                drafts = []
+            elif self.proposer is not None:
+                drafts = self.structured_output.truncate_drafts(rid, self.proposer.propose(req.all_token_ids))
+            elif self.structured_output.has_grammar(rid):
+                drafts = []  # the bitmask needs the drafts before the step: served without them
+            else:
+                k = lengths.num_tokens(rid) if lengths is not None else spec.num_speculative_tokens
+                drafts = [DRAFT_PLACEHOLDER] * k
+            self.scheduler.set_draft_tokens(rid, drafts)
+        if lengths is not None:
+            lengths.retain(requests)
 
     # -- state -------------------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:

@@ -198,3 +198,18 @@ def test_the_draft_runs_in_the_worker_process(models):
         assert m["pagedllm:spec_decode_num_accepted_tokens"] == m["pagedllm:spec_decode_num_draft_tokens"] > 0
     finally:
         llm.llm_engine.shutdown()
+
+
+def test_drafts_adapt_to_acceptance_and_switch_off_by_batch_size(models):
+    reference = _run(LLM(models["target"], enforce_eager=True))
+    proposed = {}
+    for name, extra in (("fixed", {"adaptive_draft_length": False}), ("adaptive", {}),
+                        ("off", {"disable_by_batch_size": 2})):
+        llm = LLM(models["target"], enforce_eager=True,
+                  speculative_config={**_spec(models["other"], k=4), **extra})
+        assert _run(llm) == reference
+        proposed[name] = llm.get_metrics()["pagedllm:spec_decode_num_draft_tokens"]
+    # A draft that is almost never accepted: one draft a step instead of four.
+    assert proposed["adaptive"] < 0.5 * proposed["fixed"]
+    # 4 requests >= 2: no drafts until only one is left.
+    assert proposed["off"] < 0.5 * proposed["fixed"]
