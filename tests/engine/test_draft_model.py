@@ -213,3 +213,10 @@ def test_drafts_adapt_to_acceptance_and_switch_off_by_batch_size(models):
     assert proposed["adaptive"] < 0.5 * proposed["fixed"]
     # 4 requests >= 2: no drafts until only one is left.
     assert proposed["off"] < 0.5 * proposed["fixed"]
+
+
+def test_a_bad_speculative_config_is_refused_before_any_model_loads():
+    from pagedllm.config import EngineConfig
+
+    with pytest.raises(ValidationError, match="num_speculative_tokens"):
+        EngineConfig.from_kwargs("no/such/model", speculative_config={"method": "draft_model", "model": "x"})
