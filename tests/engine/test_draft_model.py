@@ -220,3 +220,23 @@ def test_a_bad_speculative_config_is_refused_before_any_model_loads():
 
     with pytest.raises(ValidationError, match="num_speculative_tokens"):
         EngineConfig.from_kwargs("no/such/model", speculative_config={"method": "draft_model", "model": "x"})
+
+
+def test_sampled_n_and_structured_requests_with_a_draft():
+    """The demo model as its own draft: sampled drafts come from q = p, so all are accepted
+    (a wrong q would reject some); n > 1 samples draft on their own; a structured request is
+    served without drafts."""
+    from pagedllm import StructuredOutputsParams
+
+    demo = str(ROOT.parent / "shared" / "models" / "stories260K" / "hf")
+    llm = LLM(demo, enforce_eager=True, block_size=4, speculative_config=_spec(demo, k=3))
+    sampled = SamplingParams(n=3, temperature=0.8, top_p=0.9, seed=5, max_tokens=20, ignore_eos=True)
+    out = llm.generate(["Once upon a time"], sampled, use_tqdm=False)[0]
+    assert len(out.outputs) == 3 and all(len(c.token_ids) == 20 for c in out.outputs)
+    m = llm.get_metrics()
+    assert m["pagedllm:spec_decode_num_accepted_tokens"] >= 0.99 * m["pagedllm:spec_decode_num_draft_tokens"] > 0
+    choice = SamplingParams(temperature=0, max_tokens=10,
+                            structured_outputs=StructuredOutputsParams(choice=["a dog", "a cat"]))
+    text = llm.generate(["The pet was"], choice, use_tqdm=False)[0].outputs[0].text
+    assert text in ("a dog", "a cat")
+    _assert_idle(llm)
