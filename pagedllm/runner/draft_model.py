@@ -54,11 +54,15 @@ DRAFT_STREAM = 1
 class DraftModel:
     def __init__(self, spec: SpeculativeConfig, target_model: torch.nn.Module, target_path: str,
                  dtype: torch.dtype, device: torch.device, kv_cache_dtype: torch.dtype,
-                 activations: str, enforce_eager: bool | None) -> None:
+                 activations: str, enforce_eager: bool | None, max_model_len: int) -> None:
         self.num_speculative_tokens = spec.num_speculative_tokens
         self.device = device
         self.model, self.hf_config = load_model(spec.model, dtype, device, spec.quantization)
         check_same_vocabulary(spec.model, self.model.vocab_size, target_path, target_model.vocab_size)
+        draft_len = getattr(self.model, "max_position_embeddings", None)
+        if draft_len is not None and draft_len < max_model_len:  # drafts run as far as the target
+            raise ModelLoadError(f"the draft model {spec.model} handles {draft_len} positions, fewer than "
+                                 f"max_model_len {max_model_len}: lower max_model_len to {draft_len}")
         if device.type == "cpu":
             choose_linear_kernels(self.model)
         choose_activations(self.model, activations, device, checkpoint_method(self.hf_config))

@@ -80,7 +80,7 @@ class ModelRunner:
         self.vocab_size = self.model.vocab_size
         spec = SpeculativeConfig.from_dict(config.speculative_config)
         self.drafter = (DraftModel(spec, self.model, mc.model, self.dtype, self.device, self.kv_cache_dtype,
-                                   mc.quantization_activations, mc.enforce_eager)
+                                   mc.quantization_activations, mc.enforce_eager, max_model_len)
                         if spec is not None and spec.uses_draft_model else None)
         self.sampler = Sampler()
         self.input_batch = InputBatch()

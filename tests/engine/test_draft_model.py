@@ -19,13 +19,14 @@ ROOT = Path(__file__).resolve().parents[2]
 TOKENIZER = ROOT.parent / "shared" / "models" / "synthetic-tokenizer-32k"
 
 
-def _tiny_llama(path: Path, vocab: int, seed: int, layers: int = 2, hidden: int = 32) -> str:
+def _tiny_llama(path: Path, vocab: int, seed: int, layers: int = 2, hidden: int = 32,
+                max_positions: int = 256) -> str:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
                       num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=256, tie_word_embeddings=False, bos_token_id=0,
+                      max_position_embeddings=max_positions, tie_word_embeddings=False, bos_token_id=0,
                       eos_token_id=vocab - 1)
     model = LlamaForCausalLM(cfg)
     with torch.no_grad():  # sharp distributions: greedy ties are out of reach of rounding
@@ -240,3 +241,9 @@ def test_sampled_n_and_structured_requests_with_a_draft():
     text = llm.generate(["The pet was"], choice, use_tqdm=False)[0].outputs[0].text
     assert text in ("a dog", "a cat")
     _assert_idle(llm)
+
+
+def test_a_draft_shorter_than_max_model_len_is_refused(models, tmp_path):
+    short = _tiny_llama(tmp_path / "short", 64, seed=5, layers=1, hidden=16, max_positions=128)
+    with pytest.raises(ModelLoadError, match="lower max_model_len to 128"):
+        LLM(models["target"], enforce_eager=True, speculative_config=_spec(short))
