@@ -83,7 +83,8 @@ class EngineCore:
         async_scheduling = config.scheduler_config.async_scheduling
         if async_scheduling and self.speculative_config is not None:
             raise ValidationError("async_scheduling does not work with speculative decoding yet: "
-                                  "drafts need the previous token; turn one of them off",
+                                  "how many tokens a step yields is known only after it runs; turn "
+                                  "one of them off",
                                   "async_scheduling")
         self._max_in_flight = 1 if async_scheduling else 0
         self._execute_thread = (ThreadPoolExecutor(1, thread_name_prefix="pagedllm-execute")

@@ -124,9 +124,10 @@ class DraftModel:
             (scheduled[i].state, drafts[i], r) for r, i in enumerate(active)]
         md, generators = sampling(rows, stream=DRAFT_STREAM)
         q = target_probs(self.model.compute_logits(hidden).float(), md)
+        argmax = q.argmax(dim=-1).tolist() if not md.all_random else None
         for (state, _, r), i, gen in zip(rows, active, generators):
             if state.params.sampling_type_greedy:
-                drafts[i].append(int(q[r].argmax().item()))
+                drafts[i].append(argmax[r])
                 probs[i].append(None)
             else:
                 drafts[i].append(int(torch.multinomial(q[r], 1, generator=gen).item()))
