@@ -122,6 +122,8 @@ class RunnerOutput:
     # Per request, None or one TokenLogprobs per sampled token (SamplingParams.logprobs).
     logprobs: list[list[TokenLogprobs] | None] | None = None
     prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
+    # Requests that verified fewer drafts than they had slots (a draft model below draft_p_min).
+    num_draft_tokens: dict[str, int] | None = None
 
     @classmethod
     def empty(cls) -> "RunnerOutput":

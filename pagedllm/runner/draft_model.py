@@ -56,6 +56,7 @@ class DraftModel:
                  dtype: torch.dtype, device: torch.device, kv_cache_dtype: torch.dtype,
                  activations: str, enforce_eager: bool | None, max_model_len: int) -> None:
         self.num_speculative_tokens = spec.num_speculative_tokens
+        self.draft_p_min = spec.draft_p_min
         self.device = device
         self.model, self.hf_config = load_model(spec.model, dtype, device, spec.quantization)
         check_same_vocabulary(spec.model, self.model.vocab_size, target_path, target_model.vocab_size)
@@ -74,7 +75,8 @@ class DraftModel:
     @torch.inference_mode()
     def propose(self, scheduled: list[ScheduledRequest], metadata: MetadataBuilder,
                 sampling: SamplingBuilder) -> list[torch.Tensor | None]:
-        """Fill every scheduled request's draft slots in place; returns per request the draft
+        """Fill every scheduled request's draft slots in place (with ``draft_p_min``, fewer when
+        a draft falls below it: the request computes fewer tokens); returns per request the draft
         distributions q [num_drafts, V] its drafts were drawn from (None: greedy or no drafts)."""
         # Forward 1: catch up to each request's last known token.
         ids: list[int] = []
@@ -91,22 +93,29 @@ class DraftModel:
         speculating = [i for i, s in enumerate(scheduled) if s.drafts]
         probs: list[list[torch.Tensor] | None] = [[] if s.drafts else None for s in scheduled]
         drafts: list[list[int]] = [[] for _ in scheduled]
+        stopped: set[int] = set()  # below draft_p_min: no more drafts this step
         hidden = self._forward(ids, query_lens, starts, [s.state.block_ids for s in scheduled], metadata)
         if speculating:
             self._sample(hidden[[last_rows[i] for i in speculating]], speculating, scheduled, drafts,
-                         probs, sampling)
+                         probs, sampling, stopped)
         # Forward j: draft j - 1 in, draft j out, for the requests that want that many.
         for j in range(1, max((len(s.drafts) for s in scheduled), default=0)):
-            active = [i for i in speculating if len(scheduled[i].drafts) > j]
+            active = [i for i in speculating if len(scheduled[i].drafts) > j and i not in stopped]
+            if not active:
+                break
             positions = [scheduled[i].state.num_draft_computed for i in active]
             hidden = self._forward([drafts[i][-1] for i in active], [1] * len(active), positions,
                                    [scheduled[i].state.block_ids for i in active], metadata)
             for i, pos in zip(active, positions):
                 scheduled[i].state.num_draft_computed = pos + 1
-            self._sample(hidden, active, scheduled, drafts, probs, sampling)
+            self._sample(hidden, active, scheduled, drafts, probs, sampling, stopped)
         for i in speculating:
-            scheduled[i].drafts = drafts[i]
-        return [None if p is None or p[0] is None else torch.stack(p) for p in probs]
+            s = scheduled[i]
+            dropped = len(s.drafts) - len(drafts[i])
+            s.num_tokens -= dropped
+            s.state.num_computed_tokens -= dropped
+            s.drafts = drafts[i]
+        return [None if not p or p[0] is None else torch.stack(p) for p in probs]
 
     def _forward(self, ids: list[int], query_lens: list[int], starts: list[int],
                  block_tables: list[list[list[int]]], metadata: MetadataBuilder) -> torch.Tensor:
@@ -117,21 +126,28 @@ class DraftModel:
 
     def _sample(self, hidden: torch.Tensor, active: list[int], scheduled: list[ScheduledRequest],
                 drafts: list[list[int]], probs: list[list[torch.Tensor | None] | None],
-                sampling: SamplingBuilder) -> None:
+                sampling: SamplingBuilder, stopped: set[int]) -> None:
         """One draft token for each active request from its row of ``hidden``: greedy rows
-        take the argmax, the others draw from q (kept for the verifier)."""
+        take the argmax, the others draw from q (kept for the verifier). A draft the draft
+        model gives less than ``draft_p_min`` is dropped and its request stops (llama.cpp's rule)."""
         rows: list[tuple[CachedRequestState, list[int], int]] = [
             (scheduled[i].state, drafts[i], r) for r, i in enumerate(active)]
         md, generators = sampling(rows, stream=DRAFT_STREAM)
         q = target_probs(self.model.compute_logits(hidden).float(), md)
         argmax = q.argmax(dim=-1).tolist() if not md.all_random else None
+        p_min = self.draft_p_min
         for (state, _, r), i, gen in zip(rows, active, generators):
             if state.params.sampling_type_greedy:
-                drafts[i].append(argmax[r])
-                probs[i].append(None)
+                token, row_q = argmax[r], None
+                confidence = (torch.softmax(q[r], -1) if md.all_greedy else q[r])[token] if p_min else None
             else:
-                drafts[i].append(int(torch.multinomial(q[r], 1, generator=gen).item()))
-                probs[i].append(q[r])
+                token, row_q = int(torch.multinomial(q[r], 1, generator=gen).item()), q[r]
+                confidence = q[r, token] if p_min else None
+            if confidence is not None and confidence.item() < p_min:
+                stopped.add(i)
+                continue
+            drafts[i].append(token)
+            probs[i].append(row_q)
 
 
 def check_same_vocabulary(draft_path: str, draft_size: int, target_path: str, target_size: int) -> None:

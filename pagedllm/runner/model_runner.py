@@ -152,9 +152,13 @@ class ModelRunner:
         if not scheduled:
             return RunnerOutput.empty()
         draft_probs: dict[str, torch.Tensor | None] = {}
+        num_drafts: dict[str, int] = {}  # requests whose draft model filled fewer slots
         if self.drafter is not None:  # fills the draft slots, keeping q for the verifier
             qs = self.drafter.propose(scheduled, self._attention_metadata, self._sampling_metadata)
             draft_probs = {s.state.req_id: q for s, q in zip(scheduled, qs)}
+            slots = so.scheduled_spec_decode_tokens
+            num_drafts = {s.state.req_id: len(s.drafts) for s in scheduled
+                          if len(s.drafts) != len(slots.get(s.state.req_id, ()))}
 
         input_ids: list[int] = []
         query_lens: list[int] = []
@@ -190,7 +194,7 @@ class ModelRunner:
 
         req_ids = [s.state.req_id for s in scheduled]
         out = RunnerOutput(req_ids=req_ids, req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
-                           sampled_token_ids=[[] for _ in req_ids])
+                           sampled_token_ids=[[] for _ in req_ids], num_draft_tokens=num_drafts or None)
         if prompt_lp_jobs:
             out.prompt_logprobs = self._prompt_logprobs(hidden, prompt_lp_jobs)
         if samplers:

@@ -247,3 +247,25 @@ def test_a_draft_shorter_than_max_model_len_is_refused(models, tmp_path):
     short = _tiny_llama(tmp_path / "short", 64, seed=5, layers=1, hidden=16, max_positions=128)
     with pytest.raises(ModelLoadError, match="lower max_model_len to 128"):
         LLM(models["target"], enforce_eager=True, speculative_config=_spec(short))
+
+
+def test_draft_p_min_stops_unsure_drafts(models):
+    """llama.cpp's rule: a request stops drafting at a draft its draft model is unsure of; the
+    target then verifies fewer tokens, and only the drafts verified are counted."""
+    reference = _run(LLM(models["target"], enforce_eager=True))
+    counted = {}
+    for name, draft, p_min in (("self", models["target"], 0.5), ("other", models["other"], None),
+                               ("other_p_min", models["other"], 0.999)):
+        spec = {**_spec(draft, k=4), "adaptive_draft_length": False}
+        if p_min is not None:
+            spec = {**_spec(draft, k=4), "draft_p_min": p_min}
+        llm = LLM(models["target"], enforce_eager=True, speculative_config=spec)
+        assert _run(llm) == reference
+        m = llm.get_metrics()
+        counted[name] = (m["pagedllm:spec_decode_num_draft_tokens"], m["pagedllm:spec_decode_num_accepted_tokens"])
+        _assert_idle(llm)
+    assert counted["self"][0] == counted["self"][1] > 0  # sure and right: every draft verified is kept
+    assert counted["other_p_min"][0] < 0.5 * counted["other"][0]
+    with pytest.raises(ValidationError, match="set one"):
+        LLM(models["target"], speculative_config={**_spec(models["other"]), "draft_p_min": 0.5,
+                                                  "adaptive_draft_length": True})
