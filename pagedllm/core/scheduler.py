@@ -261,8 +261,9 @@ class Scheduler:
                 add_blocks(new_block_ids[rid])
                 add_computed(start)
                 add_tokens(all_ids[req.num_sent_tokens:])
-            if req.spec_token_ids and start + n > len(all_ids):  # the drafts that fit this step
-                spec_tokens[rid] = req.spec_token_ids[:start + n - len(all_ids)]
+            known = len(all_ids) + req.num_output_placeholders  # tokens in flight are not drafts
+            if req.spec_token_ids and start + n > known:  # the drafts that fit this step
+                spec_tokens[rid] = req.spec_token_ids[:start + n - known]
             req.num_computed_tokens = start + n
             req.num_sent_tokens = len(all_ids)
             if placeholders and start + n >= len(all_ids) + req.num_output_placeholders and not req.is_beam:

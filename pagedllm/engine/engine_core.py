@@ -81,11 +81,10 @@ class EngineCore:
         # finished with async scheduling (executed in order on one thread), none without.
         self._in_flight: deque[tuple[SchedulerOutput, Future]] = deque()
         async_scheduling = config.scheduler_config.async_scheduling
-        if async_scheduling and self.speculative_config is not None:
-            raise ValidationError("async_scheduling does not work with speculative decoding yet: "
-                                  "how many tokens a step yields is known only after it runs; turn "
-                                  "one of them off",
-                                  "async_scheduling")
+        if async_scheduling and self.proposer is not None:
+            raise ValidationError("async_scheduling does not work with n-gram speculative decoding: "
+                                  "its drafts need the token in flight; use a draft model or turn "
+                                  "one of them off", "async_scheduling")
         self._max_in_flight = 1 if async_scheduling else 0
         self._execute_thread = (ThreadPoolExecutor(1, thread_name_prefix="pagedllm-execute")
                                 if async_scheduling else None)
@@ -147,13 +146,17 @@ class EngineCore:
         failed = (self.structured_output.release_ready(
             wait_s=0.0 if self.scheduler.has_unfinished_requests() else 0.01)
             if self.structured_output.has_held() else [])
-        if self.scheduler.has_unfinished_requests() or not self._in_flight:
+        # A step verifying drafts yields an unknown number of tokens: nothing is scheduled past
+        # it until its update (a draft model's drafts follow the token in flight, in the runner).
+        drafts_in_flight = bool(self._in_flight) and bool(self._in_flight[-1][0].scheduled_spec_decode_tokens)
+        if (self.scheduler.has_unfinished_requests() or not self._in_flight) and not drafts_in_flight:
             scheduler_output = self.scheduler.schedule()
             scheduler_output.grammar_bitmask = self.structured_output.grammar_bitmask(
                 scheduler_output, self.scheduler.requests)
             self._in_flight.append((scheduler_output, self._launch(scheduler_output)))
         t1 = time.perf_counter()
-        if len(self._in_flight) <= self._max_in_flight and self.scheduler.has_unfinished_requests():
+        if (len(self._in_flight) <= self._max_in_flight and self.scheduler.has_unfinished_requests()
+                and not drafts_in_flight):
             return None  # the first step of a run: nothing has finished yet
         scheduler_output, result = self._in_flight.popleft()
         runner_output = result.result()

@@ -16,7 +16,10 @@ one forward per draft position, batched over the requests:
      speculating ones sample their first draft from the last row;
   2. then position j feeds draft j - 1 of the requests that want a j-th draft.
 Rejected drafts' KV is overwritten later: the next step starts the draft at the target's
-``num_computed_tokens`` at the latest.
+``num_computed_tokens`` at the latest. At a step's end the draft's KV trails the target's by one
+position at most (the last draft, when every draft was accepted), so a request that enters with
+cached blocks (a prefix hit, a resume after preemption) has the draft write the position before
+its hit again: the same tokens give the same KV, so blocks other requests share stay as they are.
 """
 from __future__ import annotations
 
@@ -84,7 +87,9 @@ class DraftModel:
         for s in scheduled:
             state = s.state
             end = s.start + s.num_tokens - len(s.drafts)
-            done = s.start if state.num_draft_computed is None else min(state.num_draft_computed, s.start)
+            # New here (a prefix hit, a resume, a fork): the draft's KV may lack the hit's last
+            # position (the draft trails the target by one at most), so it writes that one again.
+            done = max(s.start - 1, 0) if state.num_draft_computed is None else min(state.num_draft_computed, s.start)
             ids.extend(state.token_ids[done:end])
             query_lens.append(end - done)
             starts.append(done)

@@ -269,3 +269,22 @@ def test_draft_p_min_stops_unsure_drafts(models):
     with pytest.raises(ValidationError, match="set one"):
         LLM(models["target"], speculative_config={**_spec(models["other"]), "draft_p_min": 0.5,
                                                   "adaptive_draft_length": True})
+
+
+@pytest.mark.parametrize("engine_args", [
+    {}, {"max_num_batched_tokens": 6, "long_prefill_token_threshold": 4},
+    {"num_gpu_blocks_override": 14, "block_size": 4, "max_num_seqs": 4},
+], ids=["batch", "chunked", "preemption"])
+def test_async_scheduling_with_a_draft_model(models, engine_args):
+    """The draft model proposes after the token in flight; nothing is scheduled past a step
+    that verifies drafts. Greedy output is the target's, every request ends cleanly."""
+    reference = _run(LLM(models["target"], enforce_eager=True, **engine_args))
+    for draft in (models["target"], models["other"]):
+        llm = LLM(models["target"], enforce_eager=True, async_scheduling=True,
+                  speculative_config=_spec(draft), **engine_args)
+        assert _run(llm) == reference
+        m = llm.get_metrics()
+        assert m["pagedllm:spec_decode_num_draft_tokens"] > 0
+        if draft == models["target"]:
+            assert m["pagedllm:spec_decode_num_accepted_tokens"] == m["pagedllm:spec_decode_num_draft_tokens"]
+        _assert_idle(llm)
