@@ -288,3 +288,18 @@ def test_async_scheduling_with_a_draft_model(models, engine_args):
         if draft == models["target"]:
             assert m["pagedllm:spec_decode_num_accepted_tokens"] == m["pagedllm:spec_decode_num_draft_tokens"]
         _assert_idle(llm)
+
+
+def test_aborts_mid_draft_leave_nothing_behind(models):
+    llm = LLM(models["target"], enforce_eager=True, block_size=4, speculative_config=_spec(models["target"]))
+    engine = llm.llm_engine
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, GREEDY)
+    for _ in range(4):  # past the prefills, into verification steps
+        engine.step()
+    assert llm.get_metrics()["pagedllm:spec_decode_num_draft_tokens"] > 0
+    engine.abort_request(["0", "2"])
+    while engine.has_unfinished_requests():
+        engine.step()
+    _assert_idle(llm)
+    assert _run(llm, PROMPTS[:1]) == _run(LLM(models["target"], enforce_eager=True, block_size=4), PROMPTS[:1])
