@@ -303,3 +303,28 @@ def test_aborts_mid_draft_leave_nothing_behind(models):
         engine.step()
     _assert_idle(llm)
     assert _run(llm, PROMPTS[:1]) == _run(LLM(models["target"], enforce_eager=True, block_size=4), PROMPTS[:1])
+
+
+def test_beam_search_is_served_without_drafts(models):
+    from pagedllm import BeamSearchParams
+
+    params = BeamSearchParams(beam_width=3, max_tokens=12)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:2]]
+    plain = LLM(models["target"], enforce_eager=True).beam_search(prompts, params)
+    llm = LLM(models["target"], enforce_eager=True, speculative_config=_spec(models["other"]))
+    spec = llm.beam_search(prompts, params)
+    assert [[s.tokens for s in r.sequences] for r in spec] == [[s.tokens for s in r.sequences] for r in plain]
+    assert llm.get_metrics()["pagedllm:spec_decode_num_draft_tokens"] == 0
+    _assert_idle(llm)
+
+
+@pytest.mark.slow  # two worker processes
+def test_the_draft_is_sharded_with_the_target_under_tensor_parallelism(models):
+    reference = _run(LLM(models["target"], enforce_eager=True))
+    llm = LLM(models["target"], enforce_eager=True, tensor_parallel_size=2, speculative_config=_spec(models["target"]))
+    try:
+        assert _run(llm) == reference
+        m = llm.get_metrics()
+        assert m["pagedllm:spec_decode_num_accepted_tokens"] == m["pagedllm:spec_decode_num_draft_tokens"] > 0
+    finally:
+        llm.llm_engine.shutdown()
