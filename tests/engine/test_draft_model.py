@@ -328,3 +328,30 @@ def test_the_draft_is_sharded_with_the_target_under_tensor_parallelism(models):
         assert m["pagedllm:spec_decode_num_accepted_tokens"] == m["pagedllm:spec_decode_num_draft_tokens"] > 0
     finally:
         llm.llm_engine.shutdown()
+
+
+def test_a_sliding_window_target_with_a_full_attention_draft(models, tmp_path):
+    """The draft's layers join the target's KV cache groups by attention type: a full-attention
+    draft beside a windowed target makes a full group of its own (the hybrid allocator)."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    cfg = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                        sliding_window=8, tie_word_embeddings=False, bos_token_id=0, eos_token_id=63)
+    model = MistralForCausalLM(cfg)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40.0)
+    model.save_pretrained(tmp_path / "sw")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(TOKENIZER / name, tmp_path / "sw" / name)
+    target = str(tmp_path / "sw")
+    prompts = [list(range(1, 20)), [5, 6, 7]]
+    reference = _run(LLM(target, enforce_eager=True), prompts)
+    for draft, full in ((target, True), (models["other"], False)):
+        llm = LLM(target, enforce_eager=True, speculative_config=_spec(draft))
+        assert _run(llm, prompts) == reference
+        assert llm.llm_engine.engine_core.kv_cache_groups == ((8,) if full else (None, 8, 8))
+        m = llm.get_metrics()
+        assert (m["pagedllm:spec_decode_num_accepted_tokens"] == m["pagedllm:spec_decode_num_draft_tokens"]) == full
+        _assert_idle(llm)
