@@ -16,10 +16,13 @@ one forward per draft position, batched over the requests:
      speculating ones sample their first draft from the last row;
   2. then position j feeds draft j - 1 of the requests that want a j-th draft.
 Rejected drafts' KV is overwritten later: the next step starts the draft at the target's
-``num_computed_tokens`` at the latest. At a step's end the draft's KV trails the target's by one
-position at most (the last draft, when every draft was accepted), so a request that enters with
-cached blocks (a prefix hit, a resume after preemption) has the draft write the position before
-its hit again: the same tokens give the same KV, so blocks other requests share stay as they are.
+``num_computed_tokens`` at the latest. A step in which no request speculates and every request
+decodes one token runs no draft at all (a large batch with drafts switched off pays nothing):
+those tokens are caught up in forward 1 of the request's next speculating step. After a step
+that ran the draft, its KV trails the target's by one position at most (the last draft, when
+every draft was accepted), so a request that enters with cached blocks (a prefix hit, a resume
+after preemption, a fork) starts the draft one position before its hit (input_batch.py): the
+same tokens give the same KV, so blocks other requests share keep their content.
 """
 from __future__ import annotations
 
@@ -75,6 +78,13 @@ class DraftModel:
         logger.info("draft model %s: %d KV layers, %d draft tokens a step", spec.model,
                     len(self.kv_layers), self.num_speculative_tokens)
 
+    @staticmethod
+    def can_skip(scheduled: list[ScheduledRequest]) -> bool:
+        """Nobody drafts and every request decodes one token: the draft catches up later. Prompt
+        tokens are always mirrored, so blocks published to the prefix cache hold the draft's KV."""
+        return all(not s.drafts and s.num_tokens == 1 and s.samples and s.start >= s.state.num_prompt_tokens
+                   for s in scheduled)
+
     @torch.inference_mode()
     def propose(self, scheduled: list[ScheduledRequest], metadata: MetadataBuilder,
                 sampling: SamplingBuilder) -> list[torch.Tensor | None]:
@@ -87,9 +97,7 @@ class DraftModel:
         for s in scheduled:
             state = s.state
             end = s.start + s.num_tokens - len(s.drafts)
-            # New here (a prefix hit, a resume, a fork): the draft's KV may lack the hit's last
-            # position (the draft trails the target by one at most), so it writes that one again.
-            done = max(s.start - 1, 0) if state.num_draft_computed is None else min(state.num_draft_computed, s.start)
+            done = min(state.num_draft_computed, s.start)
             ids.extend(state.token_ids[done:end])
             query_lens.append(end - done)
             starts.append(done)

@@ -153,7 +153,7 @@ class ModelRunner:
             return RunnerOutput.empty()
         draft_probs: dict[str, torch.Tensor | None] = {}
         num_drafts: dict[str, int] = {}  # requests whose draft model filled fewer slots
-        if self.drafter is not None:  # fills the draft slots, keeping q for the verifier
+        if self.drafter is not None and not self.drafter.can_skip(scheduled):  # fills the slots, keeps q
             qs = self.drafter.propose(scheduled, self._attention_metadata, self._sampling_metadata)
             draft_probs = {s.state.req_id: q for s, q in zip(scheduled, qs)}
             slots = so.scheduled_spec_decode_tokens

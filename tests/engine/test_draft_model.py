@@ -355,3 +355,17 @@ def test_a_sliding_window_target_with_a_full_attention_draft(models, tmp_path):
         m = llm.get_metrics()
         assert (m["pagedllm:spec_decode_num_accepted_tokens"] == m["pagedllm:spec_decode_num_draft_tokens"]) == full
         _assert_idle(llm)
+
+
+def test_the_draft_only_mirrors_prompts_while_drafts_are_off(models):
+    """disable_by_batch_size: steps where nobody drafts and everybody decodes one token run no
+    draft forward; the prompts still go through the draft (their blocks may be shared)."""
+    reference = _run(LLM(models["target"], enforce_eager=True))
+    llm = LLM(models["target"], enforce_eager=True,
+              speculative_config={**_spec(models["other"]), "disable_by_batch_size": 1})
+    drafter = llm.llm_engine.engine_core.executor.runner.drafter
+    forward, tokens = drafter._forward, []
+    drafter._forward = lambda ids, *rest: tokens.append(len(ids)) or forward(ids, *rest)
+    assert _run(llm) == reference
+    assert sum(tokens) == sum(len(p) for p in PROMPTS)
+    assert llm.get_metrics()["pagedllm:spec_decode_num_draft_tokens"] == 0
