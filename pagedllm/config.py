@@ -12,6 +12,7 @@ from pathlib import Path
 from pagedllm import envs
 from pagedllm.errors import ValidationError, check_ints
 from pagedllm.runner_type import RUNNER_TYPES
+from pagedllm.speculative_config import SpeculativeConfig
 
 # The demo model lives in the shared folder beside the repository; PAGEDLLM_MODEL overrides it.
 _REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -245,6 +246,7 @@ class EngineConfig:
             for f in fields(part):
                 check_ints(getattr(part, f.name), f.name)
         check_ints(list((self.speculative_config or {}).values()), "speculative_config")
+        SpeculativeConfig.from_dict(self.speculative_config)  # a bad key is refused here, by name
         so = self.structured_outputs_config
         if so is None:
             return

@@ -13,9 +13,9 @@ PKG = Path(__file__).resolve().parents[1] / "pagedllm"
 
 # Package (a folder under pagedllm/, "." for the top-level modules) -> its ceiling in lines.
 BUDGET = {
-    ".": 1300,
+    ".": 1400,
     "checkpoint": 250,
-    "core": 1900,
+    "core": 1950,
     "distributed": 300,
     "engine": 3500,
     "entrypoints": 6050,
@@ -26,7 +26,7 @@ BUDGET = {
     "layers": 3500,
     "lora": 600,
     "models": 1950,
-    "runner": 2050,
+    "runner": 2300,
     "structured_output": 450,
 }
 # The C++ kernels (kernels/csrc and the runner's arena allocator).

@@ -14,6 +14,9 @@ from pagedllm.lora.request import LoRARequest
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
+# A draft slot whose token the runner's draft model proposes within the step.
+DRAFT_PLACEHOLDER = -1
+
 
 @dataclass(slots=True)
 class EngineCoreRequest:
@@ -80,7 +83,8 @@ class SchedulerOutput:
     # group). A window group's slots that fell out of the window are not reported: the runner's
     # stale ids there are never read, like the null block.
     replaced_block_tables: dict[str, list[list[int]]] = field(default_factory=dict)
-    # Draft tokens to verify this step (speculative decoding): req_id -> draft ids.
+    # Draft tokens to verify this step (speculative decoding): req_id -> draft ids; with a draft
+    # model, DRAFT_PLACEHOLDER slots the runner fills with its proposals before the forward.
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     finished_req_ids: set[str] = field(default_factory=set)  # runner drops their state
     preempted_req_ids: set[str] = field(default_factory=set)
@@ -127,6 +131,8 @@ class RunnerOutput:
     prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
     # Pooling requests computed this step: req_id -> its vector (the pooler's output).
     pooler_output: dict[str, list[float]] = field(default_factory=dict)
+    # Requests that verified fewer drafts than they had slots (a draft model below draft_p_min).
+    num_draft_tokens: dict[str, int] | None = None
 
     @classmethod
     def empty(cls) -> "RunnerOutput":

@@ -296,8 +296,9 @@ class Scheduler:
                 add_blocks(new_block_ids[rid])
                 add_computed(start)
                 add_tokens(all_ids[req.num_sent_tokens:])
-            if req.spec_token_ids and start + n > len(all_ids):  # the drafts that fit this step
-                spec_tokens[rid] = req.spec_token_ids[:start + n - len(all_ids)]
+            known = len(all_ids) + req.num_output_placeholders  # tokens in flight are not drafts
+            if req.spec_token_ids and start + n > known:  # the drafts that fit this step
+                spec_tokens[rid] = req.spec_token_ids[:start + n - known]
             req.num_computed_tokens = start + n
             req.num_sent_tokens = len(all_ids)
             if (placeholders and start + n >= len(all_ids) + req.num_output_placeholders and not req.is_beam
@@ -348,7 +349,8 @@ class Scheduler:
             if req.num_output_placeholders and new_ids:
                 req.num_output_placeholders -= 1  # the token in flight has landed
             if drafts and rid in drafts:
-                self._update_spec_decode(req, len(drafts[rid]), len(new_ids), stats)
+                verified = runner_output.num_draft_tokens.get(rid) if runner_output.num_draft_tokens else None
+                self._update_spec_decode(req, len(drafts[rid]), len(new_ids), stats, verified)
             if req.is_beam:  # caught up: report the distribution; the beam search picks the token
                 if new_ids:
                     outputs.add(rid, [], new_logprobs)
@@ -391,14 +393,18 @@ class Scheduler:
 
     @staticmethod
     def _update_spec_decode(req: Request, num_drafts: int, num_sampled: int,
-                            stats: SchedulerStats) -> None:
-        """A request verified ``num_drafts`` draft tokens and sampled ``num_sampled`` tokens (the
-        accepted drafts, then one more): roll back the rejected ones and count the step."""
+                            stats: SchedulerStats, num_verified: int | None = None) -> None:
+        """A request had ``num_drafts`` draft slots, verified ``num_verified`` of them (all, when
+        None) and sampled ``num_sampled`` tokens (the accepted drafts, then one more): roll back
+        the rejected ones and count the step."""
         num_accepted = num_sampled - 1
-        # Rejected drafts were computed but are not part of the sequence: roll back so their
-        # slots are rewritten next step.
+        # Rejected (or unused) drafts were scheduled but are not part of the sequence: roll back
+        # so their slots are rewritten next step.
         req.num_computed_tokens -= num_drafts - num_accepted
         req.spec_token_ids = []
+        num_drafts = num_drafts if num_verified is None else num_verified
+        if num_drafts == 0:
+            return
         stats.num_drafts += 1
         stats.num_draft_tokens += num_drafts
         stats.num_accepted_tokens += num_accepted

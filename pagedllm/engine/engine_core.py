@@ -18,9 +18,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from pagedllm.config import EngineConfig
+from pagedllm.core.draft_length import DraftLength
 from pagedllm.core.kv_cache_manager import max_blocks_per_request
 from pagedllm.core.ngram_proposer import NgramProposer
-from pagedllm.core.outputs import EngineCoreOutputs, EngineCoreRequest, SchedulerOutput
+from pagedllm.core.outputs import DRAFT_PLACEHOLDER, EngineCoreOutputs, EngineCoreRequest, SchedulerOutput
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.beam_search import BeamSearch
@@ -33,6 +34,7 @@ from pagedllm.executor import create_executor
 from pagedllm.lora.request import LoRARequest
 from pagedllm.runner.base import Runner
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.speculative_config import SpeculativeConfig
 from pagedllm.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger("pagedllm")
@@ -66,7 +68,11 @@ class EngineCore:
         # Sharing, at its own level above the scheduler's one rule.
         self.parallel_sampling = ParallelSampling(self.scheduler)
         self.beam_search = BeamSearch(self.scheduler)
-        self.proposer = make_proposer(config.speculative_config)
+        self.speculative_config = SpeculativeConfig.from_dict(config.speculative_config)
+        self.proposer = make_proposer(self.speculative_config)
+        spec = self.speculative_config
+        self.draft_length = (DraftLength(spec.num_speculative_tokens)
+                             if spec is not None and spec.uses_draft_model and spec.adaptive_draft_length else None)
         # Structured outputs: grammars compile off the step loop; requests wait there meanwhile.
         mc = config.model_config
         so_defaults = config.structured_outputs_config or {}
@@ -83,9 +89,9 @@ class EngineCore:
         self._in_flight: deque[tuple[SchedulerOutput, Future]] = deque()
         async_scheduling = config.scheduler_config.async_scheduling
         if async_scheduling and self.proposer is not None:
-            raise ValidationError("async_scheduling does not work with speculative decoding yet: "
-                                  "drafts need the previous token; turn one of them off",
-                                  "async_scheduling")
+            raise ValidationError("async_scheduling does not work with n-gram speculative decoding: "
+                                  "its drafts need the token in flight; use a draft model or turn "
+                                  "one of them off", "async_scheduling")
         self._max_in_flight = 1 if async_scheduling else 0
         self._execute_thread = (ThreadPoolExecutor(1, thread_name_prefix="pagedllm-execute")
                                 if async_scheduling else None)
@@ -184,13 +190,17 @@ class EngineCore:
         failed = (self.structured_output.release_ready(
             wait_s=0.0 if self.scheduler.has_unfinished_requests() else 0.01)
             if self.structured_output.has_held() else [])
-        if self.scheduler.has_unfinished_requests() or not self._in_flight:
+        # A step verifying drafts yields an unknown number of tokens: nothing is scheduled past
+        # it until its update (a draft model's drafts follow the token in flight, in the runner).
+        drafts_in_flight = bool(self._in_flight) and bool(self._in_flight[-1][0].scheduled_spec_decode_tokens)
+        if (self.scheduler.has_unfinished_requests() or not self._in_flight) and not drafts_in_flight:
             scheduler_output = self.scheduler.schedule()
             scheduler_output.grammar_bitmask = self.structured_output.grammar_bitmask(
                 scheduler_output, self.scheduler.requests)
             self._in_flight.append((scheduler_output, self._launch(scheduler_output)))
         t1 = time.perf_counter()
-        if len(self._in_flight) <= self._max_in_flight and self.scheduler.has_unfinished_requests():
+        if (len(self._in_flight) <= self._max_in_flight and self.scheduler.has_unfinished_requests()
+                and not drafts_in_flight):
             return None  # the first step of a run: nothing has finished yet
         scheduler_output, result = self._in_flight.popleft()
         runner_output = result.result()
@@ -202,7 +212,8 @@ class EngineCore:
         for sid in failed:  # never queued: the front end learns here that they ended
             outputs.finished[sid] = ("abort", None)
             outputs.add(sid, [])
-        self._share(outputs, stalled=scheduler_output.is_empty and self.scheduler.has_unfinished_requests())
+        self._share(outputs, scheduler_output.scheduled_spec_decode_tokens,
+                    stalled=scheduler_output.is_empty and self.scheduler.has_unfinished_requests())
         self.stats.add(outputs.scheduler_stats)
         return outputs
 
@@ -213,19 +224,39 @@ class EngineCore:
         done.set_result(self.executor.execute_model(scheduler_output))
         return done
 
-    def _share(self, outputs: EngineCoreOutputs, stalled: bool) -> None:
+    def _share(self, outputs: EngineCoreOutputs, scheduled_drafts: dict[str, list[int]], stalled: bool) -> None:
         """After the scheduler's update: samples fork, beams advance, drafts are proposed."""
         self.parallel_sampling.step(outputs)
         self.structured_output.accept(outputs, self.scheduler.requests)
         for group in self.beam_search.step(outputs, stalled):
             outputs.finished_beams[group.request_id] = group.results()
-        if self.proposer is not None:
-            requests = self.scheduler.requests
-            for rid, new_ids in zip(outputs.req_ids, outputs.new_token_ids):
-                req = requests.get(rid)
-                if new_ids and rid not in outputs.finished and req is not None:
-                    drafts = self.proposer.propose(req.all_token_ids)
-                    self.scheduler.set_draft_tokens(rid, self.structured_output.truncate_drafts(rid, drafts))
+        if self.speculative_config is not None:
+            self._propose_drafts(outputs, scheduled_drafts)
+
+    def _propose_drafts(self, outputs: EngineCoreOutputs, scheduled_drafts: dict[str, list[int]]) -> None:
+        """Each request that got a token gets its next drafts: n-gram ones, or the slots the
+        runner's draft model fills (runner/draft_model.py), as many as its acceptance pays for."""
+        spec, lengths = self.speculative_config, self.draft_length
+        requests = self.scheduler.requests
+        off = spec.disable_by_batch_size is not None and len(requests) >= spec.disable_by_batch_size
+        for rid, new_ids in zip(outputs.req_ids, outputs.new_token_ids):
+            req = requests.get(rid)
+            if lengths is not None and rid in scheduled_drafts and new_ids:
+                lengths.observe(rid, len(scheduled_drafts[rid]), len(new_ids) - 1)
+            if not new_ids or rid in outputs.finished or req is None:
+                continue
+            if off:
+                drafts = []
+            elif self.proposer is not None:
+                drafts = self.structured_output.truncate_drafts(rid, self.proposer.propose(req.all_token_ids))
+            elif self.structured_output.has_grammar(rid):
+                drafts = []  # the bitmask needs the drafts before the step: served without them
+            else:
+                k = lengths.num_tokens(rid) if lengths is not None else spec.num_speculative_tokens
+                drafts = [DRAFT_PLACEHOLDER] * k
+            self.scheduler.set_draft_tokens(rid, drafts)
+        if lengths is not None:
+            lengths.retain(requests)
 
     # -- state -------------------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
@@ -271,26 +302,8 @@ class EngineCore:
             getattr(observer, "close", lambda: None)()
 
 
-def make_proposer(speculative_config: dict | None) -> NgramProposer | None:
-    """vLLM's speculative_config: {"method": "ngram", "num_speculative_tokens": k,
-    "prompt_lookup_max": 4, "prompt_lookup_min": 2}."""
-    if not speculative_config:
+def make_proposer(spec: SpeculativeConfig | None) -> NgramProposer | None:
+    """The engine core's own proposer: n-gram lookup; a draft model proposes in the runner."""
+    if spec is None or spec.uses_draft_model:
         return None
-    if not isinstance(speculative_config, dict):
-        raise ValidationError("speculative_config must be a JSON object", "speculative_config")
-    cfg = dict(speculative_config)
-    method = cfg.pop("method", "ngram")
-    if method not in ("ngram", "ngram-prompt-lookup"):
-        raise ValidationError(f"speculative method {method!r} is not supported; use 'ngram'",
-                              "speculative_config")
-    k = cfg.pop("num_speculative_tokens", None)
-    lo, hi = cfg.pop("prompt_lookup_min", None), cfg.pop("prompt_lookup_max", None)
-    if cfg:
-        raise ValidationError(f"unknown speculative_config keys: {sorted(cfg)}", "speculative_config")
-    if not isinstance(k, int) or k < 1:
-        raise ValidationError("speculative_config needs num_speculative_tokens >= 1", "speculative_config")
-    hi = hi if hi is not None else (lo if lo is not None else 4)
-    lo = lo if lo is not None else min(2, hi)
-    if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
-        raise ValidationError("need 1 <= prompt_lookup_min <= prompt_lookup_max", "speculative_config")
-    return NgramProposer(k, lo, hi)
+    return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)

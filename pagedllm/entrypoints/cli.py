@@ -106,7 +106,8 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: frozenset[str] = froz
                                    metavar=kind.__name__.upper(), help=help_text)
     group.add_argument("--speculative-config", dest="speculative_config", type=_json_dict,
                        default=argparse.SUPPRESS,
-                       help="Speculative decoding settings as a JSON object, passed through.")
+                       help="Speculative decoding as a JSON object: {\"method\": \"ngram\" or \"draft_model\", "
+                            "\"model\": PATH, \"num_speculative_tokens\": K, ...} (docs/speculative.md).")
     group.add_argument("--structured-outputs-config", dest="structured_outputs_config",
                        type=_json_dict, default=argparse.SUPPRESS,
                        help='Structured outputs defaults as a JSON object (vLLM\'s), e.g. '

@@ -34,6 +34,8 @@ class CachedRequestState:
     num_unconfirmed: int = 0
     lora_request: LoRARequest | None = None
     pooling_params: PoolingParams | None = None  # a pooling request: pooled, never sampled
+    # Positions whose KV the draft model holds (runner/draft_model.py).
+    num_draft_computed: int = 0
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -74,8 +76,8 @@ class InputBatch:
             requests[new.req_id] = CachedRequestState(
                 new.req_id, new.prompt_token_ids + new.output_token_ids, len(new.prompt_token_ids),
                 new.sampling_params, [list(t) for t in new.block_ids], new.num_computed_tokens,
-                new.eos_token_ids, lora_request=new.lora_request,
-                pooling_params=new.pooling_params)
+                new.eos_token_ids, lora_request=new.lora_request, pooling_params=new.pooling_params,
+                num_draft_computed=max(new.num_computed_tokens - 1, 0))
         cached = so.scheduled_cached_reqs
         for rid, blocks, num_computed, new_ids in zip(cached.req_ids, cached.new_block_ids,
                                                       cached.num_computed_tokens, cached.new_token_ids):

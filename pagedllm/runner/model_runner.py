@@ -30,6 +30,7 @@ from pagedllm.pooling_params import PoolingParams
 from pagedllm.runner.activation_choice import checkpoint_method, choose_activations
 from pagedllm.runner.attention_choice import choose_cpu_attention
 from pagedllm.runner.compile import maybe_compile
+from pagedllm.runner.draft_model import DraftModel
 from pagedllm.runner.frame_chunks import keep_frame_chunks
 from pagedllm.runner.grammar_bitmask import apply_grammar_bitmask
 from pagedllm.runner.input_batch import CachedRequestState, InputBatch, ScheduledRequest
@@ -39,6 +40,7 @@ from pagedllm.runner.sampler import Sampler, SamplingMetadata, compute_topk_logp
 from pagedllm.runner.spec_decode import verify_drafts
 from pagedllm.runner.weight_table import log_weight_table, weight_table
 from pagedllm.runner_type import resolve_runner_type
+from pagedllm.speculative_config import SpeculativeConfig
 from pagedllm.utils import cdiv
 
 _DTYPES = {alias: getattr(torch, name) for alias, name in DTYPE_ALIASES.items()}
@@ -95,6 +97,10 @@ class ModelRunner:
         eager = mc.enforce_eager or self.lora_manager is not None or encoder
         self.compiled = maybe_compile(self.model, eager, self.device, warmup_tokens=16)
         self.vocab_size = self.model.vocab_size
+        spec = SpeculativeConfig.from_dict(config.speculative_config)
+        self.drafter = (DraftModel(spec, self.model, mc.model, self.dtype, self.device, self.kv_cache_dtype,
+                                   mc.quantization_activations, mc.enforce_eager, max_model_len)
+                        if spec is not None and spec.uses_draft_model else None)
         self.sampler = Sampler()
         self.input_batch = InputBatch()
         self.kv_caches: list[torch.Tensor] = []
@@ -107,7 +113,8 @@ class ModelRunner:
         self.max_model_len = max_model_len
         # Each layer's KV spec (this rank's heads, the cache's dtype); the groups (full, each
         # window) and the tensors are planned from the specs, never from one model-wide geometry.
-        self._kv_layers = kv_cache_layers(self.model, self.kv_cache_dtype)
+        self._kv_layers = kv_cache_layers(self.model, self.kv_cache_dtype) + (
+            self.drafter.kv_layers if self.drafter is not None else [])
         if not all(spec.causal for _, spec in self._kv_layers):
             raise ModelLoadError("this model has non-causal attention layers that keep KV; the "
                                  "attention backends compute causal attention only")
@@ -167,6 +174,14 @@ class ModelRunner:
         copy_blocks(self.kv_caches, so.block_copies)
         if not scheduled:
             return RunnerOutput.empty()
+        draft_probs: dict[str, torch.Tensor | None] = {}
+        num_drafts: dict[str, int] = {}  # requests whose draft model filled fewer slots
+        if self.drafter is not None and not self.drafter.can_skip(scheduled):  # fills the slots, keeps q
+            qs = self.drafter.propose(scheduled, self._attention_metadata, self._sampling_metadata)
+            draft_probs = {s.state.req_id: q for s, q in zip(scheduled, qs)}
+            slots = so.scheduled_spec_decode_tokens
+            num_drafts = {s.state.req_id: len(s.drafts) for s in scheduled
+                          if len(s.drafts) != len(slots.get(s.state.req_id, ()))}
 
         input_ids: list[int] = []
         query_lens: list[int] = []
@@ -208,11 +223,11 @@ class ModelRunner:
 
         req_ids = [s.state.req_id for s in scheduled]
         out = RunnerOutput(req_ids=req_ids, req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
-                           sampled_token_ids=[[] for _ in req_ids])
+                           sampled_token_ids=[[] for _ in req_ids], num_draft_tokens=num_drafts or None)
         if prompt_lp_jobs:
             out.prompt_logprobs = self._prompt_logprobs(hidden, prompt_lp_jobs)
         if samplers:
-            self._sample(hidden, samplers, out, so.grammar_bitmask)
+            self._sample(hidden, samplers, out, so.grammar_bitmask, draft_probs)
         if poolers:
             vectors = self.pooler(hidden, [(row0, n) for _, row0, n, _ in poolers], [p[3] for p in poolers])
             out.pooler_output = {rid: vec for (rid, _, _, _), vec in zip(poolers, vectors)}
@@ -256,9 +271,11 @@ class ModelRunner:
         return mds[0]
 
     def _sample(self, hidden: torch.Tensor, samplers: list[tuple[ScheduledRequest, int]],
-                out: RunnerOutput, grammar_bitmask: dict[str, bytes] | None = None) -> None:
-        """Sample one token per request, or verify its drafts, filling ``out`` in place;
-        structured requests' rows are masked to what their grammar allows first."""
+                out: RunnerOutput, grammar_bitmask: dict[str, bytes] | None = None,
+                draft_probs: dict[str, torch.Tensor | None] | None = None) -> None:
+        """Sample one token per request, or verify its drafts (``draft_probs``: a draft model's
+        q per request; n-gram drafts have none), filling ``out`` in place; structured requests'
+        rows are masked to what their grammar allows first."""
         # One row per logits position: (state, draft prefix before it, hidden row).
         rows: list[tuple[CachedRequestState, list[int], int]] = []
         groups: list[tuple[int, list[int]]] = []  # per request: (its first row, its drafts)
@@ -282,7 +299,8 @@ class ModelRunner:
             row_logprobs = result.logprobs
         else:
             greedy = [state.params.sampling_type_greedy for state, _, _ in rows]
-            outputs = verify_drafts(logits, md, greedy, groups, generators)
+            qs = [draft_probs.get(s.state.req_id) for s, _ in samplers] if draft_probs else None
+            outputs = verify_drafts(logits, md, greedy, groups, generators, qs)
             row_logprobs = None
             if md.max_num_logprobs is not None:
                 chosen = [0] * len(rows)  # rows past a rejection score token 0; nobody reads them
@@ -322,8 +340,10 @@ class ModelRunner:
             result[state.req_id] = PromptLogprobsChunk(pos0 + 1, [TokenLogprobs(*e) for e in entries])
         return result
 
-    def _sampling_metadata(self, rows: list[tuple[CachedRequestState, list[int], int]]
+    def _sampling_metadata(self, rows: list[tuple[CachedRequestState, list[int], int]], stream: int = 0
                            ) -> tuple[SamplingMetadata, list[torch.Generator | None]]:
+        """``stream``: which of a seeded request's random streams its rows draw from (0: the
+        sampler's and verifier's; a draft model samples from its own)."""
         params, prompts, outputs = [], [], []
         generators: list[torch.Generator | None] = []
         stop_masks: list[frozenset[int]] = []
@@ -341,7 +361,7 @@ class ModelRunner:
                 # One stream per (seed, output position): the draw for token i does not depend
                 # on the batch, on earlier steps, or on whether the request was preempted.
                 g = torch.Generator(device=self.device)
-                g.manual_seed((p.seed * 1_000_003 + num_output) % (1 << 63))
+                g.manual_seed(((p.seed * 1_000_003 + num_output) ^ (stream << 48)) % (1 << 63))
                 generators.append(g)
             else:
                 generators.append(None)

@@ -205,6 +205,9 @@ class StructuredOutputManager:
             self._keys.pop(rid, None)
             self._matchers.pop(rid, None)
 
+    def has_grammar(self, seq_id: str) -> bool:
+        return seq_id in self._keys
+
     def truncate_drafts(self, seq_id: str, drafts: list[int]) -> list[int]:
         matcher = self._matchers.get(seq_id)
         if matcher is None or not drafts:

@@ -122,7 +122,8 @@ LIGHT_MODULES = sorted(
      *(PKG / "structured_output").glob("*.py"), *(PKG / "checkpoint").glob("*.py"),
      PKG / "runner" / "base.py", PKG / "runner" / "fake.py",
      PKG / "config.py", PKG / "hf_config.py", PKG / "sampling_params.py", PKG / "errors.py", PKG / "envs.py",
-     PKG / "utils.py", PKG / "__init__.py", PKG / "lora" / "__init__.py", PKG / "lora" / "request.py"])
+     PKG / "utils.py", PKG / "speculative_config.py", PKG / "__init__.py", PKG / "lora" / "__init__.py",
+     PKG / "lora" / "request.py"])
 
 
 @pytest.mark.parametrize("path", LIGHT_MODULES, ids=lambda p: str(p.relative_to(PKG)))
@@ -164,7 +165,8 @@ def test_static_check_catches_a_top_level_import():
 BASE = {"config", "sampling_params", "errors", "beam_search_params", "outputs", "structured_outputs_params",
         "hf_config", "envs", "utils",
         # pooling models' plain data: their params and outputs, the runner type, the pooler's config
-        "pooling_params", "pooling_outputs", "runner_type", "pooler_config"}
+        "pooling_params", "pooling_outputs", "runner_type", "pooler_config",
+        "speculative_config"}
 RUNNER_LIGHT = {"runner", "runner.base", "runner.fake", "runner.input_batch"}
 # Plain data every layer carries (which adapter a request runs with).
 BASE_MODULES = {"lora.request"}

@@ -1,0 +1,37 @@
+"""core/draft_length.py: each request's number of drafts follows its measured acceptance."""
+from __future__ import annotations
+
+from pagedllm.core.draft_length import DraftLength
+
+
+def test_a_request_that_accepts_everything_drafts_the_maximum():
+    lengths = DraftLength(max_num_tokens=5)
+    assert lengths.num_tokens("a") == 2  # the neutral prior: a = 0.5, 0.5**2 >= 0.25
+    for _ in range(6):
+        k = lengths.num_tokens("a")
+        lengths.observe("a", k, k)
+    assert lengths.num_tokens("a") == 5
+
+
+def test_a_request_that_rejects_everything_keeps_one_draft_to_measure():
+    lengths = DraftLength(max_num_tokens=5)
+    for _ in range(6):
+        lengths.observe("r", lengths.num_tokens("r"), 0)
+    assert lengths.acceptance_rate("r") < 0.2
+    assert lengths.num_tokens("r") == 1
+    for _ in range(8):  # the draft starts to agree: the request drafts more again
+        k = lengths.num_tokens("r")
+        lengths.observe("r", k, k)
+    assert lengths.num_tokens("r") == 5
+
+
+def test_requests_are_measured_apart_and_forgotten_when_gone():
+    lengths = DraftLength(max_num_tokens=4)
+    lengths.observe("a", 4, 4)
+    lengths.observe("b", 4, 0)
+    assert lengths.acceptance_rate("a") > 0.5 > lengths.acceptance_rate("b")
+    for i in range(100):
+        lengths.observe(f"gone{i}", 2, 1)
+    lengths.retain({"a": None})
+    assert lengths.acceptance_rate("b") == 0.5  # forgotten: the prior again
+    assert lengths.acceptance_rate("a") > 0.5
