@@ -21,8 +21,8 @@ from pagedllm.errors import ModelLoadError, ValidationError
 # ``owner/name`` with an optional ``:TAG``; a path that exists on disk is never taken for one.
 _HUB_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?::(?P<tag>[\w.-]+))?$")
 # What the engine reads besides weights: config, generation defaults, tokenizer, chat template,
-# the quantization descriptions of AWQ/GPTQ folders.
-_ENGINE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+# the quantization descriptions of AWQ/GPTQ folders, a LoRA adapter's description.
+_ENGINE_FILES = ("config.json", "adapter_config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                  "tokenizer.model", "special_tokens_map.json", "added_tokens.json", "vocab.json",
                  "merges.txt", "vocab.txt", "chat_template.jinja", "chat_template.json",
                  "quantize_config.json", "quant_config.json")
@@ -51,6 +51,9 @@ def resolve_engine_args(model: str | None, engine_args: dict[str, Any]) -> tuple
         model = resolve_model(str(model), revision, gguf_file)
     elif revision is not None or gguf_file is not None:
         raise ValidationError("revision and gguf_file need a model", "model")
+    draft = args.get("speculative_config")
+    if isinstance(draft, dict) and isinstance(draft.get("model"), str):  # a draft model by Hub id too
+        args["speculative_config"] = {**draft, "model": resolve_model(draft["model"])}
     if args.get("tokenizer") is not None:
         args["tokenizer"] = resolve_model(str(args["tokenizer"]), tokenizer_revision or revision,
                                           tokenizer_only=True)

@@ -15,8 +15,10 @@ import time
 from collections import deque
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 
+from pagedllm.checkpoint.hub import resolve_model
 from pagedllm.config import EngineConfig
 from pagedllm.core.draft_length import DraftLength
 from pagedllm.core.kv_cache_manager import max_blocks_per_request
@@ -143,7 +145,9 @@ class EngineCore:
             raise ValidationError("this engine serves no LoRA adapters; start it with enable_lora",
                                   "lora_request")
         if self.loras.get(lora_request.lora_int_id) != lora_request:
-            refused = [e for e in self.executor.collective_rpc("add_lora", lora_request) if e]
+            # A Hub id is fetched here, once, so the ranks read one local folder.
+            local = replace(lora_request, lora_path=resolve_model(lora_request.lora_path))
+            refused = [e for e in self.executor.collective_rpc("add_lora", local) if e]
             if refused:  # ranks that took it drop it again: no rank keeps half an adapter set
                 self.executor.collective_rpc("remove_lora", lora_request.lora_int_id)
                 raise ValidationError(refused[0], "lora_request")

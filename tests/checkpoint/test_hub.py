@@ -207,3 +207,34 @@ def test_serve_a_hub_id(hub, tmp_path):
         proc.terminate()
         proc.wait(timeout=30)
         log.close()
+
+
+def test_draft_model_and_lora_adapter_by_hub_id(hub, tmp_path):
+    """A draft model and a LoRA adapter are named by Hub id as a model is, fetched the same way."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from pagedllm import LLM, LoRARequest, SamplingParams
+
+    _, args = resolve_engine_args(None, {"speculative_config": {
+        "method": "draft_model", "model": "demo/stories260K", "num_speculative_tokens": 2}})
+    draft = Path(args["speculative_config"]["model"])
+    assert draft.is_dir() and (draft / "config.json").is_file() and str(hub.url) not in str(draft)
+
+    peft = get_peft_model(AutoModelForCausalLM.from_pretrained(DEMO, dtype=torch.float32),
+                          LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.5)
+    peft.save_pretrained(tmp_path / "adapter")
+    hub.repos["demo/adapter"] = FakeRepo({p.name: p.read_bytes() for p in (tmp_path / "adapter").iterdir()}
+                                         | {"README.md": b"-"})
+    llm = LLM(str(DEMO), enable_lora=True, max_lora_rank=8, max_model_len=64, kv_cache_memory_bytes=1 << 20)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    by_id, local = (llm.generate(["Once upon a time"], params, use_tqdm=False,
+                                 lora_request=LoRARequest("a", i, path))[0].outputs[0].token_ids
+                    for i, path in ((1, "demo/adapter"), (2, str(tmp_path / "adapter"))))
+    assert list(by_id) == list(local)
+    assert any("adapter_model.safetensors" in path for _, path in hub.requests)
