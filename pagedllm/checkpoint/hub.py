@@ -23,8 +23,8 @@ _HUB_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?::(?P<t
 # What the engine reads besides weights: config, generation defaults, tokenizer, chat template,
 # the quantization descriptions of AWQ/GPTQ folders, a LoRA adapter's description.
 _ENGINE_FILES = ("config.json", "adapter_config.json", "generation_config.json", "tokenizer.json",
-                 "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json", "added_tokens.json", "vocab.json",
-                 "merges.txt", "vocab.txt", "chat_template.jinja", "chat_template.json",
+                 "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json", "added_tokens.json",
+                 "vocab.json", "merges.txt", "vocab.txt", "chat_template.jinja", "chat_template.json",
                  "quantize_config.json", "quant_config.json")
 _TOKENIZER_FILES = tuple(f for f in _ENGINE_FILES if f not in ("quantize_config.json", "quant_config.json"))
 # llama.cpp's quantization names inside GGUF file names (Q4_K_M, IQ2_XXS, F16, BF16, MXFP4, ...).
