@@ -26,7 +26,8 @@ _ENGINE_FILES = ("config.json", "adapter_config.json", "generation_config.json",
                  "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json", "added_tokens.json",
                  "vocab.json", "merges.txt", "vocab.txt", "chat_template.jinja", "chat_template.json",
                  "quantize_config.json", "quant_config.json")
-_TOKENIZER_FILES = tuple(f for f in _ENGINE_FILES if f not in ("quantize_config.json", "quant_config.json"))
+_TOKENIZER_FILES = tuple(f for f in _ENGINE_FILES
+                         if f not in ("adapter_config.json", "quantize_config.json", "quant_config.json"))
 # llama.cpp's quantization names inside GGUF file names (Q4_K_M, IQ2_XXS, F16, BF16, MXFP4, ...).
 _QUANT = re.compile(r"(?<![A-Za-z0-9])(I?Q\d_[A-Z0-9_]*?|Q\d_\d|[BF]F?16|F32|MXFP4)(?=[-.]|$)", re.IGNORECASE)
 _INDEX = "model.safetensors.index.json"
