@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -12,6 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from ci_support import free_port
 from fake_hub import FakeHub, FakeRepo
 
 from pagedllm.checkpoint.hub import parse_hub_id, resolve_engine_args, resolve_model, select_files
@@ -97,7 +97,7 @@ def test_llm_and_tokenizer_by_hub_id(hub):
     from pagedllm import LLM, SamplingParams
 
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    args = dict(max_model_len=64, kv_cache_memory_bytes=1 << 20)
+    args = dict(max_model_len=64, kv_cache_memory_bytes=1 << 20, enforce_eager=True)
     by_id = LLM("demo/stories260K", revision="v1", tokenizer="demo/stories260K", **args)
     got = by_id.generate(["Once upon a time"], params, use_tqdm=False)[0].outputs[0].token_ids
     del by_id
@@ -172,20 +172,18 @@ def test_cli_generate_by_hub_id(hub, capsys):
 
     assert main(["generate", "Once upon a time", "--model", "demo/stories260K", "--revision", "v1",
                  "--max-tokens", "4", "--temperature", "0", "--max-model-len", "64",
-                 "--kv-cache-memory-bytes", str(1 << 20)]) == 0
+                 "--kv-cache-memory-bytes", str(1 << 20), "--enforce-eager"]) == 0
     assert capsys.readouterr().out.startswith("Once upon a time")
     assert {p.split("/resolve/")[1].split("/")[0] for _, p in hub.requests if "/resolve/" in p} == {"v1"}
 
 
 def test_serve_a_hub_id(hub, tmp_path):
     """`pagedllm serve user/repo`: downloaded through HF_ENDPOINT, served under the Hub id."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     log = (tmp_path / "serve.log").open("w+")
     proc = subprocess.Popen([sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "demo/stories260K",
                              "--revision", "v1", "--port", str(port), "--log-level", "warning",
-                             "--max-num-seqs", "4", "--shutdown-timeout", "1"],
+                             "--max-num-seqs", "4", "--shutdown-timeout", "1", "--enforce-eager"],
                             stdout=log, stderr=subprocess.STDOUT,
                             env={**os.environ, "PAGEDLLM_ENABLE_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"})
     url = f"http://127.0.0.1:{port}"

@@ -32,7 +32,8 @@ from pagedllm.entrypoints.openai.model_specs import (
 )
 from pagedllm.errors import ValidationError
 
-ENGINE_ARGS = {"max_num_seqs": 4, "kv_cache_memory_bytes": 4 << 20}
+# Eager: these tests are about routing and loading, and a compile per load would dominate them.
+ENGINE_ARGS = {"max_num_seqs": 4, "kv_cache_memory_bytes": 4 << 20, "enforce_eager": True}
 PROMPT = "Once upon a time"
 
 
@@ -291,7 +292,7 @@ def test_cli_models_no_orphans(tmp_path):
     cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--model", f"a={default_model()}",
            "--models-file", str(models_file), "--port", str(port), "--keep-alive", "forever",
            "--log-level", "warning", "--max-num-seqs", "4", "--kv-cache-memory-bytes", str(4 << 20),
-           "--shutdown-timeout", "1"]
+           "--shutdown-timeout", "1", "--enforce-eager"]
     log = tempfile.TemporaryFile(mode="w+")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
