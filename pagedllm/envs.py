@@ -112,3 +112,25 @@ def pythonpath() -> str | None:
 def path() -> str:
     """PATH (empty when unset): where the compiler and ninja are looked up."""
     return os.environ.get("PATH", "")
+
+
+def hf_hub_offline() -> bool:
+    """HF_HUB_OFFLINE: Hub ids are served from the cache without a network call."""
+    return _flag("HF_HUB_OFFLINE", False)
+
+
+def hf_hub_cache() -> str | None:
+    """HF_HUB_CACHE, else HF_HOME/hub (None: huggingface_hub's default folder)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return os.environ["HF_HUB_CACHE"]
+    return os.path.join(os.environ["HF_HOME"], "hub") if os.environ.get("HF_HOME") else None
+
+
+def hf_endpoint() -> str | None:
+    """HF_ENDPOINT: the Hub's address (a mirror); None: huggingface.co."""
+    return os.environ.get("HF_ENDPOINT") or None
+
+
+def hf_token() -> str | None:
+    """HF_TOKEN: the token for private and gated repositories."""
+    return os.environ.get("HF_TOKEN") or None

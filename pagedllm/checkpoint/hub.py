@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import fnmatch
 import json
-import os
 import re
 from pathlib import Path
 from typing import Any
 
+from pagedllm import envs
 from pagedllm.errors import ModelLoadError, ValidationError
 
 # ``owner/name`` with an optional ``:TAG``; a path that exists on disk is never taken for one.
@@ -74,7 +74,7 @@ def resolve_model(model: str, revision: str | None = None, gguf_file: str | None
     if tag is not None and gguf_file is not None:
         raise ValidationError(f"{model!r} names a quantization and gguf_file names a file: give one", "gguf_file")
     choice = (repo_id, revision, tag, gguf_file, tokenizer_only)
-    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+    if envs.hf_hub_offline():
         folder, wanted = _from_cache(*choice, "HF_HUB_OFFLINE=1", "run once online or unset HF_HUB_OFFLINE")
     else:
         try:
@@ -152,14 +152,8 @@ def _other_shards(first: str, names: list[str]) -> list[str]:
     return sorted(n for n in names if n != first and n.startswith(stem) and _SHARD.search(n))
 
 
-def _cache_dir() -> str | None:
-    if os.environ.get("HF_HUB_CACHE"):
-        return os.environ["HF_HUB_CACHE"]
-    return os.path.join(os.environ["HF_HOME"], "hub") if os.environ.get("HF_HOME") else None
-
-
 def _hub_kwargs() -> dict[str, Any]:
-    return {"endpoint": os.environ.get("HF_ENDPOINT") or None, "token": os.environ.get("HF_TOKEN") or None}
+    return {"endpoint": envs.hf_endpoint(), "token": envs.hf_token()}
 
 
 def _unreachable(e: Exception) -> bool:
@@ -175,10 +169,10 @@ def _from_cache(repo_id: str, revision: str | None, tag: str | None, gguf_file: 
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     try:
-        folder = snapshot_download(repo_id, revision=revision, cache_dir=_cache_dir(), local_files_only=True)
+        folder = snapshot_download(repo_id, revision=revision, cache_dir=envs.hf_hub_cache(), local_files_only=True)
     except LocalEntryNotFoundError:
         raise ModelLoadError(f"{why} and {repo_id}{'@' + revision if revision else ''} is not in the cache "
-                             f"({_cache_dir() or 'the default HF_HOME'}): {fix}") from None
+                             f"({envs.hf_hub_cache() or 'the default HF_HOME'}): {fix}") from None
     names = [str(p.relative_to(folder)) for p in Path(folder).rglob("*") if p.is_file()]
     try:
         wanted = select_files(repo_id, names, tag, gguf_file, tokenizer_only)
@@ -205,11 +199,11 @@ def _download(repo_id: str, revision: str | None, tag: str | None, gguf_file: st
         wanted = select_files(repo_id, [s.rfilename for s in info.siblings or []], tag, gguf_file,
                               tokenizer_only)
         if _INDEX in wanted:
-            index = hf_hub_download(repo_id, _INDEX, revision=revision, cache_dir=_cache_dir(), **kwargs)
+            index = hf_hub_download(repo_id, _INDEX, revision=revision, cache_dir=envs.hf_hub_cache(), **kwargs)
             wanted = indexed_shards(wanted, Path(index))
         path = None
         for name in wanted:  # by the name asked for, so the cache records it (offline use)
-            path = hf_hub_download(repo_id, name, revision=revision, cache_dir=_cache_dir(), **kwargs)
+            path = hf_hub_download(repo_id, name, revision=revision, cache_dir=envs.hf_hub_cache(), **kwargs)
     except GatedRepoError:  # the listing of a gated repository is public; its files are not
         raise ModelLoadError(f"{repo_id} is gated: accept its terms on the Hub and set HF_TOKEN to a "
                              "token with access") from None

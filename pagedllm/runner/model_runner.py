@@ -94,7 +94,7 @@ class ModelRunner:
         # The compiled forward, or None: eager (see runner/compile.py). Adapters run eagerly (their
         # slots change between steps), and so does an encoder (no KV: it attends per request in a loop).
         encoder = not attention_layers(self.model)
-        eager = mc.enforce_eager or self.lora_manager is not None or encoder
+        eager = True if self.lora_manager is not None or encoder else mc.enforce_eager  # None: auto
         self.compiled = maybe_compile(self.model, eager, self.device, warmup_tokens=16)
         self.vocab_size = self.model.vocab_size
         spec = SpeculativeConfig.from_dict(config.speculative_config)

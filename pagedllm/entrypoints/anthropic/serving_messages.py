@@ -19,6 +19,8 @@ from pydantic import BaseModel
 from pydantic import ValidationError as PydanticValidationError
 
 from pagedllm.entrypoints.anthropic.protocol import (
+    ERROR_TYPES,
+    AnthropicErrorResponse,
     CountTokensResponse,
     MessageResponse,
     MessagesRequest,
@@ -155,6 +157,12 @@ class _EventStream:
         return events + [_event("message_stop", {})]
 
 
+# The API description names Anthropic's error object for these routes (the app's default is OpenAI's).
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": AnthropicErrorResponse, "description": kind} for code, kind in ERROR_TYPES.items()
+    if code in (400, 401, 404, 408, 413, 503)}
+
+
 def messages_router(chat: OpenAIServingChat) -> APIRouter:
     """The two routes; every error they raise is answered in Anthropic's error shape."""
     router = APIRouter()
@@ -169,11 +177,11 @@ def messages_router(chat: OpenAIServingChat) -> APIRouter:
                 logger.exception("the Messages API failed")
             return error_json(body.error.code, body.error.message)
 
-    @router.post("/v1/messages", response_model=None)
+    @router.post("/v1/messages", response_model=None, responses=_ERRORS)
     async def create_message(raw_request: Request) -> Response:
         return await answer(messages.create_message(raw_request))
 
-    @router.post("/v1/messages/count_tokens", response_model=None)
+    @router.post("/v1/messages/count_tokens", response_model=None, responses=_ERRORS)
     async def count_tokens(raw_request: Request) -> Any:
         return await answer(messages.count_tokens(raw_request))
 
