@@ -7,6 +7,9 @@ context is the model's max_position_embeddings, windowed or not.
 """
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 # Families whose config carries a ``use_sliding_window`` flag that transformers defaults to False:
 # their ``sliding_window`` field is only a size, set or not, and means nothing while the flag is off.
 _WINDOW_FLAG_DEFAULT_OFF = frozenset({"qwen2", "qwen2_moe", "qwen3", "qwen3_moe"})
@@ -67,3 +70,21 @@ def layer_types(config: dict, default_pattern: int | None = None) -> list[str]:
                 for i in range(num_layers)]
     kind = "sliding_attention" if sliding_window(config) is not None else "full_attention"
     return [kind] * num_layers
+
+
+# folder -> ((modification time, size) of its config.json, the parsed file)
+_READ: dict[str, tuple[tuple[int, int], dict]] = {}
+
+
+def read_config_json(folder: str | Path) -> dict:
+    """``folder``'s config.json, parsed once per process while the file is unchanged (every
+    reader shares it: checkpoint/source.py, runner_type.py). Raises OSError or ValueError as
+    reading the file does."""
+    path = Path(folder) / "config.json"
+    st = path.stat()
+    stamp = (st.st_mtime_ns, st.st_size)
+    key = str(path.resolve())
+    cached = _READ.get(key)
+    if cached is None or cached[0] != stamp:
+        cached = _READ[key] = (stamp, json.loads(path.read_text()))
+    return cached[1]

@@ -3,8 +3,9 @@ turns the hidden states into a vector). vLLM's ``runner`` argument; ``auto`` rea
 Standard library only: the engine decides before any weight is loaded."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from pagedllm.hf_config import read_config_json
 
 RUNNER_TYPES = ("auto", "generate", "pooling")
 # Architectures that end in a head other than a language model's.
@@ -18,7 +19,7 @@ def is_pooling_checkpoint(model: str) -> bool:
     if (folder / "modules.json").is_file():
         return True
     try:
-        config = json.loads((folder / "config.json").read_text())
+        config = read_config_json(folder)  # the one parse the loader and ModelInfo share
     except (OSError, ValueError):
         return False
     return any(str(a).endswith(_POOLING_SUFFIXES) for a in config.get("architectures") or ())

@@ -13,15 +13,14 @@ PKG = Path(__file__).resolve().parents[1] / "pagedllm"
 
 # Package (a folder under pagedllm/, "." for the top-level modules) -> its ceiling in lines.
 BUDGET = {
-    ".": 1400,
-    "checkpoint": 250,
+    ".": 1450,
+    "checkpoint": 2200,
     "core": 1950,
     "distributed": 300,
     "engine": 3500,
     "entrypoints": 6050,
     "executor": 1300,
     "explain": 750,
-    "gguf": 1050,
     "kernels": 400,
     "layers": 3500,
     "lora": 600,

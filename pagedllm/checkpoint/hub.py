@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedllm import envs
+from pagedllm.checkpoint.source import is_gguf_path
 from pagedllm.errors import ModelLoadError, ValidationError
 
 # ``owner/name`` with an optional ``:TAG``; a path that exists on disk is never taken for one.
@@ -84,7 +85,7 @@ def resolve_model(model: str, revision: str | None = None, gguf_file: str | None
                 raise
             folder, wanted = _from_cache(*choice, f"the Hub cannot be reached ({type(e).__name__}: {e})",
                                          "check the network and HF_ENDPOINT, or set HF_HUB_OFFLINE=1")
-    gguf = sorted(n for n in wanted if n.endswith(".gguf"))
+    gguf = sorted(n for n in wanted if is_gguf_path(n))
     return str(Path(folder) / gguf[0]) if gguf else folder
 
 
@@ -141,7 +142,7 @@ def _quants(name: str) -> set[str]:
 
 def _ggufs(names: list[str]) -> list[str]:
     # mmproj files are vision projectors that ship beside the language model's GGUF.
-    return sorted(n for n in names if n.lower().endswith(".gguf") and "mmproj" not in n.lower())
+    return sorted(n for n in names if is_gguf_path(n) and "mmproj" not in n.lower())
 
 
 def _other_shards(first: str, names: list[str]) -> list[str]:

@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pagedllm.checkpoint.source import is_gguf_path, open_checkpoint
 from pagedllm.errors import ModelLoadError
 from pagedllm.hf_config import max_position_embeddings, sliding_window, text_config
 from pagedllm.sampling_params import generation_defaults
@@ -28,17 +29,15 @@ class ModelInfo:
         folder = Path(path)
         cfg_path = folder / "config.json"
         gen: dict = {}
-        if str(path).lower().endswith(".gguf"):  # llama.cpp's file: config from its metadata
-            from pagedllm.gguf import read_gguf_config
-
-            cfg, cfg_path = read_gguf_config(folder), folder
+        if is_gguf_path(path):  # llama.cpp's file: config from its metadata
+            cfg, cfg_path = open_checkpoint(folder).config, folder
         elif not cfg_path.is_file():
             raise ModelLoadError(
                 f"{folder} is not a Hugging Face model folder: config.json is missing "
                 f"(pass --model or set PAGEDLLM_MODEL to a folder with config.json and safetensors, "
                 f"or a .gguf file)")
         else:
-            cfg = json.loads(cfg_path.read_text())
+            cfg = open_checkpoint(folder).config
             gen_path = folder / "generation_config.json"
             if gen_path.is_file():
                 gen = json.loads(gen_path.read_text())

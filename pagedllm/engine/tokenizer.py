@@ -4,20 +4,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from pagedllm.checkpoint.source import is_gguf_path
+from pagedllm.checkpoint.tokenizer import load_hf_tokenizer
 from pagedllm.errors import ModelLoadError, ValidationError
 
 
 def load_tokenizer(path: str | Path) -> Any:
     folder = Path(path)
-    if str(path).lower().endswith(".gguf"):  # the tokenizer llama.cpp's file carries
-        from pagedllm.gguf.tokenizer import load_gguf_tokenizer
-
-        return load_gguf_tokenizer(folder)
-    if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+    if not is_gguf_path(path) and not any((folder / name).is_file()
+                                          for name in ("tokenizer.json", "tokenizer.model", "vocab.json")):
         raise ModelLoadError(f"{folder} has no tokenizer files (tokenizer.json, tokenizer.model or vocab.json)")
-    from transformers import AutoTokenizer  # heavy import, kept off the engine's import path
-
-    return AutoTokenizer.from_pretrained(str(folder))
+    return load_hf_tokenizer(path)
 
 
 def apply_chat_template(tokenizer: Any, messages: list[dict], chat_template: str | None = None,

@@ -8,12 +8,10 @@ engine argument): "uni" (one rank, the default), "mp" (the default for more) or 
 from __future__ import annotations
 
 import functools
-import json
-from pathlib import Path
 
 from pagedllm.config import EngineConfig
 from pagedllm.distributed.tp_sizes import check_tensor_parallel_size
-from pagedllm.errors import ValidationError
+from pagedllm.errors import ModelLoadError, ValidationError
 from pagedllm.executor.abstract import Executor, RunnerFactory, build_model_runner, return_runner
 from pagedllm.runner.base import Runner
 
@@ -58,15 +56,14 @@ def create_executor(config: EngineConfig, runner: Runner | None = None,
 def _check_model_splits(model: str, world_size: int) -> None:
     """The heads must divide by the ranks: say so (naming the sizes that do) before spawning.
     A folder without a readable config.json is left to the loader, which says what is wrong."""
-    try:
-        if str(model).lower().endswith(".gguf"):
-            from pagedllm.gguf import read_gguf_config
+    from pagedllm.checkpoint.source import is_gguf_path, open_checkpoint
 
-            config = read_gguf_config(model)
-        else:
-            config = json.loads((Path(model) / "config.json").read_text())
-        check_tensor_parallel_size(config, world_size)
+    try:
+        check_tensor_parallel_size(open_checkpoint(model).config, world_size)
     except ValidationError:
         raise
     except (OSError, KeyError, TypeError, ValueError):
         return
+    except ModelLoadError:
+        if is_gguf_path(model):  # a broken GGUF file says so here, as its reader found it
+            raise

@@ -21,7 +21,7 @@ sum, where the family has one) -- the row-parallel path of the dense MLP.
 On CPU, where the skinny kernel runs (layers/linear.py), the experts are held for it: float32
 experts as panels, experts in another format as stacked ``QuantizedWeight``s (bfloat16/float16 in
 their precision, and a quantized checkpoint's (GGUF, AWQ/GPTQ) as it holds them, handed over per
-expert by the loader, layers/quantization/quantized_layers.py, so their float matrices are never
+expert by the loader, checkpoint/quantized_layers.py, so their float matrices are never
 allocated). The whole layer after the routing is then one C++ op, ``pagedllm::fused_experts``
 (csrc/fused_moe.cpp): the tokens grouped by expert, each projection one grouped kernel call over
 every active expert's tokens (one parallel region streaming the experts' weights), the

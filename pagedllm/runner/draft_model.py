@@ -33,12 +33,12 @@ from pathlib import Path
 
 import torch
 
+from pagedllm.checkpoint.loader import load_model
 from pagedllm.errors import ModelLoadError
 from pagedllm.layers.attention import Attention, KVCacheSpec
 from pagedllm.layers.attention_metadata import AttentionMetadata
 from pagedllm.layers.forward_context import set_forward_context
 from pagedllm.layers.kv_cache import kv_cache_layers
-from pagedllm.models.loader import load_model
 from pagedllm.runner.activation_choice import checkpoint_method, choose_activations
 from pagedllm.runner.compile import maybe_compile
 from pagedllm.runner.input_batch import CachedRequestState, ScheduledRequest

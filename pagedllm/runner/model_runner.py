@@ -11,6 +11,7 @@ import platform
 
 import torch
 
+from pagedllm.checkpoint.loader import load_model
 from pagedllm.config import DTYPE_ALIASES, EngineConfig
 from pagedllm.core.outputs import PromptLogprobsChunk, RunnerOutput, SchedulerOutput, TokenLogprobs
 from pagedllm.errors import ModelLoadError, ValidationError
@@ -23,7 +24,6 @@ from pagedllm.lora.manager import LoRAManager
 from pagedllm.lora.mapping import set_lora_mapping
 from pagedllm.lora.request import LoRARequest
 from pagedllm.models.bert import TOKEN_TYPE_SHIFT
-from pagedllm.models.loader import load_model
 from pagedllm.models.pooler import Pooler
 from pagedllm.pooler_config import load_pooler_config
 from pagedllm.pooling_params import PoolingParams

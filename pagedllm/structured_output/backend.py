@@ -37,14 +37,10 @@ class GrammarBackend:
         with self._lock:
             if self._tokenizer is None:
                 import llguidance.hf
-                from transformers import AutoTokenizer
 
-                if str(self.tokenizer_path).lower().endswith(".gguf"):
-                    from pagedllm.gguf.tokenizer import load_gguf_tokenizer
+                from pagedllm.checkpoint.tokenizer import load_hf_tokenizer
 
-                    hf = load_gguf_tokenizer(self.tokenizer_path)
-                else:
-                    hf = AutoTokenizer.from_pretrained(self.tokenizer_path)
+                hf = load_hf_tokenizer(self.tokenizer_path)
                 eos = sorted(self.eos_token_ids) or None
                 self._tokenizer = llguidance.hf.from_tokenizer(hf, eos_token=eos)
                 self.row_bytes = cdiv(self._tokenizer.vocab_size, 32) * 4

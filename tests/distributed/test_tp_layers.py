@@ -25,7 +25,7 @@ def _save(arch: str, folder) -> None:
 
 
 def _logits(folder: str) -> tuple[torch.Tensor, int]:
-    from pagedllm.models.loader import load_model
+    from pagedllm.checkpoint.loader import load_model
 
     model, _ = load_model(folder, torch.float32, torch.device("cpu"))
     with torch.inference_mode():

@@ -119,7 +119,9 @@ def _imported_roots(node) -> list[str]:
 
 LIGHT_MODULES = sorted(
     [*(PKG / "core").glob("*.py"), *(PKG / "engine").glob("*.py"),
-     *(PKG / "structured_output").glob("*.py"), *(PKG / "checkpoint").glob("*.py"),
+     *(PKG / "structured_output").glob("*.py"),
+     # checkpoint/'s torch-free half: opening a model (the weight streams below it need torch)
+     *(PKG / "checkpoint" / n for n in ("__init__.py", "hub.py", "source.py", "tokenizer.py")),
      PKG / "runner" / "base.py", PKG / "runner" / "fake.py",
      PKG / "config.py", PKG / "hf_config.py", PKG / "sampling_params.py", PKG / "errors.py", PKG / "envs.py",
      PKG / "utils.py", PKG / "speculative_config.py", PKG / "__init__.py", PKG / "lora" / "__init__.py",
@@ -181,20 +183,19 @@ ALLOWED = {
     "layers": {"base", "distributed", "kernels", "layers"},
     # LoRA adapters: wrap the layers' weight formats (pagedllm/lora/).
     "lora": {"base", "distributed", "kernels", "layers", "lora"},
-    "models": {"base", "distributed", "kernels", "layers", "models", "gguf"},
-    # GGUF files: reading, config and tokenizer torch-free (the engine reads a file's config);
-    # model_loader.py builds the model from it (torch).
-    "gguf": {"base", "distributed", "layers", "models.registry", "gguf"},
+    # The model families know nothing of files: checkpoint/ opens and loads them.
+    "models": {"base", "distributed", "kernels", "layers", "models"},
     "runner": {"base", "core.outputs", "core.scheduler_stats", "runner_light", "runner", "kernels",
-               "layers", "models", "distributed", "lora"},
+               "layers", "models", "distributed", "lora", "checkpoint"},
     # Executors join workers into the group: the torch-free launch data and size checks only
     # (parallel_state is imported in the worker, lazily).
-    "executor": {"base", "core", "runner_light", "runner", "executor", "distributed", "gguf"},
-    "engine": {"base", "core", "runner_light", "executor", "engine", "structured_output", "gguf", "checkpoint"},
-    # Where a model's files are: a local path, or a Hub id resolved to huggingface_hub's cache.
-    "checkpoint": {"base", "checkpoint"},
+    "executor": {"base", "core", "runner_light", "runner", "executor", "distributed", "checkpoint"},
+    "engine": {"base", "core", "runner_light", "executor", "engine", "structured_output", "checkpoint"},
+    # Opening a model (a local path or a Hub id; safetensors, GGUF, AWQ/GPTQ) and loading its
+    # weights into a model built from models/ (GGUF files live under it: checkpoint/gguf/).
+    "checkpoint": {"base", "distributed", "kernels", "layers", "models", "checkpoint"},
     # Grammars and matchers for structured outputs (the runner applies the masks on its own).
-    "structured_output": {"base", "core", "structured_output", "gguf.tokenizer"},
+    "structured_output": {"base", "core", "structured_output", "checkpoint.tokenizer"},
     # The public API only: LLM, AsyncLLM, the tokenizer helpers, the plain-data modules.
     "entrypoints": {"base", "package", "engine.llm", "engine.llm_pooling", "engine.async_engine",
                     "engine.tokenizer", "engine.step_trace", "explain", "entrypoints", "checkpoint.hub",
@@ -350,3 +351,16 @@ def test_layering_table_catches_an_upward_import():
     assert not _allowed("engine.llm_engine", ALLOWED["entrypoints"])
     assert not _allowed("engine", ALLOWED["core"]) and not _allowed("runner.model_runner", ALLOWED["engine"])
     assert _allowed("core.outputs", ALLOWED["runner"]) and not _allowed("core.scheduler", ALLOWED["runner"])
+
+
+def test_models_never_open_a_checkpoint():
+    """checkpoint/ builds models and streams weights into them; the model families never import
+    checkpoint/ back (GGUF included: it lives under checkpoint/), so no folder loop can return."""
+    assert _allowed("models.registry", ALLOWED["checkpoint"])
+    for target in ("checkpoint.loader", "checkpoint.gguf.weights", "checkpoint.source"):
+        assert not _allowed(target, ALLOWED["models"]), target
+    bad = [f"{path.name} line {line}: {target}" for path in sorted((PKG / "models").rglob("*.py"))
+           for line, target in _pagedllm_imports(ast.parse(path.read_text()))
+           if layer_of(target) == "checkpoint"]
+    assert not bad, bad
+    assert not (PKG / "gguf").exists(), "GGUF files are a checkpoint kind: pagedllm/checkpoint/gguf/"

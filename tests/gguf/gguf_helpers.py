@@ -11,7 +11,7 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as T
 
-from pagedllm.gguf.quant_types import TYPE_INFO
+from pagedllm.checkpoint.gguf.quant_types import TYPE_INFO
 
 STORIES = Path(__file__).resolve().parents[2].parent / "shared" / "models" / "stories260K"
 

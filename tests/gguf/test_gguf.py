@@ -18,12 +18,12 @@ from paged_helpers import PagedRunner, hf_log_probs, randomize_
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
+from pagedllm.checkpoint.gguf import read_gguf_config
+from pagedllm.checkpoint.gguf.names import unpermute_rows
+from pagedllm.checkpoint.gguf.quant_types import unpack
+from pagedllm.checkpoint.loader import load_model
 from pagedllm.errors import ModelLoadError, UnsupportedModelError
-from pagedllm.gguf import read_gguf_config
-from pagedllm.gguf.names import unpermute_rows
-from pagedllm.gguf.quant_types import unpack
 from pagedllm.layers.weight_format import Quantized
-from pagedllm.models import load_model
 
 TOL = 1e-4
 CPU = torch.device("cpu")
@@ -375,7 +375,7 @@ def test_unsupported_architecture_names_the_supported(tmp_path):
 
 _LOAD_PEAK = """
 import sys, torch
-from pagedllm.models import load_model
+from pagedllm.checkpoint.loader import load_model
 from pagedllm.layers.weight_format import Quantized
 
 def rss(field):

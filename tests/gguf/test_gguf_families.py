@@ -29,12 +29,12 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
+from pagedllm.checkpoint.gguf import read_gguf_config
+from pagedllm.checkpoint.loader import load_model
 from pagedllm.errors import UnsupportedModelError
-from pagedllm.gguf import read_gguf_config
 from pagedllm.layers import FusedMoE
-from pagedllm.layers.quantization.quantized_layers import quantized_kernels_available
+from pagedllm.layers.quantization import quantized_kernels_available
 from pagedllm.layers.weight_format import Quantized
-from pagedllm.models import load_model
 
 CPU = torch.device("cpu")
 V = gguf.GGUFValueType

@@ -18,11 +18,10 @@ from test_model_parity import TOL, check_mixed_batch, make_hf_model, save
 from transformers import LlamaConfig, Qwen2Config
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.checkpoint.loader import load_model
 from pagedllm.errors import UnsupportedModelError, ValidationError
-from pagedllm.layers.quantization import QuantizedWeight
+from pagedllm.layers.quantization import QuantizedWeight, quantized_kernels_available
 from pagedllm.layers.quantization.checkpoint_formats import CheckpointQuant, resolve_quantization
-from pagedllm.layers.quantization.quantized_layers import quantized_kernels_available
-from pagedllm.models import load_model
 
 pytestmark = pytest.mark.skipif(not quantized_kernels_available(torch.device("cpu")),
                                 reason="the quantized formats need pagedllm's CPU kernels")

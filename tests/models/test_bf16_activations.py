@@ -101,7 +101,7 @@ def test_stories260k_in_bf16_decodes_the_exact_paths_greedy_ids():
     each prompt agree here."""
     from paged_helpers import STORIES_DIR, decode_steps
 
-    from pagedllm.models import load_model
+    from pagedllm.checkpoint.loader import load_model
     from pagedllm.runner.linear_choice import choose_linear_kernels
 
     prompts = [[1, 365, 264, 292], [1, 403, 250, 263, 431], [1, 450]]

@@ -23,9 +23,9 @@ from test_families import CONFIGS as FAMILIES
 from test_families import make_model
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.checkpoint.loader import load_model
 from pagedllm.core.kv_cache_manager import max_blocks_per_request
 from pagedllm.layers import Attention
-from pagedllm.models import load_model
 from pagedllm.runner.compile import compile_disabled_reason
 from pagedllm.runner.kv_cache_groups import group_layers
 

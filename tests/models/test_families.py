@@ -22,7 +22,7 @@ from transformers import (
     SmolLM3Config,
 )
 
-from pagedllm.models import load_model
+from pagedllm.checkpoint.loader import load_model
 from pagedllm.models.registry import get_model_class
 
 HEAD_DIM = SMALL["hidden_size"] // SMALL["num_attention_heads"]  # 16
@@ -145,8 +145,8 @@ def test_phi3_fused_checkpoint_splits_over_ranks(tmp_path, monkeypatch):
     from safetensors.torch import save_file
 
     import pagedllm.layers.linear as linear_mod
+    from pagedllm.checkpoint.loader import load_weights
     from pagedllm.models.decoder_args import DecoderArgs
-    from pagedllm.models.loader import load_weights
     from pagedllm.models.phi3 import Phi3Attention, Phi3MLP
 
     config, _ = CONFIGS["phi3_window"]()

@@ -14,11 +14,11 @@ from safetensors.torch import load_file, save_file
 from test_model_parity import check_mixed_batch, make_hf_model, save
 from transformers import AutoModelForCausalLM, GptOssConfig, Mxfp4Config
 
+from pagedllm.checkpoint.loader import load_model
 from pagedllm.distributed.tp_sizes import check_tensor_parallel_size, valid_tensor_parallel_sizes
 from pagedllm.errors import ValidationError
 from pagedllm.layers import FusedMoE
 from pagedllm.layers.quantization.mxfp4 import dequantize_mxfp4
-from pagedllm.models import load_model
 
 
 @pytest.fixture(autouse=True)

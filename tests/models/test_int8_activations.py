@@ -157,7 +157,7 @@ def test_a_q8_0_llama_decodes_the_same_greedy_ids_with_int8_activations():
     large end of what a real model sees."""
     from paged_helpers import STORIES_DIR, decode_steps
 
-    from pagedllm.models import load_model
+    from pagedllm.checkpoint.loader import load_model
 
     prompts = [[1, 365, 264, 292], [1, 403, 250, 263, 431], [1, 450]]
     likely_bound, vocab_bound = 0.25, 0.5

@@ -12,8 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.layers import Linear
-from pagedllm.layers.quantization import quantize_linear
-from pagedllm.layers.quantization.quantized_layers import quantized_kernels_available
+from pagedllm.layers.quantization import quantize_linear, quantized_kernels_available
 from pagedllm.layers.weight_format import Quantized
 
 MODEL_DIR = STORIES_DIR / "hf"

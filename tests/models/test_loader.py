@@ -9,9 +9,10 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+from pagedllm.checkpoint.loader import load_model
 from pagedllm.errors import ModelLoadError, UnsupportedModelError
 from pagedllm.layers.rotary import RopeConfig, compute_inv_freq
-from pagedllm.models import load_model, supported_architectures
+from pagedllm.models import supported_architectures
 
 CPU = torch.device("cpu")
 TINY = dict(architectures=["LlamaForCausalLM"], vocab_size=32, hidden_size=16,

@@ -8,8 +8,8 @@ import torch
 from paged_helpers import PagedRunner, hf_log_probs, randomize_
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
+from pagedllm.checkpoint.loader import load_model
 from pagedllm.layers import attention_layers
-from pagedllm.models import load_model
 
 TOL = 1e-4
 SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,

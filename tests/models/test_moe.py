@@ -11,12 +11,12 @@ from safetensors.torch import save_file
 from test_model_parity import check_mixed_batch, make_hf_model, max_diff, save
 from transformers import MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
+from pagedllm.checkpoint.loader import load_model
 from pagedllm.errors import ModelLoadError, UnsupportedModelError
 from pagedllm.kernels.cpu_extension import has_bf16_activations, load_cpu_ops
 from pagedllm.layers import FusedMoE
 from pagedllm.layers.moe_router import RoutingOrder, select_experts
 from pagedllm.layers.weight_format import Panels
-from pagedllm.models import load_model
 
 COMMON = dict(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,

@@ -516,7 +516,7 @@ def test_a_q8_model_matches_transformers_on_the_dequantized_weights(name, tmp_pa
     from paged_helpers import PagedRunner
     from test_model_parity import CONFIGS, check_mixed_batch, make_hf_model, save
 
-    from pagedllm.models import load_model
+    from pagedllm.checkpoint.loader import load_model
 
     hf_model = make_hf_model(CONFIGS[name]())
     with torch.no_grad():

@@ -8,8 +8,8 @@ import pytest
 import torch
 from paged_helpers import STORIES_DIR
 
+from pagedllm.checkpoint.loader import load_model
 from pagedllm.layers import attention_layers
-from pagedllm.models import load_model
 
 MODEL_DIR = STORIES_DIR / "hf"
 GOLDEN = STORIES_DIR / "golden_greedy.json"

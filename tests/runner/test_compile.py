@@ -218,7 +218,7 @@ def test_compiled_matches_eager_demo_model():
 def test_every_model_compiles_its_own_forward():
     """dynamo keeps its graphs per code object: two models of one class each compile their own
     forward, so a process's engines never add up to dynamo's recompile limit (here 1)."""
-    from pagedllm.models import load_model
+    from pagedllm.checkpoint.loader import load_model
     from pagedllm.runner.compile import CompiledForward
 
     models = [load_model(str(DEMO_MODEL), torch.float32, CPU)[0] for _ in range(2)]

@@ -19,8 +19,9 @@ import torch
 from safetensors.torch import save_file
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.checkpoint.loader import load_model
 from pagedllm.layers import attention_layers
-from pagedllm.models import load_model, registry
+from pagedllm.models import registry
 from pagedllm.models.llama import LlamaForCausalLM
 
 TOKENIZER = Path(__file__).resolve().parents[2].parent / "shared" / "models" / "synthetic-tokenizer-32k"

@@ -8,12 +8,9 @@ kept in that format in memory and multiplied by pagedllm's CPU kernel (csrc/quan
 - linear_method.py     ``set_quantized_weight(layer, qweight)``: the layer's WeightFormat
                        (layers/weight_format.py: Blocks, Half) from a loader's weight
 - round_to_nearest.py  ``quantize_linear(weight, "q8_0" | "q4_0")``: quantization at load
-- quantized_layers.py  ``GroupQuant`` (a loader's unpacked tensor) and the loaders' shared
-                       mechanism: plan the layers that stay quantized, drop their float
-                       parameter before allocation, build and bind each ``QuantizedWeight``
 - checkpoint_formats.py  AWQ / GPTQ checkpoints: ``quantization_config`` checked, packed
                        tensors unpacked to q4; ``resolve_quantization`` (the flag vs the
-                       checkpoint). The loading itself: models/quantized_checkpoint.py
+                       checkpoint). The loading itself: pagedllm/checkpoint/
 """
 from __future__ import annotations
 

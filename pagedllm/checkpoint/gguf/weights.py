@@ -1,39 +1,31 @@
-"""Build a pagedllm model from a GGUF checkpoint (``LLM("model.gguf")``).
+"""The GGUF stream (``LLM("model.gguf")``): the file's tensors into a model of the class a Hugging
+Face folder of that architecture gets.
 
-The model is the same class a Hugging Face folder of that architecture gets (built on the meta
-device, materialised uninitialised); the GGUF tensors are renamed to HF names (names.py), Llama's
-q/k rows put back in HF order, Gemma's norm shift taken off, stacked experts split into the
-per-expert names, and each is placed where the safetensors loader would place it
-(``expected_tensors``: fused q/k/v and gate/up parts, this rank's rows under tensor
-parallelism). A parameter no tensor fills is an error, as for safetensors. Then modules that
-convert what they loaded do so (``process_weights_after_loading``: the MoE experts' layout).
+The GGUF tensors are renamed to HF names (names.py), Llama's q/k rows put back in HF order,
+Gemma's norm shift taken off, stacked experts split into the per-expert names, and each is placed
+where the safetensors stream would place it (checkpoint/placement.py: fused q/k/v and gate/up
+parts, this rank's rows under tensor parallelism). A parameter no tensor fills is an error.
 
-Block-quantized linear weights stay quantized (layers/quantization/quantized_layers.py: the
-layer's float weight is never allocated; its ``QuantizedWeight`` is built from the unpacked
-parts), the lm_head too, tied or not: a tied embedding then reads its rows from the head's
-quantized weight (most small models tie them, and the head is read whole every decode step).
-So do stacked experts: each expert's slice of the stack is a ``QuantizedWeight`` handed to its
-FusedMoE, which stacks them for its grouped kernel; and a fused tensor holding one layer's parts
-(Phi-3's qkv and gate/up): this rank's rows of each part. Routers stay float.
-Everything else is loaded as float in the model's dtype, one tensor at a time: norms (small)
-and an untied token embedding, dequantized when the file holds it quantized (a lookup reads a
-few rows).
-``keep_quantized=False`` (or a non-CPU device, where the quantized kernels do not run)
-dequantizes every weight instead: the reference the tests compare with.
+Block-quantized linear weights stay quantized (checkpoint/quantized_layers.py: the layer's float
+weight is never allocated; its ``QuantizedWeight`` is built from the unpacked parts), the lm_head
+too, tied or not: a tied embedding then reads its rows from the head's quantized weight (most
+small models tie them, and the head is read whole every decode step). So do stacked experts: each
+expert's slice of the stack is a ``QuantizedWeight`` handed to its FusedMoE, which stacks them for
+its grouped kernel; and a fused tensor holding one layer's parts (Phi-3's qkv and gate/up): this
+rank's rows of each part. Routers stay float. Everything else is loaded as float in the model's
+dtype, one tensor at a time: norms (small) and an untied token embedding, dequantized when the
+file holds it quantized (a lookup reads a few rows). On a device where the quantized kernels do
+not run, every weight is dequantized instead.
 """
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 import torch
 from torch import nn
 
-from pagedllm.errors import ModelLoadError
-from pagedllm.gguf.config import hf_config
-from pagedllm.gguf.names import (
+from pagedllm.checkpoint.gguf.names import (
     CONFIG_TENSORS,
     expert_names,
     hf_name,
@@ -42,70 +34,49 @@ from pagedllm.gguf.names import (
     norm_shift,
     unpermute_rows,
 )
-from pagedllm.gguf.quant_types import FLOAT_TYPES, GroupQuant, unpack
-from pagedllm.gguf.reader import GGUFCheckpoint, GGUFTensor, open_gguf
-from pagedllm.layers import WeightSlice
-from pagedllm.layers.quantization.quantized_layers import (
+from pagedllm.checkpoint.gguf.quant_types import FLOAT_TYPES, GroupQuant, unpack
+from pagedllm.checkpoint.gguf.reader import GGUFCheckpoint, GGUFTensor
+from pagedllm.checkpoint.quantized_layers import (
     Part,
     QuantizedParts,
-    drop_float_weights,
     plan_quantized_layers,
     quantized_kernels_available,
-    share_tied_heads,
-    tied_heads,
 )
-from pagedllm.models.registry import get_model_class
+from pagedllm.errors import ModelLoadError
+from pagedllm.layers import WeightSlice
 
 logger = logging.getLogger(__name__)
 
 
-def load_gguf_model(model_path: str | Path, dtype: torch.dtype, device: torch.device,
-                    expected_tensors: Callable[[nn.Module], dict],
-                    keep_quantized: bool = True) -> tuple[nn.Module, dict]:
-    """``(model in eval mode with weights loaded, its HF-style config dict)``.
-    ``expected_tensors``: models/loader.py's placement of checkpoint tensors in a model (passed
-    in by that module, which calls this one: no import circle)."""
-    ckpt = open_gguf(model_path)  # validates types and architecture before anything is allocated
-    config = hf_config(ckpt)
-    model_cls = get_model_class(config)
-    with torch.device("meta"):
-        model = model_cls(config)
-    plan: dict[str, list[Part]] = {}
-    heads = tied_heads(model)
-    if keep_quantized and quantized_kernels_available(device):
-        # Routers stay float even when the file quantized them (llama.cpp never does): the MoE
-        # block packs its router for the batch-independent kernel (models/moe.py).
-        quantized = {name for t in ckpt.tensors.values()
-                     if t.type_id not in FLOAT_TYPES and ".ffn_gate_inp" not in t.name
-                     for name in _hf_names(model, t, ckpt.architecture)}
-        plan = plan_quantized_layers(model, _expected(model, expected_tensors), quantized)
-        drop_float_weights(model, plan)
-    elif keep_quantized and any(t.type_id not in FLOAT_TYPES for t in ckpt.tensors.values()):
-        logger.warning("%s: quantized weights dequantized to %s (the quantized kernels run on "
-                       "CPU only, and need the C++ extension)", ckpt.path.name, dtype)
-    model = model.to(dtype=dtype).to_empty(device=device)
-    if hasattr(model, "tie_weights"):
-        model.tie_weights()
-    load_gguf_weights(model, ckpt, config, plan, expected_tensors)
-    share_tied_heads(model, heads)
-    for module in model.modules():
-        if hasattr(module, "process_weights_after_loading"):
-            module.process_weights_after_loading()  # the MoE experts into the kernel's layout
-    model.requires_grad_(False)
-    return model.eval(), config
+class GGUFWeights:
+    """A GGUF file's weights. ``plan``: its block-quantized matrices stay quantized when the
+    quantized kernels can run here; ``stream``: float tensors first, then the block types."""
 
+    def __init__(self, ckpt: GGUFCheckpoint, config: dict, dtype: torch.dtype, device: torch.device) -> None:
+        self.ckpt, self.config, self.dtype, self.device = ckpt, config, dtype, device
 
-def _expected(model: nn.Module, expected_tensors: Callable) -> dict[str, list[tuple[WeightSlice, str]]]:
-    """The safetensors loader's placement, as name -> [(piece, parameter name)]."""
-    return {name: targets if isinstance(targets, list) else [targets]
-            for name, targets in expected_tensors(model).items()}
+    def plan(self, model: nn.Module, expected: dict) -> dict[str, list[Part]]:
+        ckpt = self.ckpt
+        if quantized_kernels_available(self.device):
+            # Routers stay float even when the file quantized them (llama.cpp never does): the
+            # MoE block packs its router for the batch-independent kernel (models/moe.py).
+            quantized = {name for t in ckpt.tensors.values()
+                         if t.type_id not in FLOAT_TYPES and ".ffn_gate_inp" not in t.name
+                         for name in _hf_names(model, t, ckpt.architecture)}
+            return plan_quantized_layers(model, expected, quantized)
+        if any(t.type_id not in FLOAT_TYPES for t in ckpt.tensors.values()):
+            logger.warning("%s: quantized weights dequantized to %s (the quantized kernels run on "
+                           "CPU only, and need the C++ extension)", ckpt.path.name, self.dtype)
+        return {}
+
+    @torch.no_grad()
+    def stream(self, model: nn.Module, expected: dict, plan: dict[str, list[Part]]) -> None:
+        stream_gguf(model, self.ckpt, self.config, dict(plan), expected)
 
 
 @torch.no_grad()
-def load_gguf_weights(model: nn.Module, ckpt: GGUFCheckpoint, config: dict,
-                      plan: dict[str, list[Part]], expected_tensors: Callable) -> None:
-    expected = _expected(model, expected_tensors)
-    _zero_uncovered(model, expected)
+def stream_gguf(model: nn.Module, ckpt: GGUFCheckpoint, config: dict,
+                plan: dict[str, list[Part]], expected: dict) -> None:
     quantized = QuantizedParts(model)
     unexpected: list[str] = []
     arch = ckpt.architecture
@@ -208,14 +179,3 @@ def _copy(value: GroupQuant | np.ndarray, piece: WeightSlice) -> None:
     if not value.flags.writeable:  # a view of the read-only file map: torch wants its own copy
         value = value.copy()
     piece.dest.copy_(torch.from_numpy(value))  # casts to the model dtype
-
-
-def _zero_uncovered(model: nn.Module, expected: dict[str, list[tuple[WeightSlice, str]]]) -> None:
-    """Zero the parameters no tensor covers whole: the last rank's vocabulary rows past the end
-    (``to_empty`` left whatever the memory held there)."""
-    covered: dict[str, int] = {}
-    for piece, param_name in (target for targets in expected.values() for target in targets):
-        covered[param_name] = covered.get(param_name, 0) + piece.dest.numel()
-    for param_name, param in model.named_parameters():
-        if covered.get(param_name, 0) < param.numel():
-            param.data.zero_()

@@ -11,8 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from pagedllm.checkpoint.gguf.reader import open_gguf, shard_paths
 from pagedllm.errors import ModelLoadError
-from pagedllm.gguf.reader import open_gguf, shard_paths
 
 
 def load_gguf_tokenizer(path: str | Path) -> Any:

@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from pagedllm.checkpoint.gguf.quant_types import TYPE_INFO, supported_type_names, type_name
 from pagedllm.errors import ModelLoadError, UnsupportedModelError
-from pagedllm.gguf.quant_types import TYPE_INFO, supported_type_names, type_name
 
 # llama.cpp's general.architecture -> the transformers architecture pagedllm runs it as
 # (``llama`` with experts is Mixtral: families.py decides from the metadata).
@@ -31,10 +31,6 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
 
 # gguf-split's shard names: ``<stem>-00001-of-00003.gguf``
 _SHARD = re.compile(r"^(?P<stem>.*)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")
-
-
-def is_gguf_path(path: str | Path) -> bool:
-    return str(path).lower().endswith(".gguf")
 
 
 @dataclass(frozen=True)

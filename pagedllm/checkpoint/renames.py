@@ -1,5 +1,5 @@
-"""How a checkpoint's tensor names map onto a model's: shared by the safetensors loader
-(models/loader.py) and the quantized-checkpoint loader (models/quantized_checkpoint.py)."""
+"""How a checkpoint's tensor names map onto a model's (the model's ``checkpoint_renames``): shared
+by the safetensors stream (checkpoint/weights.py) and the AWQ/GPTQ one (quantized_checkpoint.py)."""
 from __future__ import annotations
 
 

@@ -20,20 +20,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import nn
 
 from pagedllm.errors import ModelLoadError
+from pagedllm.layers import Linear, ParallelLMHead, VocabParallelEmbedding
+from pagedllm.layers.fused_moe import FusedMoE
+from pagedllm.layers.quantization import QuantizedWeight, kernel_matches_float64, set_quantized_weight
 
 # The loaders ask it here (the rule lives with the methods that need the kernels).
 from pagedllm.layers.quantization.linear_method import quantized_kernels_available  # noqa: F401
 from pagedllm.layers.quantization.quantized_weight import GroupScales
-
-if TYPE_CHECKING:
-    from pagedllm.layers.quantization import QuantizedWeight
+from pagedllm.layers.weight_format import Quantized
 
 _WIDER = ("q4", "q5", "q6", "q8")  # each format's codes fit the next's
 _PANEL = 64  # output rows per panel of the quantized kernel (QuantizedWeight's PANEL)
@@ -114,8 +114,6 @@ def plan_quantized_layers(model: nn.Module, expected: dict,
     and of each expert of a FusedMoE's projections, whose every part is in
     ``quantized_names``; ``expected`` is the loader's placement of the still-meta model (name
     -> [(WeightSlice, parameter name)])."""
-    from pagedllm.layers import Linear, ParallelLMHead
-    from pagedllm.layers.fused_moe import FusedMoE
 
     modules = dict(model.named_modules())
     tied = tied_heads(model)
@@ -158,8 +156,6 @@ def plan_quantized_layers(model: nn.Module, expected: dict,
 
 def tied_heads(model: nn.Module) -> dict[str, str]:
     """Embedding module name -> the name of the lm_head sharing its weight (tied)."""
-    from pagedllm.layers import ParallelLMHead, VocabParallelEmbedding
-
     modules = dict(model.named_modules())
     heads = {id(m.weight): name for name, m in modules.items()
              if isinstance(m, ParallelLMHead) and m.weight is not None}
@@ -276,8 +272,6 @@ class QuantizedAttacher:
         self._checked: dict[tuple, bool] = {}
 
     def attach(self, layer: nn.Module, value: GroupQuant) -> None:
-        from pagedllm.layers.quantization import set_quantized_weight
-
         missing = layer.out_features - value.codes.shape[0]
         if missing > 0:  # the last rank's vocabulary rows past the end: zero weights
             value = _pad_rows(value, missing)
@@ -288,14 +282,10 @@ class QuantizedAttacher:
             if qweight.out_features != layer.out_features:
                 raise ModelLoadError(f"lm_head weight has {qweight.out_features} rows, the layer "
                                      f"{layer.out_features}")
-            from pagedllm.layers.weight_format import Quantized
-
             layer.weight_format, layer.weight = Quantized.of(qweight), None
 
     def build(self, value: GroupQuant, bias: torch.Tensor | None) -> QuantizedWeight:
         """``value`` as a QuantizedWeight, the kernel checked on its (format, shape) first."""
-        from pagedllm.layers.quantization import QuantizedWeight, kernel_matches_float64
-
         build = {"q4": QuantizedWeight.from_q4, "q5": QuantizedWeight.from_q5,
                  "q6": QuantizedWeight.from_q6, "q8": QuantizedWeight.from_q8}[value.kind]
         qweight = build(value.codes, value.scales, value.offsets, value.group_size)

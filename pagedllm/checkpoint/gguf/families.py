@@ -15,9 +15,9 @@ from typing import Any, Callable
 
 import numpy as np
 
+from pagedllm.checkpoint.gguf.quant_types import F32, unpack
+from pagedllm.checkpoint.gguf.reader import GGUFCheckpoint
 from pagedllm.errors import ModelLoadError, UnsupportedModelError
-from pagedllm.gguf.quant_types import F32, unpack
-from pagedllm.gguf.reader import GGUFCheckpoint
 
 Key = Callable[..., Any]  # key(name, default=None): the ``<arch>.<name>`` metadata value
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 # the unpacked form, shared with the AWQ/GPTQ loaders (layers/quantization/)
-from pagedllm.layers.quantization.quantized_layers import GroupQuant
+from pagedllm.checkpoint.quantized_layers import GroupQuant
 from pagedllm.layers.quantization.quantized_weight import GroupScales
 
 # ggml type ids (ggml.h's enum ggml_type), the ones pagedllm reads.

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import numpy as np
 
+from pagedllm.checkpoint.gguf.families import family_fields
+from pagedllm.checkpoint.gguf.quant_types import F32, unpack
+from pagedllm.checkpoint.gguf.reader import ARCHITECTURES, GGUFCheckpoint, open_gguf
 from pagedllm.errors import ModelLoadError, UnsupportedModelError
-from pagedllm.gguf.families import family_fields
-from pagedllm.gguf.quant_types import F32, unpack
-from pagedllm.gguf.reader import ARCHITECTURES, GGUFCheckpoint, open_gguf
 
 # The candidate llama3 parameters: Llama 3.1/3.2/3.3 all use low 1, high 4, original 8192.
 _LLAMA3_LOW_HIGH = ((1.0, 4.0), (1.0, 2.0), (1.0, 8.0), (2.0, 4.0))
