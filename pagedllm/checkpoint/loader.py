@@ -21,7 +21,6 @@ from torch import nn
 from pagedllm.checkpoint.placement import expected_tensors, zero_uncovered
 from pagedllm.checkpoint.quantized_layers import drop_float_weights, share_tied_heads, tied_heads
 from pagedllm.checkpoint.source import Checkpoint, open_checkpoint
-from pagedllm.checkpoint.weights import load_weights  # noqa: F401 (filling a module from files)
 from pagedllm.models.registry import get_model_class
 
 

@@ -18,7 +18,7 @@ from pagedllm.checkpoint.loader import load_model
 from pagedllm.checkpoint.source import GGUFFile, QuantizedFolder, is_gguf_path, open_checkpoint
 from pagedllm.checkpoint.tokenizer import load_hf_tokenizer
 from pagedllm.errors import ModelLoadError
-from tests.gguf.gguf_helpers import write_gguf
+from tests.checkpoint.gguf.gguf_helpers import write_gguf
 
 STORIES_HF = Path(__file__).resolve().parents[2].parent / "shared" / "models" / "stories260K" / "hf"
 AWQ_FIXTURE = Path(__file__).resolve().parents[1] / "models" / "fixtures" / "awq_tiny"  # AutoAWQ's own packing

@@ -29,7 +29,7 @@ from pagedllm.layers import Attention
 from pagedllm.runner.compile import compile_disabled_reason
 from pagedllm.runner.kv_cache_groups import group_layers
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gguf"))  # gguf_helpers, test_gguf
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "checkpoint" / "gguf"))  # gguf_helpers, test_gguf
 
 TOL = 1e-4  # the eager parity tests' tolerance on log-probs
 BLOCK_SIZE = 4

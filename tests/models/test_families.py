@@ -145,7 +145,7 @@ def test_phi3_fused_checkpoint_splits_over_ranks(tmp_path, monkeypatch):
     from safetensors.torch import save_file
 
     import pagedllm.layers.linear as linear_mod
-    from pagedllm.checkpoint.loader import load_weights
+    from pagedllm.checkpoint.weights import load_weights
     from pagedllm.models.decoder_args import DecoderArgs
     from pagedllm.models.phi3 import Phi3Attention, Phi3MLP
 

@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType as T
 
 from pagedllm.checkpoint.gguf.quant_types import TYPE_INFO
 
-STORIES = Path(__file__).resolve().parents[2].parent / "shared" / "models" / "stories260K"
+STORIES = Path(__file__).resolve().parents[3].parent / "shared" / "models" / "stories260K"
 
 _LAYER_NAMES = {
     "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",

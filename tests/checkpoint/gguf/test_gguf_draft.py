@@ -11,7 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from pagedllm import LLM, SamplingParams
 
-TOKENIZER = Path(__file__).resolve().parents[2].parent / "shared" / "models" / "synthetic-tokenizer-32k"
+TOKENIZER = Path(__file__).resolve().parents[3].parent / "shared" / "models" / "synthetic-tokenizer-32k"
 
 
 def test_a_q8_0_gguf_of_the_target_drafts_for_it(tmp_path):
