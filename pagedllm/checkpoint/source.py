@@ -1,6 +1,6 @@
 """A model checkpoint, opened once: a safetensors folder, an AWQ/GPTQ folder or a GGUF file (or
 its shards). Each gives its config (read once per process and shared by ModelInfo, the executor's
-tensor-parallel check and the loader), where its tokenizer is, and its named tensors.
+tensor-parallel check, the tokenizer and the loader), where its tokenizer is, and its named tensors.
 
 Torch-free: the engine asks for a config before any model is built. The torch side of each
 kind (how its tensors reach a model) is in checkpoint/weights.py and checkpoint/gguf/weights.py.
@@ -15,8 +15,6 @@ from typing import Any
 
 from pagedllm.errors import ModelLoadError
 from pagedllm.hf_config import read_config_json
-
-CHECKPOINT_KINDS = ("safetensors", "awq", "gptq", "gguf")
 
 
 def is_gguf_path(path: str | Path) -> bool:
@@ -148,7 +146,8 @@ _LOCK = threading.Lock()
 
 def open_checkpoint(path: str | Path) -> Checkpoint:
     """The checkpoint at ``path``, opened once per process while its config file is unchanged
-    (a rewritten file is read again). Nothing is read until a property asks."""
+    (a rewritten file is read again). A folder's config.json is read here (its
+    ``quantization_config`` says the kind); a GGUF file is parsed when first asked."""
     key = str(Path(path).resolve())
     stamp = _stamp(Path(path))
     with _LOCK:
