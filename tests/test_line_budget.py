@@ -13,7 +13,7 @@ PKG = Path(__file__).resolve().parents[1] / "pagedllm"
 
 # Package (a folder under pagedllm/, "." for the top-level modules) -> its ceiling in lines.
 BUDGET = {
-    ".": 1400,
+    ".": 1420,  # speculative_config: eagle3 and mtp
     "checkpoint": 250,
     "core": 1950,
     "distributed": 300,
@@ -25,8 +25,8 @@ BUDGET = {
     "kernels": 400,
     "layers": 3500,
     "lora": 600,
-    "models": 1950,
-    "runner": 2300,
+    "models": 2200,  # the EAGLE-3 head, MiMo and its MTP head
+    "runner": 2460,  # runner/eagle.py: drafting from the target's hidden states
     "structured_output": 450,
 }
 # The C++ kernels (kernels/csrc and the runner's arena allocator).
