@@ -220,3 +220,36 @@ def test_refusals_name_what_to_change(models):
     with pytest.raises(ModelLoadError, match="3 target layers"):  # a 2-layer target has no layer 2 to read
         LLM(tiny_llama(Path(models["target"]).parent / "two", VOCAB, seed=1), enforce_eager=True,
             speculative_config=_eagle(models["eagle"]))
+
+
+@pytest.fixture(scope="module")
+def small_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eagle-small")
+    target = tiny_llama(root / "t", 8, seed=11, layers=4)
+    return {"eagle3": (target, _eagle(tiny_eagle3(root / "e", 8, 4, seed=12), adaptive_draft_length=False)),
+            "mtp": (tiny_mimo(root / "m", 8, seed=13), _mtp(adaptive_draft_length=False))}
+
+
+def _tokens_and_accepted(llm: LLM) -> tuple[list[list[int]], int]:
+    try:
+        out = _run(llm, SMALL_PROMPTS, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+        return out, llm.get_metrics()["pagedllm:spec_decode_num_accepted_tokens"]
+    finally:
+        llm.llm_engine.shutdown()
+
+
+@pytest.mark.parametrize("method", ["eagle3", pytest.param("mtp", marks=pytest.mark.slow)])
+def test_the_head_is_sharded_with_the_target_under_tensor_parallelism(small_models, method):
+    target, spec = small_models[method]
+    alone = _tokens_and_accepted(LLM(target, enforce_eager=True, speculative_config=spec))
+    assert alone[1] > 0
+    assert _tokens_and_accepted(LLM(target, enforce_eager=True, tensor_parallel_size=2,
+                                    speculative_config=spec)) == alone
+
+
+@pytest.mark.slow
+def test_a_compiled_target_feeds_the_head(small_models):
+    """The hooks on the target's layers run inside the compiled forward: the same drafts."""
+    target, spec = small_models["eagle3"]
+    eager = _tokens_and_accepted(LLM(target, enforce_eager=True, speculative_config=spec))
+    assert _tokens_and_accepted(LLM(target, enforce_eager=False, speculative_config=spec)) == eager
