@@ -253,3 +253,22 @@ def test_a_compiled_target_feeds_the_head(small_models):
     target, spec = small_models["eagle3"]
     eager = _tokens_and_accepted(LLM(target, enforce_eager=True, speculative_config=spec))
     assert _tokens_and_accepted(LLM(target, enforce_eager=False, speculative_config=spec)) == eager
+
+
+def test_n_logprobs_and_beams_with_a_head(models):
+    """n > 1 samples draft on their own (forks enter with a prefix hit), logprobs are the
+    target's, beams are served without drafts: their output equals the target's alone."""
+    from pagedllm import BeamSearchParams
+
+    llm = LLM(models["target"], enforce_eager=True, block_size=4, speculative_config=_eagle(models["eagle"]))
+    sampled = SamplingParams(n=3, temperature=0.8, seed=5, max_tokens=20, ignore_eos=True, logprobs=1)
+    out = llm.generate([{"prompt_token_ids": PROMPTS[2]}], sampled, use_tqdm=False)[0]
+    assert len(out.outputs) == 3 and all(len(c.token_ids) == 20 for c in out.outputs)
+    assert all(t in lp for c in out.outputs for t, lp in zip(c.token_ids, c.logprobs))
+    assert llm.get_metrics()["pagedllm:spec_decode_num_draft_tokens"] > 0
+    beams = BeamSearchParams(beam_width=3, max_tokens=8)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:2]]
+    plain = LLM(models["target"], enforce_eager=True).beam_search(prompts, beams)
+    assert ([[s.tokens for s in r.sequences] for r in llm.beam_search(prompts, beams)]
+            == [[s.tokens for s in r.sequences] for r in plain])
+    _assert_idle(llm)
