@@ -27,9 +27,13 @@ import logging
 import torch
 
 from pagedllm.errors import ModelLoadError
+from pagedllm.layers.forward_context import set_forward_context
 from pagedllm.layers.kv_cache import kv_cache_layers
+from pagedllm.models.eagle3 import default_aux_layer_ids, load_eagle3_head
+from pagedllm.models.mimo_mtp import load_mtp_head
 from pagedllm.runner.draft_model import DraftModel, MetadataBuilder, SamplingBuilder
 from pagedllm.runner.input_batch import CachedRequestState, ScheduledRequest
+from pagedllm.runner.linear_choice import choose_linear_kernels
 from pagedllm.speculative_config import SpeculativeConfig
 
 logger = logging.getLogger("pagedllm")
@@ -46,9 +50,8 @@ class EagleProposer(DraftModel):
         if decoder is None or not hasattr(decoder, "layers"):
             raise ModelLoadError(f"speculative method {spec.method!r} reads the target's hidden states; "
                                  f"{type(target_model).__name__} does not expose them")
+        self._layer_ids: tuple[int, ...] | None = None  # EAGLE-3: the target layers it reads
         if spec.method == "eagle3":
-            from pagedllm.models.eagle3 import default_aux_layer_ids, load_eagle3_head
-
             self.model = load_eagle3_head(spec.model, target_model, dtype, device)
             layer_ids = self.model.aux_layer_ids or default_aux_layer_ids(target_model.num_layers)
             if len(layer_ids) != 3 or not all(0 <= i < target_model.num_layers for i in layer_ids):
@@ -60,9 +63,9 @@ class EagleProposer(DraftModel):
             for i in sorted(set(layer_ids)):
                 decoder.layers[i].register_forward_pre_hook(functools.partial(self._capture, i))
         else:
-            from pagedllm.models.mimo_mtp import load_mtp_head
-
             self.model = load_mtp_head(target_path, target_model, dtype, device)
+        if device.type == "cpu":
+            choose_linear_kernels(self.model)  # the head's own layers only: the target's are not its modules
         self.hf_config = None
         self.kv_layers = kv_cache_layers(self.model, kv_cache_dtype)
         logger.info("%s drafter: %d KV layers, %d draft tokens a step", spec.method, len(self.kv_layers),
@@ -75,7 +78,7 @@ class EagleProposer(DraftModel):
     def observe_target(self, scheduled: list[ScheduledRequest], hidden: torch.Tensor) -> None:
         """Keep the target's hidden rows of this step per request, from the first position the
         head has not consumed (rows past the accepted tokens are dropped next step)."""
-        if hasattr(self, "_captured"):
+        if self._layer_ids is not None:
             # In the config's order (fc's input is laid out so); a layer named twice is read twice.
             captured = [self._captured.get(i) for i in self._layer_ids]
             self._captured = {}
@@ -147,8 +150,6 @@ class EagleProposer(DraftModel):
 
     def _run(self, ids: list[int], query_lens: list[int], starts: list[int], block_tables: list[list[list[int]]],
              hidden: torch.Tensor, metadata: MetadataBuilder) -> tuple[torch.Tensor, torch.Tensor]:
-        from pagedllm.layers.forward_context import set_forward_context
-
         md = metadata(query_lens, starts, block_tables)
         ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
         with set_forward_context(md):
