@@ -4,7 +4,8 @@ alone, in the same run and threads.
 Random models cannot tell real text, so the pairs are built for their acceptance: the target (a
 random Qwen2 in the shape ``--shape``) drafted by (a) its own weights at load-time Q4_0 (high
 acceptance), (b) a smaller random model of the same vocabulary (near-zero acceptance: the "never
-slower" case) and (c) its own weights (full acceptance: the upper bound). For each batch size,
+slower" case), (c) its own weights (full acceptance: the upper bound) and (d) a random EAGLE-3 head
+(near-zero acceptance; its c is estimated from its weight bytes, the head cannot decode alone). For each batch size,
 every request decodes ``--num-tokens`` greedy tokens after a short prompt; outputs must equal the
 target's. Reported: tokens/s against the target alone, the acceptance rate, tokens per
 verification step t, drafts per step k, and at batch 1 the efficiency: the measured speed-up over
@@ -37,6 +38,49 @@ SHAPES: dict[str, tuple[dict, dict]] = {  # (target, the smaller draft)
              dict(_COMMON, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                   num_attention_heads=2, num_key_value_heads=1)),
 }
+
+
+def build_eagle3_head(fields: dict, folder: Path, draft_vocab: int = 8000) -> Path:
+    """A random EAGLE-3 head (the EAGLE authors' layout, models/eagle3.py) for the target of
+    ``fields``, its vocabulary the target's first ``draft_vocab`` tokens; built once."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    h, inter, layers = fields["hidden_size"], fields["intermediate_size"], fields["num_hidden_layers"]
+    heads, kv_heads = fields["num_attention_heads"], fields["num_key_value_heads"]
+    config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": h,
+              "intermediate_size": inter, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+              "num_hidden_layers": 1, "vocab_size": fields["vocab_size"], "draft_vocab_size": draft_vocab,
+              "rms_norm_eps": fields["rms_norm_eps"], "rope_theta": fields["rope_theta"],
+              "max_position_embeddings": fields["max_position_embeddings"],
+              "eagle_config": {"eagle_aux_hidden_state_layer_ids": [min(2, layers - 1), layers // 2,
+                                                                     max(layers - 3, 0)]}}
+    if (folder / "config.json").is_file() and json.loads((folder / "config.json").read_text()) == config:
+        return folder
+    g = torch.Generator().manual_seed(0)
+
+    def rand(rows: int, cols: int) -> torch.Tensor:
+        return torch.randn(rows, cols, generator=g) * cols ** -0.5
+
+    d = h // heads
+    t = {"fc.weight": rand(h, 3 * h), "midlayer.self_attn.q_proj.weight": rand(heads * d, 2 * h),
+         "midlayer.self_attn.k_proj.weight": rand(kv_heads * d, 2 * h),
+         "midlayer.self_attn.v_proj.weight": rand(kv_heads * d, 2 * h),
+         "midlayer.self_attn.o_proj.weight": rand(h, heads * d), "midlayer.mlp.gate_proj.weight": rand(inter, h),
+         "midlayer.mlp.up_proj.weight": rand(inter, h), "midlayer.mlp.down_proj.weight": rand(h, inter),
+         "lm_head.weight": rand(draft_vocab, h), "d2t": torch.zeros(draft_vocab, dtype=torch.long)}
+    for name in ("midlayer.input_layernorm", "midlayer.hidden_norm", "midlayer.post_attention_layernorm", "norm"):
+        t[f"{name}.weight"] = torch.ones(h)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(t, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def _weight_bytes(folder: str) -> int:
+    return sum(f.stat().st_size for f in Path(folder).glob("*.safetensors"))
 
 
 def decode(model: str, batch: int, num_tokens: int, llm_kwargs: dict) -> dict:
@@ -81,19 +125,21 @@ def main(argv: list[str] | None = None) -> None:
     draft_fields = {**draft_fields, "tie_word_embeddings": False}
     small = str(build_random_model("Qwen2", draft_fields, root / f"bench-spec-{args.shape}-draft", draft_fields))
     k = args.num_speculative_tokens
+    head = str(build_eagle3_head(target_fields, root / f"bench-spec-{args.shape}-eagle3"))
     pairs = {"q4_0": {"model": target, "quantization": "q4_0"}, "small": {"model": small},
-             "self": {"model": target}}
+             "self": {"model": target}, "eagle3": {"method": "eagle3", "model": head}}
     base = engine_args(args, max_num_seqs=max(args.batch_sizes))
     # c: a draft decode step over the target's, each alone at batch 1.
     alone = decode(target, 1, args.num_tokens, base)["tok_per_s"]
     cost = {name: alone / decode(p["model"], 1, args.num_tokens,
                                  {**base, "quantization": p.get("quantization")})["tok_per_s"]
-            for name, p in pairs.items()}
+            for name, p in pairs.items() if name != "eagle3"}
+    cost["eagle3"] = _weight_bytes(head) / _weight_bytes(target)  # a decode step reads every weight once
     results = []
     for batch in args.batch_sizes:
         plain = decode(target, batch, args.num_tokens, base)
         for name, pair in pairs.items():
-            spec = {"method": "draft_model", "num_speculative_tokens": k, **pair}
+            spec = {"method": "draft_model", "num_speculative_tokens": k, **pair}  # eagle3: its own method
             run = decode(target, batch, args.num_tokens, {**base, "speculative_config": spec})
             speedup = run["tok_per_s"] / plain["tok_per_s"]
             ideal = run["tokens_per_step"] / (1 + run["drafts_per_step"] * cost[name])

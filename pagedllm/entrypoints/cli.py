@@ -106,7 +106,8 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: frozenset[str] = froz
                                    metavar=kind.__name__.upper(), help=help_text)
     group.add_argument("--speculative-config", dest="speculative_config", type=_json_dict,
                        default=argparse.SUPPRESS,
-                       help="Speculative decoding as a JSON object: {\"method\": \"ngram\" or \"draft_model\", "
+                       help="Speculative decoding as a JSON object: {\"method\": \"ngram\", \"draft_model\", "
+                            "\"eagle3\" or \"mtp\", "
                             "\"model\": PATH, \"num_speculative_tokens\": K, ...} (docs/speculative.md).")
     group.add_argument("--structured-outputs-config", dest="structured_outputs_config",
                        type=_json_dict, default=argparse.SUPPRESS,

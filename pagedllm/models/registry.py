@@ -15,6 +15,7 @@ from pagedllm.models.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGenera
 from pagedllm.models.gpt_oss import GptOssForCausalLM
 from pagedllm.models.granite import GraniteForCausalLM
 from pagedllm.models.llama import LlamaForCausalLM
+from pagedllm.models.mimo import MiMoForCausalLM
 from pagedllm.models.mixtral import MixtralForCausalLM
 from pagedllm.models.modernbert import ModernBertModel
 from pagedllm.models.olmo2 import Olmo2ForCausalLM
@@ -35,6 +36,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     # Mistral and Ministral are Llama with a sliding window (a window per layer: layer specs).
     "MinistralForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
+    "MiMoForCausalLM": MiMoForCausalLM,  # Qwen2 with MTP layers (speculative method "mtp")
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,

@@ -85,6 +85,9 @@ class DraftModel:
         return all(not s.drafts and s.num_tokens == 1 and s.samples and s.start >= s.state.num_prompt_tokens
                    for s in scheduled)
 
+    def observe_target(self, scheduled: list[ScheduledRequest], hidden: torch.Tensor) -> None:
+        """A draft model reads tokens only (an EAGLE-3 head keeps the target's hidden states)."""
+
     @torch.inference_mode()
     def propose(self, scheduled: list[ScheduledRequest], metadata: MetadataBuilder,
                 sampling: SamplingBuilder) -> list[torch.Tensor | None]:

@@ -36,6 +36,10 @@ class CachedRequestState:
     pooling_params: PoolingParams | None = None  # a pooling request: pooled, never sampled
     # Positions whose KV the draft model holds (runner/draft_model.py).
     num_draft_computed: int = 0
+    # The target's hidden rows from position draft_hidden_start that an EAGLE-3 or MTP head
+    # has yet to read (runner/eagle.py); None: none kept.
+    draft_hidden: object = None
+    draft_hidden_start: int = 0
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -31,6 +31,7 @@ from pagedllm.runner.activation_choice import checkpoint_method, choose_activati
 from pagedllm.runner.attention_choice import choose_cpu_attention
 from pagedllm.runner.compile import maybe_compile
 from pagedllm.runner.draft_model import DraftModel
+from pagedllm.runner.eagle import EagleProposer
 from pagedllm.runner.frame_chunks import keep_frame_chunks
 from pagedllm.runner.grammar_bitmask import apply_grammar_bitmask
 from pagedllm.runner.input_batch import CachedRequestState, InputBatch, ScheduledRequest
@@ -95,12 +96,15 @@ class ModelRunner:
         # slots change between steps), and so does an encoder (no KV: it attends per request in a loop).
         encoder = not attention_layers(self.model)
         eager = True if self.lora_manager is not None or encoder else mc.enforce_eager  # None: auto
-        self.compiled = maybe_compile(self.model, eager, self.device, warmup_tokens=16)
         self.vocab_size = self.model.vocab_size
         spec = SpeculativeConfig.from_dict(config.speculative_config)
-        self.drafter = (DraftModel(spec, self.model, mc.model, self.dtype, self.device, self.kv_cache_dtype,
-                                   mc.quantization_activations, mc.enforce_eager, max_model_len)
-                        if spec is not None and spec.uses_draft_model else None)
+        self.drafter = (None if spec is None or not spec.uses_draft_model
+                        else EagleProposer(spec, self.model, mc.model, self.dtype, self.device, self.kv_cache_dtype)
+                        if spec.reads_target_hidden_states
+                        else DraftModel(spec, self.model, mc.model, self.dtype, self.device, self.kv_cache_dtype,
+                                        mc.quantization_activations, mc.enforce_eager, max_model_len))
+        # After the drafter: an EAGLE-3 head's hooks on the target's layers are traced with it.
+        self.compiled = maybe_compile(self.model, eager, self.device, warmup_tokens=16)
         self.sampler = Sampler()
         self.input_batch = InputBatch()
         self.kv_caches: list[torch.Tensor] = []
@@ -220,6 +224,8 @@ class ModelRunner:
         with set_forward_context(attn_md), set_lora_mapping(lora_mapping):
             # The metadata's positions are the model's: one tensor for both.
             hidden = (self.compiled or self.model)(ids_t, attn_md.positions)
+        if self.drafter is not None:
+            self.drafter.observe_target(scheduled, hidden)
 
         req_ids = [s.state.req_id for s in scheduled]
         out = RunnerOutput(req_ids=req_ids, req_id_to_index={rid: i for i, rid in enumerate(req_ids)},

@@ -14,27 +14,11 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.errors import ModelLoadError, ValidationError
+from tests.engine.spec_decode_models import sampled_distribution_pvalue
+from tests.engine.spec_decode_models import tiny_llama as _tiny_llama
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKENIZER = ROOT.parent / "shared" / "models" / "synthetic-tokenizer-32k"
-
-
-def _tiny_llama(path: Path, vocab: int, seed: int, layers: int = 2, hidden: int = 32,
-                max_positions: int = 256) -> str:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
-                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=max_positions, tie_word_embeddings=False, bos_token_id=0,
-                      eos_token_id=vocab - 1)
-    model = LlamaForCausalLM(cfg)
-    with torch.no_grad():  # sharp distributions: greedy ties are out of reach of rounding
-        model.lm_head.weight.mul_(40.0)
-    model.save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(TOKENIZER / name, path / name)
-    return str(path)
 
 
 @pytest.fixture(scope="module")
@@ -121,42 +105,10 @@ def test_sampling_keeps_the_target_distribution(models, tmp_path):
     """Joint distribution of the first 3 sampled tokens (a draft verified for the last two) with
     a draft that disagrees often, against the exact one from transformers' logits (chi-square,
     fixed seeds)."""
-    from scipy.stats import chisquare
-    from transformers import AutoModelForCausalLM
-
     target = _tiny_llama(tmp_path / "t8", 8, seed=3)
     draft = _tiny_llama(tmp_path / "d8", 8, seed=4, layers=1, hidden=16)
-    prompt, temp, depth, vocab = [1, 2, 3, 1, 2], 1.5, 3, 8
-    hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    exact: dict[tuple[int, ...], float] = {}
-
-    def expand(prefix: list[int], prob: float) -> None:
-        if len(prefix) == len(prompt) + depth:
-            exact[tuple(prefix[len(prompt):])] = prob
-            return
-        with torch.no_grad():
-            p = torch.softmax(hf(torch.tensor([prefix])).logits[0, -1].float() / temp, dim=-1)
-        for t in range(vocab):
-            expand(prefix + [t], prob * p[t].item())
-
-    expand(list(prompt), 1.0)
-    n = 3000
     llm = LLM(target, enforce_eager=True, max_num_seqs=256, speculative_config=_spec(draft, k=2))
-    outs = llm.generate([{"prompt_token_ids": prompt}] * n,
-                        [SamplingParams(temperature=temp, seed=s, max_tokens=depth, ignore_eos=True)
-                         for s in range(n)], use_tqdm=False)
-    m = llm.get_metrics()
-    accepted, proposed = m["pagedllm:spec_decode_num_accepted_tokens"], m["pagedllm:spec_decode_num_draft_tokens"]
-    assert 0 < accepted < proposed  # both branches of the test ran: acceptances and residual draws
-    counts: dict[tuple[int, ...], int] = {}
-    for o in outs:
-        key = tuple(o.outputs[0].token_ids)
-        counts[key] = counts.get(key, 0) + 1
-    keys = sorted(exact, key=lambda k: -exact[k])
-    big = [k for k in keys if exact[k] * n >= 5]  # rare outcomes pooled: expected counts >= 5
-    obs = [counts.get(k, 0) for k in big] + [n - sum(counts.get(k, 0) for k in big)]
-    exp = [exact[k] * n for k in big] + [n * (1 - sum(exact[k] for k in big))]
-    assert chisquare(obs, exp).pvalue > 1e-3
+    assert sampled_distribution_pvalue(llm, target, [1, 2, 3, 1, 2], vocab=8) > 1e-3
 
 
 def test_a_draft_with_another_vocabulary_is_refused(models):
