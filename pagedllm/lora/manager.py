@@ -38,6 +38,7 @@ class LoRAManager:
         self.requests: dict[int, LoRARequest] = {}  # every adapter added and not removed
         self.loaded: OrderedDict[int, LoRAModel] = OrderedDict()  # LRU of loaded adapters
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # resident id -> slot, LRU first
+        self._last_mapping: tuple[tuple, LoRAMapping | None] | None = None  # (its key, the mapping)
 
     def add_lora(self, request: LoRARequest) -> None:
         """Load and check ``request``'s adapter (ValidationError, nothing kept, if it does not fit
@@ -118,5 +119,8 @@ class LoRAManager:
         if not ids:
             return None
         slots = self.activate(ids)
-        return build_lora_mapping([(None if r is None else slots[r.lora_int_id], n) for r, n in rows],
-                                  device)
+        key = tuple((None if r is None else slots[r.lora_int_id], n) for r, n in rows)
+        if self._last_mapping is None or self._last_mapping[0] != key:
+            # Decode steps repeat their batch: its index tensors are built once, not per step.
+            self._last_mapping = (key, build_lora_mapping(list(key), device))
+        return self._last_mapping[1]
