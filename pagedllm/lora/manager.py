@@ -13,6 +13,8 @@ from torch import nn
 
 from pagedllm.config import LoRAConfig
 from pagedllm.errors import ValidationError
+from pagedllm.layers.kv_cache import attention_layers
+from pagedllm.lora.gguf_adapter import is_gguf_adapter, load_gguf_adapter
 from pagedllm.lora.lora_format import LoRAFormat
 from pagedllm.lora.mapping import LoRAMapping, build_lora_mapping
 from pagedllm.lora.peft_loader import LoRAModel, load_peft_adapter
@@ -29,6 +31,8 @@ class LoRAManager:
         self.max_cpu_loras = lora_config.max_cpu_loras or lora_config.max_loras
         self.dtype = dtype
         self.targets = lora_targets(model)
+        attention = attention_layers(model)
+        self.head_dim = attention[0].head_dim if attention else 0  # a GGUF adapter's q/k row order
         modules = dict(model.named_modules())
         self.layers: dict[str, LoRAFormat] = {}
         for name in sorted({t.layer_name for t in self.targets.values()}):
@@ -50,7 +54,7 @@ class LoRAManager:
             raise ValidationError(f"lora_int_id {request.lora_int_id} is adapter {known.lora_name!r} "
                                   f"({known.lora_path}); give {request.lora_name!r} another id",
                                   "lora_request")
-        model = load_peft_adapter(request, self.targets, self.max_lora_rank, self.dtype)
+        model = self._load(request)
         self.requests[request.lora_int_id] = request
         self._keep_loaded(model)
         logger.info("LoRA adapter %r: rank %d on %d layers, %.2f MiB", request.lora_name, model.rank,
@@ -96,10 +100,14 @@ class LoRAManager:
     def _model(self, lora_int_id: int) -> LoRAModel:
         model = self.loaded.get(lora_int_id)
         if model is None:  # fell out of the CPU LRU: read again (it was checked when added)
-            model = load_peft_adapter(self.requests[lora_int_id], self.targets, self.max_lora_rank,
-                                      self.dtype)
+            model = self._load(self.requests[lora_int_id])
         self._keep_loaded(model)
         return model
+
+    def _load(self, request: LoRARequest) -> LoRAModel:
+        if is_gguf_adapter(request.lora_path):
+            return load_gguf_adapter(request, self.targets, self.max_lora_rank, self.dtype, self.head_dim)
+        return load_peft_adapter(request, self.targets, self.max_lora_rank, self.dtype)
 
     def _keep_loaded(self, model: LoRAModel) -> None:
         self.loaded[model.lora_int_id] = model

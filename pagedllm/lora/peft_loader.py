@@ -49,7 +49,7 @@ class LoRAModel:
                    for p in projections for t in (p.lora_a, p.lora_b))
 
 
-def _fail(request: LoRARequest, message: str) -> ValidationError:
+def fail(request: LoRARequest, message: str) -> ValidationError:
     return ValidationError(f"LoRA adapter {request.lora_name!r} ({request.lora_path}): {message}",
                            "lora_request")
 
@@ -61,20 +61,20 @@ def read_adapter_config(request: LoRARequest, max_lora_rank: int) -> tuple[int, 
     try:
         config = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
-        raise _fail(request, f"cannot read adapter_config.json ({exc})") from None
+        raise fail(request, f"cannot read adapter_config.json ({exc})") from None
     if not isinstance(config, dict) or config.get("peft_type", "LORA") != "LORA":
-        raise _fail(request, "adapter_config.json is no PEFT LoRA config (peft_type must be LORA)")
+        raise fail(request, "adapter_config.json is no PEFT LoRA config (peft_type must be LORA)")
     for key, what in _UNSUPPORTED.items():
         if config.get(key):
-            raise _fail(request, f"{what} are not supported; give an adapter without {key}")
+            raise fail(request, f"{what} are not supported; give an adapter without {key}")
     rank, alpha = config.get("r"), config.get("lora_alpha")
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-        raise _fail(request, f"adapter_config.json needs r, an integer >= 1; got {rank!r}")
+        raise fail(request, f"adapter_config.json needs r, an integer >= 1; got {rank!r}")
     if rank > max_lora_rank:
-        raise _fail(request, f"rank {rank} is above max_lora_rank {max_lora_rank}; raise "
+        raise fail(request, f"rank {rank} is above max_lora_rank {max_lora_rank}; raise "
                              "--max-lora-rank")
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
-        raise _fail(request, f"adapter_config.json needs lora_alpha, a number; got {alpha!r}")
+        raise fail(request, f"adapter_config.json needs lora_alpha, a number; got {alpha!r}")
     scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     return rank, float(scaling)
 
@@ -85,11 +85,11 @@ def _read_tensors(request: LoRARequest) -> dict[str, torch.Tensor]:
 
     path = Path(request.lora_path) / "adapter_model.safetensors"
     if not path.is_file():
-        raise _fail(request, "no adapter_model.safetensors (only safetensors adapters load)")
+        raise fail(request, "no adapter_model.safetensors (only safetensors adapters load)")
     try:
         return load_file(path)
     except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
-        raise _fail(request, f"adapter_model.safetensors is not a readable safetensors file "
+        raise fail(request, f"adapter_model.safetensors is not a readable safetensors file "
                              f"({str(exc).splitlines()[0]})") from None
 
 
@@ -100,11 +100,11 @@ def _pairs(request: LoRARequest, tensors: dict[str, torch.Tensor]
     for key, tensor in tensors.items():
         match = _KEY.match(key)
         if match is None:
-            raise _fail(request, f"tensor {key} is no lora_A/lora_B weight")
+            raise fail(request, f"tensor {key} is no lora_A/lora_B weight")
         pairs.setdefault(match["module"], {})[match["side"]] = tensor
     for module, pair in pairs.items():
         if len(pair) != 2:
-            raise _fail(request, f"{module} has lora_{'A' if 'A' in pair else 'B'} without its pair")
+            raise fail(request, f"{module} has lora_{'A' if 'A' in pair else 'B'} without its pair")
     return pairs
 
 
@@ -114,17 +114,25 @@ def load_peft_adapter(request: LoRARequest, targets: dict[str, LoRATarget], max_
     rank, scaling = read_adapter_config(request, max_lora_rank)
     pairs = _pairs(request, _read_tensors(request))
     if not pairs:
-        raise _fail(request, "adapter_model.safetensors holds no lora_A/lora_B weights")
+        raise fail(request, "adapter_model.safetensors holds no lora_A/lora_B weights")
+    return build_lora_model(request, rank, scaling, pairs, targets, dtype)
+
+
+def build_lora_model(request: LoRARequest, rank: int, scaling: float,
+                     pairs: dict[str, dict[str, torch.Tensor]], targets: dict[str, LoRATarget],
+                     dtype: torch.dtype) -> LoRAModel:
+    """The adapter from its checkpoint module -> {"A": [r, in], "B": [out, r]} pairs, each
+    checked against the base's projection and cut to this rank's shard."""
     model = LoRAModel(request.lora_int_id, request.lora_name, rank, scaling)
     for module, pair in sorted(pairs.items()):
         target = targets.get(module)
         if target is None:
-            raise _fail(request, f"the base model has no linear layer {module} (an adapter for "
+            raise fail(request, f"the base model has no linear layer {module} (an adapter for "
                                  "another base model?)")
         a, b = pair["A"], pair["B"]
         want_a, want_b = (rank, target.full_in), (target.full_out, rank)
         if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
-            raise _fail(request, f"{module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do "
+            raise fail(request, f"{module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do "
                                  f"not fit the base's {target.full_out}x{target.full_in} weight "
                                  f"at rank {rank} (expected {want_a} and {want_b})")
         lora_a = a[:, target.in_start:target.in_start + target.in_size]
