@@ -24,7 +24,7 @@ BUDGET = {
     "gguf": 1050,
     "kernels": 400,
     "layers": 3500,
-    "lora": 760,
+    "lora": 880,
     "models": 1950,
     "runner": 2300,
     "structured_output": 450,

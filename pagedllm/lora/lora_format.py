@@ -60,6 +60,13 @@ class LoRAFormat:
             [p.lora_a for p in projections])
         self.slots[slot] = (lora_a.T, start, lora_b_t)
 
+    def lora_tensors(self) -> list[torch.Tensor]:
+        """What the slots and the masked pass's stacked copy hold (the memory report)."""
+        held = [t for slot in self.slots if slot is not None for t in (slot[0], slot[2])]
+        if self._stacked is not None:
+            held += [self._stacked[0], *(e[4] for e in self._stacked[2])]
+        return held
+
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         y = F.linear(x, self.weight, bias) if self.base is None else self.base.apply(x, bias)
         mapping = get_lora_mapping()

@@ -13,13 +13,15 @@ from torch import nn
 
 from pagedllm.config import LoRAConfig
 from pagedllm.errors import ValidationError
+from pagedllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.layers.kv_cache import attention_layers
 from pagedllm.lora.gguf_adapter import is_gguf_adapter, load_gguf_adapter
 from pagedllm.lora.lora_format import LoRAFormat
 from pagedllm.lora.mapping import LoRAMapping, build_lora_mapping
 from pagedllm.lora.peft_loader import LoRAModel, load_peft_adapter
 from pagedllm.lora.request import LoRARequest
-from pagedllm.lora.targets import lora_targets
+from pagedllm.lora.targets import lora_targets, vocab_target
+from pagedllm.lora.vocab_format import LoRAEmbeddingFormat, LoRAHeadFormat
 
 logger = logging.getLogger("pagedllm")
 
@@ -39,10 +41,20 @@ class LoRAManager:
             layer = modules[name]
             fmt = LoRAFormat(layer.weight_format, layer.weight, self.max_loras)
             layer.weight_format = self.layers[name] = fmt
+        # A trained embedding or head (modules_to_save) replaces the base's for its adapter's rows.
+        self.vocab_target = vocab_target(model)
+        self.vocab_layers: dict[str, LoRAEmbeddingFormat | LoRAHeadFormat] = {}
+        for module in model.modules():
+            for cls, name, wrapper in ((VocabParallelEmbedding, "embed_tokens", LoRAEmbeddingFormat),
+                                       (ParallelLMHead, "lm_head", LoRAHeadFormat)):
+                if isinstance(module, cls) and name not in self.vocab_layers:
+                    fmt = wrapper(module.weight_format, module.weight, self.max_loras)
+                    module.weight_format = self.vocab_layers[name] = fmt
         self.requests: dict[int, LoRARequest] = {}  # every adapter added and not removed
         self.loaded: OrderedDict[int, LoRAModel] = OrderedDict()  # LRU of loaded adapters
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # resident id -> slot, LRU first
-        self._last_mapping: tuple[tuple, LoRAMapping | None] | None = None  # (its key, the mapping)
+        # (its key, the mapping) of the forward pass's rows and of the logits rows.
+        self._last_mapping: dict[str, tuple[tuple, LoRAMapping | None]] = {}
 
     def add_lora(self, request: LoRARequest) -> None:
         """Load and check ``request``'s adapter (ValidationError, nothing kept, if it does not fit
@@ -94,8 +106,12 @@ class LoRAManager:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the loaded adapters (the slots' stacked A's besides)."""
-        return sum(m.nbytes for m in self.loaded.values())
+        """Bytes of every tensor the adapters hold: the loaded ones and the slots' stacked copies
+        (each storage once)."""
+        held = [t for m in self.loaded.values() for t in m.tensors()]
+        for fmt in (*self.layers.values(), *self.vocab_layers.values()):
+            held += fmt.lora_tensors()
+        return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held}.values())
 
     def _model(self, lora_int_id: int) -> LoRAModel:
         model = self.loaded.get(lora_int_id)
@@ -107,7 +123,7 @@ class LoRAManager:
     def _load(self, request: LoRARequest) -> LoRAModel:
         if is_gguf_adapter(request.lora_path):
             return load_gguf_adapter(request, self.targets, self.max_lora_rank, self.dtype, self.head_dim)
-        return load_peft_adapter(request, self.targets, self.max_lora_rank, self.dtype)
+        return load_peft_adapter(request, self.targets, self.max_lora_rank, self.dtype, self.vocab_target)
 
     def _keep_loaded(self, model: LoRAModel) -> None:
         self.loaded[model.lora_int_id] = model
@@ -118,6 +134,8 @@ class LoRAManager:
     def _fill_slot(self, slot: int, model: LoRAModel | None) -> None:
         for name, fmt in self.layers.items():
             fmt.set_slot(slot, None if model is None else model.layers.get(name))
+        for name, vocab in self.vocab_layers.items():
+            vocab.set_slot(slot, None if model is None else model.vocab.get(name))
 
     def step_mapping(self, rows: list[tuple[LoRARequest | None, int]], device: torch.device
                      ) -> LoRAMapping | None:
@@ -127,8 +145,21 @@ class LoRAManager:
         if not ids:
             return None
         slots = self.activate(ids)
-        key = tuple((None if r is None else slots[r.lora_int_id], n) for r, n in rows)
-        if self._last_mapping is None or self._last_mapping[0] != key:
+        return self._mapping("forward", tuple((None if r is None else slots[r.lora_int_id], n) for r, n in rows),
+                             device)
+
+    def logits_mapping(self, requests: list[LoRARequest | None], device: torch.device) -> LoRAMapping | None:
+        """The mapping of the logits rows (one adapter or None each, made resident by this step's
+        ``step_mapping``); None unless a resident adapter trained the head."""
+        head = self.vocab_layers.get("lm_head")
+        if head is None or not head.in_use:
+            return None
+        key = tuple((None if r is None else self.slot_of.get(r.lora_int_id), 1) for r in requests)
+        return self._mapping("logits", key, device)
+
+    def _mapping(self, purpose: str, key: tuple, device: torch.device) -> LoRAMapping | None:
+        last = self._last_mapping.get(purpose)
+        if last is None or last[0] != key:
             # Decode steps repeat their batch: its index tensors are built once, not per step.
-            self._last_mapping = (key, build_lora_mapping(list(key), device))
-        return self._last_mapping[1]
+            last = self._last_mapping[purpose] = (key, build_lora_mapping(list(key), device))
+        return last[1]

@@ -17,13 +17,16 @@ import torch
 
 from pagedllm.errors import ValidationError
 from pagedllm.lora.request import LoRARequest
-from pagedllm.lora.targets import LoRATarget
+from pagedllm.lora.targets import LoRATarget, VocabTarget
 
 # PEFT's saved names: base_model.model.<module>.lora_A.weight (older files: .lora_A.<adapter>.weight)
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<side>[AB])(?:\.[^.]+)?\.weight$")
 # Options of adapter_config.json that change the update beyond (A, B, alpha, r): refused by name.
-_UNSUPPORTED = {"use_dora": "DoRA adapters", "modules_to_save": "modules_to_save (a trained "
-                "embedding or head)", "rank_pattern": "rank_pattern", "alpha_pattern": "alpha_pattern"}
+_UNSUPPORTED = {"use_dora": "DoRA adapters", "rank_pattern": "rank_pattern", "alpha_pattern": "alpha_pattern"}
+# The modules_to_save applied: a whole trained copy of the vocabulary's embedding or head.
+VOCAB_MODULES = ("embed_tokens", "lm_head")
+_SAVED = re.compile(r"^(?:base_model\.model\.)?(?:.+\.)?(?P<module>embed_tokens|lm_head)"
+                    r"(?:\.modules_to_save\.[^.]+)?\.weight$")
 
 
 @dataclass
@@ -42,11 +45,15 @@ class LoRAModel:
     rank: int
     scaling: float
     layers: dict[str, list[LoRAProjection]] = field(default_factory=dict)
+    vocab: dict[str, torch.Tensor] = field(default_factory=dict)  # embed_tokens / lm_head: this rank's rows
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for projections in self.layers.values() for p in projections
+                for t in (p.lora_a, p.lora_b)] + list(self.vocab.values())
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for projections in self.layers.values()
-                   for p in projections for t in (p.lora_a, p.lora_b))
+        return sum(t.numel() * t.element_size() for t in self.tensors())
 
 
 def fail(request: LoRARequest, message: str) -> ValidationError:
@@ -54,9 +61,9 @@ def fail(request: LoRARequest, message: str) -> ValidationError:
                            "lora_request")
 
 
-def read_adapter_config(request: LoRARequest, max_lora_rank: int) -> tuple[int, float]:
-    """(rank, scaling) from the folder's adapter_config.json; ValidationError when the folder
-    is no LoRA adapter pagedllm can apply."""
+def read_adapter_config(request: LoRARequest, max_lora_rank: int) -> tuple[int, float, list[str]]:
+    """(rank, scaling, modules_to_save) from the folder's adapter_config.json; ValidationError
+    when the folder is no LoRA adapter pagedllm can apply."""
     path = Path(request.lora_path) / "adapter_config.json"
     try:
         config = json.loads(path.read_text())
@@ -67,6 +74,10 @@ def read_adapter_config(request: LoRARequest, max_lora_rank: int) -> tuple[int, 
     for key, what in _UNSUPPORTED.items():
         if config.get(key):
             raise fail(request, f"{what} are not supported; give an adapter without {key}")
+    saved = config.get("modules_to_save") or []
+    other = [m for m in saved if m not in VOCAB_MODULES] if isinstance(saved, list) else [saved]
+    if other:
+        raise _fail_saved(request, other)
     rank, alpha = config.get("r"), config.get("lora_alpha")
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise fail(request, f"adapter_config.json needs r, an integer >= 1; got {rank!r}")
@@ -76,7 +87,12 @@ def read_adapter_config(request: LoRARequest, max_lora_rank: int) -> tuple[int, 
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
         raise fail(request, f"adapter_config.json needs lora_alpha, a number; got {alpha!r}")
     scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-    return rank, float(scaling)
+    return rank, float(scaling), saved
+
+
+def _fail_saved(request: LoRARequest, modules: list) -> ValidationError:
+    return fail(request, f"modules_to_save {modules} are not supported (only {', '.join(VOCAB_MODULES)}); "
+                         "give an adapter without them")
 
 
 def _read_tensors(request: LoRARequest) -> dict[str, torch.Tensor]:
@@ -109,13 +125,37 @@ def _pairs(request: LoRARequest, tensors: dict[str, torch.Tensor]
 
 
 def load_peft_adapter(request: LoRARequest, targets: dict[str, LoRATarget], max_lora_rank: int,
-                      dtype: torch.dtype) -> LoRAModel:
-    """The adapter at ``request.lora_path`` for the base whose projections are ``targets``."""
-    rank, scaling = read_adapter_config(request, max_lora_rank)
-    pairs = _pairs(request, _read_tensors(request))
+                      dtype: torch.dtype, vocab_target: VocabTarget | None = None) -> LoRAModel:
+    """The adapter at ``request.lora_path`` for the base whose projections are ``targets`` (and
+    whose vocabulary is ``vocab_target``, for a trained embedding or head)."""
+    rank, scaling, saved = read_adapter_config(request, max_lora_rank)
+    tensors = _read_tensors(request)
+    vocab = {m["module"]: tensors.pop(key) for key in list(tensors) if (m := _SAVED.match(key))}
+    missing = sorted(set(saved) - set(vocab))
+    if missing:
+        raise fail(request, f"modules_to_save lists {missing} but adapter_model.safetensors holds no such weight")
+    pairs = _pairs(request, tensors)
     if not pairs:
         raise fail(request, "adapter_model.safetensors holds no lora_A/lora_B weights")
-    return build_lora_model(request, rank, scaling, pairs, targets, dtype)
+    model = build_lora_model(request, rank, scaling, pairs, targets, dtype)
+    for module, weight in sorted(vocab.items()):
+        model.vocab[module] = _vocab_rows(request, module, weight, vocab_target, dtype)
+    return model
+
+
+def _vocab_rows(request: LoRARequest, module: str, weight: torch.Tensor, vocab_target: VocabTarget | None,
+                dtype: torch.dtype) -> torch.Tensor:
+    """This rank's rows of a trained embedding or head, checked against the base's vocabulary."""
+    if vocab_target is None:
+        raise fail(request, f"modules_to_save {module}: the base model has no vocabulary {module}")
+    vocab, hidden = vocab_target.vocab_size, vocab_target.hidden_size
+    if weight.dim() != 2 or weight.shape[1] != hidden:
+        raise fail(request, f"{module}: weight {tuple(weight.shape)} does not fit the base's {vocab}x{hidden} "
+                            "(an adapter for another base model?)")
+    if weight.shape[0] != vocab:
+        raise fail(request, f"{module}: {weight.shape[0]} vocabulary rows against the base's {vocab}; adapters "
+                            "that change the vocabulary (added tokens) are not supported")
+    return weight[vocab_target.start:vocab_target.end].to(dtype).contiguous()
 
 
 def build_lora_model(request: LoRARequest, rank: int, scaling: float,

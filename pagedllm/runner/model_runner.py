@@ -38,7 +38,7 @@ from pagedllm.runner.kv_cache_groups import KVCacheGroup, group_layers, layer_pl
 from pagedllm.runner.linear_choice import choose_linear_kernels
 from pagedllm.runner.sampler import Sampler, SamplingMetadata, compute_topk_logprobs
 from pagedllm.runner.spec_decode import verify_drafts
-from pagedllm.runner.weight_table import log_weight_table, weight_table
+from pagedllm.runner.weight_table import WeightRow, log_weight_table, weight_table
 from pagedllm.runner_type import resolve_runner_type
 from pagedllm.speculative_config import SpeculativeConfig
 from pagedllm.utils import cdiv
@@ -83,8 +83,8 @@ class ModelRunner:
         self.activations = choose_activations(self.model, mc.quantization_activations,
                                               self.device, checkpoint_method(self.hf_config))
         # Layer name -> format, bytes: what the choices above made of every weight.
-        self.weight_table = weight_table(self.model)
-        log_weight_table(self.weight_table)
+        self._weight_table = weight_table(self.model)
+        log_weight_table(self._weight_table)
         if self.device.type == "cpu":
             _keep_freed_memory()  # after every load-time conversion: what they freed goes back
         keep_frame_chunks()  # before the first forward: Python's frame stack stays mapped
@@ -233,6 +233,13 @@ class ModelRunner:
             out.pooler_output = {rid: vec for (rid, _, _, _), vec in zip(poolers, vectors)}
         return out
 
+    @property
+    def weight_table(self) -> list[WeightRow]:
+        """Layer name -> format, bytes; the adapters' tensors one row (their bytes change as they load)."""
+        if self.lora_manager is None:
+            return self._weight_table
+        return [*self._weight_table, WeightRow("lora_adapters", "lora", self.lora_manager.nbytes)]
+
     # -- LoRA adapters -----------------------------------------------------------------------
     def add_lora(self, lora_request: LoRARequest) -> str | None:
         """Load an adapter; the reason as text (the executor raises it) if refused, else None."""
@@ -283,7 +290,8 @@ class ModelRunner:
             groups.append((len(rows), s.drafts))
             for j in range(len(s.drafts) + 1):
                 rows.append((s.state, s.drafts[:j], row + j))
-        logits = self.model.compute_logits(self._hidden_rows(hidden, [r[2] for r in rows]))
+        with self._lora_logits([r[0] for r in rows]):
+            logits = self.model.compute_logits(self._hidden_rows(hidden, [r[2] for r in rows]))
         md, generators = self._sampling_metadata(rows)
         if grammar_bitmask:
             row_masks: list[bytes | None] = []
@@ -319,6 +327,11 @@ class ModelRunner:
                     out.logprobs = [None] * len(out.req_ids)
                 out.logprobs[i] = [TokenLogprobs(*row_logprobs[first + j]) for j in range(len(toks))]
 
+    def _lora_logits(self, states: list[CachedRequestState]):
+        """The logits rows' adapters, for an adapter that trained the head (lora/vocab_format.py)."""
+        return set_lora_mapping(None if self.lora_manager is None else self.lora_manager.logits_mapping(
+            [s.lora_request for s in states], self.device))
+
     def _hidden_rows(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """``hidden[rows]`` for increasing ``rows``; consecutive ones (every decode step) as a
         view, without an index tensor and its gather."""
@@ -334,7 +347,8 @@ class ModelRunner:
         for state, row0, pos0, count in jobs:
             if count <= 0:
                 continue
-            logits = self.model.compute_logits(hidden[row0:row0 + count])
+            with self._lora_logits([state] * count):
+                logits = self.model.compute_logits(hidden[row0:row0 + count])
             targets = state.token_ids[pos0 + 1:pos0 + 1 + count]
             entries = compute_topk_logprobs(logits, targets, state.params.prompt_logprobs)
             result[state.req_id] = PromptLogprobsChunk(pos0 + 1, [TokenLogprobs(*e) for e in entries])

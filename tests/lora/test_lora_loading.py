@@ -112,9 +112,12 @@ def test_unknown_module_and_unsupported_options(llama, tmp_path):
     _refused(llm, LoRARequest("odd", 5, str(tmp_path / "odd")), "model.layers.0.self_attn.x_proj")
     build_adapter(base, tmp_path / "mts", 4, 8, ["q_proj"])
     config = json.loads((tmp_path / "mts" / "adapter_config.json").read_text())
-    config["modules_to_save"] = ["lm_head"]
+    config["modules_to_save"] = ["score"]
     (tmp_path / "mts" / "adapter_config.json").write_text(json.dumps(config))
-    _refused(llm, LoRARequest("mts", 6, str(tmp_path / "mts")), "modules_to_save")
+    _refused(llm, LoRARequest("mts", 6, str(tmp_path / "mts")), "modules_to_save ['score']")
+    config["modules_to_save"] = ["lm_head"]  # listed, but no weight saved
+    (tmp_path / "mts" / "adapter_config.json").write_text(json.dumps(config))
+    _refused(llm, LoRARequest("mts", 6, str(tmp_path / "mts")), "modules_to_save lists")
     _refused(llm, LoRARequest("missing", 7, str(tmp_path / "nowhere")), "adapter_config.json")
 
 
