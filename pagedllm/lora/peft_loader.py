@@ -21,6 +21,8 @@ from pagedllm.lora.targets import LoRATarget, VocabTarget
 
 # PEFT's saved names: base_model.model.<module>.lora_A.weight (older files: .lora_A.<adapter>.weight)
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<side>[AB])(?:\.[^.]+)?\.weight$")
+# A per-expert projection of an MoE block (Mixtral's block_sparse_moe.experts.N.w1, mlp.experts.N.*).
+_EXPERT = re.compile(r"\.experts\.\d+\.")
 # Options of adapter_config.json that change the update beyond (A, B, alpha, r): refused by name.
 _UNSUPPORTED = {"use_dora": "DoRA adapters", "rank_pattern": "rank_pattern", "alpha_pattern": "alpha_pattern"}
 # The modules_to_save applied: a whole trained copy of the vocabulary's embedding or head.
@@ -166,6 +168,9 @@ def build_lora_model(request: LoRARequest, rank: int, scaling: float,
     model = LoRAModel(request.lora_int_id, request.lora_name, rank, scaling)
     for module, pair in sorted(pairs.items()):
         target = targets.get(module)
+        if target is None and _EXPERT.search(module):
+            raise fail(request, f"{module}: LoRA on MoE experts is not supported; give an adapter "
+                                "without expert target modules")
         if target is None:
             raise fail(request, f"the base model has no linear layer {module} (an adapter for "
                                  "another base model?)")

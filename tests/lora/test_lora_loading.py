@@ -110,6 +110,10 @@ def test_unknown_module_and_unsupported_options(llama, tmp_path):
     save_file({k.replace("q_proj", "x_proj"): v for k, v in tensors.items()},
               tmp_path / "odd" / "adapter_model.safetensors")
     _refused(llm, LoRARequest("odd", 5, str(tmp_path / "odd")), "model.layers.0.self_attn.x_proj")
+    save_file({k.replace("self_attn.q_proj", "block_sparse_moe.experts.3.w1"): v for k, v in tensors.items()},
+              tmp_path / "odd" / "adapter_model.safetensors")
+    _refused(llm, LoRARequest("odd", 5, str(tmp_path / "odd")), "model.layers.0.block_sparse_moe.experts.3.w1",
+             "MoE experts is not supported")
     build_adapter(base, tmp_path / "mts", 4, 8, ["q_proj"])
     config = json.loads((tmp_path / "mts" / "adapter_config.json").read_text())
     config["modules_to_save"] = ["score"]
