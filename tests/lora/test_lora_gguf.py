@@ -24,7 +24,7 @@ def _permute(rows: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 def write_gguf_adapter(peft_model, path, arch: str, alpha: float, general_type: str = "adapter",
-                       drop: str | None = None, narrow: str | None = None) -> None:
+                       drop: str | None = None, narrow: str | None = None, half: bool = False) -> None:
     import gguf
 
     config = peft_model.base_model.model.config
@@ -46,7 +46,7 @@ def write_gguf_adapter(peft_model, path, arch: str, alpha: float, general_type: 
         if key == narrow:
             tensor = tensor[:, :32].contiguous()
         if key != drop:
-            writer.add_tensor(key, tensor.numpy())
+            writer.add_tensor(key, tensor.numpy().astype("float16" if half else "float32"))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -59,19 +59,28 @@ def family(request, tmp_path_factory):
     base = build_base(request.param, root / "base")
     peft_model = build_adapter(base, root / "peft", 8, 16, _TARGETS, seed=3)
     write_gguf_adapter(peft_model, root / "adapter.gguf", request.param, 16.0)
+    # convert_lora_to_gguf.py's default type, F16, against the PEFT weights rounded alike.
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_" in name:
+                param.copy_(param.half().float())
+    peft_model.save_pretrained(root / "peft16")
+    write_gguf_adapter(peft_model, root / "adapter16.gguf", request.param, 16.0, half=True)
     llm = LLM(str(base), device="cpu", dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=16)
     yield request.param, root, peft_model, llm
     del llm
 
 
-def test_gguf_adapter_gives_the_peft_folders_outputs(family):
+@pytest.mark.parametrize("suffix", ["", "16"], ids=["f32", "f16"])
+def test_gguf_adapter_gives_the_peft_folders_outputs(family, suffix):
     arch, root, _, llm = family
     params = SamplingParams(temperature=0.0, max_tokens=8, prompt_logprobs=0, logprobs=0, ignore_eos=True)
     prompt = {"prompt_token_ids": [1, 17, 93, 250, 31, 404, 7, 66, 12]}
     peft, from_gguf, base = llm.generate(
         [prompt] * 3, params, use_tqdm=False,
-        lora_request=[LoRARequest("peft", 1, str(root / "peft")),
-                      LoRARequest("gguf", 2, str(root / "adapter.gguf")), None])
+        lora_request=[LoRARequest(f"peft{suffix}", 1 + 2 * len(suffix), str(root / f"peft{suffix}")),
+                      LoRARequest(f"gguf{suffix}", 2 + 2 * len(suffix), str(root / f"adapter{suffix}.gguf")),
+                      None])
     assert peft.outputs[0].token_ids == from_gguf.outputs[0].token_ids, arch
     for pos in range(1, len(prompt["prompt_token_ids"])):
         tok = prompt["prompt_token_ids"][pos]
