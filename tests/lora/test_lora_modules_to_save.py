@@ -97,3 +97,25 @@ def test_adapter_memory_in_the_weight_table(family):
     runner.lora_manager.remove_lora(adapters[0][0].lora_int_id)
     assert lora_bytes() <= loaded - 2 * 512 * 64 * 4  # its matrices, loaded and in its slot, freed
     runner.lora_manager.add_lora(adapters[0][0])
+
+
+@pytest.mark.slow  # two worker processes, each loading the model
+def test_trained_vocabulary_on_two_ranks(family, monkeypatch):
+    """Each rank holds its vocabulary rows of the trained embedding and head."""
+    arch, root, _, adapters = family
+    if arch != "llama":
+        pytest.skip("one family suffices for the sharding")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    llm = LLM(str(root / "base"), device="cpu", dtype="float32", enable_lora=True, max_loras=3,
+              max_lora_rank=16, tensor_parallel_size=2)
+    try:
+        loras = [adapters[0][0], None, adapters[1][0]]
+        prompts = _prompts(8, [10, 12, 9])
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _params(), use_tqdm=False,
+                            lora_request=loras)
+        peft_of = {r.lora_int_id: m for r, m in adapters}
+        for prompt, lora, out in zip(prompts, loras, outs):
+            _check(out, prompt, peft_of[lora.lora_int_id] if lora else adapters[2][1], lora is None,
+                   f"tp=2 {lora}")
+    finally:
+        llm.llm_engine.shutdown()
