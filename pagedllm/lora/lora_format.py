@@ -12,6 +12,9 @@ A step of few rows with several adapters (decode) takes one masked pass instead:
 adapter's A stacked (grouped by projection), each row's shrunk columns of other adapters zeroed,
 then one expand per projection over every adapter's B: a fixed number of products per layer
 whatever the number of adapters.
+
+In the compiled forward the layer reads ``graph`` instead (lora/graph_weights.py: static shapes,
+the rows' slots a graph input), never the step's Python mapping.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.layers.weight_format import WeightFormat
+from pagedllm.lora.graph_weights import GraphLoRAWeights
 from pagedllm.lora.mapping import get_lora_mapping
 from pagedllm.lora.peft_loader import LoRAProjection
 
@@ -40,10 +44,13 @@ class LoRAFormat:
         self.slots: list[SlotWeights | None] = [None] * num_slots
         self._projections: list[list[LoRAProjection] | None] = [None] * num_slots
         self._stacked: StackedWeights | None = None  # built at the first masked pass after a change
+        self.graph: GraphLoRAWeights | None = None  # set when the forward is compiled
 
     def set_slot(self, slot: int, projections: list[LoRAProjection] | None) -> None:
         """Hold an adapter's projections of this layer in ``slot`` (None: the slot adds nothing)."""
         self._projections[slot], self._stacked = projections or None, None
+        if self.graph is not None:
+            self.graph.set_slot(slot, projections)
         if not projections:
             self.slots[slot] = None
             return
@@ -65,10 +72,14 @@ class LoRAFormat:
         held = [t for slot in self.slots if slot is not None for t in (slot[0], slot[2])]
         if self._stacked is not None:
             held += [self._stacked[0], *(e[4] for e in self._stacked[2])]
+        if self.graph is not None:
+            held += self.graph.tensors()
         return held
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         y = F.linear(x, self.weight, bias) if self.base is None else self.base.apply(x, bias)
+        if torch.compiler.is_compiling():
+            return y if self.graph is None else self.graph.apply(x, y)
         mapping = get_lora_mapping()
         if mapping is None:
             return y

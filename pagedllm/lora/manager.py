@@ -16,6 +16,7 @@ from pagedllm.errors import ValidationError
 from pagedllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.layers.kv_cache import attention_layers
 from pagedllm.lora.gguf_adapter import is_gguf_adapter, load_gguf_adapter
+from pagedllm.lora.graph_weights import GraphLoRAWeights, LoRAGraphInputs
 from pagedllm.lora.lora_format import LoRAFormat
 from pagedllm.lora.mapping import LoRAMapping, build_lora_mapping
 from pagedllm.lora.peft_loader import LoRAModel, load_peft_adapter
@@ -27,7 +28,10 @@ logger = logging.getLogger("pagedllm")
 
 
 class LoRAManager:
-    def __init__(self, model: nn.Module, lora_config: LoRAConfig, dtype: torch.dtype) -> None:
+    def __init__(self, model: nn.Module, lora_config: LoRAConfig, dtype: torch.dtype,
+                 graph_inputs: LoRAGraphInputs | None = None) -> None:
+        """``graph_inputs``: set when the forward is compiled (each layer then holds its slots in
+        static shapes too, lora/graph_weights.py)."""
         self.max_loras = lora_config.max_loras
         self.max_lora_rank = lora_config.max_lora_rank
         self.max_cpu_loras = lora_config.max_cpu_loras or lora_config.max_loras
@@ -41,6 +45,13 @@ class LoRAManager:
             layer = modules[name]
             fmt = LoRAFormat(layer.weight_format, layer.weight, self.max_loras)
             layer.weight_format = self.layers[name] = fmt
+            if graph_inputs is not None:
+                spans = sorted({(t.out_offset, t.out_size, t.in_size) for t in self.targets.values()
+                                if t.layer_name == name})
+                fmt.graph = GraphLoRAWeights(graph_inputs, [(o, n) for o, n, _ in spans], spans[0][2],
+                                             self.max_loras, self.max_lora_rank, dtype,
+                                             graph_inputs.token_lora_indices.device)
+        self.graph_inputs = graph_inputs
         # A trained embedding or head (modules_to_save) replaces the base's for its adapter's rows.
         self.vocab_target = vocab_target(model)
         self.vocab_layers: dict[str, LoRAEmbeddingFormat | LoRAHeadFormat] = {}
@@ -142,11 +153,17 @@ class LoRAManager:
         """The step's mapping from each request's (adapter or None, rows), in batch order, its
         adapters made resident first."""
         ids = {r.lora_int_id for r, _ in rows if r is not None}
-        if not ids:
-            return None
-        slots = self.activate(ids)
-        return self._mapping("forward", tuple((None if r is None else slots[r.lora_int_id], n) for r, n in rows),
-                             device)
+        slots = self.activate(ids) if ids else {}
+        key = tuple((None if r is None else slots[r.lora_int_id], n) for r, n in rows)
+        if self.graph_inputs is not None:
+            self.graph_inputs.write(key)
+        return self._mapping("forward", key, device) if ids else None
+
+    @property
+    def embedding_in_use(self) -> bool:
+        """A resident adapter trained the embedding (its rows are looked up eagerly only)."""
+        embed = self.vocab_layers.get("embed_tokens")
+        return embed is not None and embed.in_use
 
     def logits_mapping(self, requests: list[LoRARequest | None], device: torch.device) -> LoRAMapping | None:
         """The mapping of the logits rows (one adapter or None each, made resident by this step's

@@ -45,6 +45,8 @@ class _VocabSlots:
 
     def _replace(self, out: torch.Tensor, inputs: torch.Tensor, product) -> torch.Tensor:
         """``out`` with each adapter's rows recomputed from ``inputs`` by ``product(inputs, weight)``."""
+        if torch.compiler.is_compiling():
+            return out  # an adapter's embedding runs the forward eagerly (runner/model_runner.py)
         mapping = get_lora_mapping()
         if mapping is None:
             return out

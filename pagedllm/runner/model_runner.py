@@ -19,6 +19,7 @@ from pagedllm.layers.attention.kv_cache_dtype import resolve_kv_cache_dtype
 from pagedllm.layers.attention_metadata import AttentionMetadata, StagingBuffers, build_attention_metadata
 from pagedllm.layers.forward_context import set_forward_context
 from pagedllm.layers.kv_cache import allocate_kv_cache, attention_layers, bind_kv_caches, copy_blocks, kv_cache_layers
+from pagedllm.lora.graph_weights import LoRAGraphInputs
 from pagedllm.lora.manager import LoRAManager
 from pagedllm.lora.mapping import set_lora_mapping
 from pagedllm.lora.request import LoRARequest
@@ -29,7 +30,7 @@ from pagedllm.pooler_config import load_pooler_config
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.runner.activation_choice import checkpoint_method, choose_activations
 from pagedllm.runner.attention_choice import choose_cpu_attention
-from pagedllm.runner.compile import maybe_compile
+from pagedllm.runner.compile import compile_disabled_reason, maybe_compile
 from pagedllm.runner.draft_model import DraftModel
 from pagedllm.runner.frame_chunks import keep_frame_chunks
 from pagedllm.runner.grammar_bitmask import apply_grammar_bitmask
@@ -88,13 +89,18 @@ class ModelRunner:
         if self.device.type == "cpu":
             _keep_freed_memory()  # after every load-time conversion: what they freed goes back
         keep_frame_chunks()  # before the first forward: Python's frame stack stays mapped
-        # Adapters wrap the layers' formats, after every choice above (pagedllm/lora/).
-        self.lora_manager = (LoRAManager(self.model, config.lora_config, self.dtype)
-                             if config.lora_config.enable_lora else None)
-        # The compiled forward, or None: eager (see runner/compile.py). Adapters run eagerly (their
-        # slots change between steps), and so does an encoder (no KV: it attends per request in a loop).
+        # An encoder runs eagerly (no KV: it attends per request in a loop).
         encoder = not attention_layers(self.model)
-        eager = True if self.lora_manager is not None or encoder else mc.enforce_eager  # None: auto
+        eager = True if encoder else mc.enforce_eager  # None: auto
+        # Adapters wrap the layers' formats, after every choice above (pagedllm/lora/); compiled,
+        # the rows' slots are a tensor the graph reads (lora/graph_weights.py).
+        graph_inputs = (LoRAGraphInputs(max(config.scheduler_config.max_num_batched_tokens, max_model_len, 16),
+                                        self.device)
+                        if config.lora_config.enable_lora and compile_disabled_reason(eager, self.device) is None
+                        else None)
+        self.lora_manager = (LoRAManager(self.model, config.lora_config, self.dtype, graph_inputs)
+                             if config.lora_config.enable_lora else None)
+        # The compiled forward, or None: eager (see runner/compile.py).
         self.compiled = maybe_compile(self.model, eager, self.device, warmup_tokens=16)
         self.vocab_size = self.model.vocab_size
         spec = SpeculativeConfig.from_dict(config.speculative_config)
@@ -219,7 +225,10 @@ class ModelRunner:
             [(s.state.lora_request, s.num_tokens) for s in scheduled], self.device)
         with set_forward_context(attn_md), set_lora_mapping(lora_mapping):
             # The metadata's positions are the model's: one tensor for both.
-            hidden = (self.compiled or self.model)(ids_t, attn_md.positions)
+            # An adapter's trained embedding is looked up outside the graph: such steps run eagerly.
+            compiled = None if self.lora_manager is not None and self.lora_manager.embedding_in_use \
+                else self.compiled
+            hidden = (compiled or self.model)(ids_t, attn_md.positions)
 
         req_ids = [s.state.req_id for s in scheduled]
         out = RunnerOutput(req_ids=req_ids, req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
