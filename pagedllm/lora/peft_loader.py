@@ -21,8 +21,9 @@ from pagedllm.lora.targets import LoRATarget, VocabTarget
 
 # PEFT's saved names: base_model.model.<module>.lora_A.weight (older files: .lora_A.<adapter>.weight)
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<side>[AB])(?:\.[^.]+)?\.weight$")
-# A per-expert projection of an MoE block (Mixtral's block_sparse_moe.experts.N.w1, mlp.experts.N.*).
-_EXPERT = re.compile(r"\.experts\.\d+\.")
+# An MoE block's experts: a per-expert projection (Mixtral's block_sparse_moe.experts.N.w1,
+# mlp.experts.N.*) or PEFT's target_parameters on the fused tensors (mlp.experts[.base_layer]).
+_EXPERT = re.compile(r"\.experts(\.\d+\.|(\.base_layer)*$)")
 # Options of adapter_config.json that change the update beyond (A, B, alpha, r): refused by name.
 _UNSUPPORTED = {"use_dora": "DoRA adapters", "rank_pattern": "rank_pattern", "alpha_pattern": "alpha_pattern"}
 # The modules_to_save applied: a whole trained copy of the vocabulary's embedding or head.
@@ -169,8 +170,9 @@ def build_lora_model(request: LoRARequest, rank: int, scaling: float,
     for module, pair in sorted(pairs.items()):
         target = targets.get(module)
         if target is None and _EXPERT.search(module):
-            raise fail(request, f"{module}: LoRA on MoE experts is not supported; give an adapter "
-                                "without expert target modules")
+            expert = re.sub(r"(\.base_layer)+$", "", module)
+            raise fail(request, f"{expert}: LoRA on MoE experts is not supported; give an adapter "
+                                "without expert target modules or target_parameters")
         if target is None:
             raise fail(request, f"the base model has no linear layer {module} (an adapter for "
                                  "another base model?)")
