@@ -3,14 +3,18 @@
 The base product runs once for the whole batch through the format the layer already had (any
 of layers/weight_format.py, or the plain ``weight``); then each adapter slot in use this step
 adds ``(x A^T) B^T`` to its own rows: one shrink over every projection the adapter trains in
-this layer (A's stacked), then one expand per projection into its output columns (a fused
-qkv or gate_up layer gets each projection's update in its own columns, an untrained one none).
+this layer (A's stacked), then one expand into the columns they span (the B's laid block-diagonal:
+a fused qkv or gate_up layer gets each projection's update in its own columns, an untrained one
+exact zeros), so a decode step pays two products per layer whatever the projections.
 A row's result depends on its own adapter only, never on which others share the step.
 
 A step of few rows with several adapters (decode) takes one masked pass instead: every resident
 adapter's A stacked (grouped by projection), each row's shrunk columns of other adapters zeroed,
 then one expand per projection over every adapter's B: a fixed number of products per layer
 whatever the number of adapters.
+
+In the compiled forward the layer reads ``graph`` instead (lora/graph_weights.py: static shapes,
+the rows' slots a graph input), never the step's Python mapping.
 """
 from __future__ import annotations
 
@@ -20,12 +24,13 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.layers.weight_format import WeightFormat
+from pagedllm.lora.graph_weights import GraphLoRAWeights
 from pagedllm.lora.mapping import get_lora_mapping
 from pagedllm.lora.peft_loader import LoRAProjection
 
-# A slot's weights: A stacked [sum r, in], and per projection (first output column, columns,
-# first column of the shrunk x, rank, B [columns, rank]).
-SlotWeights = tuple[torch.Tensor, list[tuple[int, int, int, int, torch.Tensor]]]
+# A slot's weights: A^T stacked [in, sum r], the first output column its projections span, and
+# B^T [sum r, span] (each projection's rows and columns only; zeros between them).
+SlotWeights = tuple[torch.Tensor, int, torch.Tensor]
 # Every slot's weights for the masked pass: A [all ranks, in], each column's slot, and per
 # projection (first output column, columns, first shrunk column, their count, B [columns, count]).
 StackedWeights = tuple[torch.Tensor, torch.Tensor, list[tuple[int, int, int, int, torch.Tensor]]]
@@ -39,24 +44,42 @@ class LoRAFormat:
         self.slots: list[SlotWeights | None] = [None] * num_slots
         self._projections: list[list[LoRAProjection] | None] = [None] * num_slots
         self._stacked: StackedWeights | None = None  # built at the first masked pass after a change
+        self.graph: GraphLoRAWeights | None = None  # set when the forward is compiled
 
     def set_slot(self, slot: int, projections: list[LoRAProjection] | None) -> None:
         """Hold an adapter's projections of this layer in ``slot`` (None: the slot adds nothing)."""
         self._projections[slot], self._stacked = projections or None, None
+        if self.graph is not None:
+            self.graph.set_slot(slot, projections)
         if not projections:
             self.slots[slot] = None
             return
-        expands, first = [], 0
-        for p in projections:
-            rank = p.lora_a.shape[0]
-            expands.append((p.target.out_offset, p.target.out_size, first, rank, p.lora_b))
+        start = min(p.target.out_offset for p in projections)
+        span = max(p.target.out_offset + p.target.out_size for p in projections) - start
+        ranks = [p.lora_a.shape[0] for p in projections]
+        lora_b_t = projections[0].lora_b.new_zeros(sum(ranks), span)
+        first = 0
+        for p, rank in zip(projections, ranks):
+            offset = p.target.out_offset - start
+            lora_b_t[first:first + rank, offset:offset + p.target.out_size] = p.lora_b.T
             first += rank
         lora_a = projections[0].lora_a if len(projections) == 1 else torch.cat(
             [p.lora_a for p in projections])
-        self.slots[slot] = (lora_a, expands)
+        self.slots[slot] = (lora_a.T, start, lora_b_t)
+
+    def lora_tensors(self) -> list[torch.Tensor]:
+        """What the slots and the masked pass's stacked copy hold (the memory report)."""
+        held = [t for slot in self.slots if slot is not None for t in (slot[0], slot[2])]
+        if self._stacked is not None:
+            held += [self._stacked[0], *(e[4] for e in self._stacked[2])]
+        if self.graph is not None:
+            held += self.graph.tensors()
+        return held
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         y = F.linear(x, self.weight, bias) if self.base is None else self.base.apply(x, bias)
+        if torch.compiler.is_compiling():
+            return y if self.graph is None else self.graph.apply(x, y)
         mapping = get_lora_mapping()
         if mapping is None:
             return y
@@ -66,16 +89,17 @@ class LoRAFormat:
             held = self.slots[slot]
             if held is None:
                 continue
-            lora_a, expands = held
+            lora_a_t, start, lora_b_t = held
             xs = x if rows is None else x.index_select(0, rows)
-            shrunk = xs.to(lora_a.dtype) @ lora_a.T  # [rows, sum r]
-            for offset, size, first, rank, lora_b in expands:
-                delta = (shrunk[:, first:first + rank] @ lora_b.T).to(y.dtype)  # [rows, size]
-                out = y[:, offset:offset + size]
-                if rows is None:
-                    out += delta
-                else:
-                    out.index_add_(0, rows, delta)
+            shrunk = torch.matmul(xs if xs.dtype == lora_a_t.dtype else xs.to(lora_a_t.dtype), lora_a_t)
+            out = y if start == 0 and lora_b_t.shape[1] == y.shape[1] else \
+                y[:, start:start + lora_b_t.shape[1]]
+            if rows is None and y.dtype == lora_b_t.dtype:
+                out.addmm_(shrunk, lora_b_t)  # the expand and the add in one op
+            elif rows is None:
+                out += torch.matmul(shrunk, lora_b_t).to(y.dtype)
+            else:
+                out.index_add_(0, rows, torch.matmul(shrunk, lora_b_t).to(y.dtype))
         return y
 
     def _apply_masked(self, x: torch.Tensor, y: torch.Tensor, row_slots: torch.Tensor) -> torch.Tensor:

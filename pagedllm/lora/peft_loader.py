@@ -17,13 +17,19 @@ import torch
 
 from pagedllm.errors import ValidationError
 from pagedllm.lora.request import LoRARequest
-from pagedllm.lora.targets import LoRATarget
+from pagedllm.lora.targets import LoRATarget, VocabTarget
 
 # PEFT's saved names: base_model.model.<module>.lora_A.weight (older files: .lora_A.<adapter>.weight)
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<side>[AB])(?:\.[^.]+)?\.weight$")
+# An MoE block's experts: a per-expert projection (Mixtral's block_sparse_moe.experts.N.w1,
+# mlp.experts.N.*) or PEFT's target_parameters on the fused tensors (mlp.experts[.base_layer]).
+_EXPERT = re.compile(r"\.experts(\.\d+\.|(\.base_layer)*$)")
 # Options of adapter_config.json that change the update beyond (A, B, alpha, r): refused by name.
-_UNSUPPORTED = {"use_dora": "DoRA adapters", "modules_to_save": "modules_to_save (a trained "
-                "embedding or head)", "rank_pattern": "rank_pattern", "alpha_pattern": "alpha_pattern"}
+_UNSUPPORTED = {"use_dora": "DoRA adapters", "rank_pattern": "rank_pattern", "alpha_pattern": "alpha_pattern"}
+# The modules_to_save applied: a whole trained copy of the vocabulary's embedding or head.
+VOCAB_MODULES = ("embed_tokens", "lm_head")
+_SAVED = re.compile(r"^(?:base_model\.model\.)?(?:.+\.)?(?P<module>embed_tokens|lm_head)"
+                    r"(?:\.modules_to_save\.[^.]+)?\.weight$")
 
 
 @dataclass
@@ -42,41 +48,54 @@ class LoRAModel:
     rank: int
     scaling: float
     layers: dict[str, list[LoRAProjection]] = field(default_factory=dict)
+    vocab: dict[str, torch.Tensor] = field(default_factory=dict)  # embed_tokens / lm_head: this rank's rows
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for projections in self.layers.values() for p in projections
+                for t in (p.lora_a, p.lora_b)] + list(self.vocab.values())
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for projections in self.layers.values()
-                   for p in projections for t in (p.lora_a, p.lora_b))
+        return sum(t.numel() * t.element_size() for t in self.tensors())
 
 
-def _fail(request: LoRARequest, message: str) -> ValidationError:
+def fail(request: LoRARequest, message: str) -> ValidationError:
     return ValidationError(f"LoRA adapter {request.lora_name!r} ({request.lora_path}): {message}",
                            "lora_request")
 
 
-def read_adapter_config(request: LoRARequest, max_lora_rank: int) -> tuple[int, float]:
-    """(rank, scaling) from the folder's adapter_config.json; ValidationError when the folder
-    is no LoRA adapter pagedllm can apply."""
+def read_adapter_config(request: LoRARequest, max_lora_rank: int) -> tuple[int, float, list[str]]:
+    """(rank, scaling, modules_to_save) from the folder's adapter_config.json; ValidationError
+    when the folder is no LoRA adapter pagedllm can apply."""
     path = Path(request.lora_path) / "adapter_config.json"
     try:
         config = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
-        raise _fail(request, f"cannot read adapter_config.json ({exc})") from None
+        raise fail(request, f"cannot read adapter_config.json ({exc})") from None
     if not isinstance(config, dict) or config.get("peft_type", "LORA") != "LORA":
-        raise _fail(request, "adapter_config.json is no PEFT LoRA config (peft_type must be LORA)")
+        raise fail(request, "adapter_config.json is no PEFT LoRA config (peft_type must be LORA)")
     for key, what in _UNSUPPORTED.items():
         if config.get(key):
-            raise _fail(request, f"{what} are not supported; give an adapter without {key}")
+            raise fail(request, f"{what} are not supported; give an adapter without {key}")
+    saved = config.get("modules_to_save") or []
+    other = [m for m in saved if m not in VOCAB_MODULES] if isinstance(saved, list) else [saved]
+    if other:
+        raise _fail_saved(request, other)
     rank, alpha = config.get("r"), config.get("lora_alpha")
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-        raise _fail(request, f"adapter_config.json needs r, an integer >= 1; got {rank!r}")
+        raise fail(request, f"adapter_config.json needs r, an integer >= 1; got {rank!r}")
     if rank > max_lora_rank:
-        raise _fail(request, f"rank {rank} is above max_lora_rank {max_lora_rank}; raise "
+        raise fail(request, f"rank {rank} is above max_lora_rank {max_lora_rank}; raise "
                              "--max-lora-rank")
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
-        raise _fail(request, f"adapter_config.json needs lora_alpha, a number; got {alpha!r}")
+        raise fail(request, f"adapter_config.json needs lora_alpha, a number; got {alpha!r}")
     scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-    return rank, float(scaling)
+    return rank, float(scaling), saved
+
+
+def _fail_saved(request: LoRARequest, modules: list) -> ValidationError:
+    return fail(request, f"modules_to_save {modules} are not supported (only {', '.join(VOCAB_MODULES)}); "
+                         "give an adapter without them")
 
 
 def _read_tensors(request: LoRARequest) -> dict[str, torch.Tensor]:
@@ -85,11 +104,11 @@ def _read_tensors(request: LoRARequest) -> dict[str, torch.Tensor]:
 
     path = Path(request.lora_path) / "adapter_model.safetensors"
     if not path.is_file():
-        raise _fail(request, "no adapter_model.safetensors (only safetensors adapters load)")
+        raise fail(request, "no adapter_model.safetensors (only safetensors adapters load)")
     try:
         return load_file(path)
     except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
-        raise _fail(request, f"adapter_model.safetensors is not a readable safetensors file "
+        raise fail(request, f"adapter_model.safetensors is not a readable safetensors file "
                              f"({str(exc).splitlines()[0]})") from None
 
 
@@ -100,31 +119,67 @@ def _pairs(request: LoRARequest, tensors: dict[str, torch.Tensor]
     for key, tensor in tensors.items():
         match = _KEY.match(key)
         if match is None:
-            raise _fail(request, f"tensor {key} is no lora_A/lora_B weight")
+            raise fail(request, f"tensor {key} is no lora_A/lora_B weight")
         pairs.setdefault(match["module"], {})[match["side"]] = tensor
     for module, pair in pairs.items():
         if len(pair) != 2:
-            raise _fail(request, f"{module} has lora_{'A' if 'A' in pair else 'B'} without its pair")
+            raise fail(request, f"{module} has lora_{'A' if 'A' in pair else 'B'} without its pair")
     return pairs
 
 
 def load_peft_adapter(request: LoRARequest, targets: dict[str, LoRATarget], max_lora_rank: int,
-                      dtype: torch.dtype) -> LoRAModel:
-    """The adapter at ``request.lora_path`` for the base whose projections are ``targets``."""
-    rank, scaling = read_adapter_config(request, max_lora_rank)
-    pairs = _pairs(request, _read_tensors(request))
+                      dtype: torch.dtype, vocab_target: VocabTarget | None = None) -> LoRAModel:
+    """The adapter at ``request.lora_path`` for the base whose projections are ``targets`` (and
+    whose vocabulary is ``vocab_target``, for a trained embedding or head)."""
+    rank, scaling, saved = read_adapter_config(request, max_lora_rank)
+    tensors = _read_tensors(request)
+    vocab = {m["module"]: tensors.pop(key) for key in list(tensors) if (m := _SAVED.match(key))}
+    missing = sorted(set(saved) - set(vocab))
+    if missing:
+        raise fail(request, f"modules_to_save lists {missing} but adapter_model.safetensors holds no such weight")
+    pairs = _pairs(request, tensors)
     if not pairs:
-        raise _fail(request, "adapter_model.safetensors holds no lora_A/lora_B weights")
+        raise fail(request, "adapter_model.safetensors holds no lora_A/lora_B weights")
+    model = build_lora_model(request, rank, scaling, pairs, targets, dtype)
+    for module, weight in sorted(vocab.items()):
+        model.vocab[module] = _vocab_rows(request, module, weight, vocab_target, dtype)
+    return model
+
+
+def _vocab_rows(request: LoRARequest, module: str, weight: torch.Tensor, vocab_target: VocabTarget | None,
+                dtype: torch.dtype) -> torch.Tensor:
+    """This rank's rows of a trained embedding or head, checked against the base's vocabulary."""
+    if vocab_target is None:
+        raise fail(request, f"modules_to_save {module}: the base model has no vocabulary {module}")
+    vocab, hidden = vocab_target.vocab_size, vocab_target.hidden_size
+    if weight.dim() != 2 or weight.shape[1] != hidden:
+        raise fail(request, f"{module}: weight {tuple(weight.shape)} does not fit the base's {vocab}x{hidden} "
+                            "(an adapter for another base model?)")
+    if weight.shape[0] != vocab:
+        raise fail(request, f"{module}: {weight.shape[0]} vocabulary rows against the base's {vocab}; adapters "
+                            "that change the vocabulary (added tokens) are not supported")
+    return weight[vocab_target.start:vocab_target.end].to(dtype).contiguous()
+
+
+def build_lora_model(request: LoRARequest, rank: int, scaling: float,
+                     pairs: dict[str, dict[str, torch.Tensor]], targets: dict[str, LoRATarget],
+                     dtype: torch.dtype) -> LoRAModel:
+    """The adapter from its checkpoint module -> {"A": [r, in], "B": [out, r]} pairs, each
+    checked against the base's projection and cut to this rank's shard."""
     model = LoRAModel(request.lora_int_id, request.lora_name, rank, scaling)
     for module, pair in sorted(pairs.items()):
         target = targets.get(module)
+        if target is None and _EXPERT.search(module):
+            expert = re.sub(r"(\.base_layer)+$", "", module)
+            raise fail(request, f"{expert}: LoRA on MoE experts is not supported; give an adapter "
+                                "without expert target modules or target_parameters")
         if target is None:
-            raise _fail(request, f"the base model has no linear layer {module} (an adapter for "
+            raise fail(request, f"the base model has no linear layer {module} (an adapter for "
                                  "another base model?)")
         a, b = pair["A"], pair["B"]
         want_a, want_b = (rank, target.full_in), (target.full_out, rank)
         if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
-            raise _fail(request, f"{module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do "
+            raise fail(request, f"{module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do "
                                  f"not fit the base's {target.full_out}x{target.full_in} weight "
                                  f"at rank {rank} (expected {want_a} and {want_b})")
         lora_a = a[:, target.in_start:target.in_start + target.in_size]

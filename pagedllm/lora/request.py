@@ -10,7 +10,7 @@ from pagedllm.errors import ValidationError
 class LoRARequest:
     """``lora_name`` names the adapter (the ``model`` a server request gives), ``lora_int_id``
     (>= 1) identifies it in the worker's slots and the prefix cache, ``lora_path`` is its PEFT
-    folder."""
+    folder or GGUF adapter file (a Hub id: fetched by the engine)."""
     lora_name: str
     lora_int_id: int
     lora_path: str = ""

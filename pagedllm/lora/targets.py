@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from pagedllm.layers.embed_head import VocabParallelEmbedding
 from pagedllm.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
 
 
@@ -26,9 +27,26 @@ class LoRATarget:
     full_in: int  # the checkpoint projection's inputs (A's columns)
 
 
+@dataclass(frozen=True)
+class VocabTarget:
+    """The base's vocabulary, for an adapter's trained embedding or head (modules_to_save)."""
+    vocab_size: int
+    hidden_size: int
+    start: int  # this rank's first vocabulary row
+    end: int
+
+
+def vocab_target(model: nn.Module) -> VocabTarget | None:
+    """From the token embedding (the head, when the model has one, splits the vocabulary alike)."""
+    for module in model.modules():
+        if isinstance(module, VocabParallelEmbedding):
+            return VocabTarget(module.vocab_size, module.embedding_dim, module.vocab_start, module.vocab_end)
+    return None
+
+
 def lora_targets(model: nn.Module) -> dict[str, LoRATarget]:
     """Checkpoint module name -> its target, for every linear layer of ``model`` (the vocabulary
-    head and embedding are no ``Linear``: adapters that train them are refused at load)."""
+    head and embedding are no ``Linear``: an adapter replaces them whole, ``vocab_target``)."""
     targets: dict[str, LoRATarget] = {}
     for name, module in model.named_modules():
         if not isinstance(module, Linear):

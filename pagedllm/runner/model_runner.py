@@ -20,6 +20,7 @@ from pagedllm.layers.attention.kv_cache_dtype import resolve_kv_cache_dtype
 from pagedllm.layers.attention_metadata import AttentionMetadata, StagingBuffers, build_attention_metadata
 from pagedllm.layers.forward_context import set_forward_context
 from pagedllm.layers.kv_cache import allocate_kv_cache, attention_layers, bind_kv_caches, copy_blocks, kv_cache_layers
+from pagedllm.lora.graph_weights import LoRAGraphInputs
 from pagedllm.lora.manager import LoRAManager
 from pagedllm.lora.mapping import set_lora_mapping
 from pagedllm.lora.request import LoRARequest
@@ -29,7 +30,7 @@ from pagedllm.pooler_config import load_pooler_config
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.runner.activation_choice import checkpoint_method, choose_activations
 from pagedllm.runner.attention_choice import choose_cpu_attention
-from pagedllm.runner.compile import maybe_compile
+from pagedllm.runner.compile import compile_disabled_reason, maybe_compile
 from pagedllm.runner.draft_model import DraftModel
 from pagedllm.runner.eagle import EagleProposer
 from pagedllm.runner.frame_chunks import keep_frame_chunks
@@ -39,7 +40,7 @@ from pagedllm.runner.kv_cache_groups import KVCacheGroup, group_layers, layer_pl
 from pagedllm.runner.linear_choice import choose_linear_kernels
 from pagedllm.runner.sampler import Sampler, SamplingMetadata, compute_topk_logprobs
 from pagedllm.runner.spec_decode import verify_drafts
-from pagedllm.runner.weight_table import log_weight_table, weight_table
+from pagedllm.runner.weight_table import WeightRow, log_weight_table, weight_table
 from pagedllm.runner_type import resolve_runner_type
 from pagedllm.speculative_config import SpeculativeConfig
 from pagedllm.utils import cdiv
@@ -84,18 +85,22 @@ class ModelRunner:
         self.activations = choose_activations(self.model, mc.quantization_activations,
                                               self.device, checkpoint_method(self.hf_config))
         # Layer name -> format, bytes: what the choices above made of every weight.
-        self.weight_table = weight_table(self.model)
-        log_weight_table(self.weight_table)
+        self._weight_table = weight_table(self.model)
+        log_weight_table(self._weight_table)
         if self.device.type == "cpu":
             _keep_freed_memory()  # after every load-time conversion: what they freed goes back
         keep_frame_chunks()  # before the first forward: Python's frame stack stays mapped
-        # Adapters wrap the layers' formats, after every choice above (pagedllm/lora/).
-        self.lora_manager = (LoRAManager(self.model, config.lora_config, self.dtype)
-                             if config.lora_config.enable_lora else None)
-        # The compiled forward, or None: eager (see runner/compile.py). Adapters run eagerly (their
-        # slots change between steps), and so does an encoder (no KV: it attends per request in a loop).
+        # An encoder runs eagerly (no KV: it attends per request in a loop).
         encoder = not attention_layers(self.model)
-        eager = True if self.lora_manager is not None or encoder else mc.enforce_eager  # None: auto
+        eager = True if encoder else mc.enforce_eager  # None: auto
+        # Adapters wrap the layers' formats, after every choice above (pagedllm/lora/); compiled,
+        # the rows' slots are a tensor the graph reads (lora/graph_weights.py).
+        graph_inputs = (LoRAGraphInputs(max(config.scheduler_config.max_num_batched_tokens, max_model_len, 16),
+                                        self.device)
+                        if config.lora_config.enable_lora and compile_disabled_reason(eager, self.device) is None
+                        else None)
+        self.lora_manager = (LoRAManager(self.model, config.lora_config, self.dtype, graph_inputs)
+                             if config.lora_config.enable_lora else None)
         self.vocab_size = self.model.vocab_size
         spec = SpeculativeConfig.from_dict(config.speculative_config)
         self.drafter = (None if spec is None or not spec.uses_draft_model
@@ -223,7 +228,10 @@ class ModelRunner:
             [(s.state.lora_request, s.num_tokens) for s in scheduled], self.device)
         with set_forward_context(attn_md), set_lora_mapping(lora_mapping):
             # The metadata's positions are the model's: one tensor for both.
-            hidden = (self.compiled or self.model)(ids_t, attn_md.positions)
+            # An adapter's trained embedding is looked up outside the graph: such steps run eagerly.
+            compiled = None if self.lora_manager is not None and self.lora_manager.embedding_in_use \
+                else self.compiled
+            hidden = (compiled or self.model)(ids_t, attn_md.positions)
         if self.drafter is not None:
             self.drafter.observe_target(scheduled, hidden)
 
@@ -238,6 +246,13 @@ class ModelRunner:
             vectors = self.pooler(hidden, [(row0, n) for _, row0, n, _ in poolers], [p[3] for p in poolers])
             out.pooler_output = {rid: vec for (rid, _, _, _), vec in zip(poolers, vectors)}
         return out
+
+    @property
+    def weight_table(self) -> list[WeightRow]:
+        """Layer name -> format, bytes; the adapters' tensors one row (their bytes change as they load)."""
+        if self.lora_manager is None:
+            return self._weight_table
+        return [*self._weight_table, WeightRow("lora_adapters", "lora", self.lora_manager.nbytes)]
 
     # -- LoRA adapters -----------------------------------------------------------------------
     def add_lora(self, lora_request: LoRARequest) -> str | None:
@@ -289,7 +304,8 @@ class ModelRunner:
             groups.append((len(rows), s.drafts))
             for j in range(len(s.drafts) + 1):
                 rows.append((s.state, s.drafts[:j], row + j))
-        logits = self.model.compute_logits(self._hidden_rows(hidden, [r[2] for r in rows]))
+        with self._lora_logits([r[0] for r in rows]):
+            logits = self.model.compute_logits(self._hidden_rows(hidden, [r[2] for r in rows]))
         md, generators = self._sampling_metadata(rows)
         if grammar_bitmask:
             row_masks: list[bytes | None] = []
@@ -325,6 +341,11 @@ class ModelRunner:
                     out.logprobs = [None] * len(out.req_ids)
                 out.logprobs[i] = [TokenLogprobs(*row_logprobs[first + j]) for j in range(len(toks))]
 
+    def _lora_logits(self, states: list[CachedRequestState]):
+        """The logits rows' adapters, for an adapter that trained the head (lora/vocab_format.py)."""
+        return set_lora_mapping(None if self.lora_manager is None else self.lora_manager.logits_mapping(
+            [s.lora_request for s in states], self.device))
+
     def _hidden_rows(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """``hidden[rows]`` for increasing ``rows``; consecutive ones (every decode step) as a
         view, without an index tensor and its gather."""
@@ -340,7 +361,8 @@ class ModelRunner:
         for state, row0, pos0, count in jobs:
             if count <= 0:
                 continue
-            logits = self.model.compute_logits(hidden[row0:row0 + count])
+            with self._lora_logits([state] * count):
+                logits = self.model.compute_logits(hidden[row0:row0 + count])
             targets = state.token_ids[pos0 + 1:pos0 + 1 + count]
             entries = compute_topk_logprobs(logits, targets, state.params.prompt_logprobs)
             result[state.req_id] = PromptLogprobsChunk(pos0 + 1, [TokenLogprobs(*e) for e in entries])

@@ -39,21 +39,24 @@ def build_base(arch: str, folder: Path, seed: int = 0) -> Path:
 
 
 def build_adapter(base: Path, folder: Path, r: int, alpha: float, target_modules: list[str],
-                  use_rslora: bool = False, seed: int = 0):
-    """A PEFT LoRA adapter with random A and B saved into ``folder``; returns PEFT's model."""
+                  use_rslora: bool = False, seed: int = 0, modules_to_save: list[str] | None = None):
+    """A PEFT LoRA adapter with random A and B (and ``modules_to_save`` trained: the base's
+    copy moved by noise) saved into ``folder``; returns PEFT's model."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     config = LoraConfig(r=r, lora_alpha=alpha, target_modules=target_modules, lora_dropout=0.0,
-                        use_rslora=use_rslora, task_type="CAUSAL_LM")
+                        use_rslora=use_rslora, task_type="CAUSAL_LM", modules_to_save=modules_to_save)
     peft_model = get_peft_model(model, config)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
             if "lora_" in name:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.3 / p.shape[-1] ** 0.5)
+            elif "modules_to_save" in name:
+                p.add_(torch.randn(p.shape, generator=gen) * 0.1)
     peft_model.save_pretrained(folder)
     return peft_model.eval()
 

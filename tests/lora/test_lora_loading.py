@@ -110,11 +110,18 @@ def test_unknown_module_and_unsupported_options(llama, tmp_path):
     save_file({k.replace("q_proj", "x_proj"): v for k, v in tensors.items()},
               tmp_path / "odd" / "adapter_model.safetensors")
     _refused(llm, LoRARequest("odd", 5, str(tmp_path / "odd")), "model.layers.0.self_attn.x_proj")
+    save_file({k.replace("self_attn.q_proj", "block_sparse_moe.experts.3.w1"): v for k, v in tensors.items()},
+              tmp_path / "odd" / "adapter_model.safetensors")
+    _refused(llm, LoRARequest("odd", 5, str(tmp_path / "odd")), "model.layers.0.block_sparse_moe.experts.3.w1",
+             "MoE experts is not supported")
     build_adapter(base, tmp_path / "mts", 4, 8, ["q_proj"])
     config = json.loads((tmp_path / "mts" / "adapter_config.json").read_text())
-    config["modules_to_save"] = ["lm_head"]
+    config["modules_to_save"] = ["score"]
     (tmp_path / "mts" / "adapter_config.json").write_text(json.dumps(config))
-    _refused(llm, LoRARequest("mts", 6, str(tmp_path / "mts")), "modules_to_save")
+    _refused(llm, LoRARequest("mts", 6, str(tmp_path / "mts")), "modules_to_save ['score']")
+    config["modules_to_save"] = ["lm_head"]  # listed, but no weight saved
+    (tmp_path / "mts" / "adapter_config.json").write_text(json.dumps(config))
+    _refused(llm, LoRARequest("mts", 6, str(tmp_path / "mts")), "modules_to_save lists")
     _refused(llm, LoRARequest("missing", 7, str(tmp_path / "nowhere")), "adapter_config.json")
 
 
@@ -123,3 +130,26 @@ def test_lora_needs_enable_lora(tmp_path):
     llm = LLM(str(base), device="cpu", dtype="float32")
     with pytest.raises(ValidationError, match="enable_lora"):
         llm.generate([[1, 2, 3]], lora_request=LoRARequest("a", 1, str(tmp_path)), use_tqdm=False)
+
+
+def test_peft_target_parameters_on_fused_experts_refused_by_name(tmp_path):
+    """PEFT's LoRA on an MoE block's fused expert tensors (``target_parameters``, how it trains
+    transformers 5's experts) is refused naming the experts, not as another base's module."""
+    from lora_helpers import SYNTHETIC_TOKENIZER_DIR
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, MixtralConfig
+
+    config = MixtralConfig(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                           num_experts_per_tok=2)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(tmp_path / "base")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(SYNTHETIC_TOKENIZER_DIR / name, tmp_path / "base" / name)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"],
+                      target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    get_peft_model(model, lora).save_pretrained(tmp_path / "experts")
+    llm = LLM(str(tmp_path / "base"), device="cpu", dtype="float32", enable_lora=True, max_lora_rank=16)
+    _refused(llm, LoRARequest("experts", 1, str(tmp_path / "experts")), "model.layers.0.mlp.experts:",
+             "MoE experts is not supported")

@@ -34,9 +34,12 @@ def _offline_texts(base, paths) -> list[str]:
             for lora in loras]
 
 
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+
+
 def _app(base, options: ServerOptions):
     engine = LLMEngine(EngineConfig.from_kwargs(str(base), **ENGINE_ARGS))
-    return build_app(engine, served_model_names=["base"], options=options)
+    return build_app(engine, served_model_names=["base"], options=options, chat_template=CHAT_TEMPLATE)
 
 
 def _complete(client, model: str, headers=None):
@@ -55,7 +58,19 @@ def test_served_adapters_and_runtime_updates(family):
         cards = {c["id"]: c for c in client.get("/v1/models", headers=auth).json()["data"]}
         assert set(cards) == {"base", "a0"} and cards["a0"]["parent"] == "base"
         assert _complete(client, "base", auth).json()["choices"][0]["text"] == want[0]
-        assert _complete(client, "a0", auth).json()["choices"][0]["text"] == want[1]
+        adapted = _complete(client, "a0", auth).json()
+        assert adapted["choices"][0]["text"] == want[1]
+        # A response names the adapter it ran with (as vLLM), the base when none was asked.
+        assert adapted["model"] == "a0" and _complete(client, "base", auth).json()["model"] == "base"
+        chat = {"messages": [{"role": "user", "content": "a b"}], "max_tokens": 2}  # ids in the tiny vocabulary
+        answer = client.post("/v1/chat/completions", headers=auth, json={**chat, "model": "a0"})
+        assert answer.json().get("model") == "a0", answer.text
+        chunks = client.post("/v1/chat/completions", headers=auth,
+                             json={**chat, "model": "a0", "stream": True}).text.split("data: ")[1:-1]
+        assert chunks and all('"model":"a0"' in c.replace(" ", "") for c in chunks)
+        streamed = client.post("/v1/completions", headers=auth, json={
+            "model": "a0", "prompt": PROMPT, "max_tokens": 2, "stream": True}).text.split("data: ")[1:-1]
+        assert streamed and all('"model":"a0"' in c.replace(" ", "") for c in streamed)
         missing = _complete(client, "nope", auth)
         assert missing.status_code == 404 and "nope" in missing.text
 

@@ -141,7 +141,7 @@ class OpenAIServingChat(OpenAIServing):
         usage = make_usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs),
                            out.num_cached_tokens)
         return ChatCompletionResponse(
-            id=request_id, created=created, model=self.model_name, choices=choices, usage=usage,
+            id=request_id, created=created, model=self.response_model(request.model), choices=choices, usage=usage,
             prompt_token_ids=list(out.prompt_token_ids) if request.return_token_ids else None)
 
     def _new_tool_parser(self, request: ChatCompletionRequest, tool_choice: str) -> ToolParser | None:
@@ -188,8 +188,8 @@ class OpenAIServingChat(OpenAIServing):
                 bytes=list(token.encode()), top_logprobs=top))
         return ChatLogProbs(content=content)
 
-    def _chunk(self, request_id: str, created: int, choice: ChatStreamChoice) -> str:
-        return sse(ChatCompletionChunk(id=request_id, created=created, model=self.model_name, choices=[choice]))
+    def _chunk(self, request_id: str, created: int, choice: ChatStreamChoice, model: str) -> str:
+        return sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice]))
 
     async def _stream(self, request: ChatCompletionRequest, request_id: str, created: int,
                       stream: Stream, prompt_ids: list[int], tool_choice: str = "none") -> AsyncIterator[str]:
@@ -201,7 +201,7 @@ class OpenAIServingChat(OpenAIServing):
             echoed = request.echoed()
             for i in range(request.n):  # the role first, for every choice (OpenAI's order)
                 yield sse(ChatCompletionChunk(
-                    id=request_id, created=created, model=self.model_name,
+                    id=request_id, created=created, model=self.response_model(request.model),
                     prompt_token_ids=list(prompt_ids) if request.return_token_ids and i == 0 else None,
                     choices=[ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=echoed),
                                               logprobs=None, finish_reason=None)]))
@@ -223,12 +223,13 @@ class OpenAIServingChat(OpenAIServing):
                                               logprobs=logprobs, finish_reason=finish_reason,
                                               stop_reason=c.stop_reason,
                                               token_ids=list(c.token_ids) if request.return_token_ids else None)
-                    yield self._chunk(request_id, created, choice)
+                    yield self._chunk(request_id, created, choice, self.response_model(request.model))
                 if out.finished:
                     num_prompt, num_cached = len(out.prompt_token_ids), out.num_cached_tokens
             if request.stream_options is not None and request.stream_options.include_usage:
-                yield sse(ChatCompletionChunk(id=request_id, created=created, model=self.model_name,
-                                              choices=[], usage=make_usage(num_prompt, num_generated, num_cached)))
+                yield sse(ChatCompletionChunk(id=request_id, created=created,
+                                              model=self.response_model(request.model), choices=[],
+                                              usage=make_usage(num_prompt, num_generated, num_cached)))
         except Exception as e:  # noqa: BLE001 - the status line is sent: report in the stream
             yield sse_error(e)
         yield SSE_DONE

@@ -81,7 +81,7 @@ class OpenAIServingCompletion(OpenAIServing):
             for c in out.outputs:
                 num_generated += len(c.token_ids)
                 choices.append(self._choice(request, i, out, c, first=True, offset=0))
-        return CompletionResponse(id=request_id, created=created, model=self.model_name,
+        return CompletionResponse(id=request_id, created=created, model=self.response_model(request.model),
                                   choices=choices, usage=make_usage(num_prompt, num_generated, num_cached))
 
     def _choice(self, request: CompletionRequest, prompt_index: int, out: RequestOutput,
@@ -150,12 +150,12 @@ class OpenAIServingCompletion(OpenAIServing):
                         offsets[index] = offsets.get(index, 0) + sum(map(len, choice.logprobs.tokens))
                     num_generated += len(c.token_ids)
                     yield sse(CompletionResponse(id=request_id, created=created,
-                                                 model=self.model_name, choices=[choice]))
+                                                 model=self.response_model(request.model), choices=[choice]))
                 if out.finished:
                     num_prompt += len(out.prompt_token_ids)
                     num_cached += out.num_cached_tokens
             if request.stream_options is not None and request.stream_options.include_usage:
-                yield sse(CompletionResponse(id=request_id, created=created, model=self.model_name,
+                yield sse(CompletionResponse(id=request_id, created=created, model=self.response_model(request.model),
                                              choices=[], usage=make_usage(num_prompt, num_generated, num_cached)))
         except Exception as e:  # noqa: BLE001 - the status line is sent: report in the stream
             yield sse_error(e)

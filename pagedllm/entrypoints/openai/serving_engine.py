@@ -99,6 +99,10 @@ class OpenAIServing:
             raise APIError(404, f"the model {model!r} does not exist; this server serves "
                                 f"{', '.join(repr(n) for n in self.served_model_names)}", "model")
 
+    def response_model(self, model: str | None) -> str:
+        """The ``model`` a response names: the adapter a request asked for, else the base (as vLLM)."""
+        return model if model is not None and model in self.lora_modules else self.model_name
+
     async def add_requests(self, request_id: str, prompts: list[Any], params: SamplingParams,
                            priority: int, cache_salt: str | None, model: str | None = None) -> list[Stream]:
         """Queue one engine request per prompt; if one is rejected, withdraw those queued."""

@@ -1,0 +1,66 @@
+"""A decode step's adapter cost in ops (counted, not timed): the step's mapping is built once
+and reused while the batch's adapters stay the same, and each adapted layer adds one shrink and
+one fused expand-and-add whatever the projections it trains (a fused qkv: one expand, not three)."""
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+from lora_helpers import build_adapter, build_base
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from pagedllm import LLM, LoRARequest
+from pagedllm.lora.mapping import set_lora_mapping
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture(scope="module")
+def manager(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora_ops")
+    base = build_base("qwen2", root / "base")
+    build_adapter(base, root / "a", 8, 16, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                             "up_proj", "down_proj"], seed=1)
+    build_adapter(base, root / "b", 4, 8, ["q_proj", "v_proj"], seed=2)
+    llm = LLM(str(base), device="cpu", dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=16)
+    manager = llm.llm_engine.executor.runner.lora_manager
+    for i, name in enumerate("ab"):
+        manager.add_lora(LoRARequest(name, i + 1, str(root / name)))
+    yield manager
+    del llm
+
+
+def test_mapping_is_built_once_while_the_batch_is_the_same(manager):
+    a, b = LoRARequest("a", 1), LoRARequest("b", 2)
+    cpu = torch.device("cpu")
+    first = manager.step_mapping([(a, 1), (None, 1)], cpu)
+    assert manager.step_mapping([(a, 1), (None, 1)], cpu) is first
+    other = manager.step_mapping([(a, 1), (b, 1)], cpu)
+    assert other is not first and other.row_slots.tolist() == [manager.slot_of[1], manager.slot_of[2]]
+    assert manager.step_mapping([(None, 2)], cpu) is None
+
+
+@pytest.mark.parametrize("layer", ["model.layers.0.self_attn.qkv_proj", "model.layers.0.mlp.gate_up_proj",
+                                   "model.layers.1.mlp.down_proj"])
+def test_one_adapter_adds_two_ops_per_layer(manager, layer):
+    fmt = manager.layers[layer]
+    x = torch.randn(1, manager.targets[layer.replace("qkv_proj", "q_proj").replace(
+        "gate_up_proj", "gate_proj")].full_in)
+    mapping = manager.step_mapping([(LoRARequest("a", 1), 1)], torch.device("cpu"))
+    base_ops, lora_ops = _CountOps(), _CountOps()
+    with base_ops:
+        base = fmt.apply(x, None)
+    with lora_ops, set_lora_mapping(mapping):
+        adapted = fmt.apply(x, None)
+    added = lora_ops.counts - base_ops.counts
+    assert sum(added.values()) == 2, added
+    assert not torch.equal(base, adapted)  # the adapter did apply
