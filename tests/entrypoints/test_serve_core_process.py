@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -15,6 +14,7 @@ import time
 import httpx
 import psutil
 import pytest
+from ci_support import free_port
 from server_utils import HTTP, wait_for_health
 
 from pagedllm.config import default_model
@@ -24,9 +24,7 @@ BODY = {"model": "demo", "prompt": "Once upon a time", "max_tokens": 200, "ignor
 
 
 def _serve(*flags: str) -> tuple[subprocess.Popen, str, object]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", default_model(), "--port", str(port),
            "--served-model-name", "demo", "--log-level", "warning", "--num-gpu-blocks-override", "64",
            "--max-model-len", "256", "--shutdown-timeout", "1", *flags]

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -16,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import psutil
 import pytest
+from ci_support import free_port
 from prometheus_client.parser import text_string_to_metric_families
 from server_utils import HTTP, ServerThread, make_fake_engine, wait_for_health
 
@@ -83,9 +83,7 @@ UNGUARDED_LAUNCH = "import sys\nfrom pagedllm.entrypoints.cli import main\nsys.e
 
 
 def _serve(*flags: str, launcher: str) -> tuple[subprocess.Popen, str, object]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     cmd = [sys.executable, launcher, "serve", default_model(), "--port", str(port),
            "--served-model-name", "demo", "--log-level", "warning", "--max-model-len", "256",
            "--shutdown-timeout", "1", *flags]
