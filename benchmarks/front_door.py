@@ -119,19 +119,22 @@ async def measure_switch(bench: Bench, rounds: int) -> dict:
                     finally:
                         await solo.state.pool.shutdown()
             log(f"round {i + 1}/{rounds}: cold start {cold_s[-1]:.3f} s, switch {switch_s[-1]:.3f} s")
+        num_switches = sum(m.num_unloads for m in pool.models.values())  # before shutdown unloads the last
     finally:
         await pool.shutdown()
-    return {"cold_s": cold_s, "switch_s": switch_s, "num_switches": sum(m.num_unloads for m in pool.models.values())}
+    return {"cold_s": cold_s, "switch_s": switch_s, "num_switches": num_switches}
 
 
 async def measure_cycles(bench: Bench, cycles: int) -> dict:
     app = bench.router(["a"])
     pool = app.state.pool
-    rss = []
+    rss, load_s, unload_s = [], [], []
     try:
         for i in range(cycles):
-            await bench.post(app, "chat", "a")
+            load_s.append((await bench.post(app, "chat", "a"))[0])
+            t0 = time.perf_counter()
             await pool.unload("a")
+            unload_s.append(time.perf_counter() - t0)
             gc.collect()
             rss.append(rss_bytes("VmRSS"))
             if i == 0 or (i + 1) % 10 == 0:
@@ -139,7 +142,8 @@ async def measure_cycles(bench: Bench, cycles: int) -> dict:
     finally:
         await pool.shutdown()
     served = pool.models["a"]
-    return {"rss_bytes": rss, "num_loads": served.num_loads, "num_unloads": served.num_unloads}
+    return {"rss_bytes": rss, "load_s": load_s, "unload_s": unload_s, "num_loads": served.num_loads,
+            "num_unloads": served.num_unloads}
 
 
 async def measure_routes(bench: Bench, num_requests: int) -> dict:
@@ -181,7 +185,8 @@ def report(result: dict, args: argparse.Namespace) -> None:
     first, last, peak = cy["rss_bytes"][0], cy["rss_bytes"][-1], max(cy["rss_bytes"])
     print(f"front_door cycles: {cy['num_unloads']} load/unload cycles completed; RSS after the first "
           f"{first / MiB:.1f} MiB, after the last {last / MiB:.1f} MiB, largest {peak / MiB:.1f} MiB; "
-          f"last/first {last / first:.3f} (target <= 1.05)", flush=True)
+          f"last/first {last / first:.3f} (target <= 1.05); a cycle's median load and answer "
+          f"{statistics.median(cy['load_s']):.3f} s, unload {statistics.median(cy['unload_s']):.3f} s", flush=True)
     med = {k: statistics.median(v) * 1e3 for k, v in result["routes"]["times_s"].items()}
     tokens = result["routes"]["output_tokens"]
     print(f"front_door routes (medians of {args.requests} requests each, output tokens {tokens['chat']}): "
