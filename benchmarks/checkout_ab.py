@@ -29,13 +29,12 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.common import (
-    WORKLOADS,
     add_model_args,
+    add_workload_args,
     engine_args,
     log,
-    make_workload,
-    model_stats,
     resolve_model,
+    resolve_workload,
     write_json,
 )
 
@@ -117,15 +116,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rounds", type=int, default=4,
                         help="timed generate() calls per checkout and start order")
     add_model_args(parser)
-    parser.add_argument("--workload", default="cpu", choices=sorted(WORKLOADS))
-    parser.add_argument("--num-requests", type=int, default=None, help="fewer requests than the workload's")
+    add_workload_args(parser)
     args = parser.parse_args(argv)
     if args.rounds < 1:
         raise SystemExit("--rounds must be at least 1")
     roots = {"baseline": _checkout(args.baseline), "candidate": _checkout(args.candidate)}
     model = resolve_model(args)
-    workload = make_workload(args.workload, model_stats(model).vocab_size,
-                             num_requests=args.num_requests)
+    workload = resolve_workload(args, model)
     job = {"model": model, "kwargs": engine_args(args), "prompts": workload.prompts,
            "output_lens": workload.output_lens}
     times: dict[str, list[float]] = {name: [] for name in roots}

@@ -246,6 +246,17 @@ class Workload:
         return [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for o in self.output_lens]
 
 
+def add_workload_args(parser: argparse.ArgumentParser, default: str = "cpu") -> None:
+    """--workload and --num-requests: what ``resolve_workload`` reads."""
+    parser.add_argument("--workload", default=default, choices=sorted(WORKLOADS))
+    parser.add_argument("--num-requests", type=int, help="override the workload's request count")
+
+
+def resolve_workload(args: argparse.Namespace, model: str) -> Workload:
+    """The --workload for ``model``'s vocabulary (seed 0), cut to --num-requests when given."""
+    return make_workload(args.workload, model_stats(model).vocab_size, seed=0, num_requests=args.num_requests)
+
+
 def make_workload(name: str, vocab_size: int, seed: int = 0, num_requests: int | None = None) -> Workload:
     n, (p_lo, p_hi), (o_lo, o_hi) = WORKLOADS[name]
     rng = random.Random(seed)

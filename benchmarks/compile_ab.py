@@ -19,13 +19,12 @@ import sys
 import time
 
 from benchmarks.common import (
-    WORKLOADS,
     add_model_args,
+    add_workload_args,
     engine_args,
     log,
-    make_workload,
-    model_stats,
     resolve_model,
+    resolve_workload,
     write_json,
 )
 
@@ -35,13 +34,11 @@ def main(argv: list[str] | None = None) -> dict:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_args(parser)
-    parser.add_argument("--workload", default="cpu", choices=sorted(WORKLOADS))
-    parser.add_argument("--num-requests", type=int, default=None, help="fewer requests than the workload's")
+    add_workload_args(parser)
     parser.add_argument("--max-tokens", type=int, default=None, help="cap every output length")
     args = parser.parse_args(argv)
     model = resolve_model(args)
-    workload = make_workload(args.workload, model_stats(model).vocab_size,
-                             num_requests=args.num_requests)
+    workload = resolve_workload(args, model)
     lens = [min(o, args.max_tokens or o) for o in workload.output_lens]
     engines = {}
     for name, eager in (("compiled", False), ("eager", True)):

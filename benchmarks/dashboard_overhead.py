@@ -20,13 +20,12 @@ import time
 from pathlib import Path
 
 from benchmarks.common import (
-    WORKLOADS,
     add_model_args,
+    add_workload_args,
     engine_args,
     log,
-    make_workload,
-    model_stats,
     resolve_model,
+    resolve_workload,
     write_json,
 )
 from benchmarks.latency import run_load, subprocess_server
@@ -78,15 +77,13 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.dashboard_overhead", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(parser)
-    parser.add_argument("--workload", default="cpu", choices=sorted(WORKLOADS))
-    parser.add_argument("--num-requests", type=int, help="override the workload's request count")
+    add_workload_args(parser)
     parser.add_argument("--rounds", type=int, default=6, help="rounds of each (interleaved)")
     parser.add_argument("--server-timeout", type=float, default=300.0)
     args = parser.parse_args(argv)
 
     model = resolve_model(args)
-    workload = make_workload(args.workload, model_stats(model).vocab_size, seed=0,
-                             num_requests=args.num_requests)
+    workload = resolve_workload(args, model)
     runs: dict[str, list[float]] = {"closed": [], "open": []}
     records: list[int] = []
     with subprocess_server(model, engine_args(args), args.server_timeout) as url:

@@ -46,14 +46,13 @@ from contextlib import ExitStack, contextmanager
 from typing import Iterator
 
 from benchmarks.common import (
-    WORKLOADS,
     add_model_args,
+    add_workload_args,
     engine_args,
     log,
-    make_workload,
-    model_stats,
     percentile,
     resolve_model,
+    resolve_workload,
     write_json,
 )
 
@@ -228,8 +227,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="pagedllm bench latency", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(parser)
-    parser.add_argument("--workload", default="cpu", choices=sorted(WORKLOADS))
-    parser.add_argument("--num-requests", type=int, help="override the workload's request count")
+    add_workload_args(parser)
     parser.add_argument("--request-rate", type=float, default=4.0,
                         help="mean requests per second (Poisson); inf sends all at once")
     parser.add_argument("--max-concurrency", type=int, help="most requests in flight at once")
@@ -250,8 +248,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--rounds must be at least 1")
 
     model = resolve_model(args)
-    workload = make_workload(args.workload, model_stats(model).vocab_size, seed=0,
-                             num_requests=args.num_requests)
+    workload = resolve_workload(args, model)
     log(f"latency: {workload.num_requests} requests at {args.request_rate:g} req/s; model {model}")
 
     def load(base_url: str) -> dict:

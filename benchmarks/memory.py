@@ -26,15 +26,15 @@ import sys
 import warnings
 
 from benchmarks.common import (
-    WORKLOADS,
     Workload,
     add_model_args,
+    add_workload_args,
     engine_args,
     log,
-    make_workload,
     model_stats,
     reset_peak_rss,
     resolve_model,
+    resolve_workload,
     rss_bytes,
     write_json,
 )
@@ -182,8 +182,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="pagedllm bench memory", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(parser)
-    parser.add_argument("--workload", default="cpu", choices=sorted(WORKLOADS))
-    parser.add_argument("--num-requests", type=int, help="override the workload's request count")
+    add_workload_args(parser)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-model-len", type=int, default=2048,
                         help="what a contiguous cache reserves per request")
@@ -194,7 +193,7 @@ def main(argv: list[str] | None = None) -> None:
 
     model = resolve_model(args)
     stats = model_stats(model)
-    workload = make_workload(args.workload, stats.vocab_size, seed=0, num_requests=args.num_requests)
+    workload = resolve_workload(args, model)
     kwargs = engine_args(args, kv_cache_dtype=args.kv_cache_dtype)
     elem = 2 if args.dtype in ("bfloat16", "float16", "half", "bf16", "fp16") else 4
     if args.kv_cache_dtype != "auto":  # narrower than the model's (the engine refuses wider)

@@ -17,13 +17,12 @@ import sys
 import time
 
 from benchmarks.common import (
-    WORKLOADS,
     add_model_args,
+    add_workload_args,
     engine_args,
     log,
-    make_workload,
-    model_stats,
     resolve_model,
+    resolve_workload,
     write_json,
 )
 
@@ -61,16 +60,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="pagedllm bench model_idle", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(parser)
-    parser.add_argument("--workload", default="cpu", choices=sorted(WORKLOADS))
-    parser.add_argument("--num-requests", type=int, help="override the workload's request count")
+    add_workload_args(parser)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args(argv)
 
     from pagedllm import LLM
 
     model = resolve_model(args)
-    workload = make_workload(args.workload, model_stats(model).vocab_size, seed=0,
-                             num_requests=args.num_requests)
+    workload = resolve_workload(args, model)
     prompts = workload.as_prompts()
     params = workload.greedy_params()
     engines = {}

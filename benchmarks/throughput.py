@@ -45,10 +45,10 @@ from pathlib import Path
 from benchmarks.common import (
     DEFAULT_VLLM_PYTHON,
     VLLM_ENV,
-    WORKLOADS,
     ServedPeer,
     Workload,
     add_model_args,
+    add_workload_args,
     engine_args,
     log,
     make_workload,
@@ -56,6 +56,7 @@ from benchmarks.common import (
     model_stats,
     require_vllm_python,
     resolve_model,
+    resolve_workload,
     workload_flops,
     write_json,
 )
@@ -339,8 +340,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="pagedllm bench throughput", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(parser)
-    parser.add_argument("--workload", default="cpu", choices=sorted(WORKLOADS))
-    parser.add_argument("--num-requests", type=int, help="override the workload's request count")
+    add_workload_args(parser)
     parser.add_argument("--repeat", type=int, default=3,
                         help="timed runs per engine, interleaved round by round; medians are "
                              "reported (default 3)")
@@ -395,7 +395,7 @@ def main(argv: list[str] | None = None) -> None:
     args = _parse_args(argv)
     model = resolve_model(args)
     stats = model_stats(model)
-    workload = make_workload(args.workload, stats.vocab_size, seed=0, num_requests=args.num_requests)
+    workload = resolve_workload(args, model)
     flops = workload_flops(stats, workload)
     log(f"workload {workload.name}: {workload.num_requests} requests, {workload.num_prompt_tokens} "
         f"prompt + {workload.num_output_tokens} output tokens; model {model} "

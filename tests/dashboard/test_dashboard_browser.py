@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from ci_support import skip_unless_ci
+from ci_support import free_port, skip_unless_ci
 from dash_helpers import send_completions
 
 pytestmark = pytest.mark.slow
@@ -60,9 +59,7 @@ def browser():
 @pytest.fixture(scope="module")
 def server():
     tmp = Path(tempfile.mkdtemp(prefix="pagedllm-dash-"))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     trace = tmp / "trace.jsonl"
     cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", str(port),
            "--block-size", "4", "--num-gpu-blocks-override", str(NUM_BLOCKS), "--max-num-seqs", "8",

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -16,6 +15,7 @@ import time
 import httpx
 import psutil
 import pytest
+from ci_support import free_port
 from dist_helpers import DEMO_MODEL_DIR
 
 HTTP = httpx.Client(timeout=60)
@@ -30,9 +30,7 @@ def _completion(url: str, prompt: str) -> str:
 
 
 def _serve(*flags: str) -> tuple[subprocess.Popen, str, object]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", str(DEMO_MODEL_DIR),
            "--port", str(port), "--served-model-name", "demo", "--log-level", "warning",
            "--num-gpu-blocks-override", "64", "--max-model-len", "256", "--device", "cpu",

@@ -1,12 +1,17 @@
-"""A live uvicorn server on 127.0.0.1 (a free port, a background thread) for the entrypoint tests."""
+"""A live uvicorn server on 127.0.0.1 (a free port, a background thread) for the entrypoint tests, and
+`pagedllm serve` over the demo model in a subprocess."""
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
+import sys
+import tempfile
 import threading
 import time
 
 import httpx
+from ci_support import free_port
 from fastapi import FastAPI
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -63,6 +68,22 @@ def make_fake_engine(tokenizer, runner=None, **engine_args):
     info = ModelInfo.from_folder(default_model())
     return LLMEngine(EngineConfig.from_kwargs(default_model(), **engine_args),
                      runner=runner or FakeRunner(info.vocab_size), model_info=info, tokenizer=tokenizer)
+
+
+def serve_demo(*flags: str, launcher: str | None = None, env: dict[str, str] | None = None,
+               ) -> tuple[subprocess.Popen, str, object]:
+    """`pagedllm serve` over the demo model (as "demo", short shutdown) in a subprocess on a free
+    port, healthy; (process, url, log file). ``launcher``: a script to run instead of the CLI module."""
+    port = free_port()
+    entry = [launcher] if launcher is not None else ["-m", "pagedllm.entrypoints.cli"]
+    cmd = [sys.executable, *entry, "serve", default_model(), "--port", str(port), "--served-model-name", "demo",
+           "--log-level", "warning", "--max-model-len", "256", "--shutdown-timeout", "1", *flags]
+    log = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe: a full pipe would block it
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True,
+                            env={**(os.environ if env is None else env), "OMP_NUM_THREADS": "1"})
+    url = f"http://127.0.0.1:{port}"
+    wait_for_health(url, proc, log, timeout=120)
+    return proc, url, log
 
 
 def wait_for_health(url: str, proc: subprocess.Popen | None = None, log=None, timeout: float = 60.0) -> None:

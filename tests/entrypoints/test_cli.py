@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -14,6 +13,7 @@ import time
 
 import httpx
 import pytest
+from ci_support import free_port
 from server_utils import CLI_API_KEY, HTTP, wait_for_health
 
 from pagedllm import SamplingParams
@@ -177,9 +177,7 @@ def test_a_vllm_launch_line_parses_and_serves_and_sigterm_exits_0(tmp_path):
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key),
                     "-out", str(cert), "-days", "1", "-subj", "/CN=127.0.0.1"], check=True,
                    capture_output=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--model", default_model(),
            "--port", str(port), "--served-model-name", "demo", "--max_model_len", "256", "-tp", "1",
            "--enforce-eager", "--disable-log-stats", "--enable-log-requests", "--max-logprobs", "5",

@@ -5,38 +5,22 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
-import sys
-import tempfile
 import threading
 import time
 
 import httpx
 import psutil
 import pytest
-from server_utils import HTTP, wait_for_health
-
-from pagedllm.config import default_model
+from server_utils import HTTP, serve_demo
 
 BODY = {"model": "demo", "prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True,
         "temperature": 0, "stream": True}
 
 
 def _serve(*flags: str) -> tuple[subprocess.Popen, str, object]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", default_model(), "--port", str(port),
-           "--served-model-name", "demo", "--log-level", "warning", "--num-gpu-blocks-override", "64",
-           "--max-model-len", "256", "--shutdown-timeout", "1", *flags]
-    log = tempfile.TemporaryFile(mode="w+")
     env = {k: v for k, v in os.environ.items() if k != "PAGEDLLM_ENABLE_MULTIPROCESSING"}
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True,
-                            env={**env, "OMP_NUM_THREADS": "1"})
-    url = f"http://127.0.0.1:{port}"
-    wait_for_health(url, proc, log, timeout=120)
-    return proc, url, log
+    return serve_demo("--num-gpu-blocks-override", "64", *flags, env=env)
 
 
 def _stream_in_background(url: str, lines: list[str]) -> threading.Thread:

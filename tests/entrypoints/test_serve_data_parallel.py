@@ -7,19 +7,14 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
-import subprocess
-import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from server_utils import HTTP, ServerThread, make_fake_engine, wait_for_health
+from server_utils import HTTP, ServerThread, make_fake_engine, serve_demo
 
-from pagedllm.config import default_model
 from pagedllm.entrypoints.openai.server import build_app
 
 SHARED = list(range(100, 140))  # 40 token ids: two full blocks of 16, then more
@@ -82,21 +77,6 @@ def test_metrics_per_replica_and_a_killed_replica_turns_health_503(demo_tokenize
 UNGUARDED_LAUNCH = "import sys\nfrom pagedllm.entrypoints.cli import main\nsys.exit(main(sys.argv[1:]))\n"
 
 
-def _serve(*flags: str, launcher: str) -> tuple[subprocess.Popen, str, object]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, launcher, "serve", default_model(), "--port", str(port),
-           "--served-model-name", "demo", "--log-level", "warning", "--max-model-len", "256",
-           "--shutdown-timeout", "1", *flags]
-    log = tempfile.TemporaryFile(mode="w+")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    url = f"http://127.0.0.1:{port}"
-    wait_for_health(url, proc, log, timeout=120)
-    return proc, url, log
-
-
 @pytest.mark.slow
 def test_serve_data_parallel_2_matches_one_replica_and_sigterm_reaps_both(reference_llm, tmp_path):
     from pagedllm import SamplingParams
@@ -106,7 +86,7 @@ def test_serve_data_parallel_2_matches_one_replica_and_sigterm_reaps_both(refere
         prompts, SamplingParams(max_tokens=24, temperature=0))]
     launcher = tmp_path / "serve_unguarded.py"
     launcher.write_text(UNGUARDED_LAUNCH)
-    proc, url, log = _serve("-dp", "2", launcher=str(launcher))
+    proc, url, log = serve_demo("-dp", "2", launcher=str(launcher))
     try:
         cores = [p for p in psutil.Process(proc.pid).children(recursive=True)
                  if "resource_tracker" not in " ".join(p.cmdline())]

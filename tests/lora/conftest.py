@@ -16,7 +16,8 @@ def _one_torch_thread():
     torch.set_num_threads(previous)
 
 
-@pytest.fixture(scope="session", params=["llama", "qwen2"])
+# Module scope: the PEFT models it holds go with the module, not kept alive for later tests.
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
 def lora_family(request, tmp_path_factory):
     """(arch, base folder, [(adapter folder, PEFT model)] for every spec)."""
     root = tmp_path_factory.mktemp(f"lora_{request.param}")

@@ -19,13 +19,15 @@ from fastapi import FastAPI
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedllm import __version__
 from pagedllm.engine.async_engine import AsyncLLM
 from pagedllm.engine.llm import default_chat_template
 from pagedllm.entrypoints.openai.api_errors import APIError, error_response, install_exception_handlers
 from pagedllm.entrypoints.openai.auth import OPEN_PATHS, OPEN_PREFIXES, route_path
+from pagedllm.entrypoints.openai.endpoint_caches import forget_endpoints
+from pagedllm.entrypoints.openai.http_limits import replay_body
 from pagedllm.entrypoints.openai.model_pool import LOADED, LoadedModel, ModelPool
 from pagedllm.entrypoints.openai.model_specs import ModelSpec
 from pagedllm.entrypoints.openai.protocol import ModelCard, ModelList
@@ -59,16 +61,6 @@ def engine_loader(options: ServerOptions, api_key: str | None, multiprocess: boo
             raise
         return LoadedModel(llm, app)
     return load
-
-
-def forget_endpoints() -> None:
-    """FastAPI caches facts about each endpoint function in module-level LRU caches, which keep
-    an unloaded model's endpoints, and through their closures its engine, alive: clear them."""
-    import fastapi.dependencies.models as dependency_models
-
-    for value in vars(dependency_models).values():
-        if callable(getattr(value, "cache_clear", None)):
-            value.cache_clear()
 
 
 def make_pool(specs: list[ModelSpec], options: ServerOptions, api_key: str | None = None,
@@ -201,16 +193,7 @@ async def _buffered(receive: Receive) -> tuple[bytes, Receive]:
         if not message.get("more_body", False):
             break
     body = b"".join(chunks)
-    sent = False
-
-    async def replay() -> Message:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-
-    return body, replay
+    return body, replay_body(body, receive)
 
 
 def _requested_model(scope: Scope, body: bytes) -> str | None:

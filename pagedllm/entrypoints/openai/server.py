@@ -32,6 +32,7 @@ from pagedllm.engine.async_engine import AsyncLLM
 from pagedllm.entrypoints.anthropic.serving_messages import messages_router
 from pagedllm.entrypoints.openai.api_errors import error_response, install_exception_handlers
 from pagedllm.entrypoints.openai.auth import APIKeyMiddleware
+from pagedllm.entrypoints.openai.endpoint_caches import forget_endpoints
 from pagedllm.entrypoints.openai.http_limits import BodyLimitMiddleware, header_timeout_protocol
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.protocol import (
@@ -114,6 +115,7 @@ def build_app(engine: AsyncLLM | Any, served_model_names: list[str] | None = Non
         llm.start()
         yield
         await llm.shutdown()
+        forget_endpoints()  # else FastAPI's caches keep this app's engine alive
 
     docs = {} if not options.disable_fastapi_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="pagedllm", version=__version__, lifespan=lifespan,
