@@ -23,14 +23,14 @@ BUDGET = {
     "explain": 750,
     "gguf": 1050,
     "kernels": 400,
-    "layers": 3500,
+    "layers": 3575,  # + the compiled graph's unified attention call
     "lora": 600,
     "models": 1950,
     "runner": 2300,
     "structured_output": 450,
 }
 # The C++ kernels (kernels/csrc and the runner's arena allocator).
-CPP_BUDGET = 3750
+CPP_BUDGET = 3850  # + unified_attention.cpp
 
 
 def count_lines(paths) -> int:
