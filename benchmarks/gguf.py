@@ -10,7 +10,9 @@ measures pagedllm alone, on Q8_0 / Q4_0 files the gguf package writes (benchmark
 Both engines then load each file, and in interleaved rounds:
   decode      one request: a 32-token prompt, 128 new tokens, greedy; tok/s of the 127 steps
               after the first token, and the share of the measured memory read bandwidth this is
-              (weight bytes a step reads / time per step);
+              (weight bytes a step reads / time per step: llama.cpp's as the file holds them,
+              pagedllm's as its weight table holds them, a few percent more where a fused layer
+              widens a Q4_K part to its Q6_K sibling's format; docs/step_cost.md);
   prefill     one 512-token prompt, to its first token: prompt tok/s;
   batch       32 concurrent requests (the throughput benchmark's "cpu" workload): output tok/s;
               llama.cpp runs them in one llama_decode per step (continuous batching, its best
@@ -163,18 +165,32 @@ def weight_bytes_per_token(path: Path) -> int:
     from gguf import GGUFReader
 
     reader = GGUFReader(str(path))
-    share = 1.0
-    for field in reader.fields.values():
-        if field.name.endswith(".expert_used_count"):
-            used = int(field.parts[field.data[0]][0])
-            count = next(int(f.parts[f.data[0]][0]) for f in reader.fields.values()
-                         if f.name.endswith(".expert_count"))
-            share = used / count
+    share = _expert_share(path, reader)
     tensors = {t.name: int(t.n_bytes) * (share if "_exps." in t.name else 1)
                for t in reader.tensors}
     if "output.weight" in tensors:
         return int(sum(tensors.values()) - tensors["token_embd.weight"])
     return int(sum(tensors.values()))
+
+
+def _tensor_names(path: Path) -> set[str]:
+    from gguf import GGUFReader
+
+    return {t.name for t in GGUFReader(str(path)).tensors}
+
+
+def _expert_share(path: Path, reader=None) -> float:  # noqa: ANN001 (a GGUFReader)
+    """The share of a stack of experts one token's top-k reads (1.0 without experts)."""
+    from gguf import GGUFReader
+
+    reader = reader or GGUFReader(str(path))
+    for field in reader.fields.values():
+        if field.name.endswith(".expert_used_count"):
+            used = int(field.parts[field.data[0]][0])
+            count = next(int(f.parts[f.data[0]][0]) for f in reader.fields.values()
+                         if f.name.endswith(".expert_count"))
+            return used / count
+    return 1.0
 
 
 def read_bandwidth() -> float:
@@ -204,6 +220,18 @@ class PagedLLM:
         self.llm = LLM(str(path), tokenizer=tokenizer, max_model_len=2048,
                        kv_cache_memory_bytes=KV_BUDGET, enable_prefix_caching=False,
                        max_num_seqs=64, seed=0, quantization_activations=activations)
+
+    def held_bytes_per_token(self, path: Path) -> int:
+        """Bytes of the weights a decode step reads as pagedllm holds them (the runner's weight
+        table; a fused layer whose parts differ in type is held in the widest): the file's count
+        with each layer's file bytes replaced by its held ones."""
+        runner = self.llm.llm_engine.executor.runner
+        stacks = {name for name, m in runner.model.named_modules() if type(m).__name__ == "FusedMoE"}
+        share = _expert_share(path)
+        # An untied embedding's one row per token is not read whole (a tied one's bytes are 0).
+        return int(sum(row.nbytes * (share if row.name.rpartition(".")[0] in stacks else 1)
+                       for row in runner.weight_table
+                       if not (row.name.endswith("embed_tokens") and "output.weight" in _tensor_names(path))))
 
     def _generate(self, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
         from pagedllm import SamplingParams
@@ -299,14 +327,18 @@ def bench_file(path: Path, args: argparse.Namespace, bandwidth: float) -> dict:
                 engine.close()
     medians = {e: {n: statistics.median(v) for n, v in per.items()} for e, per in rates.items()}
     weight_bytes = weight_bytes_per_token(path)
+    held_bytes = engines["pagedllm"].held_bytes_per_token(path)
     result = {"file": path.name, "file_bytes": path.stat().st_size, "medians": medians,
               "rss_loaded_bytes": rss_loaded, "peak_rss_bytes": rss,
               "rss_bound_bytes": int(1.1 * (path.stat().st_size + KV_BUDGET)),
-              "weight_bytes_per_token": weight_bytes, "read_bandwidth": bandwidth,
+              "weight_bytes_per_token": weight_bytes, "held_bytes_per_token": held_bytes,
+              "read_bandwidth": bandwidth,
               "num_tokens": num_tokens, "same_greedy_ids": same_ids}
     if "decode" in medians["pagedllm"]:
+        # Each engine's bytes: pagedllm's as it holds them, the peer's as the file holds them.
         result["decode_bandwidth_share"] = {
-            e: m["decode"] * weight_bytes / bandwidth for e, m in medians.items()}
+            e: m["decode"] * (held_bytes if e == "pagedllm" else weight_bytes) / bandwidth
+            for e, m in medians.items()}
     if "llama.cpp" in medians:
         result["ratio_vs_llama_cpp"] = {n: medians["pagedllm"][n] / medians["llama.cpp"][n]
                                         for n in medians["pagedllm"]}

@@ -12,6 +12,7 @@ compiled (``LLM()``'s default) and eager (``enforce_eager=True``):
   top_ops       the same, outermost only (what the Python code or the graph's wrapper calls)
   allocs        allocations by torch's CPU allocator (torch.profiler's memory events of positive
                 size; a tensor's storage, or an op's scratch buffer)
+  omp_regions   OpenMP parallel regions opened (with --omp-regions: benchmarks/omp_regions.py)
   step_us       median wall-clock microseconds of an unprofiled step (meaningless under load)
 
 and the same counts per phase of the step: schedule, update (the scheduler's), runner_prep
@@ -20,7 +21,7 @@ forward (the model, compiled or eager), sample (logits, sampling metadata, sampl
 (OutputProcessor: detokenize, stop checks), engine (the rest of the step: the core, stats).
 
     python -m benchmarks.step_cost [--model DIR] [--batch 1 8] [--steps 200] [--mode compiled eager]
-                                   [--json FILE]
+                                   [--json FILE] [--omp-regions]
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from benchmarks import omp_regions
 from benchmarks.common import REPO_ROOT, log, write_json
 
 DEFAULT_MODEL = REPO_ROOT.parent / "shared" / "models" / "stories260K" / "hf"
@@ -181,7 +183,9 @@ def measure(model: str, mode: str, batch: int, steps: int) -> dict:
     # 1. Wall clock, unprofiled (the wrappers' own cost stays in, small against a step).
     counter.start()
     seconds_before = dict(counter.seconds)
+    omp_before = omp_regions.regions()
     wall = run_steps(steps)
+    omp_after = omp_regions.regions()
     phase_us = {p: (counter.seconds[p] - seconds_before[p]) / steps * 1e6 for p in PHASES}
     # 2. Python calls, per phase (sys.setprofile) and in total (cProfile).
     sys.setprofile(counter.profile_hook)
@@ -216,6 +220,7 @@ def measure(model: str, mode: str, batch: int, steps: int) -> dict:
         "py_calls": py_calls / steps,
         "torch_ops": sum(ops.values()) / steps, "top_ops": sum(top.values()) / steps,
         "allocs": sum(allocs.values()) / steps,
+        "omp_regions": None if omp_before is None else (omp_after - omp_before) / steps,
         "step_us": statistics.median(wall) * 1e6,
         "phases": per_phase,
         "top_functions": [(nc / steps, name) for nc, name in top_funcs],
@@ -249,9 +254,10 @@ def count_metadata(batch: int, steps: int = 50) -> dict:
 
 
 def print_result(r: dict) -> None:
+    omp = "?" if r.get("omp_regions") is None else f"{r['omp_regions']:.0f}"
     print(f"\n== {r['mode']} batch {r['batch']} ({r['steps']} decode steps, {r['threads']} threads): "
           f"{r['py_calls']:.0f} py calls, {r['torch_ops']:.0f} torch ops ({r['top_ops']:.0f} "
-          f"outermost), {r['allocs']:.0f} allocations, median {r['step_us']:.0f} us a step")
+          f"outermost), {r['allocs']:.0f} allocations, {omp} OpenMP regions, median {r['step_us']:.0f} us a step")
     print(f"   {'phase':<12}{'py calls':>10}{'torch ops':>11}{'outermost':>11}{'allocs':>8}{'wall us':>9}")
     for p, v in r["phases"].items():
         print(f"   {p:<12}{v['py_calls']:>10.0f}{v['torch_ops']:>11.1f}{v['top_ops']:>11.1f}"
@@ -269,7 +275,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--json", default=None)
     parser.add_argument("--metadata-only", action="store_true",
                         help="only the attention metadata's own counts (no engine, seconds)")
+    parser.add_argument("--omp-regions", action="store_true",
+                        help="also count OpenMP parallel regions a step (reruns itself with a preloaded counter)")
     args = parser.parse_args(argv)
+    if args.omp_regions and not omp_regions.active():
+        sys.exit(omp_regions.with_counter(["-m", "benchmarks.step_cost",
+                                           *[a for a in (sys.argv[1:] if argv is None else argv)]]))
     results = []
     for mode in ([] if args.metadata_only else args.mode):
         for batch in args.batch:

@@ -25,11 +25,11 @@ BUDGET = {
     "layers": 3500,
     "lora": 1000,
     "models": 2200,
-    "runner": 2500,
+    "runner": 2550,
     "structured_output": 450,
 }
 # The C++ kernels (kernels/csrc and the runner's arena allocator).
-CPP_BUDGET = 3750
+CPP_BUDGET = 3850  # + unified_attention.cpp
 
 
 def count_lines(paths) -> int:

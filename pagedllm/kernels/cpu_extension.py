@@ -42,9 +42,9 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / "paged_attention.cpp", CSRC / "skinny_gemm.cpp", CSRC / "quant_gemm.cpp",
-           CSRC / "fused_moe.cpp"]  # + the headers
+           CSRC / "fused_moe.cpp", CSRC / "unified_attention.cpp"]  # + the headers
 OPS = ("paged_attention", "skinny_gemm", "packed_linear", "grouped_packed_linear", "quant_linear",
-       "grouped_quant_linear", "fused_experts")
+       "grouped_quant_linear", "fused_experts", "unified_attention")
 # The x86 levels the kernels are tuned for (csrc/isa.h): their -march, and the CPU flags a CPU
 # needs to run a build of that level (the Linux /proc/cpuinfo names).
 ISA_MARCH = {"v3": "x86-64-v3", "v4": "x86-64-v4"}
@@ -219,6 +219,7 @@ def _build(isa: str) -> Any:
     torch.library.register_fake(f"{namespace}::quant_linear")(_quant_linear_fake)
     torch.library.register_fake(f"{namespace}::grouped_quant_linear")(_grouped_quant_linear_fake)
     torch.library.register_fake(f"{namespace}::fused_experts")(_fused_experts_fake)
+    torch.library.register_fake(f"{namespace}::unified_attention")(_unified_attention_fake)
     return ops
 
 
@@ -229,6 +230,12 @@ def _paged_attention_fake(query: torch.Tensor, kv_cache: torch.Tensor, block_tab
                           value: torch.Tensor | None = None,
                           slot_mapping: torch.Tensor | None = None) -> torch.Tensor:
     return torch.empty_like(query, memory_format=torch.contiguous_format)  # [T, H, D]
+
+
+def _unified_attention_fake(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_id: int,
+                            scale: float, sliding_window: int, logits_soft_cap: float,
+                            sinks: torch.Tensor | None) -> torch.Tensor:
+    return query.new_empty((query.shape[0], query.shape[1] * query.shape[2]))  # [T, H * D]
 
 
 def _packed_linear_fake(x: torch.Tensor, panels: torch.Tensor, out_features: int,

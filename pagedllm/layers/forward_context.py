@@ -26,10 +26,17 @@ def set_forward_context(attn_metadata: AttentionMetadata | None) -> Iterator[Non
     global _attn_metadata
     previous = _attn_metadata
     _attn_metadata = attn_metadata
+    # The backend hooks: what a compiled graph's attention op reads outside the graph.
+    if attn_metadata is not None:
+        attn_metadata.backend.enter_step(attn_metadata)
     try:
         yield
     finally:
         _attn_metadata = previous
+        if attn_metadata is not None:
+            attn_metadata.backend.leave_step()
+        if previous is not None:
+            previous.backend.enter_step(previous)
 
 
 def get_attn_metadata() -> AttentionMetadata | None:

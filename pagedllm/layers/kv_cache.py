@@ -10,6 +10,7 @@ from torch import nn
 
 from pagedllm.layers.attention import Attention, KVCacheSpec
 from pagedllm.layers.attention.kv_cache_dtype import storage
+from pagedllm.layers.attention.unified_attention import register_layer
 
 
 def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
@@ -72,6 +73,7 @@ def bind_kv_caches(model: nn.Module | Sequence[Attention], kv_caches: list[torch
             cache = cache.view(*cache.shape[:3], heads, head_dim)
         layer.kv_cache = cache
         layer.kv_cache_group = group
+        register_layer(layer)
 
 
 def copy_blocks(kv_caches: list[torch.Tensor], block_copies: list[tuple[int, int]]) -> None:

@@ -39,6 +39,7 @@ import torch
 
 from pagedllm import envs
 from pagedllm.kernels.cpu_extension import build_tag
+from pagedllm.runner.loop_threads import loop_threads
 
 logger = logging.getLogger(__name__)
 
@@ -121,10 +122,14 @@ class CompiledForward:
         own = types.FunctionType(self._code, shared.__globals__, shared.__name__,
                                  shared.__defaults__, shared.__closure__)
         own.__kwdefaults__ = shared.__kwdefaults__
+        options: dict[str, object] = {"size_asserts": False, "alignment_asserts": False,
+                                      "cpp_wrapper": device.type == "cpu"}
+        # A tiny model's fused loops on one thread: no parallel region per loop (loop_threads.py).
+        self.loop_threads = loop_threads(model) if device.type == "cpu" else None
+        if self.loop_threads is not None:
+            options["cpp.threads"] = self.loop_threads
         self._forward: Callable[..., torch.Tensor] = torch.compile(
-            types.MethodType(own, model), fullgraph=True, dynamic=False,
-            options={"size_asserts": False, "alignment_asserts": False,
-                     "cpp_wrapper": device.type == "cpu"})
+            types.MethodType(own, model), fullgraph=True, dynamic=False, options=options)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # Once warm, the one graph serves every step: dynamo's guards would only confirm it. Even
@@ -181,6 +186,6 @@ def maybe_compile(model: torch.nn.Module, enforce_eager: bool | None, device: to
         return None
     compiled = CompiledForward(model, device)
     seconds = compiled.warmup(warmup_tokens, device)
-    logger.info("torch.compile: compiled the model forward in %.1f s (token count dynamic)",
-                seconds)
+    logger.info("torch.compile: compiled the model forward in %.1f s (token count dynamic%s)",
+                seconds, "" if compiled.loop_threads is None else f"; fused loops on {compiled.loop_threads} thread")
     return compiled

@@ -9,7 +9,7 @@ the rest of the batch or on its row index; unseeded rows share the global RNG.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -34,7 +34,7 @@ class SamplingMetadata:
     vocab_size: int
     all_greedy: bool
     all_random: bool
-    greedy_mask: torch.Tensor | None  # [B] bool; None when all_greedy or all_random
+    random_rows: list[int] | None  # the random rows of a mixed batch; None when all_greedy or all_random
     temperature: torch.Tensor | None  # [B] float32, greedy rows hold 1.0; None when all_greedy
     top_k: torch.Tensor | None  # [B] int64 in [1, V]; rows without top-k hold V
     top_p: torch.Tensor | None  # [B] float32; rows without top-p hold 1.0
@@ -73,12 +73,12 @@ class SamplingMetadata:
         def f32(values: list[float]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.float32, device=device)
 
-        temperature = top_k = top_p = min_p = greedy_mask = None
+        temperature = top_k = top_p = min_p = random_rows = None
         gens: dict[int, torch.Generator] = {}
         if not all_greedy:
             temperature = f32([1.0 if g else p.temperature for p, g in zip(params, greedy)])
             if not all_random:
-                greedy_mask = torch.tensor(greedy, dtype=torch.bool, device=device)
+                random_rows = [i for i, g in enumerate(greedy) if not g]
             # Greedy rows never reach the filters, so they count as neutral here.
             ks = [V if g or p.top_k <= 0 else min(p.top_k, V) for p, g in zip(params, greedy)]
             if any(k < V for k in ks):
@@ -121,7 +121,7 @@ class SamplingMetadata:
             vocab_size=V,
             all_greedy=all_greedy,
             all_random=all_random,
-            greedy_mask=greedy_mask,
+            random_rows=random_rows,
             temperature=temperature,
             top_k=top_k,
             top_p=top_p,
@@ -227,10 +227,20 @@ def sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     greedy = None if md.all_random else greedy_sample(logits)
     if md.all_greedy:
         return greedy
-    random = _exponential_race(sampling_probs(logits, md), md.generators)
-    if md.greedy_mask is None:
-        return random
-    return torch.where(md.greedy_mask, greedy, random)
+    if md.random_rows is None:
+        return _exponential_race(sampling_probs(logits, md), md.generators)
+    # A mixed batch: only its random rows go through temperature, the filters and the softmax.
+    rows = md.random_rows
+    index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+    sub = replace(md, temperature=_take(md.temperature, index), top_k=_take(md.top_k, index),
+                  top_p=_take(md.top_p, index), min_p=_take(md.min_p, index))
+    generators = {j: md.generators[r] for j, r in enumerate(rows) if r in md.generators}
+    random = _exponential_race(sampling_probs(logits[index], sub), generators)
+    return greedy.index_copy_(0, index, random)
+
+
+def _take(values: torch.Tensor | None, index: torch.Tensor) -> torch.Tensor | None:
+    return None if values is None else values[index]
 
 
 def _exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:

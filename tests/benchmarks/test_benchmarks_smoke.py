@@ -320,8 +320,12 @@ def test_gguf_without_llama_cpp_measures_pagedllm_alone(tmp_path, capsys, monkey
     assert {t.tensor_type.name for t in reader.tensors if len(t.shape) == 2} == {"Q8_0"}
     assert "output.weight" not in {t.name for t in reader.tensors}
     assert r["weight_bytes_per_token"] == matrices // 32 * 34 + 4 * norms
+    # pagedllm's share counts the bytes it holds: int8 codes (a byte a weight) and their scales,
+    # no norms (outside the weight table), within a few percent of the file's.
+    held = r["held_bytes_per_token"]
+    assert matrices < held < 1.15 * r["weight_bytes_per_token"]
     share = r["decode_bandwidth_share"]["pagedllm"]
-    assert share == pytest.approx(m["pagedllm"]["decode"] * r["weight_bytes_per_token"] / bandwidth)
+    assert share == pytest.approx(m["pagedllm"]["decode"] * held / bandwidth)
     assert f"decode bandwidth pagedllm {100 * share:.0f}%" in line
     assert r["rss_bound_bytes"] == int(1.1 * (r["file_bytes"] + bench.KV_BUDGET))
     assert 0 < r["rss_loaded_bytes"] <= r["peak_rss_bytes"]

@@ -101,6 +101,13 @@ class AttentionBackend(ABC):
         ``md.backend_data``."""
         return None
 
+    def enter_step(self, md: AttentionMetadata) -> None:
+        """The step ``md`` starts (the forward context is entered): anything the compiled graph's
+        attention op must find outside the graph."""
+
+    def leave_step(self) -> None:
+        """The step's forward context is left."""
+
     @abstractmethod
     def forward(self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 md: AttentionMetadata) -> torch.Tensor:

@@ -25,6 +25,7 @@ from pagedllm.kernels.cpu_extension import load_cpu_ops, load_paged_attention_op
 from pagedllm.layers.attention.backend import AttentionBackend, AttentionLayer, AttentionMetadata, is_plain
 from pagedllm.layers.attention.kv_cache_dtype import as_stored, to_cache_dtype
 from pagedllm.layers.attention.torch_backend import attend_causal
+from pagedllm.layers.attention.unified_attention import clear_step, set_step
 
 __all__ = ["CpuPagedBackend", "load_paged_attention_op"]
 
@@ -49,6 +50,13 @@ class CpuPagedBackend(AttentionBackend):
             seq_lens[i] = 0
         kernel_seq_lens = torch.tensor(seq_lens, dtype=torch.long, device=md.seq_lens_tensor.device)
         return _Plan(kernel_seq_lens, [slice(qsl[i], qsl[i + 1]) for i in fresh])
+
+    def enter_step(self, md: AttentionMetadata) -> None:
+        groups = md.group_metadata or [md]
+        set_step(md, [bool(g.backend_data.fresh_rows) for g in groups])
+
+    def leave_step(self) -> None:
+        clear_step()
 
     def forward(self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 md: AttentionMetadata) -> torch.Tensor:

@@ -6,8 +6,9 @@ KV cache of one layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (
 (identical prompts), and the reader must see the writer's K/V.
 
 Under torch.compile the whole layer (cache write, forward-context lookup, backend, C++ kernel)
-is one opaque custom op, ``pagedllm::attention``: dynamo traces the model around it without a
-graph break and never sees the step's metadata (Python lists, a backend object) or the cache,
+is one opaque custom op, ``pagedllm::unified_attention`` on CPU (straight to the kernel,
+unified_attention.py) or ``pagedllm::attention`` (this layer in Python): dynamo traces the
+model around it without a graph break and never sees the step's metadata (Python lists, a backend object) or the cache,
 which the op reaches through the layer it names. Its fake implementation only says the output
 shape. Eagerly the layer calls the same function directly: the dispatcher would add a few
 microseconds per layer and buy nothing.
@@ -21,6 +22,7 @@ from pagedllm.errors import ModelLoadError
 from pagedllm.kernels.op_registry import LayerRegistry, layer_op
 from pagedllm.layers.attention.kv_cache_spec import KVCacheSpec
 from pagedllm.layers.attention.torch_backend import attend_sequence
+from pagedllm.layers.attention.unified_attention import available_on_cpu
 from pagedllm.layers.forward_context import get_attn_metadata
 
 
@@ -86,6 +88,11 @@ class Attention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
+            # No Python per layer in a compiled step (unified_attention.py).
+            if q.device.type == "cpu" and available_on_cpu():
+                return torch.ops.pagedllm.unified_attention(
+                    q, k, v, self._op_id, self.scale, self.sliding_window or 0, self.logits_soft_cap or 0.0,
+                    self.sinks)
             return torch.ops.pagedllm.attention(q, k, v, self._op_id)
         return self.attend(q, k, v)
 
