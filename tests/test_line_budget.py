@@ -23,7 +23,7 @@ BUDGET = {
     "explain": 750,
     "gguf": 1050,
     "kernels": 400,
-    "layers": 3500,
+    "layers": 3600,  # bidirectional attention (scratch_kv.py) and token types in the forward context
     "lora": 600,
     "models": 1950,
     "runner": 2300,

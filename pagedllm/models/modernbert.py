@@ -1,14 +1,14 @@
 """ModernBERT: a pre-norm encoder with rotary positions, a GeGLU MLP, no biases, and local
 attention (each token sees those within half the window on either side) on all but every
-n-th layer, whose attention is global. Like BERT, it keeps no KV: each request attends to its
-own rows of the step."""
+n-th layer, whose attention is global. Like BERT, its attention is the shared layer with
+``causal=False`` (no KV)."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.layers.forward_context import get_attn_metadata
+from pagedllm.layers.attention import Attention
 from pagedllm.layers.linear import Linear
 
 _ACTIVATIONS = {"gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "silu": F.silu}
@@ -30,40 +30,33 @@ def _rope_theta(config: dict, layer_type: str) -> float:
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding over halves (x [H, T, D], cos/sin [T, D])."""
+    """Rotary embedding over halves (x [T, H, D], cos/sin [T, 1, D])."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
 
 
 class ModernBertAttention(nn.Module):
-    def __init__(self, config: dict, window: int | None, theta: float) -> None:
+    def __init__(self, config: dict, window: int | None, theta: float, layer_idx: int) -> None:
         super().__init__()
         hidden, bias = config["hidden_size"], config.get("attention_bias", False)
         self.num_heads = config["num_attention_heads"]
         self.head_dim = hidden // self.num_heads
         self.Wqkv = Linear(hidden, 3 * hidden, bias=bias)
         self.Wo = Linear(hidden, hidden, bias=bias)
-        self.window = window  # None: global; else the largest distance a token sees
+        # window: the largest distance a token sees; the layer's sliding_window excludes its own.
+        self.attn = Attention(self.num_heads, self.num_heads, self.head_dim, self.head_dim ** -0.5, layer_idx,
+                              sliding_window=None if window is None else window + 1, causal=False)
         self.register_buffer("inv_freq", 1.0 / theta ** (torch.arange(0, self.head_dim, 2).float() / self.head_dim),
                              persistent=False)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        md = get_attn_metadata()
-        starts = md.query_start_loc if md is not None else [0, x.shape[0]]
         freqs = positions[:, None].float() * self.inv_freq.to(x.device)  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-        q, k, v = self.Wqkv(x).view(-1, 3, self.num_heads, self.head_dim).permute(1, 2, 0, 3)  # 3 x [H, T, D]
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        out = torch.empty_like(q)
-        for a, b in zip(starts[:-1], starts[1:]):
-            mask = None
-            if self.window is not None:
-                pos = torch.arange(b - a, device=x.device)
-                mask = (pos[:, None] - pos[None, :]).abs() <= self.window
-            out[:, a:b] = F.scaled_dot_product_attention(q[:, a:b], k[:, a:b], v[:, a:b], attn_mask=mask)
-        return self.Wo(out.transpose(0, 1).reshape(x.shape))
+        q, k, v = self.Wqkv(x).view(-1, 3, self.num_heads, self.head_dim).unbind(1)  # 3 x [T, H, D]
+        q, k = _rotate(q, cos[:, None], sin[:, None]), _rotate(k, cos[:, None], sin[:, None])
+        return self.Wo(self.attn(q, k, v))
 
 
 class ModernBertMLP(nn.Module):
@@ -88,7 +81,7 @@ class ModernBertLayer(nn.Module):
         super().__init__()
         window = config.get("local_attention", 128) // 2 if layer_type == "sliding_attention" else None
         self.attn_norm = _norm(config) if i else nn.Identity()  # the embedding's norm serves layer 0
-        self.attn = ModernBertAttention(config, window, _rope_theta(config, layer_type))
+        self.attn = ModernBertAttention(config, window, _rope_theta(config, layer_type), i)
         self.mlp_norm = _norm(config)
         self.mlp = ModernBertMLP(config)
 

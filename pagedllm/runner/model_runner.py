@@ -13,7 +13,7 @@ import torch
 
 from pagedllm.config import DTYPE_ALIASES, EngineConfig
 from pagedllm.core.outputs import PromptLogprobsChunk, RunnerOutput, SchedulerOutput, TokenLogprobs
-from pagedllm.errors import ModelLoadError, ValidationError
+from pagedllm.errors import ValidationError
 from pagedllm.layers.attention import get_attn_backend
 from pagedllm.layers.attention.kv_cache_dtype import resolve_kv_cache_dtype
 from pagedllm.layers.attention_metadata import AttentionMetadata, StagingBuffers, build_attention_metadata
@@ -92,8 +92,8 @@ class ModelRunner:
         self.lora_manager = (LoRAManager(self.model, config.lora_config, self.dtype)
                              if config.lora_config.enable_lora else None)
         # The compiled forward, or None: eager (see runner/compile.py). Adapters run eagerly (their
-        # slots change between steps), and so does an encoder (no KV: it attends per request in a loop).
-        encoder = not attention_layers(self.model)
+        # slots change between steps), and so does an encoder (no layer keeps KV).
+        encoder = not kv_cache_layers(self.model, self.kv_cache_dtype)
         eager = True if self.lora_manager is not None or encoder else mc.enforce_eager  # None: auto
         self.compiled = maybe_compile(self.model, eager, self.device, warmup_tokens=16)
         self.vocab_size = self.model.vocab_size
@@ -115,9 +115,6 @@ class ModelRunner:
         # window) and the tensors are planned from the specs, never from one model-wide geometry.
         self._kv_layers = kv_cache_layers(self.model, self.kv_cache_dtype) + (
             self.drafter.kv_layers if self.drafter is not None else [])
-        if not all(spec.causal for _, spec in self._kv_layers):
-            raise ModelLoadError("this model has non-causal attention layers that keep KV; the "
-                                 "attention backends compute causal attention only")
         # An encoder keeps no KV: one empty group, so the scheduler's block tables stay the same.
         self.kv_cache_groups = (group_layers([spec.sliding_window for _, spec in self._kv_layers], max_model_len)
                                 if self._kv_layers else [KVCacheGroup(None, ())])
