@@ -2,8 +2,8 @@
 over the whole input in both directions (the shared attention layer with ``causal=False``: it
 keeps no KV, a pooling request runs its whole input in one step).
 
-Token types travel inside the input ids (bit ``TOKEN_TYPE_SHIFT`` and up, vLLM's encoding): the
-runner sets them for a text pair's second segment, the embedding splits them off.
+Token types (a text pair's second segment) come from the step's forward context, beside the
+positions (layers/forward_context.py).
 """
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.layers.attention import Attention
+from pagedllm.layers.forward_context import get_token_type_ids
 from pagedllm.layers.linear import Linear
 
-TOKEN_TYPE_SHIFT = 30
 _ACTIVATIONS = {"gelu": F.gelu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
                 "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
 
@@ -30,11 +30,11 @@ class BertEmbeddings(nn.Module):
         self.position_offset = position_offset  # XLM-R counts positions from padding_idx + 1
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        token_types = input_ids >> TOKEN_TYPE_SHIFT
-        x = self.word_embeddings(input_ids & ((1 << TOKEN_TYPE_SHIFT) - 1))
-        x = x + self.position_embeddings(positions + self.position_offset)
-        x = x + self.token_type_embeddings(token_types)
-        return self.LayerNorm(x)
+        x = self.word_embeddings(input_ids) + self.position_embeddings(positions + self.position_offset)
+        token_types = get_token_type_ids()
+        if token_types is None:  # every row type 0: one row of the table for all
+            return self.LayerNorm(x + self.token_type_embeddings.weight[0])
+        return self.LayerNorm(x + self.token_type_embeddings(token_types))
 
 
 class BertSelfAttention(nn.Module):

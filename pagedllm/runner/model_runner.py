@@ -22,7 +22,6 @@ from pagedllm.layers.kv_cache import allocate_kv_cache, attention_layers, bind_k
 from pagedllm.lora.manager import LoRAManager
 from pagedllm.lora.mapping import set_lora_mapping
 from pagedllm.lora.request import LoRARequest
-from pagedllm.models.bert import TOKEN_TYPE_SHIFT
 from pagedllm.models.loader import load_model
 from pagedllm.models.pooler import Pooler
 from pagedllm.pooler_config import load_pooler_config
@@ -186,6 +185,7 @@ class ModelRunner:
         block_tables: list[list[list[int]]] = []
         samplers: list[tuple[ScheduledRequest, int]] = []  # (request, its first logits row)
         poolers: list[tuple[str, int, int, PoolingParams]] = []  # (request, first row, rows, params)
+        token_type_starts: list[tuple[int, int]] = []  # rows [a, b) of a pair's second segment
         # (state, first row, first position, count): rows whose logits score prompt tokens.
         prompt_lp_jobs: list[tuple[CachedRequestState, int, int, int]] = []
         for s in scheduled:
@@ -206,7 +206,7 @@ class ModelRunner:
                 samplers.append((s, row0 + n_real - 1))
             elif state.pooling_params is not None:
                 poolers.append((state.req_id, row0, n, state.pooling_params))
-                self._mark_token_types(input_ids, row0, n, state.pooling_params)
+                token_type_starts.append((row0 + (state.pooling_params.token_type_start or n), row0 + n))
 
         attn_md = self._attention_metadata(query_lens, num_computed, block_tables)
         ids_t = self._staging[0].fill("input_ids", input_ids, (len(input_ids),))
@@ -214,7 +214,8 @@ class ModelRunner:
             ids_t = ids_t.to(self.device, non_blocking=True)
         lora_mapping = None if self.lora_manager is None else self.lora_manager.step_mapping(
             [(s.state.lora_request, s.num_tokens) for s in scheduled], self.device)
-        with set_forward_context(attn_md), set_lora_mapping(lora_mapping):
+        token_types = self._token_type_ids(token_type_starts, len(input_ids))
+        with set_forward_context(attn_md, token_types), set_lora_mapping(lora_mapping):
             # The metadata's positions are the model's: one tensor for both.
             hidden = (self.compiled or self.model)(ids_t, attn_md.positions)
 
@@ -244,12 +245,15 @@ class ModelRunner:
     def remove_lora(self, lora_int_id: int) -> bool:
         return self.lora_manager is not None and self.lora_manager.remove_lora(lora_int_id)
 
-    def _mark_token_types(self, input_ids: list[int], row0: int, n: int, params: PoolingParams) -> None:
-        """A text pair's second segment: token type 1, carried in the ids' high bits (models/bert.py)."""
-        start = params.token_type_start
-        if start is not None and getattr(self.model, "supports_token_types", False):
-            for i in range(row0 + start, row0 + n):
-                input_ids[i] |= 1 << TOKEN_TYPE_SHIFT
+    def _token_type_ids(self, segments: list[tuple[int, int]], num_tokens: int) -> torch.Tensor | None:
+        """``[T]`` token types, 1 on a text pair's second segment; None when all are 0 or the
+        model has no token types."""
+        if not getattr(self.model, "supports_token_types", False) or all(a == b for a, b in segments):
+            return None
+        types = torch.zeros(num_tokens, dtype=torch.long)
+        for a, b in segments:
+            types[a:b] = 1
+        return types.to(self.device)
 
     def _attention_metadata(self, query_lens: list[int], num_computed: list[int],
                             block_tables: list[list[list[int]]]) -> AttentionMetadata:
