@@ -198,7 +198,8 @@ class ModelRunner:
             query_lens.append(n)
             num_computed.append(start)
             block_tables.append(state.block_ids)  # one table per KV cache group
-            if state.params.prompt_logprobs is not None and start < state.num_prompt_tokens - 1:
+            if state.params is not None and state.params.prompt_logprobs is not None \
+                    and start < state.num_prompt_tokens - 1:
                 # Logits at position p score prompt token p + 1.
                 count = min(start + n_real, state.num_prompt_tokens - 1) - start
                 prompt_lp_jobs.append((state, row0, start, count))
