@@ -1,7 +1,8 @@
 """ModernBERT: a pre-norm encoder with rotary positions, a GeGLU MLP, no biases, and local
 attention (each token sees those within half the window on either side) on all but every
 n-th layer, whose attention is global. Like BERT, its attention is the shared layer with
-``causal=False`` (no KV)."""
+``causal=False`` (no KV). ``ModernBertForSequenceClassification`` adds transformers' head
+(dense, activation, norm) and a linear classifier over the CLS row or the mean of the rows."""
 from __future__ import annotations
 
 import torch
@@ -120,3 +121,35 @@ class ModernBertModel(nn.Module):
         for layer in self.layers:
             x = layer(x, positions)
         return self.final_norm(x)
+
+
+class ModernBertPredictionHead(nn.Module):
+    def __init__(self, config: dict) -> None:
+        super().__init__()
+        self.dense = Linear(config["hidden_size"], config["hidden_size"], bias=config.get("classifier_bias", False))
+        self.act = _ACTIVATIONS[config.get("classifier_activation", "gelu")]
+        self.norm = _norm(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.act(self.dense(x)))
+
+
+class ModernBertForSequenceClassification(nn.Module):
+    """The encoder, then ``classify`` on each request's pooled row (CLS or mean, the config's
+    ``classifier_pooling``, which the pooler config reads)."""
+
+    def __init__(self, config: dict) -> None:
+        super().__init__()
+        self.model = ModernBertModel(config)
+        self.head = ModernBertPredictionHead(config)
+        num_labels = len(config.get("id2label") or {}) or config.get("num_labels", 2)
+        self.classifier = Linear(config["hidden_size"], num_labels)
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "max_position_embeddings"):
+            setattr(self, name, getattr(self.model, name))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
+        """``[B, hidden]`` pooled rows -> ``[B, num_labels]`` logits."""
+        return self.classifier(self.head(pooled))
