@@ -11,6 +11,7 @@ from torch import nn
 
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.linear import Linear
+from pagedllm.layers.rotary import RopeConfig, RotaryEmbedding, apply_rotary
 
 _ACTIVATIONS = {"gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "silu": F.silu}
 
@@ -30,13 +31,6 @@ def _rope_theta(config: dict, layer_type: str) -> float:
     return float(params.get("rope_theta", legacy))
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding over halves (x [T, H, D], cos/sin [T, 1, D])."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
 class ModernBertAttention(nn.Module):
     def __init__(self, config: dict, window: int | None, theta: float, layer_idx: int) -> None:
         super().__init__()
@@ -48,15 +42,13 @@ class ModernBertAttention(nn.Module):
         # window: the largest distance a token sees; the layer's sliding_window excludes its own.
         self.attn = Attention(self.num_heads, self.num_heads, self.head_dim, self.head_dim ** -0.5, layer_idx,
                               sliding_window=None if window is None else window + 1, causal=False)
-        self.register_buffer("inv_freq", 1.0 / theta ** (torch.arange(0, self.head_dim, 2).float() / self.head_dim),
-                             persistent=False)
+        # The shared rope (its inv_freq a real float32 tensor even though the loader builds on meta).
+        self.rotary_emb = RotaryEmbedding(self.head_dim, RopeConfig(theta=theta))
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        freqs = positions[:, None].float() * self.inv_freq.to(x.device)  # [T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        cos, sin = self.rotary_emb(positions, x.dtype)
         q, k, v = self.Wqkv(x).view(-1, 3, self.num_heads, self.head_dim).unbind(1)  # 3 x [T, H, D]
-        q, k = _rotate(q, cos[:, None], sin[:, None]), _rotate(k, cos[:, None], sin[:, None])
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         return self.Wo(self.attn(q, k, v))
 
 
