@@ -3,7 +3,7 @@ over the whole input in both directions (the shared attention layer with ``causa
 keeps no KV, a pooling request runs its whole input in one step).
 
 Token types (a text pair's second segment) come from the step's forward context, beside the
-positions (layers/forward_context.py).
+positions (layers/forward_context.py; compiled, through the op in layers/token_type_ids.py).
 """
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.layers.attention import Attention
-from pagedllm.layers.forward_context import get_token_type_ids
 from pagedllm.layers.linear import Linear
+from pagedllm.layers.token_type_ids import step_token_type_ids
 
 _ACTIVATIONS = {"gelu": F.gelu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
                 "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
@@ -31,7 +31,7 @@ class BertEmbeddings(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.word_embeddings(input_ids) + self.position_embeddings(positions + self.position_offset)
-        token_types = get_token_type_ids()
+        token_types = step_token_type_ids(input_ids)
         if token_types is None:  # every row type 0: one row of the table for all
             return self.LayerNorm(x + self.token_type_embeddings.weight[0])
         return self.LayerNorm(x + self.token_type_embeddings(token_types))

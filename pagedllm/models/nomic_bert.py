@@ -14,9 +14,9 @@ from torch import nn
 
 from pagedllm.errors import ModelLoadError
 from pagedllm.layers.attention import Attention
-from pagedllm.layers.forward_context import get_token_type_ids
 from pagedllm.layers.linear import Linear
 from pagedllm.layers.rotary import RopeConfig, RotaryEmbedding, apply_rotary
+from pagedllm.layers.token_type_ids import step_token_type_ids
 
 _GATES = {"swiglu": F.silu, "geglu": F.gelu}
 
@@ -96,7 +96,7 @@ class NomicBertEmbeddings(nn.Module):
         self.token_type_embeddings = nn.Embedding(config.get("type_vocab_size", 2), config["n_embd"])
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        token_types = get_token_type_ids()
+        token_types = step_token_type_ids(input_ids)
         if token_types is None:
             return self.word_embeddings(input_ids) + self.token_type_embeddings.weight[0]
         return self.word_embeddings(input_ids) + self.token_type_embeddings(token_types)

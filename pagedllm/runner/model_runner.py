@@ -91,9 +91,9 @@ class ModelRunner:
         self.lora_manager = (LoRAManager(self.model, config.lora_config, self.dtype)
                              if config.lora_config.enable_lora else None)
         # The compiled forward, or None: eager (see runner/compile.py). Adapters run eagerly (their
-        # slots change between steps), and so does an encoder (no layer keeps KV).
+        # slots change between steps); an encoder compiles like a generator (its attention is the same op).
         encoder = not kv_cache_layers(self.model, self.kv_cache_dtype)
-        eager = True if self.lora_manager is not None or encoder else mc.enforce_eager  # None: auto
+        eager = True if self.lora_manager is not None else mc.enforce_eager  # None: auto
         self.compiled = maybe_compile(self.model, eager, self.device, warmup_tokens=16)
         self.vocab_size = self.model.vocab_size
         spec = SpeculativeConfig.from_dict(config.speculative_config)
