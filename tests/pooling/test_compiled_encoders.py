@@ -73,6 +73,23 @@ def test_compiled_encoder_matches_eager_without_recompiling(tmp_path, name):
     for g, w in zip(got, want):
         assert len(g) == len(w)
         assert max(abs(a - b) for a, b in zip(g, w)) <= TOL
+    runner = llm.llm_engine.executor.runner
+    if getattr(runner.model, "supports_token_types", False):
+        _check_token_types_reach_the_graph(runner)
+        assert counters["stats"]["unique_graphs"] == graphs
+
+
+@torch.inference_mode()
+def _check_token_types_reach_the_graph(runner) -> None:
+    """The tiny cross-encoders' scores barely move with their inputs, so the step's hidden
+    states themselves: a pair's types, compiled, give the eager rows, not the rows without types."""
+    ids = torch.arange(5, 17)
+    positions = torch.arange(12)
+    types = (positions >= 5).long()
+    with set_forward_context(None, types):
+        eager, compiled = runner.model(ids, positions), runner.compiled(ids, positions)
+    assert (compiled - eager).abs().max() <= TOL
+    assert (compiled - runner.model(ids, positions)).abs().max() > 1e-2
 
 
 def test_token_type_op_reads_the_forward_context():
