@@ -24,7 +24,7 @@ def max_position_embeddings(config: dict) -> int:
     text = text_config(config)
     # RoBERTa's positions start after its padding id: the table's first pad_token_id + 1 rows are unused.
     offset = text.get("pad_token_id", 1) + 1 if text.get("model_type") in ("roberta", "xlm-roberta") else 0
-    return int(text.get("max_position_embeddings", 2048)) - offset
+    return int(text.get("max_position_embeddings", text.get("n_positions", 2048))) - offset  # GPT-2 style: n_positions
 
 
 def sliding_window(config: dict) -> int | None:

@@ -115,6 +115,8 @@ def _default_pooling_type(config: dict) -> str:
     """Without sentence-transformers' files: a classifier's CLS for encoders, the last token
     for decoders (Qwen3-Embedding style), as vLLM."""
     archs = config.get("architectures") or []
+    if config.get("classifier_pooling"):  # ModernBERT's classifier: "cls" or "mean"
+        return "MEAN" if config["classifier_pooling"] == "mean" else "CLS"
     decoder = any(a.endswith(("ForCausalLM", "ForConditionalGeneration")) for a in archs)
     return "LAST" if decoder else "CLS"
 
@@ -149,7 +151,7 @@ def load_pooler_config(model: str, overrides: dict | None = None) -> PoolerConfi
     return PoolerConfig(
         pooling_type=pooling_type,
         normalize=bool(overrides.get("normalize", normalize)),
-        hidden_size=int(text["hidden_size"]),
+        hidden_size=int(text.get("hidden_size") or text["n_embd"]),  # n_embd: GPT-2-style configs
         dense=tuple(dense),
         is_matryoshka=bool(config.get("is_matryoshka") or config.get("matryoshka_dimensions")),
         num_labels=len(id2label),

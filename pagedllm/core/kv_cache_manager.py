@@ -111,9 +111,11 @@ class KVCacheManager:
         window for a window group.
 
         Never covers the last token: its logits are needed to sample the next one. Requests that
-        want prompt logprobs skip the cache, since every prompt position must be computed.
+        want prompt logprobs skip the cache, since every prompt position must be computed, and so
+        do pooling requests (no sampling params), whose pooler reads every position.
         """
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+        sp = request.sampling_params
+        if not self.enable_caching or sp is None or sp.prompt_logprobs is not None:
             return self._no_hits, 0
         self.update_block_hashes(request)
         hashes = request.block_hashes

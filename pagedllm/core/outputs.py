@@ -50,7 +50,7 @@ class NewRequestData:
     req_id: str
     prompt_token_ids: list[int]
     output_token_ids: list[int]  # non-empty only when resumed after preemption (recompute)
-    sampling_params: SamplingParams
+    sampling_params: SamplingParams | None  # None: a pooling request
     block_ids: list[list[int]]  # its block table in each KV cache group (-1: the null block)
     num_computed_tokens: int  # tokens already in the cache (prefix-cache hit) before this step
     eos_token_ids: frozenset[int] = frozenset()

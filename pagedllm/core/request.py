@@ -52,7 +52,7 @@ class Request:
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        sampling_params: SamplingParams,
+        sampling_params: SamplingParams | None,
         eos_token_ids: frozenset[int] = frozenset(),
         max_tokens: int | None = None,
         arrival_time: float | None = None,
@@ -67,7 +67,8 @@ class Request:
         self.sampling_params = sampling_params
         self.eos_token_ids = eos_token_ids
         # None until admission resolves it (the scheduler knows max_model_len and the cache size).
-        self.max_tokens = max_tokens if max_tokens is not None else sampling_params.max_tokens
+        self.max_tokens = max_tokens if max_tokens is not None else (
+            sampling_params.max_tokens if sampling_params is not None else None)
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.priority = priority
         self.lora_request = lora_request
@@ -90,7 +91,7 @@ class Request:
         # scheduler only reports the step's top-k logprobs once its sequence is computed.
         self.is_beam = False
         # A pooling request runs its whole prompt in one step, reads no prefix-cache hit and
-        # finishes with its vector (``sampling_params`` is a one-token stand-in).
+        # finishes with its vector; it has no ``sampling_params`` (None).
         self.pooling_params = pooling_params
         self.num_prompt_tokens = len(self.prompt_token_ids)
         # A plain attribute, not a property: it is read on the per-step hot path. A sequence
@@ -106,6 +107,9 @@ class Request:
         it. ``interned`` makes requests with equal stop sets share one (it stays in the CPU cache)."""
         self.max_num_tokens = min(self.num_prompt_tokens + self.max_tokens, max_model_len)
         sp = self.sampling_params
+        if sp is None:  # a pooling request samples nothing, so nothing stops it
+            self.maybe_stop_ids = frozenset()
+            return
         eos = frozenset() if sp.ignore_eos else frozenset(self.eos_token_ids)
         stop_ids = eos | sp.all_stop_token_ids
         if stop_ids in interned or len(interned) < 256:  # bounded: users choose stop ids

@@ -35,13 +35,10 @@ from pagedllm.errors import ValidationError
 from pagedllm.executor import create_executor
 from pagedllm.lora.request import LoRARequest
 from pagedllm.runner.base import Runner
-from pagedllm.sampling_params import SamplingParams
 from pagedllm.speculative_config import SpeculativeConfig
 from pagedllm.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger("pagedllm")
-# What a pooling request's Request holds for sampling params: it samples nothing.
-_POOLING_STAND_IN = SamplingParams(max_tokens=1)
 
 
 class EngineCore:
@@ -111,7 +108,7 @@ class EngineCore:
             self.add_lora(request.lora_request)
         if request.pooling_params is not None:  # one sequence, its output a vector
             self.scheduler.add_request(Request(
-                request.request_id, request.prompt_token_ids, _POOLING_STAND_IN, frozenset(),
+                request.request_id, request.prompt_token_ids, None, frozenset(),
                 arrival_time=request.arrival_time, priority=request.priority,
                 pooling_params=request.pooling_params))
             return

@@ -228,7 +228,7 @@ def _paged_attention_fake(query: torch.Tensor, kv_cache: torch.Tensor, block_tab
                           scale: float, sliding_window: int = 0, logits_soft_cap: float = 0.0,
                           sinks: torch.Tensor | None = None, key: torch.Tensor | None = None,
                           value: torch.Tensor | None = None,
-                          slot_mapping: torch.Tensor | None = None) -> torch.Tensor:
+                          slot_mapping: torch.Tensor | None = None, causal: bool = True) -> torch.Tensor:
     return torch.empty_like(query, memory_format=torch.contiguous_format)  # [T, H, D]
 
 

@@ -1,9 +1,9 @@
 """BERT and XLM-RoBERTa encoders: absolute positions, token types, post-norm, GELU, attention
-over the whole input in both directions. An encoder keeps no KV: a pooling request runs its
-whole input in one step, so each request attends to its own rows of the flat batch.
+over the whole input in both directions (the shared attention layer with ``causal=False``: it
+keeps no KV, a pooling request runs its whole input in one step).
 
-Token types travel inside the input ids (bit ``TOKEN_TYPE_SHIFT`` and up, vLLM's encoding): the
-runner sets them for a text pair's second segment, the embedding splits them off.
+Token types (a text pair's second segment) come from the step's forward context, beside the
+positions (layers/forward_context.py; compiled, through the op in layers/token_type_ids.py).
 """
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.layers.forward_context import get_attn_metadata
+from pagedllm.layers.attention import Attention
 from pagedllm.layers.linear import Linear
+from pagedllm.layers.token_type_ids import step_token_type_ids
 
-TOKEN_TYPE_SHIFT = 30
 _ACTIVATIONS = {"gelu": F.gelu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
                 "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
 
@@ -30,28 +30,23 @@ class BertEmbeddings(nn.Module):
         self.position_offset = position_offset  # XLM-R counts positions from padding_idx + 1
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        token_types = input_ids >> TOKEN_TYPE_SHIFT
-        x = self.word_embeddings(input_ids & ((1 << TOKEN_TYPE_SHIFT) - 1))
-        x = x + self.position_embeddings(positions + self.position_offset)
-        x = x + self.token_type_embeddings(token_types)
-        return self.LayerNorm(x)
+        x = self.word_embeddings(input_ids) + self.position_embeddings(positions + self.position_offset)
+        token_types = step_token_type_ids(input_ids)
+        if token_types is None:  # every row type 0: one row of the table for all
+            return self.LayerNorm(x + self.token_type_embeddings.weight[0])
+        return self.LayerNorm(x + self.token_type_embeddings(token_types))
 
 
 class BertSelfAttention(nn.Module):
-    def __init__(self, hidden: int, num_heads: int) -> None:
+    def __init__(self, hidden: int, num_heads: int, layer_idx: int) -> None:
         super().__init__()
         self.num_heads, self.head_dim = num_heads, hidden // num_heads
         self.query, self.key, self.value = Linear(hidden, hidden), Linear(hidden, hidden), Linear(hidden, hidden)
+        self.attn = Attention(num_heads, num_heads, self.head_dim, self.head_dim ** -0.5, layer_idx, causal=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        md = get_attn_metadata()
-        starts = md.query_start_loc if md is not None else [0, x.shape[0]]
-        q, k, v = (p(x).view(-1, self.num_heads, self.head_dim).transpose(0, 1)  # [H, T, D]
-                   for p in (self.query, self.key, self.value))
-        out = torch.empty_like(q)
-        for a, b in zip(starts[:-1], starts[1:]):  # each request attends to its own rows only
-            out[:, a:b] = F.scaled_dot_product_attention(q[:, a:b], k[:, a:b], v[:, a:b])
-        return out.transpose(0, 1).reshape(x.shape)
+        q, k, v = (p(x).view(-1, self.num_heads, self.head_dim) for p in (self.query, self.key, self.value))
+        return self.attn(q, k, v)  # [T, hidden]
 
 
 class BertOutput(nn.Module):
@@ -67,9 +62,9 @@ class BertOutput(nn.Module):
 
 
 class BertAttention(nn.Module):
-    def __init__(self, hidden: int, num_heads: int, eps: float) -> None:
+    def __init__(self, hidden: int, num_heads: int, eps: float, layer_idx: int) -> None:
         super().__init__()
-        self.self = BertSelfAttention(hidden, num_heads)
+        self.self = BertSelfAttention(hidden, num_heads, layer_idx)
         self.output = BertOutput(hidden, hidden, eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -87,10 +82,10 @@ class BertIntermediate(nn.Module):
 
 
 class BertLayer(nn.Module):
-    def __init__(self, config: dict) -> None:
+    def __init__(self, config: dict, layer_idx: int) -> None:
         super().__init__()
         hidden, eps = config["hidden_size"], config.get("layer_norm_eps", 1e-12)
-        self.attention = BertAttention(hidden, config["num_attention_heads"], eps)
+        self.attention = BertAttention(hidden, config["num_attention_heads"], eps, layer_idx)
         self.intermediate = BertIntermediate(hidden, config["intermediate_size"], config.get("hidden_act", "gelu"))
         self.output = BertOutput(config["intermediate_size"], hidden, eps)
 
@@ -102,7 +97,7 @@ class BertLayer(nn.Module):
 class BertEncoder(nn.Module):
     def __init__(self, config: dict) -> None:
         super().__init__()
-        self.layer = nn.ModuleList(BertLayer(config) for _ in range(config["num_hidden_layers"]))
+        self.layer = nn.ModuleList(BertLayer(config, i) for i in range(config["num_hidden_layers"]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layer:

@@ -1,15 +1,17 @@
 """ModernBERT: a pre-norm encoder with rotary positions, a GeGLU MLP, no biases, and local
 attention (each token sees those within half the window on either side) on all but every
-n-th layer, whose attention is global. Like BERT, it keeps no KV: each request attends to its
-own rows of the step."""
+n-th layer, whose attention is global. Like BERT, its attention is the shared layer with
+``causal=False`` (no KV). ``ModernBertForSequenceClassification`` adds transformers' head
+(dense, activation, norm) and a linear classifier over the CLS row or the mean of the rows."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.layers.forward_context import get_attn_metadata
+from pagedllm.layers.attention import Attention
 from pagedllm.layers.linear import Linear
+from pagedllm.layers.rotary import RopeConfig, RotaryEmbedding, apply_rotary
 
 _ACTIVATIONS = {"gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "silu": F.silu}
 
@@ -29,41 +31,25 @@ def _rope_theta(config: dict, layer_type: str) -> float:
     return float(params.get("rope_theta", legacy))
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding over halves (x [H, T, D], cos/sin [T, D])."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
 class ModernBertAttention(nn.Module):
-    def __init__(self, config: dict, window: int | None, theta: float) -> None:
+    def __init__(self, config: dict, window: int | None, theta: float, layer_idx: int) -> None:
         super().__init__()
         hidden, bias = config["hidden_size"], config.get("attention_bias", False)
         self.num_heads = config["num_attention_heads"]
         self.head_dim = hidden // self.num_heads
         self.Wqkv = Linear(hidden, 3 * hidden, bias=bias)
         self.Wo = Linear(hidden, hidden, bias=bias)
-        self.window = window  # None: global; else the largest distance a token sees
-        self.register_buffer("inv_freq", 1.0 / theta ** (torch.arange(0, self.head_dim, 2).float() / self.head_dim),
-                             persistent=False)
+        # window: the largest distance a token sees; the layer's sliding_window excludes its own.
+        self.attn = Attention(self.num_heads, self.num_heads, self.head_dim, self.head_dim ** -0.5, layer_idx,
+                              sliding_window=None if window is None else window + 1, causal=False)
+        # The shared rope (its inv_freq a real float32 tensor even though the loader builds on meta).
+        self.rotary_emb = RotaryEmbedding(self.head_dim, RopeConfig(theta=theta))
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        md = get_attn_metadata()
-        starts = md.query_start_loc if md is not None else [0, x.shape[0]]
-        freqs = positions[:, None].float() * self.inv_freq.to(x.device)  # [T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-        q, k, v = self.Wqkv(x).view(-1, 3, self.num_heads, self.head_dim).permute(1, 2, 0, 3)  # 3 x [H, T, D]
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        out = torch.empty_like(q)
-        for a, b in zip(starts[:-1], starts[1:]):
-            mask = None
-            if self.window is not None:
-                pos = torch.arange(b - a, device=x.device)
-                mask = (pos[:, None] - pos[None, :]).abs() <= self.window
-            out[:, a:b] = F.scaled_dot_product_attention(q[:, a:b], k[:, a:b], v[:, a:b], attn_mask=mask)
-        return self.Wo(out.transpose(0, 1).reshape(x.shape))
+        cos, sin = self.rotary_emb(positions, x.dtype)
+        q, k, v = self.Wqkv(x).view(-1, 3, self.num_heads, self.head_dim).unbind(1)  # 3 x [T, H, D]
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return self.Wo(self.attn(q, k, v))
 
 
 class ModernBertMLP(nn.Module):
@@ -88,7 +74,7 @@ class ModernBertLayer(nn.Module):
         super().__init__()
         window = config.get("local_attention", 128) // 2 if layer_type == "sliding_attention" else None
         self.attn_norm = _norm(config) if i else nn.Identity()  # the embedding's norm serves layer 0
-        self.attn = ModernBertAttention(config, window, _rope_theta(config, layer_type))
+        self.attn = ModernBertAttention(config, window, _rope_theta(config, layer_type), i)
         self.mlp_norm = _norm(config)
         self.mlp = ModernBertMLP(config)
 
@@ -127,3 +113,35 @@ class ModernBertModel(nn.Module):
         for layer in self.layers:
             x = layer(x, positions)
         return self.final_norm(x)
+
+
+class ModernBertPredictionHead(nn.Module):
+    def __init__(self, config: dict) -> None:
+        super().__init__()
+        self.dense = Linear(config["hidden_size"], config["hidden_size"], bias=config.get("classifier_bias", False))
+        self.act = _ACTIVATIONS[config.get("classifier_activation", "gelu")]
+        self.norm = _norm(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.act(self.dense(x)))
+
+
+class ModernBertForSequenceClassification(nn.Module):
+    """The encoder, then ``classify`` on each request's pooled row (CLS or mean, the config's
+    ``classifier_pooling``, which the pooler config reads)."""
+
+    def __init__(self, config: dict) -> None:
+        super().__init__()
+        self.model = ModernBertModel(config)
+        self.head = ModernBertPredictionHead(config)
+        num_labels = len(config.get("id2label") or {}) or config.get("num_labels", 2)
+        self.classifier = Linear(config["hidden_size"], num_labels)
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "max_position_embeddings"):
+            setattr(self, name, getattr(self.model, name))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
+        """``[B, hidden]`` pooled rows -> ``[B, num_labels]`` logits."""
+        return self.classifier(self.head(pooled))

@@ -10,6 +10,7 @@ from pagedllm.models.bert import (
     XLMRobertaForSequenceClassification,
     XLMRobertaModel,
 )
+from pagedllm.models.embedding_gemma import Gemma3TextModel
 from pagedllm.models.gemma2 import Gemma2ForCausalLM
 from pagedllm.models.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from pagedllm.models.gpt_oss import GptOssForCausalLM
@@ -17,7 +18,8 @@ from pagedllm.models.granite import GraniteForCausalLM
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.mimo import MiMoForCausalLM
 from pagedllm.models.mixtral import MixtralForCausalLM
-from pagedllm.models.modernbert import ModernBertModel
+from pagedllm.models.modernbert import ModernBertForSequenceClassification, ModernBertModel
+from pagedllm.models.nomic_bert import NomicBertModel
 from pagedllm.models.olmo2 import Olmo2ForCausalLM
 from pagedllm.models.olmoe import OlmoeForCausalLM
 from pagedllm.models.phi3 import Phi3ForCausalLM
@@ -54,6 +56,9 @@ _MODELS: dict[str, type[nn.Module]] = {
     "XLMRobertaModel": XLMRobertaModel,
     "XLMRobertaForSequenceClassification": XLMRobertaForSequenceClassification,
     "ModernBertModel": ModernBertModel,
+    "ModernBertForSequenceClassification": ModernBertForSequenceClassification,
+    "NomicBertModel": NomicBertModel,
+    "Gemma3TextModel": Gemma3TextModel,  # EmbeddingGemma (models/embedding_gemma.py)
 }
 
 

@@ -27,7 +27,7 @@ class CachedRequestState:
     # scheduling a step may compute a token that only the runner knows so far.
     token_ids: list[int]
     num_prompt_tokens: int
-    params: SamplingParams
+    params: SamplingParams | None  # None: a pooling request
     block_ids: list[list[int]]  # the block table of each KV cache group
     num_computed_tokens: int
     eos_token_ids: frozenset[int]

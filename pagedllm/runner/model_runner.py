@@ -14,7 +14,7 @@ import torch
 from pagedllm.checkpoint.loader import load_model
 from pagedllm.config import DTYPE_ALIASES, EngineConfig
 from pagedllm.core.outputs import PromptLogprobsChunk, RunnerOutput, SchedulerOutput, TokenLogprobs
-from pagedllm.errors import ModelLoadError, ValidationError
+from pagedllm.errors import ValidationError
 from pagedllm.layers.attention import get_attn_backend
 from pagedllm.layers.attention.kv_cache_dtype import resolve_kv_cache_dtype
 from pagedllm.layers.attention_metadata import AttentionMetadata, StagingBuffers, build_attention_metadata
@@ -24,7 +24,6 @@ from pagedllm.lora.graph_weights import LoRAGraphInputs
 from pagedllm.lora.manager import LoRAManager
 from pagedllm.lora.mapping import set_lora_mapping
 from pagedllm.lora.request import LoRARequest
-from pagedllm.models.bert import TOKEN_TYPE_SHIFT
 from pagedllm.models.pooler import Pooler
 from pagedllm.pooler_config import load_pooler_config
 from pagedllm.pooling_params import PoolingParams
@@ -90,11 +89,11 @@ class ModelRunner:
         if self.device.type == "cpu":
             _keep_freed_memory()  # after every load-time conversion: what they freed goes back
         keep_frame_chunks()  # before the first forward: Python's frame stack stays mapped
-        # An encoder runs eagerly (no KV: it attends per request in a loop).
-        encoder = not attention_layers(self.model)
-        eager = True if encoder else mc.enforce_eager  # None: auto
         # Adapters wrap the layers' formats, after every choice above (pagedllm/lora/); compiled,
-        # the rows' slots are a tensor the graph reads (lora/graph_weights.py).
+        # the rows' slots are a tensor the graph reads (lora/graph_weights.py). An encoder compiles
+        # like a generator (its attention is the same op).
+        encoder = not kv_cache_layers(self.model, self.kv_cache_dtype)
+        eager = mc.enforce_eager  # None: auto
         graph_inputs = (LoRAGraphInputs(max(config.scheduler_config.max_num_batched_tokens, max_model_len, 16),
                                         self.device)
                         if config.lora_config.enable_lora and compile_disabled_reason(eager, self.device) is None
@@ -124,9 +123,6 @@ class ModelRunner:
         # window) and the tensors are planned from the specs, never from one model-wide geometry.
         self._kv_layers = kv_cache_layers(self.model, self.kv_cache_dtype) + (
             self.drafter.kv_layers if self.drafter is not None else [])
-        if not all(spec.causal for _, spec in self._kv_layers):
-            raise ModelLoadError("this model has non-causal attention layers that keep KV; the "
-                                 "attention backends compute causal attention only")
         # An encoder keeps no KV: one empty group, so the scheduler's block tables stay the same.
         self.kv_cache_groups = (group_layers([spec.sliding_window for _, spec in self._kv_layers], max_model_len)
                                 if self._kv_layers else [KVCacheGroup(None, ())])
@@ -198,6 +194,7 @@ class ModelRunner:
         block_tables: list[list[list[int]]] = []
         samplers: list[tuple[ScheduledRequest, int]] = []  # (request, its first logits row)
         poolers: list[tuple[str, int, int, PoolingParams]] = []  # (request, first row, rows, params)
+        token_type_starts: list[tuple[int, int]] = []  # rows [a, b) of a pair's second segment
         # (state, first row, first position, count): rows whose logits score prompt tokens.
         prompt_lp_jobs: list[tuple[CachedRequestState, int, int, int]] = []
         for s in scheduled:
@@ -210,7 +207,8 @@ class ModelRunner:
             query_lens.append(n)
             num_computed.append(start)
             block_tables.append(state.block_ids)  # one table per KV cache group
-            if state.params.prompt_logprobs is not None and start < state.num_prompt_tokens - 1:
+            if state.params is not None and state.params.prompt_logprobs is not None \
+                    and start < state.num_prompt_tokens - 1:
                 # Logits at position p score prompt token p + 1.
                 count = min(start + n_real, state.num_prompt_tokens - 1) - start
                 prompt_lp_jobs.append((state, row0, start, count))
@@ -218,7 +216,7 @@ class ModelRunner:
                 samplers.append((s, row0 + n_real - 1))
             elif state.pooling_params is not None:
                 poolers.append((state.req_id, row0, n, state.pooling_params))
-                self._mark_token_types(input_ids, row0, n, state.pooling_params)
+                token_type_starts.append((row0 + (state.pooling_params.token_type_start or n), row0 + n))
 
         attn_md = self._attention_metadata(query_lens, num_computed, block_tables)
         ids_t = self._staging[0].fill("input_ids", input_ids, (len(input_ids),))
@@ -226,7 +224,8 @@ class ModelRunner:
             ids_t = ids_t.to(self.device, non_blocking=True)
         lora_mapping = None if self.lora_manager is None else self.lora_manager.step_mapping(
             [(s.state.lora_request, s.num_tokens) for s in scheduled], self.device)
-        with set_forward_context(attn_md), set_lora_mapping(lora_mapping):
+        token_types = self._token_type_ids(token_type_starts, len(input_ids))
+        with set_forward_context(attn_md, token_types), set_lora_mapping(lora_mapping):
             # The metadata's positions are the model's: one tensor for both.
             # An adapter's trained embedding is looked up outside the graph: such steps run eagerly.
             compiled = None if self.lora_manager is not None and self.lora_manager.embedding_in_use \
@@ -268,12 +267,15 @@ class ModelRunner:
     def remove_lora(self, lora_int_id: int) -> bool:
         return self.lora_manager is not None and self.lora_manager.remove_lora(lora_int_id)
 
-    def _mark_token_types(self, input_ids: list[int], row0: int, n: int, params: PoolingParams) -> None:
-        """A text pair's second segment: token type 1, carried in the ids' high bits (models/bert.py)."""
-        start = params.token_type_start
-        if start is not None and getattr(self.model, "supports_token_types", False):
-            for i in range(row0 + start, row0 + n):
-                input_ids[i] |= 1 << TOKEN_TYPE_SHIFT
+    def _token_type_ids(self, segments: list[tuple[int, int]], num_tokens: int) -> torch.Tensor | None:
+        """``[T]`` token types, 1 on a text pair's second segment; None when all are 0 or the
+        model has no token types."""
+        if not getattr(self.model, "supports_token_types", False) or all(a == b for a, b in segments):
+            return None
+        types = torch.zeros(num_tokens, dtype=torch.long)
+        for a, b in segments:
+            types[a:b] = 1
+        return types.to(self.device)
 
     def _attention_metadata(self, query_lens: list[int], num_computed: list[int],
                             block_tables: list[list[list[int]]]) -> AttentionMetadata:

@@ -8,12 +8,11 @@ from pagedllm.core.outputs import RunnerOutput
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.errors import ValidationError
 from pagedllm.pooling_params import PoolingParams
-from pagedllm.sampling_params import SamplingParams
 
 
 def pooling_request(rid: str, prompt: list[int]) -> Request:
-    return Request(rid, prompt, SamplingParams(max_tokens=1), arrival_time=float(len(rid)),
-                   pooling_params=PoolingParams(task="embed"))
+    # A pooling request samples nothing: it carries PoolingParams only.
+    return Request(rid, prompt, None, arrival_time=float(len(rid)), pooling_params=PoolingParams(task="embed"))
 
 
 def _pooled(so, vectors: dict[str, list[float]]) -> RunnerOutput:
@@ -27,6 +26,7 @@ def test_whole_input_in_one_step_then_finished_with_its_vector():
     so = sched.schedule()
     assert so.num_scheduled_tokens == {"a": 10}
     assert so.scheduled_new_reqs[0].pooling_params.task == "embed"
+    assert so.scheduled_new_reqs[0].sampling_params is None
     out = sched.update_from_output(so, _pooled(so, {"a": [0.5, -0.5]}))
     assert out.pooler_output == {"a": [0.5, -0.5]}
     assert out.finished == {"a": ("stop", None)}

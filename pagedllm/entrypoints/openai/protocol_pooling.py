@@ -60,19 +60,23 @@ class PoolingUsage(OpenAIBaseModel):
     total_tokens: int = 0
 
 
+class PoolingListResponse(OpenAIBaseModel):
+    """What every list-shaped pooling response carries besides its ``data``."""
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    usage: PoolingUsage
+
+
 class EmbeddingData(OpenAIBaseModel):
     index: int
     object: Literal["embedding"] = "embedding"
     embedding: list[float] | str  # str: base64 of little-endian float32
 
 
-class EmbeddingResponse(OpenAIBaseModel):
-    id: str
-    object: Literal["list"] = "list"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
+class EmbeddingResponse(PoolingListResponse):
     data: list[EmbeddingData]
-    usage: PoolingUsage
 
 
 class PoolingData(OpenAIBaseModel):
@@ -81,13 +85,8 @@ class PoolingData(OpenAIBaseModel):
     data: list[float] | str
 
 
-class PoolingResponse(OpenAIBaseModel):
-    id: str
-    object: Literal["list"] = "list"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
+class PoolingResponse(PoolingListResponse):
     data: list[PoolingData]
-    usage: PoolingUsage
 
 
 class ClassificationData(OpenAIBaseModel):
@@ -97,13 +96,8 @@ class ClassificationData(OpenAIBaseModel):
     num_classes: int
 
 
-class ClassificationResponse(OpenAIBaseModel):
-    id: str
-    object: Literal["list"] = "list"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
+class ClassificationResponse(PoolingListResponse):
     data: list[ClassificationData]
-    usage: PoolingUsage
 
 
 class ScoreData(OpenAIBaseModel):
@@ -112,13 +106,8 @@ class ScoreData(OpenAIBaseModel):
     score: float
 
 
-class ScoreResponse(OpenAIBaseModel):
-    id: str
-    object: Literal["list"] = "list"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
+class ScoreResponse(PoolingListResponse):
     data: list[ScoreData]
-    usage: PoolingUsage
 
 
 class RerankResult(OpenAIBaseModel):

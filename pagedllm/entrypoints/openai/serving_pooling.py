@@ -7,7 +7,8 @@ import array
 import asyncio
 import base64
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
@@ -26,6 +27,7 @@ from pagedllm.entrypoints.openai.protocol_pooling import (
     EmbeddingResponse,
     JinaRerankResponse,
     PoolingData,
+    PoolingListResponse,
     PoolingResponse,
     PoolingUsage,
     RerankDocument,
@@ -40,6 +42,8 @@ from pagedllm.entrypoints.openai.serving_engine import OpenAIServing
 from pagedllm.errors import ValidationError
 from pagedllm.pooling_outputs import PoolingRequestOutput
 from pagedllm.pooling_params import PoolingParams
+
+_R = TypeVar("_R", bound=PoolingListResponse)
 
 
 def _inputs(value: Any) -> list[Any]:
@@ -89,23 +93,25 @@ class OpenAIServingPooling(OpenAIServing):
         return PoolingUsage(prompt_tokens=n, total_tokens=n)
 
     async def embeddings(self, request: EmbeddingRequest) -> EmbeddingResponse:
-        self.check_model(request.model)
-        request.check_extra_fields()
         params = PoolingParams(task="embed", dimensions=request.dimensions, normalize=request.normalize,
                                truncate_prompt_tokens=request.truncate_prompt_tokens)
-        rid, outs = await self._pool("embd", _inputs(request.input), params)
-        enc = _base64 if request.encoding_format == "base64" else list
-        return EmbeddingResponse(id=rid, model=self.model_name, usage=self._usage(outs), data=[
-            EmbeddingData(index=i, embedding=enc(o.outputs.data)) for i, o in enumerate(outs)])
+        return await self._vectors(request, params, "embd", EmbeddingResponse,
+                                   lambda i, v: EmbeddingData(index=i, embedding=v))
 
     async def pooling(self, request: EmbeddingRequest) -> PoolingResponse:
+        params = PoolingParams(task="encode", truncate_prompt_tokens=request.truncate_prompt_tokens)
+        return await self._vectors(request, params, "pool", PoolingResponse,
+                                   lambda i, v: PoolingData(index=i, data=v))
+
+    async def _vectors(self, request: EmbeddingRequest, params: PoolingParams, prefix: str,
+                       response: type[_R], item: Callable[[int, list[float] | str], Any]) -> _R:
+        """/v1/embeddings and /pooling: one vector per input, as floats or base64."""
         self.check_model(request.model)
         request.check_extra_fields()
-        params = PoolingParams(task="encode", truncate_prompt_tokens=request.truncate_prompt_tokens)
-        rid, outs = await self._pool("pool", _inputs(request.input), params)
+        rid, outs = await self._pool(prefix, _inputs(request.input), params)
         enc = _base64 if request.encoding_format == "base64" else list
-        return PoolingResponse(id=rid, model=self.model_name, usage=self._usage(outs), data=[
-            PoolingData(index=i, data=enc(o.outputs.data)) for i, o in enumerate(outs)])
+        return response(id=rid, model=self.model_name, usage=self._usage(outs),
+                        data=[item(i, enc(o.outputs.data)) for i, o in enumerate(outs)])
 
     async def classify(self, request: ClassificationRequest) -> ClassificationResponse:
         self.check_model(request.model)

@@ -22,7 +22,9 @@
 // sliding window, where an item reads only the positions its rows' windows cover (a decode's
 // cost is O(window), the blocks before it never touched); logit soft-capping, applied to a
 // tile's visible scores before its softmax update; attention sinks, a per-head logit that
-// starts each row's online softmax as a key of value 0 (so it counts in the denominator only).
+// starts each row's online softmax as a key of value 0 (so it counts in the denominator only);
+// bidirectional attention (an encoder's layer): a row sees every key of its request, or with a
+// window those at a distance below it, after its position as well as before.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_like.h>
@@ -64,11 +66,13 @@ struct Item {
 // What a layer adds to plain causal attention (run<T, true>; plain layers run<T, false>, the
 // code they always had). window: a query at position p sees keys (p - window, p], 0 = all;
 // soft_cap: scores become soft_cap * tanh(score / soft_cap), 0 = off; sinks: per query head, a
-// logit that joins the softmax's denominator only (nullptr = none).
+// logit that joins the softmax's denominator only (nullptr = none); causal false: a query at
+// position p sees every key, or with a window those in (p - window, p + window).
 struct Features {
   int64_t window;
   float soft_cap;
   const float* sinks;
+  bool causal;
 };
 
 // Which work items cover a flat batch. A decode item takes as many kv heads as fit kMaxRows
@@ -181,6 +185,12 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
 
   const int64_t num_threads = at::get_num_threads();
   const bool windowed = kFeatures && features.window > 0;
+  const bool causal = !kFeatures || features.causal;
+  // Keys past which the row at position pos sees none (its own position + 1 when causal).
+  auto key_end = [&](int64_t pos, int64_t seq_len) -> int64_t {
+    if (causal) return pos + 1;
+    return windowed ? std::min(seq_len, pos + features.window) : seq_len;
+  };
   const std::vector<Item> items = plan_items(qsl, lens, num_reqs, num_kv_heads, group, block_size, num_threads,
                                              kFeatures ? features.window : 0);
   const int64_t num_items = static_cast<int64_t>(items.size());
@@ -228,7 +238,7 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
           row_sum[r] = 1.f;
         }
 
-      const int64_t num_keys = first_pos + item.row1;  // the last row sees this many keys
+      const int64_t num_keys = key_end(first_pos + item.row1 - 1, seq_len);  // the last row's keys
       // The item reads positions [key0, num_keys) (key0 > 0 in a sliding window only): read
       // index k is position key0 + k in the in-order part of the reads.
       const int64_t key0 = kFeatures ? item.key0 : 0;
@@ -275,7 +285,7 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
         };
         if (prefetch_next && next_keys == 0 && it_next < num_items) {
           const Item& nx = items[it_next];
-          const int64_t nx_keys = lens[nx.req] - (qsl[nx.req + 1] - qsl[nx.req]) + nx.row1;
+          const int64_t nx_keys = key_end(lens[nx.req] - (qsl[nx.req + 1] - qsl[nx.req]) + nx.row1 - 1, lens[nx.req]);
           const int64_t* nx_table = tables + nx.req * max_blocks;
           auto prefetch_slot = [&](int64_t pos) {
             const C* slot = slot_at(nx_table, pos);
@@ -292,9 +302,9 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
         // k0 counts keys in read order: every key before item.own_group is visible to every row,
         // and from there on the j-th key read is position j, so the visible keys are a prefix.
         // In a sliding window (read in order from key0) they are the range [first_visible(r),
-        // visible(r)) of the tile.
+        // visible(r)) of the tile. Bidirectional without a window: every key read.
         auto visible = [&](int64_t r) {
-          return std::clamp<int64_t>(first_pos + query_row(r) + 1 - (key0 + k0), 0, tile);
+          return std::clamp<int64_t>(key_end(first_pos + query_row(r), seq_len) - (key0 + k0), 0, tile);
         };
         auto first_visible = [&](int64_t r) -> int64_t {
           if (!windowed) return 0;
@@ -371,7 +381,7 @@ template <typename Q, typename C>
 void dispatch(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
               const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
               const Features& features, at::Tensor& out) {
-  if (features.window > 0 || features.soft_cap > 0.f || features.sinks != nullptr)
+  if (!features.causal || features.window > 0 || features.soft_cap > 0.f || features.sinks != nullptr)
     run<Q, C, true>(query, kv_cache, block_tables, query_start_loc, seq_lens, scale, features, out);
   else
     run<Q, C, false>(query, kv_cache, block_tables, query_start_loc, seq_lens, scale, features, out);
@@ -404,7 +414,7 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
                            const at::Tensor& seq_lens, double scale, int64_t sliding_window,
                            double logits_soft_cap, const std::optional<at::Tensor>& sinks,
                            const std::optional<at::Tensor>& key, const std::optional<at::Tensor>& value,
-                           const std::optional<at::Tensor>& slot_mapping) {
+                           const std::optional<at::Tensor>& slot_mapping, bool causal) {
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "query must be [T, H, D], D contiguous");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
               "kv_cache must be a contiguous [2, blocks, block_size, Hkv, D]");
@@ -422,7 +432,7 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
                     sinks->size(0) == query.size(1),
                 "sinks must be a contiguous float32 [num_heads]");
   const Features features{sliding_window, static_cast<float>(logits_soft_cap),
-                          sinks.has_value() ? sinks->const_data_ptr<float>() : nullptr};
+                          sinks.has_value() ? sinks->const_data_ptr<float>() : nullptr, causal};
   TORCH_CHECK(key.has_value() == value.has_value() && key.has_value() == slot_mapping.has_value(),
               "key, value and slot_mapping come together (the step's K/V to store) or not at all");
   if (key.has_value()) paged_store::store_kv(kv_cache, *key, *value, *slot_mapping);
@@ -442,7 +452,7 @@ TORCH_LIBRARY_FRAGMENT(PAGEDLLM_NS, m) {
   m.def("paged_attention(Tensor query, Tensor(a!) kv_cache, Tensor block_tables, "
         "Tensor query_start_loc, Tensor seq_lens, float scale, int sliding_window=0, "
         "float logits_soft_cap=0., Tensor? sinks=None, Tensor? key=None, Tensor? value=None, "
-        "Tensor? slot_mapping=None) -> Tensor");
+        "Tensor? slot_mapping=None, bool causal=True) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(PAGEDLLM_NS, CPU, m) { m.impl("paged_attention", &paged_attention); }

@@ -34,11 +34,12 @@ class AttentionLayer(Protocol):
     sliding_window: int | None     # a query at position p sees keys at (p - window, p]
     logits_soft_cap: float | None  # scores -> cap * tanh(scores / cap), after the scale
     sinks: torch.Tensor | None     # [num_heads]: per query head, a logit in the denominator only
+    causal: bool                   # False: a query sees its request's keys after it too (no KV kept)
 
 
 def is_plain(layer: AttentionLayer) -> bool:
-    """Whether the layer is plain causal attention (no window, soft cap or sinks): the path
-    every backend had before those existed, kept as it was."""
+    """Whether the layer is plain attention (no window, soft cap or sinks; causal or not): the
+    path every backend had before those existed, kept as it was."""
     return layer.sliding_window is None and layer.logits_soft_cap is None and layer.sinks is None
 
 

@@ -14,6 +14,10 @@ kernel widens them to float32 as it reads; fresh prompts attend their K/V rounde
 A layer with a sliding window, logit soft-capping or attention sinks runs every row in the
 kernel, fresh prompts included: SDPA has no soft cap or sinks, and a window would need a dense
 ``[n, n]`` mask there, where the kernel reads only each row's window (``O(n * window)``).
+
+A bidirectional layer (an encoder's) keeps no KV: plain, each request goes to SDPA as a fresh
+prompt does; with a window or other features, the kernel reads the step's K/V from a scratch
+cache (scratch_kv.py) with its causal flag off.
 """
 from __future__ import annotations
 
@@ -24,7 +28,8 @@ import torch
 from pagedllm.kernels.cpu_extension import load_cpu_ops, load_paged_attention_op
 from pagedllm.layers.attention.backend import AttentionBackend, AttentionLayer, AttentionMetadata, is_plain
 from pagedllm.layers.attention.kv_cache_dtype import as_stored, to_cache_dtype
-from pagedllm.layers.attention.torch_backend import attend_causal
+from pagedllm.layers.attention.scratch_kv import ScratchKV
+from pagedllm.layers.attention.torch_backend import attend_causal, attend_each_request
 from pagedllm.layers.attention.unified_attention import clear_step, set_step
 
 __all__ = ["CpuPagedBackend", "load_paged_attention_op"]
@@ -61,6 +66,8 @@ class CpuPagedBackend(AttentionBackend):
     def forward(self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 md: AttentionMetadata) -> torch.Tensor:
         # The kernel stores k/v (a narrower cache dtype cast first: one pass over the step's K/V).
+        if not layer.causal:
+            return self._bidirectional(layer, q, k, v, md)
         dtype = layer.kv_cache.dtype
         store = (to_cache_dtype(k, dtype), to_cache_dtype(v, dtype), md.slot_mapping)
         if not is_plain(layer):
@@ -80,8 +87,22 @@ class CpuPagedBackend(AttentionBackend):
                                       layer.scale)
         return out
 
+    def _bidirectional(self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       md: AttentionMetadata) -> torch.Tensor:
+        if is_plain(layer):
+            return attend_each_request(layer, q, k, v, md.query_start_loc)
+        plan: _Plan = md.backend_data
+        if plan.scratch is None:
+            plan.scratch = ScratchKV(md.query_start_loc, md.block_size or 16, q.device)
+        scratch = plan.scratch
+        sinks = None if layer.sinks is None else layer.sinks.detach().float()
+        return self._op(q, scratch.cache(layer.num_kv_heads, layer.head_dim, k.dtype), scratch.block_tables,
+                        md.query_start_loc_tensor, scratch.seq_lens, layer.scale, layer.sliding_window or 0,
+                        layer.logits_soft_cap or 0.0, sinks, k, v, scratch.slot_mapping, False)
+
 
 @dataclass(slots=True)
 class _Plan:
     seq_lens: torch.Tensor         # [B] long: the kernel's view, 0 for the fresh prompts it skips
     fresh_rows: list[slice]        # the fresh prompts' rows of the flat batch
+    scratch: ScratchKV | None = None  # a bidirectional layer's K/V, laid out at its first use in the step

@@ -37,15 +37,14 @@ class Attention(nn.Module):
     Gemma 2/3's local layers, GPT-OSS); ``logits_soft_cap``: scores become
     ``cap * tanh(scores / cap)`` after the scale, before the mask (Gemma 2); ``has_sinks``: a
     learned logit per query head joins the softmax's denominator (GPT-OSS), ``self.sinks``, for
-    this rank's heads, filled by the model's loader.
+    this rank's heads, filled by the model's loader; ``causal=False``: every token sees every
+    token of its request (an encoder's, an embedder's bidirectional layer), a window then
+    reaching as far after a position as before it.
     """
-
-    # The backends compute causal attention; an encoder's layer (a later issue) will not.
-    causal = True
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  layer_idx: int, sliding_window: int | None = None,
-                 logits_soft_cap: float | None = None, has_sinks: bool = False) -> None:
+                 logits_soft_cap: float | None = None, has_sinks: bool = False, causal: bool = True) -> None:
         super().__init__()
         # From a checkpoint's config: a bad value is the model's, not the caller's.
         if sliding_window is not None and (isinstance(sliding_window, bool)
@@ -62,6 +61,7 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.num_groups = num_heads // num_kv_heads
         self.sliding_window = sliding_window
+        self.causal = causal
         self.logits_soft_cap = None if logits_soft_cap is None else float(logits_soft_cap)
         self.sinks: torch.Tensor | None = None
         if has_sinks:
@@ -76,12 +76,15 @@ class Attention(nn.Module):
 
     def kv_cache_spec(self, kv_cache_dtype: torch.dtype) -> KVCacheSpec | None:
         """What this layer keeps in the cache, whose dtype the runner decides; None: no KV."""
+        if not self.causal:  # it only ever runs whole inputs, so nothing it computes is read again
+            return None
         return KVCacheSpec(self.num_kv_heads, self.head_dim, kv_cache_dtype, self.sliding_window,
                            self.causal)
 
     def extra_repr(self) -> str:
         extra = "".join(f", {name}={value}" for name, value in (
             ("sliding_window", self.sliding_window), ("logits_soft_cap", self.logits_soft_cap),
+            ("causal", False if not self.causal else None),
             ("sinks", True if self.sinks is not None else None)) if value is not None)
         return (f"layer_idx={self.layer_idx}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
                 f"head_dim={self.head_dim}{extra}")
@@ -101,9 +104,9 @@ class Attention(nn.Module):
         the op's fake implementation promises the compiled graph)."""
         num_tokens = q.shape[0]
         md = get_attn_metadata()
-        if md is None:  # no step: one causal sequence, no cache (warm-up, profiling)
+        if md is None:  # no step: one sequence, no cache (warm-up, profiling)
             return attend_sequence(self, q, k, v).reshape(num_tokens, -1)
-        if self.kv_cache.dim() != 5:
+        if self.causal and self.kv_cache.dim() != 5:
             raise RuntimeError(f"attention layer {self.layer_idx} has no KV cache bound; "
                                "call bind_kv_caches(model, kv_caches) first")
         if md.group_metadata is not None:  # several KV cache groups: read this layer's own

@@ -8,6 +8,9 @@ tested against.
 A layer with a sliding window masks the keys before it (SDPA with a boolean mask); one with
 logit soft-capping or attention sinks, which SDPA cannot express, takes the same steps written
 out (``_attend_math``: scores, cap, mask, sink column, softmax, values), in float32.
+
+A bidirectional layer (``causal`` False: an encoder's) keeps no KV: each request attends to its
+own rows of the step, which is always its whole input.
 """
 from __future__ import annotations
 
@@ -26,23 +29,30 @@ from pagedllm.layers.attention.kv_cache_dtype import as_stored, read_blocks, sto
 
 
 def attend_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                  mask: torch.Tensor | None = None) -> torch.Tensor:
-    """One sequence: ``q [n, H, D]``, ``k/v [L, Hkv, D]`` -> ``[n, H, D]``; causal if no mask."""
+                  mask: torch.Tensor | None = None, causal: bool = True) -> torch.Tensor:
+    """One sequence: ``q [n, H, D]``, ``k/v [L, Hkv, D]`` -> ``[n, H, D]``; without a mask,
+    causal, or every key for every query when ``causal`` is False."""
     # 4-D inputs and enable_gqa: torch's fused CPU kernel (flash) instead of the math path,
     # and no repeat_interleave copies of K/V; query head h reads kv head h // num_groups.
     q_t = q.transpose(0, 1)[None]  # [1, H, n, D]
     k_t = k.transpose(0, 1)[None]  # [1, Hkv, L, D]
     v_t = v.transpose(0, 1)[None]
-    out = F.scaled_dot_product_attention(q_t, k_t, v_t, attn_mask=mask, is_causal=mask is None,
+    out = F.scaled_dot_product_attention(q_t, k_t, v_t, attn_mask=mask, is_causal=mask is None and causal,
                                          scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     return out[0].transpose(0, 1)  # [n, H, D]
 
 
-def causal_mask(query_pos: torch.Tensor, num_keys: int, window: int | None) -> torch.Tensor:
+def causal_mask(query_pos: torch.Tensor, num_keys: int, window: int | None,
+                causal: bool = True) -> torch.Tensor:
     """``[n, num_keys]`` bool: True where the query at ``query_pos[i]`` sees key position j,
     i.e. ``j <= p`` and, with a window, ``j > p - window`` (transformers'
-    sliding_window_overlay)."""
+    sliding_window_overlay); not causal: any j, or with a window ``|j - p| < window``
+    (Gemma 3's bidirectional overlay)."""
     key_pos = torch.arange(num_keys, device=query_pos.device)[None, :]  # [1, L]
+    if not causal:
+        if window is None:
+            return torch.ones(len(query_pos), num_keys, dtype=torch.bool, device=query_pos.device)
+        return (key_pos - query_pos[:, None]).abs() < window
     mask = key_pos <= query_pos[:, None]
     if window is not None:
         mask &= key_pos > query_pos[:, None] - window
@@ -53,12 +63,12 @@ def attend_sequence(layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: 
                     mask: torch.Tensor | None = None) -> torch.Tensor:
     """One request's query rows ``q [n, H, D]``, the last n of the positions of ``k/v [L, Hkv,
     D]``, -> ``[n, H, D]`` with the layer's features. ``mask``: the plain causal mask ``[n, L]``
-    when the caller has one (None: causal over the rows' own positions)."""
+    when the caller has one (None: causal over the rows' own positions, or all of them)."""
     if is_plain(layer):
-        return attend_causal(q, k, v, layer.scale, mask)
+        return attend_causal(q, k, v, layer.scale, mask, layer.causal)
     n, num_keys = q.shape[0], k.shape[0]
     mask = causal_mask(torch.arange(num_keys - n, num_keys, device=q.device), num_keys,
-                       layer.sliding_window)
+                       layer.sliding_window, layer.causal)
     if layer.logits_soft_cap is None and layer.sinks is None:
         return attend_causal(q, k, v, layer.scale, mask)
     # Query heads grouped by their kv head: [n, H, D] -> [Hkv, groups, n, D]; the K/V of a kv
@@ -88,12 +98,23 @@ def _attend_math(layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: tor
     return torch.matmul(probs, v.float()).to(q.dtype)
 
 
+def attend_each_request(layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        query_start_loc: list[int]) -> torch.Tensor:
+    """A bidirectional layer: each request's rows attend to its own rows, ``[T, H, D]``."""
+    out = q.new_empty(q.shape)
+    for a, b in zip(query_start_loc[:-1], query_start_loc[1:]):
+        out[a:b] = attend_sequence(layer, q[a:b], k[a:b], v[a:b])
+    return out
+
+
 class TorchBackend(AttentionBackend):
     name = "torch"
     needs_gather_plan = True
 
     def forward(self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 md: AttentionMetadata) -> torch.Tensor:
+        if not layer.causal:
+            return attend_each_request(layer, q, k, v, md.query_start_loc)
         self.write_kv(layer, k, v, md)
         decode = md.decode
         if decode is not None and not md.prefills:  # all decodes, in batch order: no shuffling
