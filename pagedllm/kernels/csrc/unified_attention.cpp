@@ -99,13 +99,14 @@ at::Tensor unified_attention(const at::Tensor& query, const at::Tensor& key, con
           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                             const at::Tensor&, double, int64_t, double, const std::optional<at::Tensor>&,
                             const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
-                            const std::optional<at::Tensor>&)>();
+                            const std::optional<at::Tensor>&, bool)>();
   // The kernel reads float32 sink logits (a copy only when the model's are narrower).
   std::optional<at::Tensor> sinks_f32;
   if (sinks.has_value()) sinks_f32 = sinks->to(at::kFloat).contiguous();
   at::Tensor out = paged_attention.call(query, layer->kv_cache, group->block_tables, group->query_start_loc,
                                         group->seq_lens, scale, sliding_window, logits_soft_cap, sinks_f32,
-                                        key, value, group->slot_mapping);
+                                        key, value, group->slot_mapping,
+                                        /*causal=*/true);  // a layer bound here keeps KV: a causal one
   return out.view({query.size(0), query.size(1) * query.size(2)});  // [T, H * D], contiguous
 }
 
