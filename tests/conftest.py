@@ -9,6 +9,8 @@ trades that coverage for time.
 """
 import os
 
+import pytest
+
 os.environ.setdefault("PAGEDLLM_ENFORCE_EAGER", "1")
 # Every float32 linear on pagedllm's kernel, without the startup measurement (layers/
 # linear_choice.py): the tests hold outputs to bit-exact properties the kernel has on every CPU
@@ -19,3 +21,15 @@ os.environ.setdefault("PAGEDLLM_CPU_KERNELS", "pagedllm")
 
 # Packages of the `test` extra are imported plainly (a missing one fails, it never skips);
 # system tools CI installs (chromium) go through tests/ci_support.py's skip_unless_ci.
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_torch_thread():
+    """The suite's models are tiny: intra-op threads only fight each other (and the other test
+    processes on a small machine); one thread is several times faster for HF and pagedllm alike."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

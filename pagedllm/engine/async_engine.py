@@ -299,12 +299,24 @@ class AsyncLLM:
             except (asyncio.CancelledError, Exception):
                 pass
         # A core process this AsyncLLM started is stopped and reaped here (its shutdown is safe
-        # from any thread, even with a step in progress); an in-process core is left as it was.
-        if self._owns_engine and hasattr(self.engine.engine_core, "on_dead"):
+        # from any thread, even with a step in progress); an in-process one between two steps.
+        if self._owns_engine:
             self._owns_engine = False
-            await asyncio.to_thread(self.engine.shutdown)
+            in_process = not hasattr(self.engine.engine_core, "on_dead")
+            await asyncio.to_thread(self._shutdown_in_process if in_process else self.engine.shutdown)
         self._executor.shutdown(wait=False, cancel_futures=True)
         self._input_executor.shutdown(wait=False, cancel_futures=True)
+
+    def _shutdown_in_process(self) -> None:
+        """Stop the in-process engine once a step in flight ends: its executor lets go of the
+        weights and KV cache, so they are freed now, not at the collector's next full pass."""
+        if not self._lock.acquire(timeout=self.watchdog_timeout_s or -1):
+            logger.warning("a step is still running; the engine's memory is left to the garbage collector")
+            return
+        try:
+            self.engine.shutdown()
+        finally:
+            self._lock.release()
 
     # -- requests ------------------------------------------------------------------------------
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | BeamSearchParams,

@@ -65,19 +65,12 @@ def _workers(proc: subprocess.Popen, backend: str) -> list[psutil.Process]:
 
 @pytest.fixture(scope="module")
 def one_rank_texts() -> list[str]:
-    import torch
-
     from pagedllm import LLM, SamplingParams
 
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        llm = LLM(str(DEMO_MODEL_DIR), device="cpu", num_gpu_blocks_override=64, max_model_len=256)
-        outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
-        llm.llm_engine.shutdown()
-        return [o.outputs[0].text for o in outs]
-    finally:
-        torch.set_num_threads(previous)
+    llm = LLM(str(DEMO_MODEL_DIR), device="cpu", num_gpu_blocks_override=64, max_model_len=256)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
+    llm.llm_engine.shutdown()
+    return [o.outputs[0].text for o in outs]
 
 
 @pytest.mark.slow  # a server, its engine core, two ranks loading the model (and a local Ray)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from pagedllm import LLM, SamplingParams
 
@@ -51,12 +50,7 @@ def _run(folder, **engine_args) -> tuple[list, dict]:
 
 @pytest.fixture(scope="module")
 def one_rank(tiny_models):
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield {arch: _run(folder) for arch, folder in tiny_models.items()}
-    finally:
-        torch.set_num_threads(previous)
+    return {arch: _run(folder) for arch, folder in tiny_models.items()}
 
 
 def _assert_same(want_outputs: list, got_outputs: list) -> None:

@@ -90,18 +90,6 @@ def hf_log_softmax(model, token_ids: list[int]):
     return torch.log_softmax(logits.double(), dim=-1)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    """The models here are tiny: intra-op threads only fight each other (and the other test
-    processes on a small machine); one thread is several times faster for HF and pagedllm alike."""
-    import torch
-
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 @pytest.fixture(scope="session")
 def e2e() -> SimpleNamespace:
     """The helpers and constants above, as a fixture (test modules cannot import ``conftest``

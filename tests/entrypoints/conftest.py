@@ -28,17 +28,6 @@ from pagedllm.config import default_model
 MODEL_NAME = "demo"
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _one_torch_thread():
-    """The demo model is tiny: intra-op threads only fight each other on a small machine."""
-    import torch
-
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 
 @pytest.fixture(scope="session", autouse=True)
 def cli_server() -> Iterator[SimpleNamespace]:

@@ -13,17 +13,6 @@ if _ENTRYPOINTS not in sys.path:
     sys.path.insert(0, _ENTRYPOINTS)
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _one_torch_thread():
-    """The demo model is tiny: intra-op threads only fight each other on a small machine."""
-    import torch
-
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 @pytest.fixture(scope="session")
 def demo_tokenizer():
     from pagedllm.config import default_model

@@ -9,7 +9,6 @@ arrives while its model unloads waits and loads it again."""
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -154,9 +153,10 @@ class ModelPool:
                 await loaded.llm.shutdown()
             finally:
                 del loaded
+                # No collection here: the engine's shutdown let go of its weights and KV cache, and
+                # a full pass over every other model's objects would stall this switch.
                 if self._forget is not None:
                     self._forget()
-                gc.collect()  # the weights and KV cache go now, not at the next collection
                 served.state = UNLOADED
                 served.num_unloads += 1
                 logger.info("model %r unloaded", served.spec.id)
