@@ -18,7 +18,8 @@ compiled (``LLM()``'s default) and eager (``enforce_eager=True``):
 and the same counts per phase of the step: schedule, update (the scheduler's), runner_prep
 (the runner minus what follows: InputBatch, ids/positions), metadata (attention metadata),
 forward (the model, compiled or eager), sample (logits, sampling metadata, sampler), output
-(OutputProcessor: detokenize, stop checks), engine (the rest of the step: the core, stats).
+(OutputProcessor: outputs, stop checks), detokenize (its incremental detokenizer and stop
+strings, inside output), engine (the rest of the step: the core, stats).
 
     python -m benchmarks.step_cost [--model DIR] [--batch 1 8] [--steps 200] [--mode compiled eager]
                                    [--json FILE] [--omp-regions]
@@ -40,7 +41,7 @@ from benchmarks import omp_regions
 from benchmarks.common import REPO_ROOT, log, write_json
 
 DEFAULT_MODEL = REPO_ROOT.parent / "shared" / "models" / "stories260K" / "hf"
-PHASES = ("schedule", "update", "runner_prep", "metadata", "forward", "sample", "output", "engine")
+PHASES = ("schedule", "update", "runner_prep", "metadata", "forward", "sample", "output", "detokenize", "engine")
 WARMUP_STEPS = 3
 _LABEL = "step_cost::"
 
@@ -103,6 +104,7 @@ def instrument(engine, counter: PhaseCounter) -> None:  # noqa: ANN001 (an LLMEn
     _wrap(core.scheduler, "schedule", counter, "schedule")
     _wrap(core.scheduler, "update_from_output", counter, "update")
     _wrap(engine.output_processor, "process_outputs", counter, "output")
+    _wrap(engine.output_processor, "_update_text", counter, "detokenize")
     runner = core.executor.runner  # UniProcExecutor's (the engine core in this process)
     _wrap(runner, "execute_model", counter, "runner_prep")
     _wrap(runner, "_attention_metadata", counter, "metadata")

@@ -38,6 +38,7 @@ from pagedllm.runner.input_batch import CachedRequestState, InputBatch, Schedule
 from pagedllm.runner.kv_cache_groups import KVCacheGroup, group_layers, layer_placement, plan_kv_tensors
 from pagedllm.runner.linear_choice import choose_linear_kernels
 from pagedllm.runner.sampler import Sampler, SamplingMetadata, compute_topk_logprobs
+from pagedllm.runner.sampling_cache import SamplingMetadataCache
 from pagedllm.runner.spec_decode import verify_drafts
 from pagedllm.runner.weight_table import WeightRow, log_weight_table, weight_table
 from pagedllm.runner_type import resolve_runner_type
@@ -110,6 +111,7 @@ class ModelRunner:
         # After the drafter: an EAGLE-3 head's hooks on the target's layers are traced with it.
         self.compiled = maybe_compile(self.model, eager, self.device, warmup_tokens=16)
         self.sampler = Sampler()
+        self._sampling_cache = SamplingMetadataCache()
         self.input_batch = InputBatch()
         self.kv_caches: list[torch.Tensor] = []
         self.attn_backend = get_attn_backend(mc.attention_backend, self.device.type)
@@ -374,6 +376,11 @@ class ModelRunner:
                            ) -> tuple[SamplingMetadata, list[torch.Generator | None]]:
         """``stream``: which of a seeded request's random streams its rows draw from (0: the
         sampler's and verifier's; a draft model samples from its own)."""
+        states = [state for state, _, _ in rows]
+        kept = self._sampling_cache.lookup(states, stream)
+        if kept is not None:
+            return kept
+        per_step = False  # a row needs this step's data (generator, min_tokens mask, penalties)
         params, prompts, outputs = [], [], []
         generators: list[torch.Generator | None] = []
         stop_masks: list[frozenset[int]] = []
@@ -384,6 +391,7 @@ class ModelRunner:
             if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty:
                 prompts.append(state.token_ids[:state.num_prompt_tokens])
                 outputs.append(state.output_token_ids + prefix)
+                per_step = True
             else:  # only penalties read the tokens: do not copy them for every row
                 prompts.append(_NO_TOKENS)
                 outputs.append(_NO_TOKENS)
@@ -393,15 +401,18 @@ class ModelRunner:
                 g = torch.Generator(device=self.device)
                 g.manual_seed(((p.seed * 1_000_003 + num_output) ^ (stream << 48)) % (1 << 63))
                 generators.append(g)
+                per_step = True
             else:
                 generators.append(None)
             if num_output < p.min_tokens:
                 ids = p.all_stop_token_ids if p.ignore_eos else (p.all_stop_token_ids | state.eos_token_ids)
                 stop_masks.append(ids)
+                per_step = True
             else:
                 stop_masks.append(frozenset())
         md = SamplingMetadata.build(params, prompts, outputs, generators, stop_masks,
                                     self.vocab_size, self.device)
+        self._sampling_cache.keep(states, stream, None if per_step else (md, generators))
         return md, generators
 
 

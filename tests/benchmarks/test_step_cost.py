@@ -20,6 +20,7 @@ def test_every_phase_is_counted(counts):
     assert set(phases) == set(step_cost.PHASES)
     assert phases["forward"]["torch_ops"] > 0 and phases["forward"]["allocs"] > 0
     assert phases["schedule"]["py_calls"] > 0 and phases["output"]["py_calls"] > 0
+    assert phases["detokenize"]["py_calls"] > 0  # the demo requests are detokenized each step
     # The per-phase counts are a partition of the step's.
     assert sum(p["torch_ops"] for p in phases.values()) == pytest.approx(counts["torch_ops"])
     assert sum(p["allocs"] for p in phases.values()) == pytest.approx(counts["allocs"])
