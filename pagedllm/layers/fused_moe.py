@@ -50,8 +50,8 @@ from pagedllm.layers.activation import GatedActivation
 from pagedllm.layers.linear import WeightSlice, pack_weight
 from pagedllm.layers.moe_router import RoutingOrder, check_routing, select_experts
 from pagedllm.layers.quantization import QuantizedWeight, quantized_kernels_available
-from pagedllm.layers.quantization.mxfp4 import BLOCK_SIZE, dequantize_mxfp4
-from pagedllm.layers.weight_format import Half, Panels, Quantized, WeightFormat
+from pagedllm.layers.quantization.mxfp4 import BLOCK_SIZE
+from pagedllm.layers.weight_format import MXFP4, Dense, Half, Panels, Quantized, WeightFormat
 
 
 def kernel_wanted() -> bool:
@@ -104,6 +104,7 @@ class FusedMoE(nn.Module):
         inter = self.intermediate_size
         # Until process_weights_after_loading: gate_up rows alternate gate and up units.
         self._rows_interleaved = self.layout == ExpertLayout.TRANSPOSED_INTERLEAVED
+        self._mxfp4_loaded = weight_format == "mxfp4"  # blocks and scales until processed
         if weight_format == "mxfp4":
             self._init_mxfp4(num_experts, hidden_size, inter)
         else:
@@ -229,14 +230,15 @@ class FusedMoE(nn.Module):
                                      f"{self.num_experts} experts")
             self._hold_stacked(attr, [experts[e] for e in range(self.num_experts)])
         self._expert_qweights = {}
-        if hasattr(self, "down_proj_blocks"):  # MXFP4, not yet dequantized
+        if self._mxfp4_loaded:  # the checkpoint's blocks and scales, dequantized (exact)
             dtype = self._dtype_probe.dtype
-            for name in ("gate_up_proj", "down_proj"):
-                weight = dequantize_mxfp4(getattr(self, f"{name}_blocks"),
-                                          getattr(self, f"{name}_scales"), dtype)
-                setattr(self, name, nn.Parameter(weight, requires_grad=False))  # [E, rows, in]
-                delattr(self, f"{name}_blocks")
-                delattr(self, f"{name}_scales")
+            gate_up = MXFP4(self.gate_up_proj_blocks, self.gate_up_proj_scales)
+            down = MXFP4(self.down_proj_blocks, self.down_proj_scales)
+            self.gate_up_proj = nn.Parameter(gate_up.dequantize(dtype), requires_grad=False)
+            self.down_proj = nn.Parameter(down.dequantize(dtype), requires_grad=False)  # [E, rows, in]
+            del self.gate_up_proj_blocks, self.gate_up_proj_scales
+            del self.down_proj_blocks, self.down_proj_scales
+            self._mxfp4_loaded = False
         if self._rows_interleaved:
             # [g0, u0, g1, u1, ...] -> [g0, g1, ..., u0, u1, ...]: GatedActivation's halves.
             rows = 2 * self.intermediate_size
@@ -312,8 +314,16 @@ class FusedMoE(nn.Module):
         return out
 
     def _experts_in_kernel(self) -> bool:
-        """Both projections held for the CPU kernels (panels or stacked codes)."""
-        return len(self.expert_formats) == len(self.PROJECTIONS)
+        """Both projections held for the CPU kernels (panels or stacked codes), not ``Dense``."""
+        return (len(self.expert_formats) == len(self.PROJECTIONS)
+                and not any(isinstance(f, Dense) for f in self.expert_formats.values()))
+
+    def hold_dense(self) -> None:
+        """``Dense`` for each projection the CPU kernels do not hold (the planning pass's last
+        step, runner/weight_plan.py): its float parameter, on torch's matmul."""
+        for name, weight in (("gate_up_proj", self.gate_up_proj), ("down_proj", self.down_proj)):
+            if name not in self.expert_formats and weight is not None:
+                self.expert_formats[name] = Dense(weight)
 
     def _fused_experts(self, x: torch.Tensor, topk_weights: torch.Tensor,
                        topk_ids: torch.Tensor) -> torch.Tensor:

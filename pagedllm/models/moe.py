@@ -16,10 +16,11 @@ from torch import nn
 
 from pagedllm.errors import ModelLoadError
 from pagedllm.hf_config import text_config
-from pagedllm.layers import Linear, MergedColumnParallelLinear, RowParallelLinear, pack_linear
+from pagedllm.layers import Linear, MergedColumnParallelLinear, RowParallelLinear, hold
 from pagedllm.layers.activation import GatedActivation
 from pagedllm.layers.fused_moe import ExpertLayout, FusedMoE, kernel_wanted
 from pagedllm.layers.moe_router import RoutingOrder
+from pagedllm.layers.weight_format import Panels
 from pagedllm.models.decoder_args import DecoderArgs
 from pagedllm.models.llama import LlamaForCausalLM
 
@@ -112,8 +113,9 @@ class SparseMoeBlock(nn.Module):
         # The router's logits choose the experts: the skinny kernel's batch-independent sums, so
         # a token picks the same experts with the same weights in any batch (the runner's
         # per-shape timing, which may pick torch's matmul, applies to the other layers).
-        if kernel_wanted():
-            pack_linear(self.gate)
+        panels = Panels.pack(self.gate.weight) if kernel_wanted() else None
+        if panels is not None and panels.check(self.gate.bias):
+            hold(self.gate, panels)
 
 
 class MoEForCausalLM(LlamaForCausalLM):
