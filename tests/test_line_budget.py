@@ -23,10 +23,10 @@ BUDGET = {
     "explain": 750,
     "gguf": 1050,
     "kernels": 400,
-    "layers": 3550,
+    "layers": 3500,
     "lora": 600,
     "models": 1950,
-    "runner": 2350,
+    "runner": 2400,
     "structured_output": 450,
 }
 # The C++ kernels (kernels/csrc and the runner's arena allocator).

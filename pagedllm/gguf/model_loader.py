@@ -73,8 +73,8 @@ def load_gguf_model(model_path: str | Path, dtype: torch.dtype, device: torch.de
     plan: dict[str, list[Part]] = {}
     heads = tied_heads(model)
     if keep_quantized and quantized_kernels_available(device):
-        # Routers stay float even when the file quantized them (llama.cpp never does): the MoE
-        # block packs its router for the batch-independent kernel (models/moe.py).
+        # Routers stay float even when the file quantized them (llama.cpp never does): the
+        # planning pass packs routers for the batch-independent kernel (runner/weight_plan.py).
         quantized = {name for t in ckpt.tensors.values()
                      if t.type_id not in FLOAT_TYPES and ".ffn_gate_inp" not in t.name
                      for name in _hf_names(model, t, ckpt.architecture)}
@@ -90,7 +90,7 @@ def load_gguf_model(model_path: str | Path, dtype: torch.dtype, device: torch.de
     share_tied_heads(model, heads)
     for module in model.modules():
         if hasattr(module, "process_weights_after_loading"):
-            module.process_weights_after_loading()  # the MoE experts into the kernel's layout
+            module.process_weights_after_loading()  # the MoE experts' layout
     model.requires_grad_(False)
     return model.eval(), config
 

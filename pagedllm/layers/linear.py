@@ -32,6 +32,7 @@ from torch import nn
 
 from pagedllm.distributed.parallel_state import get_tp_group
 from pagedllm.distributed.tp_sizes import check_heads_split, split_size
+from pagedllm.errors import ModelLoadError
 from pagedllm.layers.weight_format import Dense, Panels, WeightFormat
 
 
@@ -70,6 +71,9 @@ class Linear(nn.Linear):
     # How the layer holds its weight once loaded, in place of ``weight`` (then None); None:
     # ``weight`` itself. A plain attribute, not a submodule: set once after loading.
     weight_format: WeightFormat | None = None
+    # The skinny kernel whatever the measurement, where it runs (a MoE router: its logits choose
+    # the experts, so a token's choice must not depend on its batch); read by the planning pass.
+    batch_invariant: bool = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
@@ -169,7 +173,12 @@ def pack_weight(weight: torch.Tensor, bias: torch.Tensor | None, check: bool = T
 
 def hold(layer: nn.Module, fmt: WeightFormat) -> None:
     """Make ``layer`` (a linear layer, head or embedding) multiply by ``fmt``: its ``weight``
-    goes (the format holds the only copy), except under ``Dense``, whose tensor it is."""
+    goes (the format holds the only copy), except under ``Dense``, whose tensor it is.
+    ModelLoadError when a linear layer's shape is not the format's."""
+    if isinstance(layer, Linear) and (fmt.out_features, fmt.in_features) != (
+            layer.out_features, layer.in_features):
+        raise ModelLoadError(f"a {fmt.out_features}x{fmt.in_features} weight does not fit a "
+                             f"{layer.out_features}x{layer.in_features} layer")
     layer.weight_format = fmt
     if not isinstance(fmt, Dense):
         layer.weight = None

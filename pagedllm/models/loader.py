@@ -5,8 +5,8 @@ on the target device, then every parameter is filled from the checkpoint. A para
 checkpoint tensor fills is an error, so a half-loaded model can never run. Under tensor
 parallelism the model's layers hold this rank's shards, and each rank reads only its rows or
 columns of each tensor from the files (``safe_open(...).get_slice``), never the whole model.
-Then modules with ``process_weights_after_loading()`` convert what they loaded (the MoE experts
-into the skinny kernel's panels).
+Then modules with ``process_weights_after_loading()`` convert what they loaded (the MoE experts'
+layout); the runner's planning pass (runner/weight_plan.py) then gives each layer its format.
 """
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device,
         quantize_linears(model, method)
     for module in model.modules():
         if hasattr(module, "process_weights_after_loading"):
-            module.process_weights_after_loading()  # e.g. MoE experts into the kernel's layout
+            module.process_weights_after_loading()  # e.g. the MoE experts' layout
     model.requires_grad_(False)  # inference only: no autograd bookkeeping in forward
     return model.eval(), config
 

@@ -18,8 +18,8 @@ from safetensors import safe_open
 from torch import nn
 
 from pagedllm.errors import ModelLoadError, UnsupportedModelError
-from pagedllm.layers import FusedMoE, Linear
-from pagedllm.layers.quantization import check_kernel, quantize_linear, set_quantized_weight
+from pagedllm.layers import FusedMoE, Linear, hold
+from pagedllm.layers.quantization import check_kernel, quantize_linear
 from pagedllm.layers.quantization.checkpoint_formats import checkpoint_quant
 from pagedllm.layers.quantization.quantized_layers import (
     GroupQuant,
@@ -29,6 +29,7 @@ from pagedllm.layers.quantization.quantized_layers import (
     quantized_kernels_available,
 )
 from pagedllm.layers.quantization.round_to_nearest import BLOCK
+from pagedllm.layers.weight_format import Quantized
 from pagedllm.models.checkpoint_names import renamed
 
 logger = logging.getLogger(__name__)
@@ -91,8 +92,8 @@ def quantize_linears(model: nn.Module, scheme: str) -> None:
     expert of a MoE layer's projections, quantized by ``scheme`` ("q8_0" | "q4_0", llama.cpp's
     round-to-nearest); the float weight is freed as each layer is converted. Layers whose input
     is not whole blocks of 32 stay float (as llama.cpp keeps them), with a log line. A MoE
-    block's routers stay float, as llama.cpp keeps them (the block packs its router for the
-    batch-independent kernel: models/moe.py)."""
+    block's routers stay float, as llama.cpp keeps them (the planning pass packs routers for
+    the batch-independent kernel: runner/weight_plan.py)."""
     if not quantized_kernels_available(next(model.parameters()).device):
         raise UnsupportedModelError(f"quantization {scheme} runs on pagedllm's CPU kernels; "
                                     "supported: device cpu with the C++ extension built")
@@ -109,8 +110,10 @@ def quantize_linears(model: nn.Module, scheme: str) -> None:
             kept.append(name)
             continue
         qweight = quantize_linear(layer.weight, scheme)
-        key = (*layer.weight.shape, getattr(layer, "bias", None) is None)
-        set_quantized_weight(layer, qweight, check=key not in checked)  # once per shape
+        key = (*layer.weight.shape, layer.bias is None)
+        if key not in checked:  # once per shape
+            check_kernel(qweight, layer.bias)
+        hold(layer, Quantized.of(qweight))
         checked.add(key)
         count += 1
     for name, layer in model.named_modules():

@@ -5,9 +5,11 @@ and head, and MoE projection ends it holding the one ``WeightFormat`` it runs wi
 1. the checkpoint's format (GGUF blocks, AWQ/GPTQ groups, GPT-OSS's MXFP4 experts) and
 2. ``--quantization`` (q8_0/q4_0 at load): both bound by the loader as it reads the tensors, so
    the float matrix of a quantized layer is never allocated; kept as they are here;
-3. the dtype: bfloat16/float16 layers as half panels (``Half``) where the kernels run;
-4. the CPU's measured kernel choice (runner/linear_choice.py): float32 panels (``Panels``) or
-   torch's matmul, per layer shape;
+3. the dtype: bfloat16/float16 layers and experts as half panels (``Half``) where the kernels
+   run;
+4. the CPU's kernels: float32 panels (``Panels``) or torch's matmul, per layer shape as
+   measured (runner/linear_choice.py); a MoE layer's float32 experts (the grouped kernel) and
+   its router (batch-independent sums) on the kernels unconditionally;
 5. the activation mode (runner/activation_choice.py): int8 or bfloat16 activations for the
    formats that take them;
 and ``Dense`` (the float weight on torch's matmul) for every layer left. It returns the table
@@ -22,12 +24,13 @@ import torch
 from torch import nn
 
 from pagedllm import envs
+from pagedllm.errors import ModelLoadError
 from pagedllm.kernels.cpu_extension import cpu_description, load_cpu_ops, native_isa
 from pagedllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.layers.fused_moe import FusedMoE
-from pagedllm.layers.linear import Linear, hold
-from pagedllm.layers.quantization import QuantizedWeight
-from pagedllm.layers.weight_format import Dense, Half
+from pagedllm.layers.linear import Linear, hold, pack_weight
+from pagedllm.layers.quantization import QuantizedWeight, quantized_kernels_available
+from pagedllm.layers.weight_format import Dense, Half, Panels, Quantized
 from pagedllm.runner.activation_choice import checkpoint_method, choose_activations
 from pagedllm.runner.linear_choice import choose_linear_kernels
 from pagedllm.runner.weight_table import WeightRow, log_weight_table, weight_table
@@ -42,6 +45,10 @@ def plan_weights(model: nn.Module, hf_config: dict, device: torch.device,
     (the table, weight format -> the activations its layers take). Call once, after loading and
     before anything compiles the model."""
     if device.type == "cpu":
+        hold_routers(model)
+        for module in model.modules():
+            if isinstance(module, FusedMoE):
+                hold_experts(module)
         hold_half_layers(model)
         choose_linear_kernels(model)
     chosen = choose_activations(model, activations, device, checkpoint_method(hf_config))
@@ -62,6 +69,70 @@ def _tied_embeddings(model: nn.Module) -> dict[int, VocabParallelEmbedding]:
     """id(weight) -> the embedding holding it: a head sharing it is tied to that embedding."""
     return {id(m.weight): m for m in model.modules()
             if isinstance(m, VocabParallelEmbedding) and m.weight is not None}
+
+
+def hold_routers(model: nn.Module) -> None:
+    """MoE routers (``Linear.batch_invariant``) as panels: the skinny kernel's sums do not depend
+    on the batch, so a token picks the same experts with the same weights in any batch (the
+    measured choice, which may pick torch's matmul, applies to the other layers)."""
+    if envs.cpu_kernels() == "torch":
+        return
+    for layer in _float_layers(model):
+        if isinstance(layer, Linear) and layer.batch_invariant:
+            panels = Panels.pack(layer.weight)
+            if panels is not None and panels.check(layer.bias):
+                hold(layer, panels)
+
+
+def hold_experts(layer: FusedMoE) -> None:
+    """A MoE layer's float experts on the grouped CPU kernel (``pagedllm::fused_experts``):
+    bfloat16/float16 ones stacked as half panels, float32 ones as panels ``[E, panels, in,
+    64]``; every projection through the kernel or none (``FusedMoE.apply_experts``), each
+    float shape checked against float64 once, on expert 0. A projection the checkpoint holds
+    quantized is in the kernel already, so the other follows it even when the kernels are
+    forced off."""
+    floats = layer.float_weights()
+    if not floats or (envs.cpu_kernels() == "torch" and not layer.expert_formats):
+        return
+    if any(w.device.type != "cpu" for w in floats.values()):
+        return
+    halves = [n for n, w in floats.items() if w.dtype in (torch.float16, torch.bfloat16)]
+    del floats  # each weight is fetched when converted: its float copy goes as it is
+    if halves and not _hold_half_experts(layer, halves):
+        return
+    names = list(layer.float_weights())
+    firsts = {name: pack_weight(layer.float_weights()[name][0], None, narrow=False) for name in names}
+    if any(first is None for first in firsts.values()):
+        if len(names) < len(FusedMoE.PROJECTIONS):  # the other one is held in another format
+            raise ModelLoadError(f"the experts' {', '.join(names)} cannot run in the CPU kernel "
+                                 "beside their quantized or half-precision projection (no "
+                                 "kernel for this weight here)")
+        return
+    for name, first in firsts.items():
+        weight = layer.float_weights()[name]
+        panels = torch.empty((layer.num_experts, *first.shape), dtype=first.dtype)
+        panels[0] = first
+        for e in range(1, layer.num_experts):  # one expert's transient copy at a time
+            panels[e] = pack_weight(weight[e], None, check=False, narrow=False)
+        out_features = weight.shape[1]
+        del weight  # the plain weight goes at once: one projection of one layer held twice
+        layer.hold(name, Panels(panels, out_features))
+
+
+def _hold_half_experts(layer: FusedMoE, names: list[str]) -> bool:
+    """bfloat16/float16 experts kept in their precision, stacked half panels (the dense layers'
+    rule, ``hold_half_layers``); False, changing nothing, when the kernel cannot take them."""
+    if not quantized_kernels_available(layer.float_weights()[names[0]].device):
+        return False
+    stacks = {}
+    for name in names:  # every projection checked before any is converted: all or none
+        weight = layer.float_weights()[name]
+        stacks[name] = [QuantizedWeight.from_half(weight[e]) for e in range(layer.num_experts)]
+        if not Half(stacks[name][0]).check():
+            return False
+    for name, qweights in stacks.items():
+        layer.hold(name, Quantized.of(QuantizedWeight.stack(qweights)))
+    return True
 
 
 def hold_half_layers(model: nn.Module) -> None:

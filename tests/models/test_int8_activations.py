@@ -119,12 +119,13 @@ def test_a_group_of_no_multiple_of_4_falls_back_to_the_exact_path():
 
 
 def test_the_option_reaches_the_q8_q4_methods_and_bad_values_are_refused():
-    from pagedllm.layers import Linear
-    from pagedllm.layers.quantization import quantize_linear, set_quantized_weight
+    from pagedllm.layers import Linear, hold
+    from pagedllm.layers.quantization import quantize_linear
+    from pagedllm.layers.weight_format import Quantized
 
     model = torch.nn.Module()
     model.a, model.b = Linear(64, 70), Linear(64, 70)
-    set_quantized_weight(model.a, quantize_linear(model.a.weight.detach(), "q8_0"))
+    hold(model.a, Quantized.of(quantize_linear(model.a.weight.detach(), "q8_0")))
     assert set_quantization_activations(model, "int8") == 1  # b stays float32
     assert isinstance(model.a.weight_format, Blocks) and model.a.weight_format.activations == "int8"
     x = torch.randn(2, 64)

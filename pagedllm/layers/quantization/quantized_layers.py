@@ -276,21 +276,18 @@ class QuantizedAttacher:
         self._checked: dict[tuple, bool] = {}
 
     def attach(self, layer: nn.Module, value: GroupQuant) -> None:
-        from pagedllm.layers.quantization import set_quantized_weight
+        from pagedllm.layers import ParallelLMHead
+        from pagedllm.layers.linear import hold
+        from pagedllm.layers.weight_format import Quantized
 
         missing = layer.out_features - value.codes.shape[0]
         if missing > 0:  # the last rank's vocabulary rows past the end: zero weights
             value = _pad_rows(value, missing)
         qweight = self.build(value, getattr(layer, "bias", None))
-        if hasattr(layer, "in_features"):
-            set_quantized_weight(layer, qweight, check=False)
-        else:  # the lm_head: no in_features, the same dispatch through linear()
-            if qweight.out_features != layer.out_features:
-                raise ModelLoadError(f"lm_head weight has {qweight.out_features} rows, the layer "
-                                     f"{layer.out_features}")
-            from pagedllm.layers.weight_format import Quantized
-
-            layer.weight_format, layer.weight = Quantized.of(qweight), None
+        if isinstance(layer, ParallelLMHead) and qweight.out_features != layer.out_features:
+            raise ModelLoadError(f"lm_head weight has {qweight.out_features} rows, the layer "
+                                 f"{layer.out_features}")
+        hold(layer, Quantized.of(qweight))  # checks a linear layer's shape
 
     def build(self, value: GroupQuant, bias: torch.Tensor | None) -> QuantizedWeight:
         """``value`` as a QuantizedWeight, the kernel checked on its (format, shape) first."""
