@@ -59,10 +59,7 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device,
     load_weights(model, files, ignored=quantized.ignored if quantized else ())
     if quantized is not None:
         quantized.load(model)
-    if method in ("q8_0", "q4_0"):  # round-to-nearest at load; each float matrix freed as it goes
-        from pagedllm.models.quantized_checkpoint import quantize_linears
-
-        quantize_linears(model, method)
+    # quantization q8_0/q4_0 (``method``): the runner's planning pass (runner/weight_plan.py).
     for module in model.modules():
         if hasattr(module, "process_weights_after_loading"):
             module.process_weights_after_loading()  # e.g. the MoE experts' layout

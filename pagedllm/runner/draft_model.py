@@ -69,7 +69,7 @@ class DraftModel:
         if draft_len is not None and draft_len < max_model_len:  # drafts run as far as the target
             raise ModelLoadError(f"the draft model {spec.model} handles {draft_len} positions, fewer than "
                                  f"max_model_len {max_model_len}: lower max_model_len to {draft_len}")
-        plan_weights(self.model, self.hf_config, device, activations)
+        plan_weights(self.model, self.hf_config, device, activations, spec.quantization)
         self.compiled = maybe_compile(self.model, enforce_eager, device, warmup_tokens=16)
         self.kv_layers: list[tuple[Attention, KVCacheSpec]] = kv_cache_layers(self.model, kv_cache_dtype)
         logger.info("draft model %s: %d KV layers, %d draft tokens a step", spec.model,

@@ -75,7 +75,7 @@ class ModelRunner:
         # Every layer's weight format, decided once (runner/weight_plan.py), before the forward
         # compiles: layer name -> format, bytes, and each quantized or 16-bit format's activations.
         self.weight_table, self.activations = plan_weights(self.model, self.hf_config, self.device,
-                                                           mc.quantization_activations)
+                                                           mc.quantization_activations, mc.quantization)
         if self.device.type == "cpu":
             _keep_freed_memory()  # after every load-time conversion: what they freed goes back
         keep_frame_chunks()  # before the first forward: Python's frame stack stays mapped

@@ -2,9 +2,10 @@
 and head, and MoE projection ends it holding the one ``WeightFormat`` it runs with
 (layers/weight_format.py), decided from, in order:
 
-1. the checkpoint's format (GGUF blocks, AWQ/GPTQ groups, GPT-OSS's MXFP4 experts) and
-2. ``--quantization`` (q8_0/q4_0 at load): both bound by the loader as it reads the tensors, so
-   the float matrix of a quantized layer is never allocated; kept as they are here;
+1. the checkpoint's format (GGUF blocks, AWQ/GPTQ groups, GPT-OSS's MXFP4 experts): bound by
+   the loader as it reads the tensors, so a quantized layer's float matrix is never allocated;
+   kept as it is here;
+2. ``--quantization q8_0|q4_0``: the float layers quantized (models/quantized_checkpoint.py);
 3. the dtype: bfloat16/float16 layers and experts as half panels (``Half``) where the kernels
    run;
 4. the CPU's kernels: float32 panels (``Panels``) or torch's matmul, per layer shape as
@@ -29,8 +30,9 @@ from pagedllm.kernels.cpu_extension import cpu_description, load_cpu_ops, native
 from pagedllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.layers.fused_moe import FusedMoE
 from pagedllm.layers.linear import Linear, hold, pack_weight
-from pagedllm.layers.quantization import QuantizedWeight, quantized_kernels_available
+from pagedllm.layers.quantization import SCHEMES, QuantizedWeight, quantized_kernels_available
 from pagedllm.layers.weight_format import Dense, Half, Panels, Quantized
+from pagedllm.models.quantized_checkpoint import quantize_linears
 from pagedllm.runner.activation_choice import checkpoint_method, choose_activations
 from pagedllm.runner.linear_choice import choose_linear_kernels
 from pagedllm.runner.weight_table import WeightRow, log_weight_table, weight_table
@@ -39,11 +41,14 @@ logger = logging.getLogger(__name__)
 
 
 @torch.inference_mode()
-def plan_weights(model: nn.Module, hf_config: dict, device: torch.device,
-                 activations: str) -> tuple[list[WeightRow], dict[str, str]]:
+def plan_weights(model: nn.Module, hf_config: dict, device: torch.device, activations: str,
+                 quantization: str | None = None) -> tuple[list[WeightRow], dict[str, str]]:
     """Give every layer of the loaded ``model`` its format (module doc), log the table; returns
     (the table, weight format -> the activations its layers take). Call once, after loading and
-    before anything compiles the model."""
+    before anything compiles the model; ``quantization``: ModelConfig's (the loader checked it
+    against the checkpoint)."""
+    if quantization in SCHEMES:  # round-to-nearest; each float matrix freed as it goes
+        quantize_linears(model, quantization)
     if device.type == "cpu":
         hold_routers(model)
         for module in model.modules():

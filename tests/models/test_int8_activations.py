@@ -159,12 +159,14 @@ def test_a_q8_0_llama_decodes_the_same_greedy_ids_with_int8_activations():
     from paged_helpers import STORIES_DIR, decode_steps
 
     from pagedllm.models import load_model
+    from pagedllm.models.quantized_checkpoint import quantize_linears
 
     prompts = [[1, 365, 264, 292], [1, 403, 250, 263, 431], [1, 450]]
     likely_bound, vocab_bound = 0.25, 0.5
 
     def run(activations: str, forced: list[list[int]] | None) -> tuple[list[list[int]], list[torch.Tensor]]:
         model, _ = load_model(str(STORIES_DIR / "hf"), torch.float32, torch.device("cpu"), "q8_0")
+        quantize_linears(model, "q8_0")  # the planning pass's step 2
         assert set_quantization_activations(model, activations) > 0
         return decode_steps(model, prompts, 32, forced)
 

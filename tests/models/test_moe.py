@@ -229,7 +229,8 @@ def test_load_time_quantization_quantizes_the_experts(scheme, tmp_path):
 
     hf_model = make_moe_model("qwen3_moe")
     folder = save(hf_model, tmp_path)
-    model, _ = load_model(folder, torch.float32, torch.device("cpu"), quantization=scheme)
+    model, config = load_model(folder, torch.float32, torch.device("cpu"), quantization=scheme)
+    plan_weights(model, config, torch.device("cpu"), "float32", quantization=scheme)
     experts = [m for m in model.modules() if isinstance(m, FusedMoE)]
     held = {"q8_0": "q8", "q4_0": "q4"}[scheme]
     assert experts and all(m.gate_up_proj is None and m.down_proj is None for m in experts)
