@@ -25,7 +25,7 @@ BUDGET = {
     "layers": 3500,
     "lora": 600,
     "models": 1950,
-    "runner": 2300,
+    "runner": 2450,
     "structured_output": 450,
 }
 # The C++ kernels (kernels/csrc and the runner's arena allocator).
