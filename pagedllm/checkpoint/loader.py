@@ -10,8 +10,10 @@ through the same steps, and only the weight source differs.
    (checkpoint/placement.py); a parameter no tensor fills is an error, one filled only in part
    (the last rank's vocabulary padding) is zeroed first;
 6. tie: a tied embedding reads its rows from a quantized head;
-7. finish: load-time quantization (``q8_0``, ``q4_0``), then each module's
-   ``process_weights_after_loading`` (the MoE experts into the kernel's layout).
+7. finish: each module's ``process_weights_after_loading`` (the MoE experts' layout).
+
+Formats are not the loader's: the runner's planning pass (runner/weight_plan.py) then gives each
+layer the one it runs with (``--quantization q8_0|q4_0`` included).
 """
 from __future__ import annotations
 
@@ -44,7 +46,7 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device,
     zero_uncovered(model, expected)
     weights.stream(model, expected, plan)
     share_tied_heads(model, heads)
-    finish_loading(model, method)
+    finish_loading(model)
     return model.eval(), config
 
 
@@ -64,12 +66,9 @@ def weight_source(ckpt: Checkpoint, method: str | None, dtype: torch.dtype, devi
     return SafetensorsWeights(files)
 
 
-def finish_loading(model: nn.Module, method: str | None) -> None:
-    if method in ("q8_0", "q4_0"):  # round-to-nearest at load; each float matrix freed as it goes
-        from pagedllm.checkpoint.quantized_checkpoint import quantize_linears
-
-        quantize_linears(model, method)
+def finish_loading(model: nn.Module) -> None:
+    # quantization q8_0/q4_0 is not done here: the runner's planning pass (runner/weight_plan.py).
     for module in model.modules():
         if hasattr(module, "process_weights_after_loading"):
-            module.process_weights_after_loading()  # e.g. MoE experts into the kernel's layout
+            module.process_weights_after_loading()  # e.g. the MoE experts' layout
     model.requires_grad_(False)  # inference only: no autograd bookkeeping in forward

@@ -26,10 +26,11 @@ from pagedllm.checkpoint.quantized_layers import (
 from pagedllm.checkpoint.renames import renamed
 from pagedllm.checkpoint.weights import stream_safetensors
 from pagedllm.errors import ModelLoadError, UnsupportedModelError
-from pagedllm.layers import FusedMoE, Linear
-from pagedllm.layers.quantization import check_kernel, quantize_linear, set_quantized_weight
+from pagedllm.layers import FusedMoE, Linear, hold
+from pagedllm.layers.quantization import QuantizedWeight, check_kernel, quantize_linear
 from pagedllm.layers.quantization.checkpoint_formats import checkpoint_quant
 from pagedllm.layers.quantization.round_to_nearest import BLOCK
+from pagedllm.layers.weight_format import Quantized
 
 logger = logging.getLogger(__name__)
 
@@ -93,12 +94,13 @@ class QuantizedFolderWeights:
 
 @torch.no_grad()
 def quantize_linears(model: nn.Module, scheme: str) -> None:
-    """Every linear of the decoder layers (not the embedding, norms or lm_head), and every
-    expert of a MoE layer's projections, quantized by ``scheme`` ("q8_0" | "q4_0", llama.cpp's
+    """Step 2 of the planning pass (runner/weight_plan.py): every linear of the decoder layers
+    (not the embedding, norms or lm_head), and every expert of a MoE layer's projections,
+    quantized by ``scheme`` ("q8_0" | "q4_0", llama.cpp's
     round-to-nearest); the float weight is freed as each layer is converted. Layers whose input
     is not whole blocks of 32 stay float (as llama.cpp keeps them), with a log line. A MoE
-    block's routers stay float, as llama.cpp keeps them (the block packs its router for the
-    batch-independent kernel: models/moe.py)."""
+    block's routers stay float, as llama.cpp keeps them (the planning pass packs routers for
+    the batch-independent kernel: runner/weight_plan.py)."""
     if not quantized_kernels_available(next(model.parameters()).device):
         raise UnsupportedModelError(f"quantization {scheme} runs on pagedllm's CPU kernels; "
                                     "supported: device cpu with the C++ extension built")
@@ -115,26 +117,23 @@ def quantize_linears(model: nn.Module, scheme: str) -> None:
             kept.append(name)
             continue
         qweight = quantize_linear(layer.weight, scheme)
-        key = (*layer.weight.shape, getattr(layer, "bias", None) is None)
-        set_quantized_weight(layer, qweight, check=key not in checked)  # once per shape
+        key = (*layer.weight.shape, layer.bias is None)
+        if key not in checked:  # once per shape
+            check_kernel(qweight, layer.bias)
+        hold(layer, Quantized.of(qweight))
         checked.add(key)
         count += 1
     for name, layer in model.named_modules():
-        if not isinstance(layer, FusedMoE):
+        # GPT-OSS's MXFP4 experts keep the checkpoint's values (dequantized exactly).
+        if not isinstance(layer, FusedMoE) or layer.weight_format == "mxfp4":
             continue
-        for attr in FusedMoE.PROJECTIONS:
-            weight = getattr(layer, attr)  # None: MXFP4 blocks, dequantized after this
-            if weight is None:
-                continue
-            if weight.shape[-1] % BLOCK:
+        for attr in list(layer.float_weights()):
+            if layer.float_weights()[attr].shape[-1] % BLOCK:
                 kept.append(f"{name}.{attr}")
                 continue
-            layer.drop_float_projection(attr)  # the experts, quantized one by one, replace it
-            for e in range(layer.num_experts):
-                qweight = quantize_linear(weight[e], scheme)
-                if e == 0:  # one check per projection: every expert has its shape
-                    check_kernel(qweight, None)
-                layer.set_quantized_expert(attr, e, qweight)
+            qweights = [quantize_linear(w, scheme) for w in layer.float_weights()[attr]]
+            check_kernel(qweights[0], None)  # one check per projection: every expert has its shape
+            layer.hold(attr, Quantized.of(QuantizedWeight.stack(qweights)))
             count += 1
     why = f"; kept float (input not a multiple of {BLOCK}): {', '.join(kept)}" if kept else ""
     logger.info("quantization %s: %d linear layers (an MoE layer's experts: one per projection) "

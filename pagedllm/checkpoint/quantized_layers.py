@@ -26,9 +26,9 @@ import torch
 from torch import nn
 
 from pagedllm.errors import ModelLoadError
-from pagedllm.layers import Linear, ParallelLMHead, VocabParallelEmbedding
+from pagedllm.layers import Linear, ParallelLMHead, VocabParallelEmbedding, hold
 from pagedllm.layers.fused_moe import FusedMoE
-from pagedllm.layers.quantization import QuantizedWeight, kernel_matches_float64, set_quantized_weight
+from pagedllm.layers.quantization import QuantizedWeight, kernel_matches_float64
 
 # The loaders ask it here (the rule lives with the methods that need the kernels).
 from pagedllm.layers.quantization.linear_method import quantized_kernels_available  # noqa: F401
@@ -276,13 +276,10 @@ class QuantizedAttacher:
         if missing > 0:  # the last rank's vocabulary rows past the end: zero weights
             value = _pad_rows(value, missing)
         qweight = self.build(value, getattr(layer, "bias", None))
-        if hasattr(layer, "in_features"):
-            set_quantized_weight(layer, qweight, check=False)
-        else:  # the lm_head: no in_features, the same dispatch through linear()
-            if qweight.out_features != layer.out_features:
-                raise ModelLoadError(f"lm_head weight has {qweight.out_features} rows, the layer "
-                                     f"{layer.out_features}")
-            layer.weight_format, layer.weight = Quantized.of(qweight), None
+        if isinstance(layer, ParallelLMHead) and qweight.out_features != layer.out_features:
+            raise ModelLoadError(f"lm_head weight has {qweight.out_features} rows, the layer "
+                                 f"{layer.out_features}")
+        hold(layer, Quantized.of(qweight))  # checks a linear layer's shape
 
     def build(self, value: GroupQuant, bias: torch.Tensor | None) -> QuantizedWeight:
         """``value`` as a QuantizedWeight, the kernel checked on its (format, shape) first."""

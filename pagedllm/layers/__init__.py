@@ -16,7 +16,7 @@ from pagedllm.layers.linear import (
                                        QKVParallelLinear,
                                        RowParallelLinear,
                                        WeightSlice,
-                                       pack_linear,
+                                       hold,
 )
 from pagedllm.layers.rotary import RopeConfig, RotaryEmbedding, apply_rotary
 
@@ -28,5 +28,5 @@ __all__ = [
     "RowParallelLinear", "VocabParallelEmbedding", "WeightSlice",
     "apply_rotary", "attention_layers", "bind_kv_caches", "build_attention_metadata",
     "copy_blocks", "get_attn_backend", "get_attn_metadata", "kv_cache_layers", "kv_cache_shape",
-    "pack_linear", "set_forward_context",
+    "hold", "set_forward_context",
 ]

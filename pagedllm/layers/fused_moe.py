@@ -18,11 +18,12 @@ each expert's gate and up and the matching columns of its down, so each rank's r
 partial sum of the layer's output, all-reduced once per layer (after the shared expert's partial
 sum, where the family has one) -- the row-parallel path of the dense MLP.
 
-On CPU, where the skinny kernel runs (layers/linear.py), the experts are held for it: float32
-experts as panels, experts in another format as stacked ``QuantizedWeight``s (bfloat16/float16 in
-their precision, and a quantized checkpoint's (GGUF, AWQ/GPTQ) as it holds them, handed over per
-expert by the loader, checkpoint/quantized_layers.py, so their float matrices are never
-allocated). The whole layer after the routing is then one C++ op, ``pagedllm::fused_experts``
+On CPU, where the skinny kernel runs (layers/linear.py), the planning pass
+(runner/weight_plan.py) holds the experts for it: float32 experts as panels, experts in another
+format as stacked ``QuantizedWeight``s (bfloat16/float16 in their precision, and a quantized
+checkpoint's (GGUF, AWQ/GPTQ) as it holds them, handed over per expert by the loader,
+checkpoint/quantized_layers.py, so their float matrices are never allocated). The
+whole layer after the routing is then one C++ op, ``pagedllm::fused_experts``
 (csrc/fused_moe.cpp): the tokens grouped by expert, each projection one grouped kernel call over
 every active expert's tokens (one parallel region streaming the experts' weights), the
 activation, and each token's weighted sum. A row's sums run in the same order whatever the
@@ -41,22 +42,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm import envs
 from pagedllm.distributed.parallel_state import get_tp_group
 from pagedllm.distributed.tp_sizes import split_size
 from pagedllm.errors import ModelLoadError, UnsupportedModelError
 from pagedllm.kernels.op_registry import LayerRegistry, layer_op
 from pagedllm.layers.activation import GatedActivation
-from pagedllm.layers.linear import WeightSlice, pack_weight
+from pagedllm.layers.linear import WeightSlice
 from pagedllm.layers.moe_router import RoutingOrder, check_routing, select_experts
-from pagedllm.layers.quantization import QuantizedWeight, quantized_kernels_available
-from pagedllm.layers.quantization.mxfp4 import BLOCK_SIZE, dequantize_mxfp4
-from pagedllm.layers.weight_format import Half, Panels, Quantized, WeightFormat
-
-
-def kernel_wanted() -> bool:
-    """False when the user forced torch's matmul for every layer (runner/linear_choice.py)."""
-    return envs.cpu_kernels() != "torch"
+from pagedllm.layers.quantization import QuantizedWeight
+from pagedllm.layers.quantization.mxfp4 import BLOCK_SIZE
+from pagedllm.layers.weight_format import MXFP4, Dense, Quantized, WeightFormat
 
 
 class ExpertLayout(str, Enum):
@@ -104,6 +99,7 @@ class FusedMoE(nn.Module):
         inter = self.intermediate_size
         # Until process_weights_after_loading: gate_up rows alternate gate and up units.
         self._rows_interleaved = self.layout == ExpertLayout.TRANSPOSED_INTERLEAVED
+        self._mxfp4_loaded = weight_format == "mxfp4"  # blocks and scales until processed
         if weight_format == "mxfp4":
             self._init_mxfp4(num_experts, hidden_size, inter)
         else:
@@ -113,11 +109,11 @@ class FusedMoE(nn.Module):
         if bias:  # down's is added once, on rank 0: the ranks' partial sums are all-reduced
             self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * inter))
             self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden_size))
-        # Projection name -> how its experts are held for the CPU kernels, in place of the
-        # parameter (then None): float32 panels [E, panels, in, 64] (Panels), or the experts'
-        # weights in another format (bf16/fp16, a quantized checkpoint's q8/q4) stacked
-        # (QuantizedWeight.stack: Half, Blocks); a loader hands those over expert by expert
-        # (set_quantized_expert). Set by process_weights_after_loading; one copy either way.
+        # Projection name -> how its experts are held: float32 panels [E, panels, in, 64]
+        # (Panels), the experts' weights in another format (bf16/fp16, a quantized checkpoint's
+        # q8/q4) stacked (QuantizedWeight.stack: Half, Blocks; a loader hands those over expert
+        # by expert, set_quantized_expert), or the float parameter itself on torch's matmul
+        # (Dense). Set by the planning pass (runner/weight_plan.py); one copy either way.
         self.expert_formats: dict[str, WeightFormat] = {}
         self._expert_qweights: dict[str, dict[int, QuantizedWeight]] = {}
         self._op_id = _layers_by_op_id.register(self)  # how a compiled graph names this layer
@@ -204,7 +200,7 @@ class FusedMoE(nn.Module):
     def drop_float_projection(self, attr: str) -> None:
         """On the meta model: projection ``attr``'s experts will come quantized (a loader's
         ``set_quantized_expert``), so its float parameter is never allocated."""
-        setattr(self, attr, None)
+        self.register_parameter(attr, None)
         self._expert_qweights[attr] = {}
 
     def set_quantized_expert(self, attr: str, expert: int, qweight: QuantizedWeight) -> None:
@@ -220,23 +216,24 @@ class FusedMoE(nn.Module):
 
     @torch.no_grad()
     def process_weights_after_loading(self) -> None:
-        """Dequantize, de-interleave, then hold the experts as skinny_gemm panels where the
-        kernel runs, or stacked in their own format (quantized, bf16/fp16) (see the module
-        doc). Each step runs once."""
+        """Stack the checkpoint's quantized experts, dequantize MXFP4 ones, de-interleave: the
+        layout every family shares. Each step runs once; the format the float experts run in
+        is the planning pass's (runner/weight_plan.py)."""
         for attr, experts in self._expert_qweights.items():
             if len(experts) != self.num_experts:
                 raise ModelLoadError(f"{attr}: the checkpoint held {len(experts)} of "
                                      f"{self.num_experts} experts")
             self._hold_stacked(attr, [experts[e] for e in range(self.num_experts)])
         self._expert_qweights = {}
-        if hasattr(self, "down_proj_blocks"):  # MXFP4, not yet dequantized
+        if self._mxfp4_loaded:  # the checkpoint's blocks and scales, dequantized (exact)
             dtype = self._dtype_probe.dtype
-            for name in ("gate_up_proj", "down_proj"):
-                weight = dequantize_mxfp4(getattr(self, f"{name}_blocks"),
-                                          getattr(self, f"{name}_scales"), dtype)
-                setattr(self, name, nn.Parameter(weight, requires_grad=False))  # [E, rows, in]
-                delattr(self, f"{name}_blocks")
-                delattr(self, f"{name}_scales")
+            gate_up = MXFP4(self.gate_up_proj_blocks, self.gate_up_proj_scales)
+            down = MXFP4(self.down_proj_blocks, self.down_proj_scales)
+            self.gate_up_proj = nn.Parameter(gate_up.dequantize(dtype), requires_grad=False)
+            self.down_proj = nn.Parameter(down.dequantize(dtype), requires_grad=False)  # [E, rows, in]
+            del self.gate_up_proj_blocks, self.gate_up_proj_scales
+            del self.down_proj_blocks, self.down_proj_scales
+            self._mxfp4_loaded = False
         if self._rows_interleaved:
             # [g0, u0, g1, u1, ...] -> [g0, g1, ..., u0, u1, ...]: GatedActivation's halves.
             rows = 2 * self.intermediate_size
@@ -246,55 +243,23 @@ class FusedMoE(nn.Module):
             if self.gate_up_proj_bias is not None:
                 self.gate_up_proj_bias.data = self.gate_up_proj_bias.data[:, order].contiguous()
             self._rows_interleaved = False
-        held = bool(self.expert_formats)
-        if not kernel_wanted() and not held:  # a quantized projection runs in the kernel only
-            return
-        floats = [name for name in self.PROJECTIONS if getattr(self, name) is not None]
-        if any(getattr(self, name).device.type != "cpu" for name in floats):
-            return
-        halves = [n for n in floats if getattr(self, n).dtype in (torch.float16, torch.bfloat16)]
-        if halves and not self._hold_half(halves):
-            return
-        floats = [name for name in floats if name not in halves]
-        # Every projection goes through a grouped kernel or none (apply_experts): each float
-        # shape is checked against float64 once, on expert 0.
-        firsts = {name: pack_weight(getattr(self, name)[0], None, narrow=False) for name in floats}
-        if any(first is None for first in firsts.values()):
-            if len(floats) < len(self.PROJECTIONS):  # the other one is held in another format
-                raise ModelLoadError(f"the experts' {', '.join(floats)} cannot run in the CPU "
-                                     "kernel beside their quantized or half-precision "
-                                     "projection (no kernel for this weight here)")
-            return
-        for name, first in firsts.items():
-            weight = getattr(self, name)
-            panels = torch.empty((self.num_experts, *first.shape), dtype=first.dtype)
-            panels[0] = first
-            for e in range(1, self.num_experts):  # one expert's transient copy at a time
-                panels[e] = pack_weight(weight[e], None, check=False, narrow=False)
-            # The plain weight goes at once: at most one projection of one layer held twice.
-            self.expert_formats[name] = Panels(panels, weight.shape[1])
-            setattr(self, name, None)
 
-    def _hold_half(self, names: list[str]) -> bool:
-        """bfloat16/float16 experts kept in their precision, as half panels (the dense layers'
-        rule, runner/linear_choice.py: torch's half matmul on a CPU without native bf16
-        converts the whole matrix every call); False when the kernel cannot take them here."""
-        if not quantized_kernels_available(getattr(self, names[0]).device):
-            return False
-        stacks = {}
-        for name in names:  # every projection checked before any is converted: all or none
-            weight = getattr(self, name)
-            stacks[name] = [QuantizedWeight.from_half(weight[e]) for e in range(self.num_experts)]
-            if not Half(stacks[name][0]).check():
-                return False
-        for name, qweights in stacks.items():
-            self._hold_stacked(name, qweights)
-        return True
+    def float_weights(self) -> dict[str, torch.Tensor]:
+        """Projection name -> its float parameter ``[E, out, in]``, for those in no format yet."""
+        weights = {"gate_up_proj": self.gate_up_proj, "down_proj": self.down_proj}
+        return {name: w for name, w in weights.items()
+                if w is not None and name not in self.expert_formats}
+
+    def hold(self, name: str, fmt: WeightFormat) -> None:
+        """Projection ``name``'s experts multiplied through ``fmt`` (runner/weight_plan.py
+        decides which); its float parameter goes, except under ``Dense``, whose tensor it is."""
+        self.expert_formats[name] = fmt
+        if not isinstance(fmt, Dense):
+            self.register_parameter(name, None)
 
     def _hold_stacked(self, attr: str, qweights: list[QuantizedWeight]) -> None:
-        """Projection ``attr`` as the experts' weights stacked, its float parameter gone."""
-        self.expert_formats[attr] = Quantized.of(QuantizedWeight.stack(qweights))
-        setattr(self, attr, None)
+        """Projection ``attr`` as the checkpoint's experts' weights stacked."""
+        self.hold(attr, Quantized.of(QuantizedWeight.stack(qweights)))
 
     # -- compute -------------------------------------------------------------------------------
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
@@ -312,8 +277,15 @@ class FusedMoE(nn.Module):
         return out
 
     def _experts_in_kernel(self) -> bool:
-        """Both projections held for the CPU kernels (panels or stacked codes)."""
-        return len(self.expert_formats) == len(self.PROJECTIONS)
+        """Both projections held for the CPU kernels (panels or stacked codes), not ``Dense``."""
+        return (len(self.expert_formats) == len(self.PROJECTIONS)
+                and not any(isinstance(f, Dense) for f in self.expert_formats.values()))
+
+    def hold_dense(self) -> None:
+        """``Dense`` for each projection the CPU kernels do not hold (the planning pass's last
+        step, runner/weight_plan.py): its float parameter, on torch's matmul."""
+        for name, weight in self.float_weights().items():
+            self.hold(name, Dense(weight))
 
     def _fused_experts(self, x: torch.Tensor, topk_weights: torch.Tensor,
                        topk_ids: torch.Tensor) -> torch.Tensor:

@@ -12,14 +12,15 @@ output dimension so one matmul replaces two or three; each part remembers its ch
 and where this rank's rows start in it, so the loader reads just those rows from safetensors
 (``checkpoint_slices``).
 
-After loading, a layer may hold its weight in a ``WeightFormat`` (layers/weight_format.py)
-instead of the plain ``[out, in]`` matrix: float32 panels of ``pagedllm::packed_linear`` (the
-skinny kernel, where the runner measured it faster than torch's matmul on this CPU:
-runner/linear_choice.py), bf16/fp16 panels, or block-quantized codes (q8, q4, q5, q6). Either
-way a layer holds exactly one copy of its weight, and ``linear`` dispatches: the model code does
-not see the format. The skinny kernel sums in float32 in the same order for every row count, so
-a row's result does not depend on its batch; a compiled graph calls its op directly as an opaque
-node with the panels as its input (inductor would otherwise lower the matmul to a plain sgemm).
+After loading, the planning pass (runner/weight_plan.py) gives each layer one ``WeightFormat``
+(layers/weight_format.py): float32 panels of ``pagedllm::packed_linear`` (the skinny kernel,
+where the runner measured it faster than torch's matmul on this CPU: runner/linear_choice.py),
+bf16/fp16 panels, block-quantized codes (q8, q4, q5, q6), or ``Dense``, the plain ``[out, in]``
+matrix on torch's matmul. Either way a layer holds exactly one copy of its weight, and
+``linear`` dispatches: the model code does not see the format. The skinny kernel sums in float32
+in the same order for every row count, so a row's result does not depend on its batch; a
+compiled graph calls its op directly as an opaque node with the panels as its input (inductor
+would otherwise lower the matmul to a plain sgemm).
 """
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ from torch import nn
 
 from pagedllm.distributed.parallel_state import get_tp_group
 from pagedllm.distributed.tp_sizes import check_heads_split, split_size
-from pagedllm.layers.weight_format import Panels, WeightFormat
+from pagedllm.errors import ModelLoadError
+from pagedllm.layers.weight_format import Dense, Panels, WeightFormat
 
 
 def linear(layer: Linear | nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -69,6 +71,9 @@ class Linear(nn.Linear):
     # How the layer holds its weight once loaded, in place of ``weight`` (then None); None:
     # ``weight`` itself. A plain attribute, not a submodule: set once after loading.
     weight_format: WeightFormat | None = None
+    # The skinny kernel whatever the measurement, where it runs (a MoE router: its logits choose
+    # the experts, so a token's choice must not depend on its batch); read by the planning pass.
+    batch_invariant: bool = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
@@ -166,12 +171,14 @@ def pack_weight(weight: torch.Tensor, bias: torch.Tensor | None, check: bool = T
     return panels.packed
 
 
-def pack_linear(layer: nn.Module, check: bool = True) -> bool:
-    """Hold ``layer``'s weight as panels only (its ``weight`` becomes None); False, changing
-    nothing, when the kernel cannot take it (``check``: see pack_weight). Weights must not
-    change afterwards."""
-    packed = pack_weight(layer.weight, getattr(layer, "bias", None), check)
-    if packed is None:
-        return False
-    layer.weight_format, layer.weight = Panels(packed, layer.weight.shape[0]), None
-    return True
+def hold(layer: nn.Module, fmt: WeightFormat) -> None:
+    """Make ``layer`` (a linear layer, head or embedding) multiply by ``fmt``: its ``weight``
+    goes (the format holds the only copy), except under ``Dense``, whose tensor it is.
+    ModelLoadError when a linear layer's shape is not the format's."""
+    if isinstance(layer, Linear) and (fmt.out_features, fmt.in_features) != (
+            layer.out_features, layer.in_features):
+        raise ModelLoadError(f"a {fmt.out_features}x{fmt.in_features} weight does not fit a "
+                             f"{layer.out_features}x{layer.in_features} layer")
+    layer.weight_format = fmt
+    if not isinstance(fmt, Dense):
+        layer.weight = None

@@ -9,8 +9,12 @@ and checks its kernel against float64 (``check``: the one self-check every forma
   (bf16 weights in the AMX/AVX512-BF16 layout, ``bf16_vnni``) bfloat16 activations.
 - ``Blocks``: block-quantized codes (q8, q4, q5, q6: GGUF, AWQ/GPTQ, load-time q8_0/q4_0), with
   float32 or int8 activations (llama.cpp's integer dot products).
-A layer without a format multiplies by its ``weight`` with ``F.linear`` (the float model on a
-GPU, or a shape where torch's matmul won the measurement).
+- ``Dense``: the float weight itself on torch's matmul (the float model on a GPU, a shape where
+  torch's matmul won the measurement, a layer no kernel takes); the layer keeps its ``weight``.
+- ``MXFP4``: GPT-OSS's microscaling FP4 experts as the checkpoint ships them, until the layer
+  dequantizes them to the model dtype (exact) at load.
+The planning pass (runner/weight_plan.py) gives every layer one of these; a layer not yet
+planned (a model straight from a loader, a test's layer) multiplies by its ``weight``.
 
 Every format keeps the same C++ op and arguments the layers called before it existed, so a
 compiled graph still sees each as one opaque node.
@@ -22,6 +26,7 @@ import torch.nn.functional as F
 
 from pagedllm.errors import ModelLoadError
 from pagedllm.kernels.cpu_extension import load_cpu_ops
+from pagedllm.layers.quantization.mxfp4 import BLOCK_SIZE, dequantize_mxfp4
 from pagedllm.layers.quantization.quantized_weight import HALF_FORMATS, QuantizedWeight
 from pagedllm.utils import cdiv
 
@@ -111,6 +116,66 @@ class WeightFormat:
             scale = x64.abs() @ w64.abs().T + (0 if b64 is None else b64.abs())
             if not bool((error <= 1e-5 * scale.amax() + 1e-30).all()):
                 return False
+        return True
+
+
+class Dense(WeightFormat):
+    """A float weight ``[out, in]`` (a MoE projection's ``[E, out, in]``) multiplied by torch's
+    matmul. It is the layer's own ``weight`` tensor (one copy: state_dict and adapters still
+    see the Parameter); its kernel is the reference, so ``check`` holds."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight
+        self.out_features, self.in_features = weight.shape[-2], weight.shape[-1]
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return str(self.weight.dtype).removeprefix("torch.")
+
+    def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, self.weight, bias)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.weight]
+
+    def dequantize_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        return self.weight.detach()[rows].double()
+
+    def check(self, bias: torch.Tensor | None = None) -> bool:
+        return True
+
+
+class MXFP4(WeightFormat):
+    """OCP microscaling FP4 (layers/quantization/mxfp4.py): uint8 ``blocks [..., out, in / 32,
+    16]`` and e8m0 ``scales [..., out, in / 32]``. No kernel multiplies by them: the layer holds
+    ``dequantize(dtype)`` after loading (every value is exact in bf16, fp16 and fp32)."""
+
+    name = "mxfp4"
+
+    def __init__(self, blocks: torch.Tensor, scales: torch.Tensor) -> None:
+        self.blocks, self.scales = blocks, scales
+        self.out_features, self.in_features = blocks.shape[-3], blocks.shape[-2] * BLOCK_SIZE
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight ``[..., out, in]`` in ``dtype``."""
+        return dequantize_mxfp4(self.blocks, self.scales, dtype)
+
+    def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, self.dequantize(x.dtype), bias)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return dequantize_mxfp4(self.blocks[ids], self.scales[ids], torch.float32)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.blocks, self.scales]
+
+    def dequantize_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        return dequantize_mxfp4(self.blocks[rows], self.scales[rows], torch.float64)
+
+    def check(self, bias: torch.Tensor | None = None) -> bool:
         return True
 
 

@@ -16,9 +16,9 @@ from torch import nn
 
 from pagedllm.errors import ModelLoadError
 from pagedllm.hf_config import text_config
-from pagedllm.layers import Linear, MergedColumnParallelLinear, RowParallelLinear, pack_linear
+from pagedllm.layers import Linear, MergedColumnParallelLinear, RowParallelLinear
 from pagedllm.layers.activation import GatedActivation
-from pagedllm.layers.fused_moe import ExpertLayout, FusedMoE, kernel_wanted
+from pagedllm.layers.fused_moe import ExpertLayout, FusedMoE
 from pagedllm.layers.moe_router import RoutingOrder
 from pagedllm.models.decoder_args import DecoderArgs
 from pagedllm.models.llama import LlamaForCausalLM
@@ -87,6 +87,7 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, args: DecoderArgs, moe: MoEArgs) -> None:
         super().__init__()
         self.gate = Linear(args.hidden_size, moe.num_experts, bias=moe.router_bias)
+        self.gate.batch_invariant = True  # on the skinny kernel (runner/weight_plan.py)
         self.experts = FusedMoE(moe.num_experts, moe.top_k, args.hidden_size,
                                 moe.intermediate_size, args.hidden_act, moe.renormalize,
                                 moe.order, moe.expert_names, reduce_results=False,
@@ -106,14 +107,6 @@ class SparseMoeBlock(nn.Module):
             # sigmoid(gate) scales each token's whole vector, so it commutes with the all-reduce.
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return self.tp.all_reduce(out) if self.tp.world_size > 1 else out
-
-    @torch.no_grad()
-    def process_weights_after_loading(self) -> None:
-        # The router's logits choose the experts: the skinny kernel's batch-independent sums, so
-        # a token picks the same experts with the same weights in any batch (the runner's
-        # per-shape timing, which may pick torch's matmul, applies to the other layers).
-        if kernel_wanted():
-            pack_linear(self.gate)
 
 
 class MoEForCausalLM(LlamaForCausalLM):

@@ -39,12 +39,11 @@ from pagedllm.layers.attention import Attention, KVCacheSpec
 from pagedllm.layers.attention_metadata import AttentionMetadata
 from pagedllm.layers.forward_context import set_forward_context
 from pagedllm.layers.kv_cache import kv_cache_layers
-from pagedllm.runner.activation_choice import checkpoint_method, choose_activations
 from pagedllm.runner.compile import maybe_compile
 from pagedllm.runner.input_batch import CachedRequestState, ScheduledRequest
-from pagedllm.runner.linear_choice import choose_linear_kernels
 from pagedllm.runner.sampler import SamplingMetadata
 from pagedllm.runner.spec_decode import target_probs
+from pagedllm.runner.weight_plan import plan_weights
 from pagedllm.speculative_config import SpeculativeConfig
 
 logger = logging.getLogger("pagedllm")
@@ -70,9 +69,7 @@ class DraftModel:
         if draft_len is not None and draft_len < max_model_len:  # drafts run as far as the target
             raise ModelLoadError(f"the draft model {spec.model} handles {draft_len} positions, fewer than "
                                  f"max_model_len {max_model_len}: lower max_model_len to {draft_len}")
-        if device.type == "cpu":
-            choose_linear_kernels(self.model)
-        choose_activations(self.model, activations, device, checkpoint_method(self.hf_config))
+        plan_weights(self.model, self.hf_config, device, activations, spec.quantization)
         self.compiled = maybe_compile(self.model, enforce_eager, device, warmup_tokens=16)
         self.kv_layers: list[tuple[Attention, KVCacheSpec]] = kv_cache_layers(self.model, kv_cache_dtype)
         logger.info("draft model %s: %d KV layers, %d draft tokens a step", spec.model,

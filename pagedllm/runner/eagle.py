@@ -33,7 +33,7 @@ from pagedllm.layers.kv_cache import kv_cache_layers
 from pagedllm.models.eagle3 import default_aux_layer_ids
 from pagedllm.runner.draft_model import DraftModel, MetadataBuilder, SamplingBuilder
 from pagedllm.runner.input_batch import CachedRequestState, ScheduledRequest
-from pagedllm.runner.linear_choice import choose_linear_kernels
+from pagedllm.runner.weight_plan import plan_weights
 from pagedllm.speculative_config import SpeculativeConfig
 
 logger = logging.getLogger("pagedllm")
@@ -64,8 +64,8 @@ class EagleProposer(DraftModel):
                 decoder.layers[i].register_forward_pre_hook(functools.partial(self._capture, i))
         else:
             self.model = load_mtp_head(target_path, target_model, dtype, device)
-        if device.type == "cpu":
-            choose_linear_kernels(self.model)  # the head's own layers only: the target's are not its modules
+        # The head's own layers only: the target's (its embedding, an MTP head's lm_head) are not its modules.
+        plan_weights(self.model, {}, device, "auto")
         self.hf_config = None
         self.kv_layers = kv_cache_layers(self.model, kv_cache_dtype)
         logger.info("%s drafter: %d KV layers, %d draft tokens a step", spec.method, len(self.kv_layers),

@@ -1,6 +1,6 @@
 """Which kernel multiplies each float32 linear layer on CPU: pagedllm's skinny kernel or torch's
 matmul, measured on this CPU at startup (the safety net). bfloat16/float16 layers always take
-the kernel over half panels (layers/quantization/; see _convert_half_layers).
+the kernel over half panels (runner/weight_plan.py, ``hold_half_layers``).
 
 The skinny kernel (kernels/csrc/skinny_gemm.cpp) is tuned per x86 level (AVX2, AVX-512); on a
 CPU nobody tuned it for it is never used, and on a tuned one a surprise (another
@@ -12,8 +12,7 @@ Near ties stay on the kernel: its sums do not depend on the row count, so a toke
 bits in a decode and in a prefill chunk (recomputed after a preemption), where MKL picks its
 kernels by the row count; and a tie decided by a 2-core VM's noise would make two runs of the
 same model differ. One log line says what was chosen and why. A chosen layer then holds its weight
-as panels only (``pack_linear``), the
-others keep the plain matrix: one copy either way.
+as panels only (``Panels``), the others keep the plain matrix (``Dense``): one copy either way.
 
 A shape is measured once per process (every engine a process builds then makes the same choice,
 so two of them compute the same bits). ``PAGEDLLM_CPU_KERNELS=pagedllm`` or ``=torch`` skips
@@ -34,9 +33,8 @@ from torch import nn
 from pagedllm import envs
 from pagedllm.kernels.cpu_extension import cpu_description, load_cpu_ops, native_isa
 from pagedllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
-from pagedllm.layers.linear import Linear, pack_linear, pack_weight
-from pagedllm.layers.quantization import QuantizedWeight
-from pagedllm.layers.weight_format import Half
+from pagedllm.layers.linear import Linear, hold, pack_weight
+from pagedllm.layers.weight_format import Panels
 
 logger = logging.getLogger(__name__)
 
@@ -67,17 +65,15 @@ class ShapeChoice:
 
 @torch.inference_mode()
 def choose_linear_kernels(model: nn.Module) -> list[ShapeChoice]:
-    """Measure, choose and convert every float32 linear layer of ``model`` (on CPU, after the
-    weights are loaded and before anything compiles the model), and hold bfloat16/float16 ones
-    as half panels (``_convert_half_layers``). Returns the choice per float32 shape."""
-    layers = [m for m in model.modules()
-              if isinstance(m, (Linear, ParallelLMHead)) and m.weight is not None]
+    """Measure, choose and convert every float32 linear layer of ``model`` (on CPU; step 4 of
+    runner/weight_plan.py): the chosen ones as ``Panels``, the others left to ``Dense``.
+    Returns the choice per float32 shape."""
+    layers = [m for m in model.modules() if isinstance(m, (Linear, ParallelLMHead))
+              and m.weight is not None and m.weight_format is None]
     by_shape: dict[tuple[int, int], list[nn.Module]] = {}
     for layer in layers:
         if layer.weight.device.type == "cpu" and layer.weight.dtype == torch.float32:
             by_shape.setdefault(tuple(layer.weight.shape), []).append(layer)
-    _convert_half_layers(model, [m for m in layers if m.weight.device.type == "cpu"
-                                 and m.weight.dtype in (torch.bfloat16, torch.float16)])
     if not by_shape:
         return []
     if native_isa() is None or load_cpu_ops() is None:
@@ -94,12 +90,16 @@ def choose_linear_kernels(model: nn.Module) -> list[ShapeChoice]:
         packed = speedup * TORCH_MARGIN >= 1.0 if forced == "auto" else forced == "pagedllm"
         for i, layer in enumerate(group if packed else []):
             embedding = tied.get(id(layer.weight))
-            if not pack_linear(layer, check=i == 0):  # checked against float64 once per shape
+            panels = Panels.pack(layer.weight)
+            # Checked against float64 once per shape: the layout and the kernel's path depend
+            # on the shape, not on the values.
+            if panels is None or (i == 0 and not panels.check(getattr(layer, "bias", None))):
                 packed = False
                 break
+            hold(layer, panels)
             if embedding is not None:
                 # The embedding shares the head's weight: it reads rows from the panels.
-                embedding.weight_format, embedding.weight = layer.weight_format, None
+                hold(embedding, panels)
         choices.append(ShapeChoice(n, k, len(group), packed, speedup))
     mine = [c for c in choices if c.packed]
     why = ("" if forced == "auto" else f" (PAGEDLLM_CPU_KERNELS={forced})")
@@ -108,36 +108,6 @@ def choose_linear_kernels(model: nn.Module) -> list[ShapeChoice]:
                 cpu_description(), len(mine), len(choices), why, DECODE_ROWS, PREFILL_ROWS,
                 ", ".join(c.describe() for c in choices))
     return choices
-
-
-def _convert_half_layers(model: nn.Module, layers: list[nn.Module]) -> None:
-    """bfloat16/float16 layers keep their precision, as panels widened in registers by
-    pagedllm's kernel (the Half format), checked against float64 once per shape and dtype; not
-    measured: torch's half matmul on a CPU without native bf16 converts the whole matrix on every
-    call (``PAGEDLLM_CPU_KERNELS=torch`` keeps it anyway). A tied embedding reads its rows from
-    the head's half panels (the same format object): one copy of the matrix."""
-    forced = envs.cpu_kernels()
-    if not layers or forced == "torch" or native_isa() is None or load_cpu_ops() is None:
-        return
-    tied = {id(m.weight): m for m in model.modules()
-            if isinstance(m, VocabParallelEmbedding) and m.weight is not None}
-    checked: dict[tuple, bool] = {}
-    for layer in layers:
-        fmt = Half(QuantizedWeight.from_half(layer.weight))
-        key = (*layer.weight.shape, layer.weight.dtype)
-        if key not in checked:
-            checked[key] = fmt.check(getattr(layer, "bias", None))
-        if not checked[key]:
-            continue
-        embedding = tied.get(id(layer.weight))
-        layer.weight_format, layer.weight = fmt, None
-        if embedding is not None:
-            embedding.weight_format, embedding.weight = fmt, None
-    kept = [f"{n}x{k} {dtype}" for (n, k, dtype), ok in checked.items() if not ok]
-    logger.info("linears on %s: %d bfloat16/float16 layers as half panels in the skinny kernel%s",
-                cpu_description(), sum(m.weight_format is not None for m in layers),
-                f"; torch's matmul for {', '.join(kept)} (the kernel disagreed with float64)"
-                if kept else "")
 
 
 def _measure(layer: nn.Module) -> float:

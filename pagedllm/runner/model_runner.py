@@ -27,7 +27,6 @@ from pagedllm.lora.request import LoRARequest
 from pagedllm.models.pooler import Pooler
 from pagedllm.pooler_config import load_pooler_config
 from pagedllm.pooling_params import PoolingParams
-from pagedllm.runner.activation_choice import checkpoint_method, choose_activations
 from pagedllm.runner.attention_choice import choose_cpu_attention
 from pagedllm.runner.compile import compile_disabled_reason, maybe_compile
 from pagedllm.runner.draft_model import DraftModel
@@ -36,11 +35,11 @@ from pagedllm.runner.frame_chunks import keep_frame_chunks
 from pagedllm.runner.grammar_bitmask import apply_grammar_bitmask
 from pagedllm.runner.input_batch import CachedRequestState, InputBatch, ScheduledRequest
 from pagedllm.runner.kv_cache_groups import KVCacheGroup, group_layers, layer_placement, plan_kv_tensors
-from pagedllm.runner.linear_choice import choose_linear_kernels
 from pagedllm.runner.sampler import Sampler, SamplingMetadata, compute_topk_logprobs
 from pagedllm.runner.sampling_cache import SamplingMetadataCache
 from pagedllm.runner.spec_decode import verify_drafts
-from pagedllm.runner.weight_table import WeightRow, log_weight_table, weight_table
+from pagedllm.runner.weight_plan import plan_weights
+from pagedllm.runner.weight_table import WeightRow
 from pagedllm.runner_type import resolve_runner_type
 from pagedllm.speculative_config import SpeculativeConfig
 from pagedllm.utils import cdiv
@@ -76,17 +75,10 @@ class ModelRunner:
         self.pooler = (Pooler(load_pooler_config(mc.model, config.pooler_config), self.model, self.dtype,
                               self.device, mc.tokenizer or mc.model)
                        if resolve_runner_type(mc.runner, mc.model) == "pooling" else None)
-        if self.device.type == "cpu":
-            # Each layer's weight in the layout of the faster kernel on this CPU, one copy
-            # (runner/linear_choice.py).
-            choose_linear_kernels(self.model)
-        # Before the forward compiles: each quantized or bf16 layer's activations (int8,
-        # bfloat16 with its weights converted once more, or float32; runner/activation_choice.py).
-        self.activations = choose_activations(self.model, mc.quantization_activations,
-                                              self.device, checkpoint_method(self.hf_config))
-        # Layer name -> format, bytes: what the choices above made of every weight.
-        self._weight_table = weight_table(self.model)
-        log_weight_table(self._weight_table)
+        # Every layer's weight format, decided once (runner/weight_plan.py), before the forward
+        # compiles: layer name -> format, bytes, and each quantized or 16-bit format's activations.
+        self._weight_table, self.activations = plan_weights(self.model, self.hf_config, self.device,
+                                                            mc.quantization_activations, mc.quantization)
         if self.device.type == "cpu":
             _keep_freed_memory()  # after every load-time conversion: what they freed goes back
         keep_frame_chunks()  # before the first forward: Python's frame stack stays mapped

@@ -103,12 +103,14 @@ def test_stories260k_in_bf16_decodes_the_exact_paths_greedy_ids():
 
     from pagedllm.checkpoint.loader import load_model
     from pagedllm.runner.linear_choice import choose_linear_kernels
+    from pagedllm.runner.weight_plan import hold_half_layers
 
     prompts = [[1, 365, 264, 292], [1, 403, 250, 263, 431], [1, 450]]
     likely_bound, vocab_bound = 0.125, 0.25
 
     def run(activations: str, forced: list[list[int]] | None) -> tuple[list[list[int]], list[torch.Tensor]]:
         model, _ = load_model(str(STORIES_DIR / "hf"), torch.bfloat16, torch.device("cpu"), None)
+        hold_half_layers(model)
         choose_linear_kernels(model)
         assert set_quantization_activations(model, activations) > 0
         return decode_steps(model, prompts, 32, forced)

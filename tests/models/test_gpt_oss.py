@@ -19,6 +19,7 @@ from pagedllm.distributed.tp_sizes import check_tensor_parallel_size, valid_tens
 from pagedllm.errors import ValidationError
 from pagedllm.layers import FusedMoE
 from pagedllm.layers.quantization.mxfp4 import dequantize_mxfp4
+from pagedllm.runner.weight_plan import plan_weights
 
 
 @pytest.fixture(autouse=True)
@@ -59,7 +60,8 @@ def test_mixed_flat_batch_matches_transformers(tmp_path):
     # transformers 5 writes the experts fused, transposed: [E, H, 2I] and [E, I, H].
     assert saved["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 64, 64)
     assert saved["model.layers.0.mlp.experts.down_proj"].shape == (4, 32, 64)
-    model, _ = load_model(str(tmp_path), torch.float32, torch.device("cpu"))
+    model, config = load_model(str(tmp_path), torch.float32, torch.device("cpu"))
+    plan_weights(model, config, torch.device("cpu"), "float32")  # experts and routers on the kernels
     attns = [layer.self_attn.attn for layer in model.model.layers]
     assert [a.sliding_window for a in attns] == [4, None]
     assert all(torch.equal(a.sinks, saved[f"model.layers.{i}.self_attn.sinks"])
@@ -155,9 +157,10 @@ def load_hf_mxfp4(folder: str):
 
 def test_mxfp4_checkpoint_loads_as_the_dequantized_model(tmp_path):
     folder = save_mxfp4(make_gpt_oss(), tmp_path)
-    model, _ = load_model(folder, torch.float32, torch.device("cpu"))
+    model, config = load_model(folder, torch.float32, torch.device("cpu"))
     experts = model.model.layers[0].mlp.experts
     assert experts.weight_format == "mxfp4" and not hasattr(experts, "gate_up_proj_blocks")
+    plan_weights(model, config, torch.device("cpu"), "float32")
     check_mixed_batch(model, load_hf_mxfp4(folder), PagedRunner(model, block_size=4))
 
 

@@ -119,12 +119,13 @@ def test_a_group_of_no_multiple_of_4_falls_back_to_the_exact_path():
 
 
 def test_the_option_reaches_the_q8_q4_methods_and_bad_values_are_refused():
-    from pagedllm.layers import Linear
-    from pagedllm.layers.quantization import quantize_linear, set_quantized_weight
+    from pagedllm.layers import Linear, hold
+    from pagedllm.layers.quantization import quantize_linear
+    from pagedllm.layers.weight_format import Quantized
 
     model = torch.nn.Module()
     model.a, model.b = Linear(64, 70), Linear(64, 70)
-    set_quantized_weight(model.a, quantize_linear(model.a.weight.detach(), "q8_0"))
+    hold(model.a, Quantized.of(quantize_linear(model.a.weight.detach(), "q8_0")))
     assert set_quantization_activations(model, "int8") == 1  # b stays float32
     assert isinstance(model.a.weight_format, Blocks) and model.a.weight_format.activations == "int8"
     x = torch.randn(2, 64)
@@ -158,12 +159,14 @@ def test_a_q8_0_llama_decodes_the_same_greedy_ids_with_int8_activations():
     from paged_helpers import STORIES_DIR, decode_steps
 
     from pagedllm.checkpoint.loader import load_model
+    from pagedllm.checkpoint.quantized_checkpoint import quantize_linears
 
     prompts = [[1, 365, 264, 292], [1, 403, 250, 263, 431], [1, 450]]
     likely_bound, vocab_bound = 0.25, 0.5
 
     def run(activations: str, forced: list[list[int]] | None) -> tuple[list[list[int]], list[torch.Tensor]]:
         model, _ = load_model(str(STORIES_DIR / "hf"), torch.float32, torch.device("cpu"), "q8_0")
+        quantize_linears(model, "q8_0")  # the planning pass's step 2
         assert set_quantization_activations(model, activations) > 0
         return decode_steps(model, prompts, 32, forced)
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.kernels.cpu_extension import can_run, load_cpu_ops
-from pagedllm.layers.linear import Linear, linear, pack_linear, pack_weight
+from pagedllm.layers.linear import Linear, hold, linear, pack_weight
 from pagedllm.layers.weight_format import PANEL, Panels
 
 pytestmark = pytest.mark.skipif(load_cpu_ops() is None, reason="no C++ compiler: no CPU kernels")
@@ -140,7 +140,9 @@ def test_a_packed_layer_holds_one_copy_and_runs_the_skinny_kernel_at_every_row_c
     layer.weight.data, layer.bias.data = w.clone(), b.clone()
     plain = Linear(1000, 64)
     plain.weight.data, plain.bias.data = w.clone(), b.clone()
-    assert pack_linear(layer)
+    panels = Panels.pack(layer.weight)
+    assert panels is not None and panels.check(layer.bias)
+    hold(layer, panels)
     assert layer.weight is None and isinstance(layer.weight_format, Panels)  # one copy: the panels
     assert [name for name, _ in layer.named_parameters()] == ["bias"]
     for rows in (1, 4, 5, 64, 65, 300):
@@ -166,7 +168,7 @@ def test_rows_of_panels_are_the_embedding_lookup():
 
 def test_pack_skips_what_the_kernel_cannot_take():
     layer = Linear(8, 8).to(torch.bfloat16)
-    assert not pack_linear(layer)
+    assert Panels.pack(layer.weight) is None
     assert layer.weight is not None and not isinstance(layer.weight_format, Panels)
 
 

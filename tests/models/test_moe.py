@@ -17,6 +17,7 @@ from pagedllm.kernels.cpu_extension import has_bf16_activations, load_cpu_ops
 from pagedllm.layers import FusedMoE
 from pagedllm.layers.moe_router import RoutingOrder, select_experts
 from pagedllm.layers.weight_format import Panels
+from pagedllm.runner.weight_plan import hold_experts, plan_weights
 
 COMMON = dict(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
@@ -68,7 +69,8 @@ def make_moe_model(name: str, **overrides):
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_mixed_flat_batch_matches_transformers(name, tmp_path):
     hf_model = make_moe_model(name)
-    model, _ = load_model(save(hf_model, tmp_path), torch.float32, torch.device("cpu"))
+    model, config = load_model(save(hf_model, tmp_path), torch.float32, torch.device("cpu"))
+    plan_weights(model, config, torch.device("cpu"), "float32")  # experts and routers on the kernels
     sparse = [isinstance(layer.mlp.experts, FusedMoE) if hasattr(layer.mlp, "experts") else False
               for layer in model.model.layers]
     assert sparse == ([False, True] if name == "qwen3_moe" else [True, True])
@@ -108,6 +110,7 @@ def test_layer_matches_per_expert_loop(packed):
     layer, w13, w2 = _random_layer()
     if packed:
         layer.process_weights_after_loading()
+        hold_experts(layer)
         assert isinstance(layer.expert_formats["down_proj"], Panels) and layer.down_proj is None
     gen = torch.Generator().manual_seed(1)
     x, logits = torch.randn(37, 48, generator=gen), torch.randn(37, 6, generator=gen) * 4
@@ -121,6 +124,7 @@ def test_layer_matches_per_expert_loop(packed):
 def test_a_row_has_the_same_bits_alone_and_in_any_batch():
     layer, _, _ = _random_layer(seed=3)
     layer.process_weights_after_loading()
+    hold_experts(layer)
     gen = torch.Generator().manual_seed(2)
     x, logits = torch.randn(64, 48, generator=gen), torch.randn(64, 6, generator=gen) * 4
     with torch.inference_mode():
@@ -151,6 +155,7 @@ def _held_layer(fmt: str, seed: int = 0) -> tuple[FusedMoE, torch.Tensor, torch.
                 held.setdefault(attr, []).append(qweight.dequantize())
         w13, w2 = torch.stack(held["gate_up_proj"]), torch.stack(held["down_proj"])
     layer.process_weights_after_loading()
+    hold_experts(layer)
     return layer, w13, w2
 
 
@@ -224,7 +229,8 @@ def test_load_time_quantization_quantizes_the_experts(scheme, tmp_path):
 
     hf_model = make_moe_model("qwen3_moe")
     folder = save(hf_model, tmp_path)
-    model, _ = load_model(folder, torch.float32, torch.device("cpu"), quantization=scheme)
+    model, config = load_model(folder, torch.float32, torch.device("cpu"), quantization=scheme)
+    plan_weights(model, config, torch.device("cpu"), "float32", quantization=scheme)
     experts = [m for m in model.modules() if isinstance(m, FusedMoE)]
     held = {"q8_0": "q8", "q4_0": "q4"}[scheme]
     assert experts and all(m.gate_up_proj is None and m.down_proj is None for m in experts)
@@ -361,6 +367,7 @@ def test_layer_compiles_without_graph_breaks(packed):
     layer, w13, w2 = _random_layer(seed=5)
     if packed:
         layer.process_weights_after_loading()
+        hold_experts(layer)
     gen = torch.Generator().manual_seed(6)
     x, logits = torch.randn(9, 48, generator=gen), torch.randn(9, 6, generator=gen) * 4
     compiled = torch.compile(layer, fullgraph=True, dynamic=True)

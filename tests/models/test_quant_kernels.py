@@ -24,10 +24,12 @@ from pagedllm.kernels.cpu_extension import (
     native_isa,
 )
 from pagedllm.layers import Linear, ParallelLMHead, VocabParallelEmbedding
-from pagedllm.layers.linear import linear
-from pagedllm.layers.quantization import QuantizedWeight, quantize_linear, set_quantized_weight
+from pagedllm.layers.linear import hold, linear
+from pagedllm.layers.quantization import QuantizedWeight, quantize_linear
 from pagedllm.layers.quantization.quantized_weight import GroupScales, _from_kgroups, _high_bit_codes
+from pagedllm.layers.weight_format import Quantized
 from pagedllm.runner import linear_choice as linear_kernel
+from pagedllm.runner.weight_plan import hold_half_layers
 
 pytestmark = pytest.mark.skipif(load_cpu_ops() is None, reason="no C++ compiler: no CPU kernels")
 
@@ -460,7 +462,7 @@ def test_a_quantized_linear_goes_through_linear():
     layer = Linear(96, 100)
     layer.bias.data.normal_(generator=gen)
     qw = quantize_linear(torch.randn(100, 96, generator=gen), "q4_0")
-    set_quantized_weight(layer, qw)
+    hold(layer, Quantized.of(qw))
     assert layer.weight is None and layer.weight_format.qweight is qw
     assert qw.nbytes < 100 * 96 * 4 / 4  # a quarter of float32's bytes, with the panels' padding
     x = torch.randn(2, 3, 96, generator=gen)
@@ -469,9 +471,9 @@ def test_a_quantized_linear_goes_through_linear():
         assert y.shape == (2, 3, 100)
         assert (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
     with pytest.raises(ModelLoadError, match="does not fit"):
-        set_quantized_weight(Linear(64, 100), qw)
+        hold(Linear(64, 100), Quantized.of(qw))
     head = ParallelLMHead(96, 100)  # an lm_head (GGUF's output.weight) takes one the same way
-    set_quantized_weight(head, qw)
+    hold(head, Quantized.of(qw))
     logits = head(x)
     assert logits.dtype == torch.float32
     assert (logits.double() - (ref - layer.bias.double())).abs().max() <= 1e-5 * ref.abs().max()
@@ -479,7 +481,7 @@ def test_a_quantized_linear_goes_through_linear():
 
 @pytest.mark.skipif(native_isa() is None, reason="no tuned kernel for this CPU")
 def test_a_bfloat16_models_linears_hold_half_panels(monkeypatch):
-    """The runner's conversion (choose_linear_kernels) holds bf16 layers as half panels, the
+    """The planning pass (hold_half_layers) holds bf16 layers as half panels, the
     tied embedding reading its rows from the head's panels: one copy, the same values."""
     monkeypatch.setenv("PAGEDLLM_CPU_KERNELS", "auto")
     model = torch.nn.Module()
@@ -495,6 +497,7 @@ def test_a_bfloat16_models_linears_hold_half_panels(monkeypatch):
     ids = torch.tensor([0, 63, 64, 99])
     want_embed = model.embed(ids)
     monkeypatch.setattr(linear_kernel, "_MEASURED", {})
+    hold_half_layers(model)
     linear_kernel.choose_linear_kernels(model)
     assert model.a.weight is None and model.a.weight_format.qweight.format == "bf16"
     assert model.head.weight is None and model.embed.weight is None
@@ -526,6 +529,6 @@ def test_a_q8_model_matches_transformers_on_the_dequantized_weights(name, tmp_pa
     model, _ = load_model(save(hf_model, tmp_path), torch.float32, torch.device("cpu"))
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     for layer in linears:
-        set_quantized_weight(layer, quantize_linear(layer.weight, "q8_0"))
+        hold(layer, Quantized.of(quantize_linear(layer.weight, "q8_0")))
     assert all(layer.weight is None and layer.weight_format.qweight.format == "q8" for layer in linears)
     check_mixed_batch(model, hf_model, PagedRunner(model, block_size=4))

@@ -59,7 +59,7 @@ class GGUFWeights:
         ckpt = self.ckpt
         if quantized_kernels_available(self.device):
             # Routers stay float even when the file quantized them (llama.cpp never does): the
-            # MoE block packs its router for the batch-independent kernel (models/moe.py).
+            # planning pass packs routers for the batch-independent kernel (runner/weight_plan.py).
             quantized = {name for t in ckpt.tensors.values()
                          if t.type_id not in FLOAT_TYPES and ".ffn_gate_inp" not in t.name
                          for name in _hf_names(model, t, ckpt.architecture)}
