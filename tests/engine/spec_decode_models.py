@@ -155,3 +155,11 @@ def sampled_distribution_pvalue(llm, target: str, prompt: list[int], vocab: int,
     obs = [counts.get(k, 0) for k in big] + [n - sum(counts.get(k, 0) for k in big)]
     exp = [exact[k] * n for k in big] + [n * (1 - sum(exact[k] for k in big))]
     return chisquare(obs, exp).pvalue
+
+
+def assert_idle(llm) -> None:
+    """Nothing left running and every block back: the state an engine owes when idle."""
+    engine = llm.llm_engine
+    assert not engine.has_unfinished_requests()
+    engine.engine_core.scheduler.check_integrity()
+    assert llm.get_metrics()["pagedllm:kv_cache_usage_perc"] == 0.0  # no leaked blocks

@@ -14,7 +14,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.errors import ModelLoadError, ValidationError
-from tests.engine.spec_decode_models import sampled_distribution_pvalue
+from tests.engine.spec_decode_models import assert_idle, sampled_distribution_pvalue
 from tests.engine.spec_decode_models import tiny_llama as _tiny_llama
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,13 +45,6 @@ def _run(llm: LLM, prompts=PROMPTS, params=GREEDY) -> list[list[int]]:
     return _token_ids(llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False))
 
 
-def _assert_idle(llm: LLM) -> None:
-    engine = llm.llm_engine
-    assert not engine.has_unfinished_requests()
-    engine.engine_core.scheduler.check_integrity()
-    assert llm.get_metrics()["pagedllm:kv_cache_usage_perc"] == 0.0  # no leaked blocks
-
-
 @pytest.mark.parametrize("engine_args", [
     {},  # batching
     {"max_num_batched_tokens": 6, "long_prefill_token_threshold": 4},  # chunked prefill
@@ -71,7 +64,7 @@ def test_greedy_identical_to_the_target_alone(models, engine_args):
             assert accepted < 0.2 * proposed
         if "num_gpu_blocks_override" in engine_args:
             assert m["pagedllm:num_preemptions"] > 0
-        _assert_idle(llm)
+        assert_idle(llm)
 
 
 def test_prefix_hits_keep_the_draft_cache(models):
@@ -85,7 +78,7 @@ def test_prefix_hits_keep_the_draft_cache(models):
     m = llm.get_metrics()
     assert m["pagedllm:prefix_cache_hits"] >= 16
     assert m["pagedllm:spec_decode_num_accepted_tokens"] == m["pagedllm:spec_decode_num_draft_tokens"]
-    _assert_idle(llm)
+    assert_idle(llm)
 
 
 def test_seeded_sampling_is_reproducible_and_logprobs_served(models):
@@ -138,7 +131,7 @@ def test_a_quantized_draft_of_the_same_weights(models):
     assert _run(llm) == reference
     m = llm.get_metrics()
     assert m["pagedllm:spec_decode_num_accepted_tokens"] > 0.8 * m["pagedllm:spec_decode_num_draft_tokens"]
-    _assert_idle(llm)
+    assert_idle(llm)
 
 
 def test_the_draft_runs_in_the_worker_process(models):
@@ -192,7 +185,7 @@ def test_sampled_n_and_structured_requests_with_a_draft():
                             structured_outputs=StructuredOutputsParams(choice=["a dog", "a cat"]))
     text = llm.generate(["The pet was"], choice, use_tqdm=False)[0].outputs[0].text
     assert text in ("a dog", "a cat")
-    _assert_idle(llm)
+    assert_idle(llm)
 
 
 def test_a_draft_shorter_than_max_model_len_is_refused(models, tmp_path):
@@ -215,7 +208,7 @@ def test_draft_p_min_stops_unsure_drafts(models):
         assert _run(llm) == reference
         m = llm.get_metrics()
         counted[name] = (m["pagedllm:spec_decode_num_draft_tokens"], m["pagedllm:spec_decode_num_accepted_tokens"])
-        _assert_idle(llm)
+        assert_idle(llm)
     assert counted["self"][0] == counted["self"][1] > 0  # sure and right: every draft verified is kept
     assert counted["other_p_min"][0] < 0.5 * counted["other"][0]
     with pytest.raises(ValidationError, match="set one"):
@@ -239,7 +232,7 @@ def test_async_scheduling_with_a_draft_model(models, engine_args):
         assert m["pagedllm:spec_decode_num_draft_tokens"] > 0
         if draft == models["target"]:
             assert m["pagedllm:spec_decode_num_accepted_tokens"] == m["pagedllm:spec_decode_num_draft_tokens"]
-        _assert_idle(llm)
+        assert_idle(llm)
 
 
 def test_aborts_mid_draft_leave_nothing_behind(models):
@@ -253,7 +246,7 @@ def test_aborts_mid_draft_leave_nothing_behind(models):
     engine.abort_request(["0", "2"])
     while engine.has_unfinished_requests():
         engine.step()
-    _assert_idle(llm)
+    assert_idle(llm)
     assert _run(llm, PROMPTS[:1]) == _run(LLM(models["target"], enforce_eager=True, block_size=4), PROMPTS[:1])
 
 
@@ -267,7 +260,7 @@ def test_beam_search_is_served_without_drafts(models):
     spec = llm.beam_search(prompts, params)
     assert [[s.tokens for s in r.sequences] for r in spec] == [[s.tokens for s in r.sequences] for r in plain]
     assert llm.get_metrics()["pagedllm:spec_decode_num_draft_tokens"] == 0
-    _assert_idle(llm)
+    assert_idle(llm)
 
 
 @pytest.mark.slow  # two worker processes
@@ -306,7 +299,7 @@ def test_a_sliding_window_target_with_a_full_attention_draft(models, tmp_path):
         assert llm.llm_engine.engine_core.kv_cache_groups == ((8,) if full else (None, 8, 8))
         m = llm.get_metrics()
         assert (m["pagedllm:spec_decode_num_accepted_tokens"] == m["pagedllm:spec_decode_num_draft_tokens"]) == full
-        _assert_idle(llm)
+        assert_idle(llm)
 
 
 def test_the_draft_only_mirrors_prompts_while_drafts_are_off(models):

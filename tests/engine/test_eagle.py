@@ -14,7 +14,13 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.errors import ModelLoadError, ValidationError
-from tests.engine.spec_decode_models import sampled_distribution_pvalue, tiny_eagle3, tiny_llama, tiny_mimo
+from tests.engine.spec_decode_models import (
+    assert_idle,
+    sampled_distribution_pvalue,
+    tiny_eagle3,
+    tiny_llama,
+    tiny_mimo,
+)
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7], list(range(10, 30)), [5] * 13]
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -52,13 +58,6 @@ def _run(llm: LLM, prompts=PROMPTS, params=GREEDY) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-def _assert_idle(llm: LLM) -> None:
-    engine = llm.llm_engine
-    assert not engine.has_unfinished_requests()
-    engine.engine_core.scheduler.check_integrity()
-    assert llm.get_metrics()["pagedllm:kv_cache_usage_perc"] == 0.0  # no leaked blocks
-
-
 @pytest.mark.parametrize("engine_args", [
     {},  # batching
     {"max_num_batched_tokens": 6, "long_prefill_token_threshold": 4},  # chunked prefill
@@ -76,7 +75,7 @@ def test_greedy_identical_to_the_target_alone(models, engine_args):
         assert m["pagedllm:spec_decode_num_draft_tokens"] > 0
         if "num_gpu_blocks_override" in engine_args:
             assert m["pagedllm:num_preemptions"] > 0
-        _assert_idle(llm)
+        assert_idle(llm)
 
 
 @pytest.mark.parametrize("method", ["eagle3", "mtp"])
@@ -97,7 +96,7 @@ def test_prefix_hits(small_models, method):
                             for k in ("draft_tokens", "accepted_tokens")))
     assert llm.get_metrics()["pagedllm:prefix_cache_hits"] >= 16
     assert counts[0] == counts[1] and counts[0][1] > 0
-    _assert_idle(llm)
+    assert_idle(llm)
 
 
 # -- a plain-torch reference of each head: the drafts it proposes, so the accepted count is known --
@@ -281,4 +280,4 @@ def test_n_logprobs_and_beams_with_a_head(models):
     plain = LLM(models["target"], enforce_eager=True).beam_search(prompts, beams)
     assert ([[s.tokens for s in r.sequences] for r in llm.beam_search(prompts, beams)]
             == [[s.tokens for s in r.sequences] for r in plain])
-    _assert_idle(llm)
+    assert_idle(llm)
