@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pagedllm import envs
+from pagedllm.checkpoint.gguf.config import read_gguf_config
+from pagedllm.checkpoint.source import is_gguf_path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TOKENIZER_DIR = REPO_ROOT.parent / "shared" / "models" / "synthetic-tokenizer-32k"
@@ -254,7 +256,14 @@ def add_workload_args(parser: argparse.ArgumentParser, default: str = "cpu") -> 
 
 def resolve_workload(args: argparse.Namespace, model: str) -> Workload:
     """The --workload for ``model``'s vocabulary (seed 0), cut to --num-requests when given."""
-    return make_workload(args.workload, model_stats(model).vocab_size, seed=0, num_requests=args.num_requests)
+    return make_workload(args.workload, vocab_size(model), seed=0, num_requests=args.num_requests)
+
+
+def vocab_size(model: str | Path) -> int:
+    """The vocabulary of a model folder or a GGUF file (whose config is in its metadata)."""
+    if is_gguf_path(model):
+        return int(read_gguf_config(model)["vocab_size"])
+    return model_stats(model).vocab_size
 
 
 def make_workload(name: str, vocab_size: int, seed: int = 0, num_requests: int | None = None) -> Workload:
