@@ -38,11 +38,11 @@ from pagedllm.runner.kv_cache_groups import KVCacheGroup, group_layers, layer_pl
 from pagedllm.runner.sampler import Sampler, SamplingMetadata, compute_topk_logprobs
 from pagedllm.runner.sampling_cache import SamplingMetadataCache
 from pagedllm.runner.spec_decode import verify_drafts
-from pagedllm.runner.weight_plan import plan_weights
-from pagedllm.runner.weight_table import WeightRow
 from pagedllm.runner_type import resolve_runner_type
 from pagedllm.speculative_config import SpeculativeConfig
 from pagedllm.utils import cdiv
+from pagedllm.weight_plan.plan import plan_weights
+from pagedllm.weight_plan.weight_table import WeightRow
 
 _DTYPES = {alias: getattr(torch, name) for alias, name in DTYPE_ALIASES.items()}
 _CPU_DEFAULT_KV_BYTES = 1 << 30
@@ -75,7 +75,7 @@ class ModelRunner:
         self.pooler = (Pooler(load_pooler_config(mc.model, config.pooler_config), self.model, self.dtype,
                               self.device, mc.tokenizer or mc.model)
                        if resolve_runner_type(mc.runner, mc.model) == "pooling" else None)
-        # Every layer's weight format, decided once (runner/weight_plan.py), before the forward
+        # Every layer's weight format, decided once (weight_plan/plan.py), before the forward
         # compiles: layer name -> format, bytes, and each quantized or 16-bit format's activations.
         self._weight_table, self.activations = plan_weights(self.model, self.hf_config, self.device,
                                                             mc.quantization_activations, mc.quantization)
