@@ -72,8 +72,8 @@ class ModelRunner:
         torch.manual_seed(mc.seed)
         self.model, self.hf_config = load_model(mc.model, self.dtype, self.device, mc.quantization)
         # A pooling model's step ends in the pooler instead of the sampler.
-        self.pooler = (Pooler(load_pooler_config(mc.model, config.pooler_config), self.model, self.dtype,
-                              self.device, mc.tokenizer or mc.model)
+        self.pooler = (Pooler(load_pooler_config(mc.model, self.hf_config, config.pooler_config), self.model,
+                              self.dtype, self.device, mc.tokenizer or mc.model)
                        if resolve_runner_type(mc.runner, mc.model) == "pooling" else None)
         # Every layer's weight format, decided once (weight_plan/plan.py), before the forward
         # compiles: layer name -> format, bytes, and each quantized or 16-bit format's activations.
