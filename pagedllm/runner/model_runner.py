@@ -84,8 +84,10 @@ class ModelRunner:
         keep_frame_chunks()  # before the first forward: Python's frame stack stays mapped
         # Adapters wrap the layers' formats, after every choice above (pagedllm/lora/); compiled,
         # the rows' slots are a tensor the graph reads (lora/graph_weights.py). An encoder compiles
-        # like a generator (its attention is the same op).
-        encoder = not kv_cache_layers(self.model, self.kv_cache_dtype)
+        # like a generator (its attention is the same op). Each layer's KV spec (this rank's heads,
+        # the cache's dtype): the groups and tensors are planned from the specs (below).
+        self._kv_layers = kv_cache_layers(self.model, self.kv_cache_dtype)
+        encoder = not self._kv_layers
         eager = mc.enforce_eager  # None: auto
         graph_inputs = (LoRAGraphInputs(max(config.scheduler_config.max_num_batched_tokens, max_model_len, 16),
                                         self.device)
@@ -113,10 +115,10 @@ class ModelRunner:
                                                      self.kv_cache_dtype, self.dtype)
         self.block_size = 0
         self.max_model_len = max_model_len
-        # Each layer's KV spec (this rank's heads, the cache's dtype); the groups (full, each
-        # window) and the tensors are planned from the specs, never from one model-wide geometry.
-        self._kv_layers = kv_cache_layers(self.model, self.kv_cache_dtype) + (
-            self.drafter.kv_layers if self.drafter is not None else [])
+        # The drafter's layers beside the target's; the groups (full, each window) and the tensors
+        # are planned from their specs, never from one model-wide geometry.
+        if self.drafter is not None:
+            self._kv_layers = self._kv_layers + self.drafter.kv_layers
         # An encoder keeps no KV: one empty group, so the scheduler's block tables stay the same.
         self.kv_cache_groups = (group_layers([spec.sliding_window for _, spec in self._kv_layers], max_model_len)
                                 if self._kv_layers else [KVCacheGroup(None, ())])
