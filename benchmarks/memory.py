@@ -107,8 +107,8 @@ def _kv_bytes_allocated(llm) -> dict:
                 "other_tensor_bytes": None}
     kv = {c.untyped_storage().data_ptr(): c.untyped_storage().nbytes() for c in runner.kv_caches}
     weights = list(runner.model.state_dict().values())
-    # the layers held in a weight format (panels, bf16/fp16, quantized: runner/weight_table.py)
-    from pagedllm.runner.weight_table import held_tensors
+    # the layers held in a weight format (panels, bf16/fp16, quantized: weight_plan/weight_table.py)
+    from pagedllm.weight_plan.weight_table import held_tensors
 
     weights += held_tensors(runner.model)
     weight_storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in weights}

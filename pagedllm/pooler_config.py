@@ -1,5 +1,5 @@
 """PoolerConfig: how a pooling model turns hidden states into its vector, read once from the
-checkpoint (sentence-transformers' files where they exist, else config.json) and vLLM's
+checkpoint (sentence-transformers' files where they exist, else the checkpoint's config) and vLLM's
 ``pooler_config`` override. Standard library only: the front end checks requests against it
 (``dimensions``, prompts) and the runner builds the pooler from it (models/pooler.py)."""
 from __future__ import annotations
@@ -121,9 +121,10 @@ def _default_pooling_type(config: dict) -> str:
     return "LAST" if decoder else "CLS"
 
 
-def load_pooler_config(model: str, overrides: dict | None = None) -> PoolerConfig:
+def load_pooler_config(model: str, config: dict, overrides: dict | None = None) -> PoolerConfig:
+    """``config``: the opened checkpoint's (checkpoint/source.py: config.json is read once);
+    sentence-transformers' own files are read from the folder ``model``."""
     folder = Path(model)
-    config = _read_json(folder / "config.json")
     text = config.get("text_config") or config
     pooling_type, normalize, dense = None, True, []
     if (folder / "modules.json").is_file():

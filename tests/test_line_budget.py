@@ -27,6 +27,7 @@ BUDGET = {
     "models": 2200,
     "runner": 2750,
     "structured_output": 450,
+    "weight_plan": 750,
 }
 # The C++ kernels (kernels/csrc and the runner's arena allocator).
 CPP_BUDGET = 3850  # + unified_attention.cpp

@@ -3,17 +3,20 @@ through the same steps, and only the weight source differs.
 
 1. open: the checkpoint (checkpoint/source.py) gives its config, read once per process;
 2. build on meta: the model's class from the config, no memory, no random init;
-3. plan: which layers keep the checkpoint's quantized blocks (the source decides); their float
-   parameters are dropped before anything is allocated;
+3. plan: which layers keep the checkpoint's quantized blocks (the planning pass decides from
+   the source's tensor index: weight_plan/plan.py); their float parameters are dropped before
+   anything is allocated;
 4. materialise: the rest allocated uninitialised in the model's dtype on the device;
 5. stream: the source copies this rank's part of each tensor into its place
-   (checkpoint/placement.py); a parameter no tensor fills is an error, one filled only in part
-   (the last rank's vocabulary padding) is zeroed first;
+   (checkpoint/placement.py), and hands each planned layer's unpacked blocks to the planning
+   pass; a parameter no tensor fills is an error, one filled only in part (the last rank's
+   vocabulary padding) is zeroed first;
 6. tie: a tied embedding reads its rows from a quantized head;
 7. finish: each module's ``process_weights_after_loading`` (the MoE experts' layout).
 
-Formats are not the loader's: the runner's planning pass (runner/weight_plan.py) then gives each
-layer the one it runs with (``--quantization q8_0|q4_0`` included).
+Formats are not the loader's: the planning pass (weight_plan/plan.py) names the checkpoint's
+blocks before streaming, and the runner then calls it to give every other layer the one it runs
+with (``--quantization q8_0|q4_0`` included).
 """
 from __future__ import annotations
 
@@ -21,9 +24,10 @@ import torch
 from torch import nn
 
 from pagedllm.checkpoint.placement import expected_tensors, zero_uncovered
-from pagedllm.checkpoint.quantized_layers import drop_float_weights, share_tied_heads, tied_heads
+from pagedllm.checkpoint.quantized_layers import drop_float_weights, tied_heads
 from pagedllm.checkpoint.source import Checkpoint, open_checkpoint
 from pagedllm.models.registry import get_model_class
+from pagedllm.weight_plan.plan import hold_tied_embeddings
 
 
 def load_model(model_path: str, dtype: torch.dtype, device: torch.device,
@@ -45,7 +49,7 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device,
     expected = expected_tensors(model)
     zero_uncovered(model, expected)
     weights.stream(model, expected, plan)
-    share_tied_heads(model, heads)
+    hold_tied_embeddings(model, heads)
     finish_loading(model)
     return model.eval(), config
 
@@ -67,7 +71,7 @@ def weight_source(ckpt: Checkpoint, method: str | None, dtype: torch.dtype, devi
 
 
 def finish_loading(model: nn.Module) -> None:
-    # quantization q8_0/q4_0 is not done here: the runner's planning pass (runner/weight_plan.py).
+    # quantization q8_0/q4_0 is not done here: the runner's planning pass (weight_plan/plan.py).
     for module in model.modules():
         if hasattr(module, "process_weights_after_loading"):
             module.process_weights_after_loading()  # e.g. the MoE experts' layout

@@ -3,8 +3,9 @@
 stay quantized; and the ``QuantizedWeight`` each gets from its checkpoint parts.
 
 A layer holds its weight quantized when every checkpoint tensor it is built from (q, k and v
-for ``qkv_proj``; gate and up for ``gate_up_proj``) is quantized, and the model runs on CPU
-(the kernels are CPU kernels). Its float parameter is dropped on the meta device before the
+for ``qkv_proj``; gate and up for ``gate_up_proj``) is quantized, and the planning pass names
+it (weight_plan/plan.py, ``keeps_checkpoint_blocks``: where the kernels run, routers aside).
+Its float parameter is dropped on the meta device before the
 model is materialised, so the float32 matrix is never allocated. The same holds per expert for
 a MoE layer's projections (the checkpoint's per-expert spelling; the FusedMoE stacks them), and
 for a fused checkpoint tensor whose every piece fills one layer (Phi-3's qkv_proj).
@@ -26,14 +27,11 @@ import torch
 from torch import nn
 
 from pagedllm.errors import ModelLoadError
-from pagedllm.layers import Linear, ParallelLMHead, VocabParallelEmbedding, hold
+from pagedllm.layers import Linear, ParallelLMHead, VocabParallelEmbedding
 from pagedllm.layers.fused_moe import FusedMoE
 from pagedllm.layers.quantization import QuantizedWeight, kernel_matches_float64
-
-# The loaders ask it here (the rule lives with the methods that need the kernels).
-from pagedllm.layers.quantization.linear_method import quantized_kernels_available  # noqa: F401
 from pagedllm.layers.quantization.quantized_weight import GroupScales
-from pagedllm.layers.weight_format import Quantized
+from pagedllm.weight_plan.plan import hold_checkpoint_blocks, hold_checkpoint_experts
 
 _WIDER = ("q4", "q5", "q6", "q8")  # each format's codes fit the next's
 _PANEL = 64  # output rows per panel of the quantized kernel (QuantizedWeight's PANEL)
@@ -107,13 +105,14 @@ class Part:
         return self.module_name, self.attr, self.expert
 
 
-def plan_quantized_layers(model: nn.Module, expected: dict,
-                          quantized_names: set[str]) -> dict[str, list[Part]]:
+def plan_quantized_layers(model: nn.Module, expected: dict, quantized_names: set[str],
+                          keep: set[str]) -> dict[str, list[Part]]:
     """Checkpoint name -> its Parts (one, or several where a fused tensor holds a layer's
     parts: Phi-3's qkv_proj) for the weights of the linear layers (and the untied lm_head),
-    and of each expert of a FusedMoE's projections, whose every part is in
-    ``quantized_names``; ``expected`` is the loader's placement of the still-meta model (name
-    -> [(WeightSlice, parameter name)])."""
+    and of each expert of a FusedMoE's projections, of the modules in ``keep`` (the planning
+    pass's ``keeps_checkpoint_blocks``) whose every part is in ``quantized_names``;
+    ``expected`` is the loader's placement of the still-meta model (name -> [(WeightSlice,
+    parameter name)])."""
 
     modules = dict(model.named_modules())
     tied = tied_heads(model)
@@ -144,7 +143,7 @@ def plan_quantized_layers(model: nn.Module, expected: dict,
              if len(set(keys)) == 1 and len(keys) == len(expected[name])}
     plan: dict[str, list[Part]] = {}
     for (module_name, attr, expert), parts in by_weight.items():
-        if not all(name in quantized_names and name in whole for name, _ in parts):
+        if module_name not in keep or not all(name in quantized_names and name in whole for name, _ in parts):
             continue
         for index, (name, piece) in enumerate(parts):
             size = piece.dest.shape[piece.dim] if piece.dim is not None else 0
@@ -178,15 +177,6 @@ def drop_float_weights(model: nn.Module, plan: dict[str, list[Part]]) -> None:
     experts = {(part.module_name, part.attr) for part in parts if part.expert is not None}
     for module_name, attr in experts:
         modules[module_name].drop_float_projection(attr)
-
-
-def share_tied_heads(model: nn.Module, heads: dict[str, str]) -> None:
-    """Point each tied embedding (``tied_heads`` of the meta model) at its head's quantized
-    weight, once the head holds one."""
-    modules = dict(model.named_modules())
-    for embedding, head in heads.items():
-        if modules[head].weight_format is not None:
-            modules[embedding].weight_format = modules[head].weight_format
 
 
 def this_rank(value: GroupQuant, part: Part) -> GroupQuant:
@@ -228,13 +218,15 @@ def combine(parts: list[GroupQuant]) -> GroupQuant:
 class QuantizedParts:
     """The parts of quantized weights, as a loader reads them (``add``): each weight is built
     from its parts (``combine``) and bound to its layer as soon as its last part arrives, so
-    the unpacked parts of one layer are alive at a time, not the whole model's. Call after the
-    float tensors (the biases: the kernel check adds them) are loaded; ``finish`` at the end."""
+    the unpacked parts of one layer are alive at a time, not the whole model's (a MoE
+    projection's experts are stacked once every one is in). Call after the float tensors (the
+    biases: the kernel check adds them) are loaded; ``finish`` at the end."""
 
     def __init__(self, model: nn.Module) -> None:
         self._modules = dict(model.named_modules())
         self._attacher = QuantizedAttacher()
         self._parts: dict[tuple[str, str, int | None], dict[int, GroupQuant]] = {}
+        self._experts: dict[tuple[str, str], dict[int, QuantizedWeight]] = {}
 
     def add(self, value: GroupQuant, parts: list[Part], source: str) -> None:
         """Checkpoint tensor ``value`` (named ``source`` in errors) as each of its planned
@@ -253,6 +245,9 @@ class QuantizedParts:
             module_name, attr, _ = next(iter(self._parts))
             raise ModelLoadError(f"the checkpoint holds only some parts of {len(self._parts)} "
                                  f"quantized weights (the first: {module_name}.{attr})")
+        for (module_name, attr), experts in self._experts.items():
+            hold_checkpoint_experts(self._modules[module_name], attr, experts)
+        self._experts = {}
 
     def _attach(self, key: tuple[str, str, int | None], parts: dict[int, GroupQuant]) -> None:
         module_name, attr, expert = key
@@ -260,12 +255,11 @@ class QuantizedParts:
         if expert is None:
             self._attacher.attach(self._modules[module_name], value)
         else:
-            self._modules[module_name].set_quantized_expert(
-                attr, expert, self._attacher.build(value, None))
+            self._experts.setdefault((module_name, attr), {})[expert] = self._attacher.build(value, None)
 
 
 class QuantizedAttacher:
-    """Builds each layer's QuantizedWeight and binds it, checking the kernel against float64
+    """Builds each layer's QuantizedWeight and hands it to the planning pass, checking the kernel against float64
     once per (format, shape, group, offsets) rather than per layer."""
 
     def __init__(self) -> None:
@@ -279,7 +273,7 @@ class QuantizedAttacher:
         if isinstance(layer, ParallelLMHead) and qweight.out_features != layer.out_features:
             raise ModelLoadError(f"lm_head weight has {qweight.out_features} rows, the layer "
                                  f"{layer.out_features}")
-        hold(layer, Quantized.of(qweight))  # checks a linear layer's shape
+        hold_checkpoint_blocks(layer, qweight)
 
     def build(self, value: GroupQuant, bias: torch.Tensor | None) -> QuantizedWeight:
         """``value`` as a QuantizedWeight, the kernel checked on its (format, shape) first."""

@@ -17,6 +17,7 @@ from typing import Any
 
 from pagedllm.beam_search_params import BeamSearchParams
 from pagedllm.checkpoint.hub import resolve_engine_args
+from pagedllm.checkpoint.source import open_checkpoint
 from pagedllm.config import EngineConfig
 from pagedllm.core.outputs import EngineCoreOutputs, EngineCoreRequest
 from pagedllm.engine.core_client import EngineCoreClient, MPEngineCoreClient, multiprocessing_enabled
@@ -88,9 +89,9 @@ class LLMEngine:
         self.input_processor = InputProcessor(tokenizer, self.model_info.vocab_size)
         self.output_processor = OutputProcessor(tokenizer)
         self.runner_type = resolve_runner_type(mc.runner, mc.model)
-        self.pooling = PoolingFrontend(tokenizer, self.input_processor, self.max_model_len,
-                                       load_pooler_config(mc.model, config.pooler_config)
-                                       if self.runner_type == "pooling" else None)
+        pooler_config = (load_pooler_config(mc.model, open_checkpoint(mc.model).config, config.pooler_config)
+                         if self.runner_type == "pooling" else None)
+        self.pooling = PoolingFrontend(tokenizer, self.input_processor, self.max_model_len, pooler_config)
         self.num_prompt_tokens = 0  # prompt tokens of the requests received
         self.num_requests_finished = 0
         # Pooling traffic, counted apart from generation's prompt tokens and finished requests.

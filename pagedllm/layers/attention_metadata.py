@@ -73,26 +73,8 @@ def build_attention_metadata(query_lens: list[int], num_computed_tokens: list[in
     if not (len(num_computed_tokens) == len(block_tables) == num_reqs):
         raise ValueError("query_lens, num_computed_tokens and block_tables differ in length")
     seq_lens = [c + q for c, q in zip(num_computed_tokens, query_lens)]
-    query_start_loc = [0]
-    positions: list[int] = []
-    slot_mapping: list[int] = []
-    for i, (start, seq_len, table) in enumerate(zip(num_computed_tokens, seq_lens, block_tables)):
-        if len(table) * block_size < seq_len:
-            raise ValueError(f"request {i}: {len(table)} blocks of {block_size} cannot hold "
-                             f"{seq_len} tokens")
-        query_start_loc.append(query_start_loc[-1] + seq_len - start)
-        if seq_len - start == 1:  # a decode: one position, one slot
-            positions.append(start)
-            slot_mapping.append(table[start // block_size] * block_size + start % block_size)
-            continue
-        positions.extend(range(start, seq_len))
-        pos = start
-        while pos < seq_len:  # one run of consecutive slots per block touched
-            block, offset = divmod(pos, block_size)
-            end = min(seq_len, pos - offset + block_size)
-            base = table[block] * block_size - block * block_size
-            slot_mapping.extend(range(base + pos, base + end))
-            pos = end
+    query_start_loc, positions, slot_mapping = _positions_and_slots(num_computed_tokens, seq_lens,
+                                                                    block_tables, block_size)
 
     max_blocks = max(1, max((len(t) for t in block_tables), default=0))
     # Padded with block 0, which is never read: keys past a request's length are masked.
@@ -125,6 +107,33 @@ def build_attention_metadata(query_lens: list[int], num_computed_tokens: list[in
                                       tables, block_size, to_dev)
     md.backend_data = backend.prepare(md)
     return md
+
+
+def _positions_and_slots(num_computed_tokens: list[int], seq_lens: list[int],
+                         block_tables: list[list[int]], block_size: int) -> tuple[list[int], list[int], list[int]]:
+    """(query_start_loc, positions, slot_mapping) of the step's rows: each request's new
+    positions and the cache slot each one's K/V is written to."""
+    query_start_loc = [0]
+    positions: list[int] = []
+    slot_mapping: list[int] = []
+    for i, (start, seq_len, table) in enumerate(zip(num_computed_tokens, seq_lens, block_tables)):
+        if len(table) * block_size < seq_len:
+            raise ValueError(f"request {i}: {len(table)} blocks of {block_size} cannot hold "
+                             f"{seq_len} tokens")
+        query_start_loc.append(query_start_loc[-1] + seq_len - start)
+        if seq_len - start == 1:  # a decode: one position, one slot
+            positions.append(start)
+            slot_mapping.append(table[start // block_size] * block_size + start % block_size)
+            continue
+        positions.extend(range(start, seq_len))
+        pos = start
+        while pos < seq_len:  # one run of consecutive slots per block touched
+            block, offset = divmod(pos, block_size)
+            end = min(seq_len, pos - offset + block_size)
+            base = table[block] * block_size - block * block_size
+            slot_mapping.extend(range(base + pos, base + end))
+            pos = end
+    return query_start_loc, positions, slot_mapping
 
 
 def _build_decode(query_lens: list[int], seq_lens: list[int], query_start_loc: list[int],

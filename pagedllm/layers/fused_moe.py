@@ -19,9 +19,9 @@ partial sum of the layer's output, all-reduced once per layer (after the shared 
 sum, where the family has one) -- the row-parallel path of the dense MLP.
 
 On CPU, where the skinny kernel runs (layers/linear.py), the planning pass
-(runner/weight_plan.py) holds the experts for it: float32 experts as panels, experts in another
+(weight_plan/plan.py) holds the experts for it: float32 experts as panels, experts in another
 format as stacked ``QuantizedWeight``s (bfloat16/float16 in their precision, and a quantized
-checkpoint's (GGUF, AWQ/GPTQ) as it holds them, handed over per expert by the loader,
+checkpoint's (GGUF, AWQ/GPTQ) as it holds them, unpacked per expert by the loader,
 checkpoint/quantized_layers.py, so their float matrices are never allocated). The
 whole layer after the routing is then one C++ op, ``pagedllm::fused_experts``
 (csrc/fused_moe.cpp): the tokens grouped by expert, each projection one grouped kernel call over
@@ -44,14 +44,13 @@ from torch import nn
 
 from pagedllm.distributed.parallel_state import get_tp_group
 from pagedllm.distributed.tp_sizes import split_size
-from pagedllm.errors import ModelLoadError, UnsupportedModelError
+from pagedllm.errors import UnsupportedModelError
 from pagedllm.kernels.op_registry import LayerRegistry, layer_op
 from pagedllm.layers.activation import GatedActivation
 from pagedllm.layers.linear import WeightSlice
 from pagedllm.layers.moe_router import RoutingOrder, check_routing, select_experts
-from pagedllm.layers.quantization import QuantizedWeight
 from pagedllm.layers.quantization.mxfp4 import BLOCK_SIZE
-from pagedllm.layers.weight_format import MXFP4, Dense, Quantized, WeightFormat
+from pagedllm.layers.weight_format import MXFP4, Dense, WeightFormat
 
 
 class ExpertLayout(str, Enum):
@@ -111,11 +110,9 @@ class FusedMoE(nn.Module):
             self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden_size))
         # Projection name -> how its experts are held: float32 panels [E, panels, in, 64]
         # (Panels), the experts' weights in another format (bf16/fp16, a quantized checkpoint's
-        # q8/q4) stacked (QuantizedWeight.stack: Half, Blocks; a loader hands those over expert
-        # by expert, set_quantized_expert), or the float parameter itself on torch's matmul
-        # (Dense). Set by the planning pass (runner/weight_plan.py); one copy either way.
+        # q8/q4) stacked (QuantizedWeight.stack: Half, Blocks), or the float parameter itself on
+        # torch's matmul (Dense). Set by the planning pass (weight_plan/plan.py); one copy either way.
         self.expert_formats: dict[str, WeightFormat] = {}
-        self._expert_qweights: dict[str, dict[int, QuantizedWeight]] = {}
         self._op_id = _layers_by_op_id.register(self)  # how a compiled graph names this layer
 
     def _init_mxfp4(self, num_experts: int, hidden: int, inter: int) -> None:
@@ -198,33 +195,15 @@ class FusedMoE(nn.Module):
                 WeightSlice(param[:, size:], None, 1, full + rank_start, 2 * full)]
 
     def drop_float_projection(self, attr: str) -> None:
-        """On the meta model: projection ``attr``'s experts will come quantized (a loader's
-        ``set_quantized_expert``), so its float parameter is never allocated."""
+        """On the meta model: projection ``attr``'s experts will come as the checkpoint's blocks
+        (the planning pass's ``hold_checkpoint_experts``), so its float parameter is never
+        allocated."""
         self.register_parameter(attr, None)
-        self._expert_qweights[attr] = {}
-
-    def set_quantized_expert(self, attr: str, expert: int, qweight: QuantizedWeight) -> None:
-        """Expert ``expert``'s weight of projection ``attr``, as its checkpoint holds it (this
-        rank's rows or columns); stacked once every expert's is in."""
-        inter, hidden = self.intermediate_size, self.hidden_size
-        shape = (2 * inter, hidden) if attr == "gate_up_proj" else (hidden, inter)
-        if (qweight.out_features, qweight.in_features) != shape or not 0 <= expert < self.num_experts:
-            raise ModelLoadError(f"expert {expert}'s {attr} is {qweight.out_features}x"
-                                 f"{qweight.in_features}; the layer wants {shape[0]}x{shape[1]} "
-                                 f"for experts 0..{self.num_experts - 1}")
-        self._expert_qweights[attr][expert] = qweight
 
     @torch.no_grad()
     def process_weights_after_loading(self) -> None:
-        """Stack the checkpoint's quantized experts, dequantize MXFP4 ones, de-interleave: the
-        layout every family shares. Each step runs once; the format the float experts run in
-        is the planning pass's (runner/weight_plan.py)."""
-        for attr, experts in self._expert_qweights.items():
-            if len(experts) != self.num_experts:
-                raise ModelLoadError(f"{attr}: the checkpoint held {len(experts)} of "
-                                     f"{self.num_experts} experts")
-            self._hold_stacked(attr, [experts[e] for e in range(self.num_experts)])
-        self._expert_qweights = {}
+        """Dequantize MXFP4 experts, de-interleave: the layout every family shares. Each step
+        runs once; the format the experts run in is the planning pass's (weight_plan/plan.py)."""
         if self._mxfp4_loaded:  # the checkpoint's blocks and scales, dequantized (exact)
             dtype = self._dtype_probe.dtype
             gate_up = MXFP4(self.gate_up_proj_blocks, self.gate_up_proj_scales)
@@ -251,15 +230,11 @@ class FusedMoE(nn.Module):
                 if w is not None and name not in self.expert_formats}
 
     def hold(self, name: str, fmt: WeightFormat) -> None:
-        """Projection ``name``'s experts multiplied through ``fmt`` (runner/weight_plan.py
+        """Projection ``name``'s experts multiplied through ``fmt`` (weight_plan/plan.py
         decides which); its float parameter goes, except under ``Dense``, whose tensor it is."""
         self.expert_formats[name] = fmt
         if not isinstance(fmt, Dense):
             self.register_parameter(name, None)
-
-    def _hold_stacked(self, attr: str, qweights: list[QuantizedWeight]) -> None:
-        """Projection ``attr`` as the checkpoint's experts' weights stacked."""
-        self.hold(attr, Quantized.of(QuantizedWeight.stack(qweights)))
 
     # -- compute -------------------------------------------------------------------------------
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
@@ -280,12 +255,6 @@ class FusedMoE(nn.Module):
         """Both projections held for the CPU kernels (panels or stacked codes), not ``Dense``."""
         return (len(self.expert_formats) == len(self.PROJECTIONS)
                 and not any(isinstance(f, Dense) for f in self.expert_formats.values()))
-
-    def hold_dense(self) -> None:
-        """``Dense`` for each projection the CPU kernels do not hold (the planning pass's last
-        step, runner/weight_plan.py): its float parameter, on torch's matmul."""
-        for name, weight in self.float_weights().items():
-            self.hold(name, Dense(weight))
 
     def _fused_experts(self, x: torch.Tensor, topk_weights: torch.Tensor,
                        topk_ids: torch.Tensor) -> torch.Tensor:

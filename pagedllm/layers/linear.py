@@ -12,9 +12,9 @@ output dimension so one matmul replaces two or three; each part remembers its ch
 and where this rank's rows start in it, so the loader reads just those rows from safetensors
 (``checkpoint_slices``).
 
-After loading, the planning pass (runner/weight_plan.py) gives each layer one ``WeightFormat``
+After loading, the planning pass (weight_plan/plan.py) gives each layer one ``WeightFormat``
 (layers/weight_format.py): float32 panels of ``pagedllm::packed_linear`` (the skinny kernel,
-where the runner measured it faster than torch's matmul on this CPU: runner/linear_choice.py),
+where the runner measured it faster than torch's matmul on this CPU: weight_plan/linear_choice.py),
 bf16/fp16 panels, block-quantized codes (q8, q4, q5, q6), or ``Dense``, the plain ``[out, in]``
 matrix on torch's matmul. Either way a layer holds exactly one copy of its weight, and
 ``linear`` dispatches: the model code does not see the format. The skinny kernel sums in float32

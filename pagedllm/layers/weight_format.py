@@ -4,7 +4,7 @@ embedding and head, set once at load (``weight`` is then None), which multiplies
 and checks its kernel against float64 (``check``: the one self-check every format shares).
 
 - ``Panels``: float32 panels of ``pagedllm::packed_linear`` (kernels/csrc/skinny_gemm.cpp),
-  where the runner measured the skinny kernel faster than torch's matmul (runner/linear_choice.py).
+  where the runner measured the skinny kernel faster than torch's matmul (weight_plan/linear_choice.py).
 - ``Half``: bf16/fp16 panels widened in registers (``pagedllm::quant_linear``), with float32 or
   (bf16 weights in the AMX/AVX512-BF16 layout, ``bf16_vnni``) bfloat16 activations.
 - ``Blocks``: block-quantized codes (q8, q4, q5, q6: GGUF, AWQ/GPTQ, load-time q8_0/q4_0), with
@@ -13,7 +13,7 @@ and checks its kernel against float64 (``check``: the one self-check every forma
   torch's matmul won the measurement, a layer no kernel takes); the layer keeps its ``weight``.
 - ``MXFP4``: GPT-OSS's microscaling FP4 experts as the checkpoint ships them, until the layer
   dequantizes them to the model dtype (exact) at load.
-The planning pass (runner/weight_plan.py) gives every layer one of these; a layer not yet
+The planning pass (weight_plan/plan.py) gives every layer one of these; a layer not yet
 planned (a model straight from a loader, a test's layer) multiplies by its ``weight``.
 
 Every format keeps the same C++ op and arguments the layers called before it existed, so a

@@ -87,7 +87,7 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, args: DecoderArgs, moe: MoEArgs) -> None:
         super().__init__()
         self.gate = Linear(args.hidden_size, moe.num_experts, bias=moe.router_bias)
-        self.gate.batch_invariant = True  # on the skinny kernel (runner/weight_plan.py)
+        self.gate.batch_invariant = True  # on the skinny kernel (weight_plan/plan.py)
         self.experts = FusedMoE(moe.num_experts, moe.top_k, args.hidden_size,
                                 moe.intermediate_size, args.hidden_act, moe.renormalize,
                                 moe.order, moe.expert_names, reduce_results=False,

@@ -1,5 +1,5 @@
 """The attention backend on CPU, measured at startup (the safety net beside
-runner/linear_choice.py's): the cpu_paged kernel against the torch backend, on layers like the
+weight_plan/linear_choice.py's): the cpu_paged kernel against the torch backend, on layers like the
 model's own (each kind of layer it has: its heads and head size, sliding window, soft-cap,
 sinks) over a KV
 cache of its dtype (fp8 and 16-bit caches are widened as they are read, which costs the two
@@ -28,8 +28,8 @@ from pagedllm.layers.attention.selector import get_attn_backend
 from pagedllm.layers.attention_metadata import build_attention_metadata
 from pagedllm.layers.forward_context import set_forward_context
 from pagedllm.layers.kv_cache import bind_kv_caches, kv_cache_shape
-from pagedllm.runner.linear_choice import TORCH_MARGIN, best_times
 from pagedllm.utils import cdiv
+from pagedllm.weight_plan.linear_choice import TORCH_MARGIN, best_times
 
 logger = logging.getLogger(__name__)
 

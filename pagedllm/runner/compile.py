@@ -18,7 +18,7 @@ Triton; without one, the engine logs a line and runs eagerly. The environment va
 ``PAGEDLLM_ENFORCE_EAGER=1`` makes unset mean eager: the test suite sets it (tests/conftest.py),
 as vLLM's CPU CI runs eagerly, because each engine would otherwise spend seconds compiling.
 
-On CPU the linears that hold packed weights (the skinny kernel, runner/linear_choice.py chooses
+On CPU the linears that hold packed weights (the skinny kernel, weight_plan/linear_choice.py chooses
 them) are each an opaque op in the graph, as in eager mode; inductor fuses what lies between them,
 so compiled steps beat eager ones at decode and prefill (``python -m benchmarks.compile_ab``;
 the figures: docs/cpu_kernels.md#the-compiled-graph). Lowered by inductor instead, a linear

@@ -43,8 +43,8 @@ from pagedllm.runner.compile import maybe_compile
 from pagedllm.runner.input_batch import CachedRequestState, ScheduledRequest
 from pagedllm.runner.sampler import SamplingMetadata
 from pagedllm.runner.spec_decode import target_probs
-from pagedllm.runner.weight_plan import plan_weights
 from pagedllm.speculative_config import SpeculativeConfig
+from pagedllm.weight_plan.plan import plan_weights
 
 logger = logging.getLogger("pagedllm")
 

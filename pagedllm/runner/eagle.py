@@ -33,8 +33,8 @@ from pagedllm.layers.kv_cache import kv_cache_layers
 from pagedllm.models.eagle3 import default_aux_layer_ids
 from pagedllm.runner.draft_model import DraftModel, MetadataBuilder, SamplingBuilder
 from pagedllm.runner.input_batch import CachedRequestState, ScheduledRequest
-from pagedllm.runner.weight_plan import plan_weights
 from pagedllm.speculative_config import SpeculativeConfig
+from pagedllm.weight_plan.plan import plan_weights
 
 logger = logging.getLogger("pagedllm")
 

@@ -26,7 +26,6 @@ from pagedllm.lora.mapping import set_lora_mapping
 from pagedllm.lora.request import LoRARequest
 from pagedllm.models.pooler import Pooler
 from pagedllm.pooler_config import load_pooler_config
-from pagedllm.pooling_params import PoolingParams
 from pagedllm.runner.attention_choice import choose_cpu_attention
 from pagedllm.runner.compile import compile_disabled_reason, maybe_compile
 from pagedllm.runner.draft_model import DraftModel
@@ -38,11 +37,12 @@ from pagedllm.runner.kv_cache_groups import KVCacheGroup, group_layers, layer_pl
 from pagedllm.runner.sampler import Sampler, SamplingMetadata, compute_topk_logprobs
 from pagedllm.runner.sampling_cache import SamplingMetadataCache
 from pagedllm.runner.spec_decode import verify_drafts
-from pagedllm.runner.weight_plan import plan_weights
-from pagedllm.runner.weight_table import WeightRow
+from pagedllm.runner.step_inputs import gather_step_inputs
 from pagedllm.runner_type import resolve_runner_type
 from pagedllm.speculative_config import SpeculativeConfig
 from pagedllm.utils import cdiv
+from pagedllm.weight_plan.plan import plan_weights
+from pagedllm.weight_plan.weight_table import WeightRow
 
 _DTYPES = {alias: getattr(torch, name) for alias, name in DTYPE_ALIASES.items()}
 _CPU_DEFAULT_KV_BYTES = 1 << 30
@@ -72,10 +72,10 @@ class ModelRunner:
         torch.manual_seed(mc.seed)
         self.model, self.hf_config = load_model(mc.model, self.dtype, self.device, mc.quantization)
         # A pooling model's step ends in the pooler instead of the sampler.
-        self.pooler = (Pooler(load_pooler_config(mc.model, config.pooler_config), self.model, self.dtype,
-                              self.device, mc.tokenizer or mc.model)
+        self.pooler = (Pooler(load_pooler_config(mc.model, self.hf_config, config.pooler_config), self.model,
+                              self.dtype, self.device, mc.tokenizer or mc.model)
                        if resolve_runner_type(mc.runner, mc.model) == "pooling" else None)
-        # Every layer's weight format, decided once (runner/weight_plan.py), before the forward
+        # Every layer's weight format, decided once (weight_plan/plan.py), before the forward
         # compiles: layer name -> format, bytes, and each quantized or 16-bit format's activations.
         self._weight_table, self.activations = plan_weights(self.model, self.hf_config, self.device,
                                                             mc.quantization_activations, mc.quantization)
@@ -84,8 +84,10 @@ class ModelRunner:
         keep_frame_chunks()  # before the first forward: Python's frame stack stays mapped
         # Adapters wrap the layers' formats, after every choice above (pagedllm/lora/); compiled,
         # the rows' slots are a tensor the graph reads (lora/graph_weights.py). An encoder compiles
-        # like a generator (its attention is the same op).
-        encoder = not kv_cache_layers(self.model, self.kv_cache_dtype)
+        # like a generator (its attention is the same op). Each layer's KV spec: this rank's heads,
+        # the cache's dtype (``_plan_kv_cache``).
+        self._kv_layers = kv_cache_layers(self.model, self.kv_cache_dtype)
+        encoder = not self._kv_layers
         eager = mc.enforce_eager  # None: auto
         graph_inputs = (LoRAGraphInputs(max(config.scheduler_config.max_num_batched_tokens, max_model_len, 16),
                                         self.device)
@@ -113,10 +115,13 @@ class ModelRunner:
                                                      self.kv_cache_dtype, self.dtype)
         self.block_size = 0
         self.max_model_len = max_model_len
-        # Each layer's KV spec (this rank's heads, the cache's dtype); the groups (full, each
-        # window) and the tensors are planned from the specs, never from one model-wide geometry.
-        self._kv_layers = kv_cache_layers(self.model, self.kv_cache_dtype) + (
-            self.drafter.kv_layers if self.drafter is not None else [])
+        self._plan_kv_cache(max_model_len)
+
+    def _plan_kv_cache(self, max_model_len: int) -> None:
+        """The KV cache groups (full, each window) and tensors, planned from each layer's spec
+        (the drafter's beside the target's), never from one model-wide geometry."""
+        if self.drafter is not None:
+            self._kv_layers = self._kv_layers + self.drafter.kv_layers
         # An encoder keeps no KV: one empty group, so the scheduler's block tables stay the same.
         self.kv_cache_groups = (group_layers([spec.sliding_window for _, spec in self._kv_layers], max_model_len)
                                 if self._kv_layers else [KVCacheGroup(None, ())])
@@ -182,43 +187,14 @@ class ModelRunner:
             num_drafts = {s.state.req_id: len(s.drafts) for s in scheduled
                           if len(s.drafts) != len(slots.get(s.state.req_id, ()))}
 
-        input_ids: list[int] = []
-        query_lens: list[int] = []
-        num_computed: list[int] = []
-        block_tables: list[list[list[int]]] = []
-        samplers: list[tuple[ScheduledRequest, int]] = []  # (request, its first logits row)
-        poolers: list[tuple[str, int, int, PoolingParams]] = []  # (request, first row, rows, params)
-        token_type_starts: list[tuple[int, int]] = []  # rows [a, b) of a pair's second segment
-        # (state, first row, first position, count): rows whose logits score prompt tokens.
-        prompt_lp_jobs: list[tuple[CachedRequestState, int, int, int]] = []
-        for s in scheduled:
-            state, start, n = s.state, s.start, s.num_tokens
-            n_real = n - len(s.drafts)
-            row0 = len(input_ids)
-            input_ids.extend(state.token_ids[start:start + n_real])
-            if s.drafts:
-                input_ids.extend(s.drafts)
-            query_lens.append(n)
-            num_computed.append(start)
-            block_tables.append(state.block_ids)  # one table per KV cache group
-            if state.params is not None and state.params.prompt_logprobs is not None \
-                    and start < state.num_prompt_tokens - 1:
-                # Logits at position p score prompt token p + 1.
-                count = min(start + n_real, state.num_prompt_tokens - 1) - start
-                prompt_lp_jobs.append((state, row0, start, count))
-            if s.samples:
-                samplers.append((s, row0 + n_real - 1))
-            elif state.pooling_params is not None:
-                poolers.append((state.req_id, row0, n, state.pooling_params))
-                token_type_starts.append((row0 + (state.pooling_params.token_type_start or n), row0 + n))
-
-        attn_md = self._attention_metadata(query_lens, num_computed, block_tables)
-        ids_t = self._staging[0].fill("input_ids", input_ids, (len(input_ids),))
+        step = gather_step_inputs(scheduled)
+        attn_md = self._attention_metadata(step.query_lens, step.num_computed, step.block_tables)
+        ids_t = self._staging[0].fill("input_ids", step.input_ids, (len(step.input_ids),))
         if self.device.type != "cpu":
             ids_t = ids_t.to(self.device, non_blocking=True)
         lora_mapping = None if self.lora_manager is None else self.lora_manager.step_mapping(
             [(s.state.lora_request, s.num_tokens) for s in scheduled], self.device)
-        token_types = self._token_type_ids(token_type_starts, len(input_ids))
+        token_types = self._token_type_ids(step.token_type_starts, len(step.input_ids))
         with set_forward_context(attn_md, token_types), set_lora_mapping(lora_mapping):
             # The metadata's positions are the model's: one tensor for both.
             # An adapter's trained embedding is looked up outside the graph: such steps run eagerly.
@@ -231,13 +207,14 @@ class ModelRunner:
         req_ids = [s.state.req_id for s in scheduled]
         out = RunnerOutput(req_ids=req_ids, req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
                            sampled_token_ids=[[] for _ in req_ids], num_draft_tokens=num_drafts or None)
-        if prompt_lp_jobs:
-            out.prompt_logprobs = self._prompt_logprobs(hidden, prompt_lp_jobs)
-        if samplers:
-            self._sample(hidden, samplers, out, so.grammar_bitmask, draft_probs)
-        if poolers:
-            vectors = self.pooler(hidden, [(row0, n) for _, row0, n, _ in poolers], [p[3] for p in poolers])
-            out.pooler_output = {rid: vec for (rid, _, _, _), vec in zip(poolers, vectors)}
+        if step.prompt_logprob_jobs:
+            out.prompt_logprobs = self._prompt_logprobs(hidden, step.prompt_logprob_jobs)
+        if step.samplers:
+            self._sample(hidden, step.samplers, out, so.grammar_bitmask, draft_probs)
+        if step.poolers:
+            vectors = self.pooler(hidden, [(row0, n) for _, row0, n, _ in step.poolers],
+                                  [p[3] for p in step.poolers])
+            out.pooler_output = {rid: vec for (rid, _, _, _), vec in zip(step.poolers, vectors)}
         return out
 
     @property

@@ -58,6 +58,20 @@ def test_engine_start_reads_config_json_once(folder, config_opens):
     assert config_opens == [str(folder / "config.json")]
 
 
+def test_a_pooling_model_start_reads_config_json_once(tmp_path, config_opens):
+    """The pooler's config, ModelInfo, the runner type and the loader ask the one opened checkpoint
+    (sentence-transformers' own Pooling and Dense folders have config.json files of their own)."""
+    from pagedllm import LLM
+    from tests.pooling.st_models import save_st_bert
+
+    folder = save_st_bert(tmp_path, pooling="mean", dense=16)
+    config_opens.clear()
+    llm = LLM(str(folder), max_model_len=32, kv_cache_memory_bytes=1 << 20)
+    assert llm.llm_engine.runner_type == "pooling"
+    assert len(llm.embed(["the cat sat"])[0].outputs.embedding) == 16
+    assert config_opens.count(str(folder / "config.json")) == 1
+
+
 def test_a_rewritten_config_is_read_again(folder, config_opens):
     first = open_checkpoint(folder)
     assert open_checkpoint(folder).config is first.config

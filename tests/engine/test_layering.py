@@ -186,14 +186,17 @@ ALLOWED = {
     # The model families know nothing of files: checkpoint/ opens and loads them.
     "models": {"base", "distributed", "kernels", "layers", "models"},
     "runner": {"base", "core.outputs", "core.scheduler_stats", "runner_light", "runner", "kernels",
-               "layers", "models", "distributed", "lora", "checkpoint"},
+               "layers", "models", "distributed", "lora", "checkpoint", "weight_plan"},
     # Executors join workers into the group: the torch-free launch data and size checks only
     # (parallel_state is imported in the worker, lazily).
     "executor": {"base", "core", "runner_light", "runner", "executor", "distributed", "checkpoint"},
     "engine": {"base", "core", "runner_light", "executor", "engine", "structured_output", "checkpoint"},
     # Opening a model (a local path or a Hub id; safetensors, GGUF, AWQ/GPTQ) and loading its
     # weights into a model built from models/ (GGUF files live under it: checkpoint/gguf/).
-    "checkpoint": {"base", "distributed", "kernels", "layers", "models", "checkpoint"},
+    "checkpoint": {"base", "distributed", "kernels", "layers", "models", "checkpoint", "weight_plan"},
+    # The one place a layer's weight format is decided: below the loaders, which ask it which
+    # layers keep a checkpoint's blocks, and the runner, which runs it after loading.
+    "weight_plan": {"base", "distributed", "kernels", "layers", "weight_plan"},
     # Grammars and matchers for structured outputs (the runner applies the masks on its own).
     "structured_output": {"base", "core", "structured_output", "checkpoint.tokenizer"},
     # The public API only: LLM, AsyncLLM, the tokenizer helpers, the plain-data modules.

@@ -1,4 +1,4 @@
-"""Weights held once (runner/linear_choice.py): whichever kernel a linear layer runs, the
+"""Weights held once (weight_plan/linear_choice.py): whichever kernel a linear layer runs, the
 process holds one copy of its weight (the plain matrix or the skinny kernel's panels, never
 both), a tied embedding reads its rows from its head's panels, and the process's memory after
 loading is the checkpoint's size, not twice it."""

@@ -73,8 +73,7 @@ def test_bind_kv_caches_by_layer_index():
 def test_kv_cache_spec_and_a_shared_tensor_viewed_in_each_layers_shape():
     wide, narrow = Attention(4, 2, 8, 1.0, layer_idx=0), Attention(4, 1, 16, 1.0, layer_idx=1, sliding_window=8)
     spec = narrow.kv_cache_spec(torch.bfloat16)
-    assert (spec.num_kv_heads, spec.head_size, spec.dtype, spec.sliding_window, spec.causal) == (
-        1, 16, torch.bfloat16, 8, True)
+    assert (spec.num_kv_heads, spec.head_size, spec.dtype, spec.sliding_window) == (1, 16, torch.bfloat16, 8)
     assert spec.bytes_per_token == 2 * 16 * 2 and spec.page_size_bytes(4) == 4 * 64
     assert spec.shape(6, 4) == (2, 6, 4, 1, 16)
     cache = torch.zeros(kv_cache_shape(6, 4, 2, 8))

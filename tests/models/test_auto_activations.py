@@ -29,7 +29,7 @@ def _methods(llm: LLM) -> set[str]:
 
 
 def test_auto_runs_q8_0_layers_with_int8_activations(caplog):
-    with caplog.at_level(logging.INFO, logger="pagedllm.runner.activation_choice"):
+    with caplog.at_level(logging.INFO, logger="pagedllm.weight_plan.activation_choice"):
         llm = _llm(quantization="q8_0")
     assert llm.llm_engine.executor.runner.activations == {"q8": "int8"}
     assert _methods(llm) == {"int8"}
@@ -43,7 +43,7 @@ def test_explicit_float32_keeps_the_exact_path():
 
 
 def test_auto_leaves_a_float32_model_alone(caplog):
-    with caplog.at_level(logging.INFO, logger="pagedllm.runner.activation_choice"):
+    with caplog.at_level(logging.INFO, logger="pagedllm.weight_plan.activation_choice"):
         llm = _llm()
     assert llm.llm_engine.executor.runner.activations == {}
     assert _methods(llm) == set()

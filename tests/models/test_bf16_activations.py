@@ -16,7 +16,7 @@ from pagedllm.kernels.cpu_extension import has_bf16_activations, load_cpu_ops, n
 from pagedllm.layers.quantization import QuantizedWeight
 from pagedllm.layers.quantization.linear_method import check_kernel
 from pagedllm.layers.weight_format import Quantized
-from pagedllm.runner.activation_choice import set_quantization_activations
+from pagedllm.weight_plan.activation_choice import set_quantization_activations
 
 pytestmark = pytest.mark.skipif(load_cpu_ops() is None or native_isa() is None,
                                 reason="no AVX2/AVX-512 CPU kernels here")
@@ -102,8 +102,7 @@ def test_stories260k_in_bf16_decodes_the_exact_paths_greedy_ids():
     from paged_helpers import STORIES_DIR, decode_steps
 
     from pagedllm.checkpoint.loader import load_model
-    from pagedllm.runner.linear_choice import choose_linear_kernels
-    from pagedllm.runner.weight_plan import hold_half_layers
+    from pagedllm.weight_plan.plan import choose_linear_kernels, hold_half_layers
 
     prompts = [[1, 365, 264, 292], [1, 403, 250, 263, 431], [1, 450]]
     likely_bound, vocab_bound = 0.125, 0.25

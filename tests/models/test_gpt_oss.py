@@ -19,7 +19,7 @@ from pagedllm.distributed.tp_sizes import check_tensor_parallel_size, valid_tens
 from pagedllm.errors import ValidationError
 from pagedllm.layers import FusedMoE
 from pagedllm.layers.quantization.mxfp4 import dequantize_mxfp4
-from pagedllm.runner.weight_plan import plan_weights
+from pagedllm.weight_plan.plan import plan_weights
 
 
 @pytest.fixture(autouse=True)

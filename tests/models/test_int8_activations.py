@@ -16,7 +16,7 @@ from test_quant_kernels import _weight  # the random q8/q4/q5 weights both kerne
 from pagedllm.errors import ModelLoadError
 from pagedllm.kernels.cpu_extension import can_run, load_cpu_ops, native_isa
 from pagedllm.layers.weight_format import Blocks
-from pagedllm.runner.activation_choice import set_quantization_activations
+from pagedllm.weight_plan.activation_choice import set_quantization_activations
 
 pytestmark = pytest.mark.skipif(load_cpu_ops() is None or native_isa() is None,
                                 reason="no AVX2/AVX-512 CPU kernels here")
@@ -159,7 +159,7 @@ def test_a_q8_0_llama_decodes_the_same_greedy_ids_with_int8_activations():
     from paged_helpers import STORIES_DIR, decode_steps
 
     from pagedllm.checkpoint.loader import load_model
-    from pagedllm.checkpoint.quantized_checkpoint import quantize_linears
+    from pagedllm.weight_plan.plan import quantize_linears
 
     prompts = [[1, 365, 264, 292], [1, 403, 250, 263, 431], [1, 450]]
     likely_bound, vocab_bound = 0.25, 0.5

@@ -1,4 +1,4 @@
-"""The startup choice of a linear kernel per layer shape (runner/linear_choice.py): measured,
+"""The startup choice of a linear kernel per layer shape (weight_plan/linear_choice.py): measured,
 one choice per shape, torch's matmul only when clearly faster, one log line; forced by
 PAGEDLLM_CPU_KERNELS; torch's matmul on a CPU nobody tuned the kernel for."""
 from __future__ import annotations
@@ -12,7 +12,8 @@ import torch
 from pagedllm.kernels.cpu_extension import load_cpu_ops, native_isa
 from pagedllm.layers import Linear, ParallelLMHead, VocabParallelEmbedding
 from pagedllm.layers.weight_format import Panels
-from pagedllm.runner import linear_choice as linear_kernel
+from pagedllm.weight_plan import linear_choice as linear_kernel
+from pagedllm.weight_plan.plan import choose_linear_kernels
 
 pytestmark = pytest.mark.skipif(native_isa() is None or load_cpu_ops() is None,
                                 reason="no tuned kernel for this CPU")
@@ -49,8 +50,8 @@ def test_each_shape_keeps_the_kernel_unless_torch_is_clearly_faster(auto, monkey
     model = _Model()
     x = torch.randn(3, 32)
     want_a, want_embed = model.a(x), model.embed(torch.tensor([0, 63, 64, 99]))
-    with caplog.at_level(logging.INFO, logger="pagedllm.runner.linear_choice"):
-        choices = linear_kernel.choose_linear_kernels(model)
+    with caplog.at_level(logging.INFO, logger="pagedllm.weight_plan.linear_choice"):
+        choices = choose_linear_kernels(model)
     assert sorted(calls) == sorted(speedups)  # one layer of each shape measured, once
     assert {(c.out_features, c.in_features): c.packed for c in choices} == {
         (48, 32): False, (16, 48): True, (100, 32): True}
@@ -69,7 +70,7 @@ def test_each_shape_keeps_the_kernel_unless_torch_is_clearly_faster(auto, monkey
 
     # A second engine in the process makes the same choice without measuring again.
     calls.clear()
-    linear_kernel.choose_linear_kernels(_Model())
+    choose_linear_kernels(_Model())
     assert calls == []
 
 
@@ -84,22 +85,22 @@ def test_the_measurement_is_real(auto):
 def test_forced_choices_and_a_bad_value(monkeypatch):
     monkeypatch.setenv("PAGEDLLM_CPU_KERNELS", "torch")
     model = _Model()
-    choices = linear_kernel.choose_linear_kernels(model)
+    choices = choose_linear_kernels(model)
     assert not any(c.packed for c in choices)
     assert all(not isinstance(m.weight_format, Panels) for m in (model.a, model.c, model.head))
     monkeypatch.setenv("PAGEDLLM_CPU_KERNELS", "pagedllm")
     model = _Model()
-    linear_kernel.choose_linear_kernels(model)
+    choose_linear_kernels(model)
     assert all(m.weight is None for m in (model.a, model.b, model.c, model.head))
     monkeypatch.setenv("PAGEDLLM_CPU_KERNELS", "fast")
     with pytest.raises(ValueError, match="PAGEDLLM_CPU_KERNELS"):
-        linear_kernel.choose_linear_kernels(_Model())
+        choose_linear_kernels(_Model())
 
 
 def test_a_cpu_nobody_tuned_for_runs_torch_everywhere(auto, monkeypatch):
     monkeypatch.setattr(linear_kernel, "native_isa", lambda: None)
     model = _Model()
-    choices = linear_kernel.choose_linear_kernels(model)
+    choices = choose_linear_kernels(model)
     assert choices and not any(c.packed for c in choices)
     assert all(m.weight is not None and not isinstance(m.weight_format, Panels)
                for m in (model.a, model.c, model.head))

@@ -17,7 +17,7 @@ from pagedllm.kernels.cpu_extension import has_bf16_activations, load_cpu_ops
 from pagedllm.layers import FusedMoE
 from pagedllm.layers.moe_router import RoutingOrder, select_experts
 from pagedllm.layers.weight_format import Panels
-from pagedllm.runner.weight_plan import hold_experts, plan_weights
+from pagedllm.weight_plan.plan import hold_checkpoint_experts, hold_experts, plan_weights
 
 COMMON = dict(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
@@ -136,7 +136,7 @@ def test_a_row_has_the_same_bits_alone_and_in_any_batch():
 
 def _held_layer(fmt: str, seed: int = 0) -> tuple[FusedMoE, torch.Tensor, torch.Tensor]:
     """A random layer whose experts are held in ``fmt``: "bf16"/"fp16" (the model dtype, converted
-    by process_weights_after_loading) or "q8_0"/"q4_0" (handed over expert by expert, as a
+    by process_weights_after_loading) or "q8_0"/"q4_0" (the experts stacked from their blocks, as a
     quantized checkpoint's loader does); and the float32 weights they hold."""
     from pagedllm.layers.quantization import quantize_linear
 
@@ -149,10 +149,9 @@ def _held_layer(fmt: str, seed: int = 0) -> tuple[FusedMoE, torch.Tensor, torch.
         held = {}
         for attr, w in (("gate_up_proj", w13), ("down_proj", w2)):
             layer.drop_float_projection(attr)
-            for e in range(layer.num_experts):
-                qweight = quantize_linear(w[e], fmt)
-                layer.set_quantized_expert(attr, e, qweight)
-                held.setdefault(attr, []).append(qweight.dequantize())
+            experts = {e: quantize_linear(w[e], fmt) for e in range(layer.num_experts)}
+            hold_checkpoint_experts(layer, attr, experts)
+            held[attr] = [experts[e].dequantize() for e in range(layer.num_experts)]
         w13, w2 = torch.stack(held["gate_up_proj"]), torch.stack(held["down_proj"])
     layer.process_weights_after_loading()
     hold_experts(layer)
@@ -187,7 +186,7 @@ def test_experts_held_in_their_format_match_the_loop_bit_for_bit_in_any_batch(fm
         for rows in ([5], [5, 9], list(range(3, 30)), [36, 5, 0]):
             assert torch.equal(layer(x[rows], logits[rows]), ours[rows]), rows
         if fmt.startswith("q"):  # int8 activations reach the experts too (one setting per layer)
-            from pagedllm.runner.activation_choice import set_quantization_activations
+            from pagedllm.weight_plan.activation_choice import set_quantization_activations
 
             assert set_quantization_activations(layer, "int8") == 1
             int8 = layer(x, logits)
@@ -196,7 +195,7 @@ def test_experts_held_in_their_format_match_the_loop_bit_for_bit_in_any_batch(fm
             for rows in ([5], [36, 5, 0]):
                 assert torch.equal(layer(x[rows], logits[rows]), int8[rows]), rows
         if fmt == "bf16" and has_bf16_activations():  # bf16 activations: both projections
-            from pagedllm.runner.activation_choice import set_quantization_activations
+            from pagedllm.weight_plan.activation_choice import set_quantization_activations
 
             assert set_quantization_activations(layer, "bfloat16") == 1
             assert [f.qweight.format for f in layer.expert_formats.values()] == ["bf16_vnni"] * 2
@@ -211,12 +210,11 @@ def test_a_missing_quantized_expert_is_named():
 
     layer, w13, _ = _random_layer(hidden=64)
     layer.drop_float_projection("gate_up_proj")
-    for e in range(5):
-        layer.set_quantized_expert("gate_up_proj", e, quantize_linear(w13[e], "q8_0"))
+    experts = {e: quantize_linear(w13[e], "q8_0") for e in range(5)}
     with pytest.raises(ModelLoadError, match="gate_up_proj: the checkpoint held 5 of 6 experts"):
-        layer.process_weights_after_loading()
+        hold_checkpoint_experts(layer, "gate_up_proj", experts)
     with pytest.raises(ModelLoadError, match="the layer wants 80x64"):
-        layer.set_quantized_expert("gate_up_proj", 0, quantize_linear(w13[0][:64], "q8_0"))
+        hold_checkpoint_experts(layer, "gate_up_proj", {**experts, 0: quantize_linear(w13[0][:64], "q8_0")})
 
 
 @needs_kernel

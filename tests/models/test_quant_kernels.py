@@ -28,8 +28,8 @@ from pagedllm.layers.linear import hold, linear
 from pagedllm.layers.quantization import QuantizedWeight, quantize_linear
 from pagedllm.layers.quantization.quantized_weight import GroupScales, _from_kgroups, _high_bit_codes
 from pagedllm.layers.weight_format import Quantized
-from pagedllm.runner import linear_choice as linear_kernel
-from pagedllm.runner.weight_plan import hold_half_layers
+from pagedllm.weight_plan import linear_choice as linear_kernel
+from pagedllm.weight_plan.plan import choose_linear_kernels, hold_half_layers
 
 pytestmark = pytest.mark.skipif(load_cpu_ops() is None, reason="no C++ compiler: no CPU kernels")
 
@@ -498,7 +498,7 @@ def test_a_bfloat16_models_linears_hold_half_panels(monkeypatch):
     want_embed = model.embed(ids)
     monkeypatch.setattr(linear_kernel, "_MEASURED", {})
     hold_half_layers(model)
-    linear_kernel.choose_linear_kernels(model)
+    choose_linear_kernels(model)
     assert model.a.weight is None and model.a.weight_format.qweight.format == "bf16"
     assert model.head.weight is None and model.embed.weight is None
     assert torch.equal(model.embed(ids), want_embed)

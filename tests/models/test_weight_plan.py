@@ -1,4 +1,4 @@
-"""The planning pass (runner/weight_plan.py): after it every linear layer, vocabulary embedding
+"""The planning pass (weight_plan/plan.py): after it every linear layer, vocabulary embedding
 and head, and MoE projection holds exactly one weight format, the table names each once, and a
 layer left on torch's matmul (``Dense``) computes what its plain weight did, bit for bit."""
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pagedllm.layers import FusedMoE, Linear, ParallelLMHead, VocabParallelEmbed
 from pagedllm.layers.quantization.mxfp4 import dequantize_mxfp4
 from pagedllm.layers.weight_format import MXFP4, Dense, Half, Panels
 from pagedllm.models.registry import get_model_class
-from pagedllm.runner.weight_plan import plan_weights
+from pagedllm.weight_plan.plan import plan_weights
 
 CPU = torch.device("cpu")
 needs_kernel = pytest.mark.skipif(native_isa() is None or load_cpu_ops() is None,

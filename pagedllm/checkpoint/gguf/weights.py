@@ -36,34 +36,28 @@ from pagedllm.checkpoint.gguf.names import (
 )
 from pagedllm.checkpoint.gguf.quant_types import FLOAT_TYPES, GroupQuant, unpack
 from pagedllm.checkpoint.gguf.reader import GGUFCheckpoint, GGUFTensor
-from pagedllm.checkpoint.quantized_layers import (
-    Part,
-    QuantizedParts,
-    plan_quantized_layers,
-    quantized_kernels_available,
-)
+from pagedllm.checkpoint.quantized_layers import Part, QuantizedParts, plan_quantized_layers
 from pagedllm.errors import ModelLoadError
 from pagedllm.layers import WeightSlice
+from pagedllm.weight_plan.plan import keeps_checkpoint_blocks
 
 logger = logging.getLogger(__name__)
 
 
 class GGUFWeights:
-    """A GGUF file's weights. ``plan``: its block-quantized matrices stay quantized when the
-    quantized kernels can run here; ``stream``: float tensors first, then the block types."""
+    """A GGUF file's weights. ``plan``: its block-quantized matrices of the layers the planning
+    pass names stay quantized; ``stream``: float tensors first, then the block types."""
 
     def __init__(self, ckpt: GGUFCheckpoint, config: dict, dtype: torch.dtype, device: torch.device) -> None:
         self.ckpt, self.config, self.dtype, self.device = ckpt, config, dtype, device
 
     def plan(self, model: nn.Module, expected: dict) -> dict[str, list[Part]]:
         ckpt = self.ckpt
-        if quantized_kernels_available(self.device):
-            # Routers stay float even when the file quantized them (llama.cpp never does): the
-            # planning pass packs routers for the batch-independent kernel (runner/weight_plan.py).
-            quantized = {name for t in ckpt.tensors.values()
-                         if t.type_id not in FLOAT_TYPES and ".ffn_gate_inp" not in t.name
+        keep = keeps_checkpoint_blocks(model, self.device, only_form=False)
+        if keep:
+            quantized = {name for t in ckpt.tensors.values() if t.type_id not in FLOAT_TYPES
                          for name in _hf_names(model, t, ckpt.architecture)}
-            return plan_quantized_layers(model, expected, quantized)
+            return plan_quantized_layers(model, expected, quantized, keep)
         if any(t.type_id not in FLOAT_TYPES for t in ckpt.tensors.values()):
             logger.warning("%s: quantized weights dequantized to %s (the quantized kernels run on "
                            "CPU only, and need the C++ extension)", ckpt.path.name, self.dtype)

@@ -1,5 +1,5 @@
 """What one attention layer keeps in the paged KV cache (vLLM's ``KVCacheSpec``): its KV heads
-(this rank's), head size, the cache's dtype, its window and whether it is causal. The runner
+(this rank's), head size, the cache's dtype and its window. The runner
 groups layers and sizes every KV tensor from these specs (runner/kv_cache_groups.py), never from
 one model-wide geometry, so layers may differ in KV heads or head size. A layer that keeps no
 KV (an encoder's: it attends its whole input in one pass) has no spec."""
@@ -16,7 +16,6 @@ class KVCacheSpec:
     head_size: int
     dtype: torch.dtype
     sliding_window: int | None = None  # None: full attention
-    causal: bool = True
 
     @property
     def bytes_per_token(self) -> int:

@@ -78,8 +78,7 @@ class Attention(nn.Module):
         """What this layer keeps in the cache, whose dtype the runner decides; None: no KV."""
         if not self.causal:  # it only ever runs whole inputs, so nothing it computes is read again
             return None
-        return KVCacheSpec(self.num_kv_heads, self.head_dim, kv_cache_dtype, self.sliding_window,
-                           self.causal)
+        return KVCacheSpec(self.num_kv_heads, self.head_dim, kv_cache_dtype, self.sliding_window)
 
     def extra_repr(self) -> str:
         extra = "".join(f", {name}={value}" for name, value in (

@@ -1,4 +1,4 @@
-"""The table of how every layer holds its weight, once the planning pass (runner/weight_plan.py)
+"""The table of how every layer holds its weight, once the planning pass (weight_plan/plan.py)
 has given each its format: layer name -> format, bytes. The startup log prints its summary (and the whole
 table at DEBUG); ``pagedllm bench memory`` counts the weights' bytes from it."""
 from __future__ import annotations
@@ -25,7 +25,7 @@ class WeightRow:
 
 def weight_table(model: nn.Module) -> list[WeightRow]:
     """One row per linear layer, vocabulary embedding and head, and MoE projection, each as the
-    planning pass left it (runner/weight_plan.py: every one holds a format)."""
+    planning pass left it (weight_plan/plan.py: every one holds a format)."""
     rows: list[WeightRow] = []
     seen: set[int] = set()  # a tied embedding holds its head's format
     modules = list(model.named_modules())

@@ -1,6 +1,6 @@
 """Which kernel multiplies each float32 linear layer on CPU: pagedllm's skinny kernel or torch's
 matmul, measured on this CPU at startup (the safety net). bfloat16/float16 layers always take
-the kernel over half panels (runner/weight_plan.py, ``hold_half_layers``).
+the kernel over half panels (weight_plan/plan.py, ``hold_half_layers``).
 
 The skinny kernel (kernels/csrc/skinny_gemm.cpp) is tuned per x86 level (AVX2, AVX-512); on a
 CPU nobody tuned it for it is never used, and on a tuned one a surprise (another
@@ -32,8 +32,8 @@ from torch import nn
 
 from pagedllm import envs
 from pagedllm.kernels.cpu_extension import cpu_description, load_cpu_ops, native_isa
-from pagedllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
-from pagedllm.layers.linear import Linear, hold, pack_weight
+from pagedllm.layers.embed_head import ParallelLMHead
+from pagedllm.layers.linear import Linear, pack_weight
 from pagedllm.layers.weight_format import Panels
 
 logger = logging.getLogger(__name__)
@@ -64,10 +64,11 @@ class ShapeChoice:
 
 
 @torch.inference_mode()
-def choose_linear_kernels(model: nn.Module) -> list[ShapeChoice]:
-    """Measure, choose and convert every float32 linear layer of ``model`` (on CPU; step 4 of
-    runner/weight_plan.py): the chosen ones as ``Panels``, the others left to ``Dense``.
-    Returns the choice per float32 shape."""
+def choose_panels(model: nn.Module, take: Callable[[nn.Module, Panels], None]) -> list[ShapeChoice]:
+    """Measure and choose per float32 layer shape of ``model`` (on CPU; step 4 of
+    weight_plan/plan.py): each chosen layer and its panels go to ``take`` as they are packed
+    (one float matrix beside its panels at a time), the others are left to ``Dense``. Returns
+    the choice per shape."""
     layers = [m for m in model.modules() if isinstance(m, (Linear, ParallelLMHead))
               and m.weight is not None and m.weight_format is None]
     by_shape: dict[tuple[int, int], list[nn.Module]] = {}
@@ -79,27 +80,21 @@ def choose_linear_kernels(model: nn.Module) -> list[ShapeChoice]:
     if native_isa() is None or load_cpu_ops() is None:
         logger.info("linears: torch's matmul for every layer (no tuned kernel for this CPU)")
         return [ShapeChoice(n, k, len(group), False, 0.0) for (n, k), group in by_shape.items()]
-    tied = {id(m.weight): m for m in model.modules()
-            if isinstance(m, VocabParallelEmbedding) and m.weight is not None}
     forced = envs.cpu_kernels()
-    choices = []
+    choices: list[ShapeChoice] = []
     for (n, k), group in by_shape.items():
         if forced == "auto" and (n, k) not in _MEASURED:
             _MEASURED[n, k] = _measure(group[0])
         speedup = _MEASURED.get((n, k), math.nan)
         packed = speedup * TORCH_MARGIN >= 1.0 if forced == "auto" else forced == "pagedllm"
         for i, layer in enumerate(group if packed else []):
-            embedding = tied.get(id(layer.weight))
             panels = Panels.pack(layer.weight)
             # Checked against float64 once per shape: the layout and the kernel's path depend
             # on the shape, not on the values.
             if panels is None or (i == 0 and not panels.check(getattr(layer, "bias", None))):
                 packed = False
                 break
-            hold(layer, panels)
-            if embedding is not None:
-                # The embedding shares the head's weight: it reads rows from the panels.
-                hold(embedding, panels)
+            take(layer, panels)
         choices.append(ShapeChoice(n, k, len(group), packed, speedup))
     mine = [c for c in choices if c.packed]
     why = ("" if forced == "auto" else f" (PAGEDLLM_CPU_KERNELS={forced})")
