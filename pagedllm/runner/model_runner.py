@@ -221,8 +221,8 @@ class ModelRunner:
         token_types = self._token_type_ids(token_type_starts, len(input_ids))
         with set_forward_context(attn_md, token_types), set_lora_mapping(lora_mapping):
             # The metadata's positions are the model's: one tensor for both.
-            # An adapter's trained embedding is looked up outside the graph: such steps run eagerly.
-            compiled = None if self.lora_manager is not None and self.lora_manager.embedding_in_use \
+            # An adapter's trained embedding or experts run outside the graph: such steps run eagerly.
+            compiled = None if self.lora_manager is not None and self.lora_manager.eager_only \
                 else self.compiled
             hidden = (compiled or self.model)(ids_t, attn_md.positions)
         if self.drafter is not None:
