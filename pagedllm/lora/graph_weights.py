@@ -28,6 +28,15 @@ class LoRAGraphInputs:
         # viewed [tokens, projections, slots, rank]. Made by the first layer (slots, dtype).
         self.slot_mask: torch.Tensor | None = None
         self._key: tuple | None = None  # the (slot, rows) per request of what the tensors hold
+        self.traced = True  # read while tracing: False traces the base-only graph (no adapter term)
+
+    def without_adapters(self, compile_fn):
+        """``compile_fn()`` with the layers traced as without adapters (a graph for base-only steps)."""
+        self.traced = False
+        try:
+            return compile_fn()
+        finally:
+            self.traced = True
 
     def mask(self, num_slots: int, dtype: torch.dtype) -> torch.Tensor:
         if self.slot_mask is None:
