@@ -23,7 +23,7 @@ BUDGET = {
     "explain": 750,
     "kernels": 400,
     "layers": 3500,
-    "lora": 1000,
+    "lora": 1350,  # + MoE experts (expert_loader.py, expert_format.py)
     "models": 2200,
     "runner": 2750,
     "structured_output": 450,

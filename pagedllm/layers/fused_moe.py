@@ -114,6 +114,7 @@ class FusedMoE(nn.Module):
         # torch's matmul (Dense). Set by the planning pass (weight_plan/plan.py); one copy either way.
         self.expert_formats: dict[str, WeightFormat] = {}
         self._op_id = _layers_by_op_id.register(self)  # how a compiled graph names this layer
+        self.lora = None  # adapters' updates of the experts, set with enable_lora (lora/expert_format.py)
 
     def _init_mxfp4(self, num_experts: int, hidden: int, inter: int) -> None:
         """uint8 blocks and scales in the checkpoint's row orientation, [E, rows, in / 32(, 16)];
@@ -240,16 +241,21 @@ class FusedMoE(nn.Module):
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize,
                                                 self.order)
-        if self._experts_in_kernel():
-            out = self._fused_experts(hidden_states, topk_weights, topk_ids)
-        elif torch.compiler.is_compiling():
-            out = torch.ops.pagedllm.fused_moe_experts(hidden_states, topk_weights, topk_ids,
-                                                       self._op_id)
+        if not torch.compiler.is_compiling() and self.lora is not None:
+            out = self.lora.forward(hidden_states, topk_weights, topk_ids, self._experts)
         else:
-            out = self.apply_experts(hidden_states, topk_weights, topk_ids)
+            out = self._experts(hidden_states, topk_weights, topk_ids)
         if self.reduce_results and self.tp.world_size > 1:
             out = self.tp.all_reduce(out)
         return out
+
+    def _experts(self, x: torch.Tensor, topk_weights: torch.Tensor,
+                 topk_ids: torch.Tensor) -> torch.Tensor:
+        if self._experts_in_kernel():
+            return self._fused_experts(x, topk_weights, topk_ids)
+        if torch.compiler.is_compiling():
+            return torch.ops.pagedllm.fused_moe_experts(x, topk_weights, topk_ids, self._op_id)
+        return self.apply_experts(x, topk_weights, topk_ids)
 
     def _experts_in_kernel(self) -> bool:
         """Both projections held for the CPU kernels (panels or stacked codes), not ``Dense``."""
@@ -273,22 +279,25 @@ class FusedMoE(nn.Module):
             self.intermediate_size, activation, alpha, limit, narrow)
         return out.to(x.dtype)
 
-    def apply_experts(self, x: torch.Tensor, topk_weights: torch.Tensor,
-                      topk_ids: torch.Tensor) -> torch.Tensor:
+    def apply_experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                      expert=None) -> torch.Tensor:
         """``sum_j w[t, j] * expert_{ids[t, j]}(x[t])`` for every token ``t``, expert by expert
-        with ``F.linear`` (where the CPU kernels do not hold the experts)."""
+        with ``F.linear`` (where the CPU kernels do not hold the experts), or by
+        ``expert(e, rows, their tokens)`` (an adapter's, lora/expert_format.py)."""
         num_tokens, top_k = topk_ids.shape
         flat_ids = topk_ids.flatten()  # [T * k]: token t's j-th choice at t * k + j
         # Group the (token, choice) pairs by expert; stable, so tokens stay in order within one.
         order = torch.argsort(flat_ids, stable=True)
         counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
-        x_sorted = x[order // top_k]  # [T * k, H], expert 0's tokens first
+        tokens = order // top_k
+        x_sorted = x[tokens]  # [T * k, H], expert 0's tokens first
         y_sorted = torch.empty_like(x_sorted)
         start = 0
-        for expert, count in enumerate(counts):
+        for e, count in enumerate(counts):
             if count:
                 rows = slice(start, start + count)
-                y_sorted[rows] = self._expert(expert, x_sorted[rows])
+                y_sorted[rows] = (self._expert(e, x_sorted[rows]) if expert is None
+                                  else expert(e, x_sorted[rows], tokens[rows]))
                 start += count
         y = torch.empty_like(y_sorted)
         y[order] = y_sorted  # back to token order: [T * k, H] -> [T, k, H]

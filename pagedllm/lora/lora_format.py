@@ -79,7 +79,7 @@ class LoRAFormat:
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         y = F.linear(x, self.weight, bias) if self.base is None else self.base.apply(x, bias)
         if torch.compiler.is_compiling():
-            return y if self.graph is None else self.graph.apply(x, y)
+            return y if self.graph is None or not self.graph.inputs.traced else self.graph.apply(x, y)
         mapping = get_lora_mapping()
         if mapping is None:
             return y

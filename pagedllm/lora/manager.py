@@ -14,7 +14,10 @@ from torch import nn
 from pagedllm.config import LoRAConfig
 from pagedllm.errors import ValidationError
 from pagedllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+from pagedllm.layers.fused_moe import FusedMoE
 from pagedllm.layers.kv_cache import attention_layers
+from pagedllm.lora.expert_format import LoRAExperts
+from pagedllm.lora.expert_loader import expert_targets
 from pagedllm.lora.gguf_adapter import is_gguf_adapter, load_gguf_adapter
 from pagedllm.lora.graph_weights import GraphLoRAWeights, LoRAGraphInputs
 from pagedllm.lora.lora_format import LoRAFormat
@@ -52,6 +55,12 @@ class LoRAManager:
                                              self.max_loras, self.max_lora_rank, dtype,
                                              graph_inputs.token_lora_indices.device)
         self.graph_inputs = graph_inputs
+        self.expert_targets = expert_targets(model)
+        self.expert_layers: dict[str, LoRAExperts] = {}
+        for target in self.expert_targets.values():
+            layer = modules[target.layer_name]
+            if isinstance(layer, FusedMoE) and target.layer_name not in self.expert_layers:
+                layer.lora = self.expert_layers[target.layer_name] = LoRAExperts(layer, self.max_loras)
         # A trained embedding or head (modules_to_save) replaces the base's for its adapter's rows.
         self.vocab_target = vocab_target(model)
         self.vocab_layers: dict[str, LoRAEmbeddingFormat | LoRAHeadFormat] = {}
@@ -120,7 +129,7 @@ class LoRAManager:
         """Bytes of every tensor the adapters hold: the loaded ones and the slots' stacked copies
         (each storage once)."""
         held = [t for m in self.loaded.values() for t in m.tensors()]
-        for fmt in (*self.layers.values(), *self.vocab_layers.values()):
+        for fmt in (*self.layers.values(), *self.vocab_layers.values(), *self.expert_layers.values()):
             held += fmt.lora_tensors()
         return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held}.values())
 
@@ -134,7 +143,8 @@ class LoRAManager:
     def _load(self, request: LoRARequest) -> LoRAModel:
         if is_gguf_adapter(request.lora_path):
             return load_gguf_adapter(request, self.targets, self.max_lora_rank, self.dtype, self.head_dim)
-        return load_peft_adapter(request, self.targets, self.max_lora_rank, self.dtype, self.vocab_target)
+        return load_peft_adapter(request, self.targets, self.max_lora_rank, self.dtype, self.vocab_target,
+                                 self.expert_targets)
 
     def _keep_loaded(self, model: LoRAModel) -> None:
         self.loaded[model.lora_int_id] = model
@@ -147,6 +157,8 @@ class LoRAManager:
             fmt.set_slot(slot, None if model is None else model.layers.get(name))
         for name, vocab in self.vocab_layers.items():
             vocab.set_slot(slot, None if model is None else model.vocab.get(name))
+        for name, experts in self.expert_layers.items():
+            experts.set_slot(slot, None if model is None else model.experts.get(name))
 
     def step_mapping(self, rows: list[tuple[LoRARequest | None, int]], device: torch.device
                      ) -> LoRAMapping | None:
@@ -160,10 +172,11 @@ class LoRAManager:
         return self._mapping("forward", key, device) if ids else None
 
     @property
-    def embedding_in_use(self) -> bool:
-        """A resident adapter trained the embedding (its rows are looked up eagerly only)."""
+    def eager_only(self) -> bool:
+        """A resident adapter trained the embedding (its rows are looked up eagerly only) or MoE
+        experts (their update joins the experts' products outside the graph)."""
         embed = self.vocab_layers.get("embed_tokens")
-        return embed is not None and embed.in_use
+        return (embed is not None and embed.in_use) or any(any(e.slots) for e in self.expert_layers.values())
 
     def logits_mapping(self, requests: list[LoRARequest | None], device: torch.device) -> LoRAMapping | None:
         """The mapping of the logits rows (one adapter or None each, made resident by this step's

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from pagedllm.errors import ValidationError
+from pagedllm.lora.expert_loader import ExpertPair, ExpertTarget, read_expert_update, split_expert_pairs
 from pagedllm.lora.request import LoRARequest
 from pagedllm.lora.targets import LoRATarget, VocabTarget
 
@@ -49,10 +50,13 @@ class LoRAModel:
     scaling: float
     layers: dict[str, list[LoRAProjection]] = field(default_factory=dict)
     vocab: dict[str, torch.Tensor] = field(default_factory=dict)  # embed_tokens / lm_head: this rank's rows
+    # A MoE layer's experts: layer name -> projection -> its update (lora/expert_loader.py).
+    experts: dict[str, dict[str, ExpertPair]] = field(default_factory=dict)
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for projections in self.layers.values() for p in projections
-                for t in (p.lora_a, p.lora_b)] + list(self.vocab.values())
+                for t in (p.lora_a, p.lora_b)] + list(self.vocab.values()) + [
+                    t for update in self.experts.values() for pair in update.values() for t in pair]
 
     @property
     def nbytes(self) -> int:
@@ -128,9 +132,11 @@ def _pairs(request: LoRARequest, tensors: dict[str, torch.Tensor]
 
 
 def load_peft_adapter(request: LoRARequest, targets: dict[str, LoRATarget], max_lora_rank: int,
-                      dtype: torch.dtype, vocab_target: VocabTarget | None = None) -> LoRAModel:
+                      dtype: torch.dtype, vocab_target: VocabTarget | None = None,
+                      expert_targets: dict[str, ExpertTarget] | None = None) -> LoRAModel:
     """The adapter at ``request.lora_path`` for the base whose projections are ``targets`` (and
-    whose vocabulary is ``vocab_target``, for a trained embedding or head)."""
+    whose vocabulary is ``vocab_target``, for a trained embedding or head; whose MoE experts are
+    ``expert_targets``)."""
     rank, scaling, saved = read_adapter_config(request, max_lora_rank)
     tensors = _read_tensors(request)
     vocab = {m["module"]: tensors.pop(key) for key in list(tensors) if (m := _SAVED.match(key))}
@@ -140,7 +146,7 @@ def load_peft_adapter(request: LoRARequest, targets: dict[str, LoRATarget], max_
     pairs = _pairs(request, tensors)
     if not pairs:
         raise fail(request, "adapter_model.safetensors holds no lora_A/lora_B weights")
-    model = build_lora_model(request, rank, scaling, pairs, targets, dtype)
+    model = build_lora_model(request, rank, scaling, pairs, targets, dtype, expert_targets)
     for module, weight in sorted(vocab.items()):
         model.vocab[module] = _vocab_rows(request, module, weight, vocab_target, dtype)
     return model
@@ -163,16 +169,20 @@ def _vocab_rows(request: LoRARequest, module: str, weight: torch.Tensor, vocab_t
 
 def build_lora_model(request: LoRARequest, rank: int, scaling: float,
                      pairs: dict[str, dict[str, torch.Tensor]], targets: dict[str, LoRATarget],
-                     dtype: torch.dtype) -> LoRAModel:
+                     dtype: torch.dtype, expert_targets: dict[str, ExpertTarget] | None = None) -> LoRAModel:
     """The adapter from its checkpoint module -> {"A": [r, in], "B": [out, r]} pairs, each
-    checked against the base's projection and cut to this rank's shard."""
+    checked against the base's projection (or MoE experts) and cut to this rank's shard."""
     model = LoRAModel(request.lora_int_id, request.lora_name, rank, scaling)
+    pairs = dict(pairs)
+    for layer, layer_pairs in split_expert_pairs(pairs, expert_targets or {}).items():
+        model.experts[layer] = read_expert_update(fail, request, rank, scaling, layer_pairs,
+                                                  expert_targets[layer], dtype)
     for module, pair in sorted(pairs.items()):
         target = targets.get(module)
         if target is None and _EXPERT.search(module):
             expert = re.sub(r"(\.base_layer)+$", "", module)
-            raise fail(request, f"{expert}: LoRA on MoE experts is not supported; give an adapter "
-                                "without expert target modules or target_parameters")
+            raise fail(request, f"{expert}: the base model has no MoE experts there that take LoRA (an "
+                                "adapter for another base model? GPT-OSS's transposed experts take none)")
         if target is None:
             raise fail(request, f"the base model has no linear layer {module} (an adapter for "
                                  "another base model?)")

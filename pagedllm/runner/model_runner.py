@@ -104,6 +104,9 @@ class ModelRunner:
                                         mc.quantization_activations, mc.enforce_eager, max_model_len))
         # After the drafter: an EAGLE-3 head's hooks on the target's layers are traced with it.
         self.compiled = maybe_compile(self.model, eager, self.device, warmup_tokens=16)
+        # A second graph for steps where no row uses an adapter: without the adapters' products.
+        self.compiled_base = None if graph_inputs is None or self.compiled is None else \
+            graph_inputs.without_adapters(lambda: maybe_compile(self.model, eager, self.device, warmup_tokens=16))
         self.sampler = Sampler()
         self._sampling_cache = SamplingMetadataCache()
         self.input_batch = InputBatch()
@@ -197,9 +200,9 @@ class ModelRunner:
         token_types = self._token_type_ids(step.token_type_starts, len(step.input_ids))
         with set_forward_context(attn_md, token_types), set_lora_mapping(lora_mapping):
             # The metadata's positions are the model's: one tensor for both.
-            # An adapter's trained embedding is looked up outside the graph: such steps run eagerly.
-            compiled = None if self.lora_manager is not None and self.lora_manager.embedding_in_use \
-                else self.compiled
+            # An adapter's trained embedding or experts run outside the graph: its steps run eagerly.
+            compiled = self.compiled_base if lora_mapping is None and self.compiled_base is not None \
+                else None if self.lora_manager is not None and self.lora_manager.eager_only else self.compiled
             hidden = (compiled or self.model)(ids_t, attn_md.positions)
         if self.drafter is not None:
             self.drafter.observe_target(scheduled, hidden)

@@ -113,7 +113,7 @@ def test_unknown_module_and_unsupported_options(llama, tmp_path):
     save_file({k.replace("self_attn.q_proj", "block_sparse_moe.experts.3.w1"): v for k, v in tensors.items()},
               tmp_path / "odd" / "adapter_model.safetensors")
     _refused(llm, LoRARequest("odd", 5, str(tmp_path / "odd")), "model.layers.0.block_sparse_moe.experts.3.w1",
-             "MoE experts is not supported")
+             "the base model has no MoE experts there")
     build_adapter(base, tmp_path / "mts", 4, 8, ["q_proj"])
     config = json.loads((tmp_path / "mts" / "adapter_config.json").read_text())
     config["modules_to_save"] = ["score"]
@@ -132,9 +132,10 @@ def test_lora_needs_enable_lora(tmp_path):
         llm.generate([[1, 2, 3]], lora_request=LoRARequest("a", 1, str(tmp_path)), use_tqdm=False)
 
 
-def test_peft_target_parameters_on_fused_experts_refused_by_name(tmp_path):
-    """PEFT's LoRA on an MoE block's fused expert tensors (``target_parameters``, how it trains
-    transformers 5's experts) is refused naming the experts, not as another base's module."""
+def test_expert_pairs_that_do_not_fit_refused_by_name(tmp_path):
+    """PEFT's LoRA on an MoE block's fused expert tensors (``target_parameters``) whose shapes fit
+    neither fused tensor, or a per-expert pair past the base's experts, is refused naming the experts;
+    nothing of it is kept."""
     from lora_helpers import SYNTHETIC_TOKENIZER_DIR
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, MixtralConfig
@@ -150,6 +151,16 @@ def test_peft_target_parameters_on_fused_experts_refused_by_name(tmp_path):
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"],
                       target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
     get_peft_model(model, lora).save_pretrained(tmp_path / "experts")
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "experts" / "adapter_model.safetensors"
+    tensors = load_file(path)
     llm = LLM(str(tmp_path / "base"), device="cpu", dtype="float32", enable_lora=True, max_lora_rank=16)
+    save_file({k: v[:-1] if k.endswith("experts.lora_A.weight") else v for k, v in tensors.items()}, path)
     _refused(llm, LoRARequest("experts", 1, str(tmp_path / "experts")), "model.layers.0.mlp.experts:",
-             "MoE experts is not supported")
+             "fit neither fused expert tensor")
+    pair = {"base_model.model.model.layers.0.block_sparse_moe.experts.4.w1.lora_A.weight": torch.zeros(4, 32),
+            "base_model.model.model.layers.0.block_sparse_moe.experts.4.w1.lora_B.weight": torch.zeros(48, 4)}
+    save_file(pair, path)
+    _refused(llm, LoRARequest("experts", 1, str(tmp_path / "experts")), "experts.4.w1", "experts are 0..3")
+    assert llm.llm_engine.executor.runner.lora_manager.list_loras() == []

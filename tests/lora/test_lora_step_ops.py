@@ -64,3 +64,36 @@ def test_one_adapter_adds_two_ops_per_layer(manager, layer):
     added = lora_ops.counts - base_ops.counts
     assert sum(added.values()) == 2, added
     assert not torch.equal(base, adapted)  # the adapter did apply
+
+
+@pytest.mark.parametrize("projections, ops", [([(0, 64), (64, 32), (96, 32)], 13), ([(0, 96), (96, 96)], 10),
+                                              ([(0, 64)], 5)], ids=["qkv", "gate_up", "down"])
+def test_compiled_layer_ops_and_values(projections, ops):
+    """The compiled forward's adapter term of one layer (lora/graph_weights.py, run eagerly here to
+    count what the graph holds): one shrink, one mask multiply, one expand-and-add per projection
+    (plus the views that select them), and each row gets its own slot's update only."""
+    from pagedllm.lora.graph_weights import GraphLoRAWeights, LoRAGraphInputs
+    from pagedllm.lora.peft_loader import LoRAProjection
+    from pagedllm.lora.targets import LoRATarget
+
+    torch.manual_seed(0)
+    inputs = LoRAGraphInputs(8, torch.device("cpu"))
+    graph = GraphLoRAWeights(inputs, projections, 48, 3, 8, torch.float32, torch.device("cpu"))
+    out = sum(size for _, size in projections)
+    updates = {}
+    for slot, rank in ((0, 4), (2, 8)):
+        held = [LoRAProjection(LoRATarget("layer", o, n, 0, n, 0, 48, 48), torch.randn(rank, 48), torch.randn(n, rank))
+                for o, n in projections[slot % len(projections):]]  # slot 2 leaves the first projection alone
+        graph.set_slot(slot, held)
+        update = torch.zeros(48, out)
+        for p in held:
+            update[:, p.target.out_offset:p.target.out_offset + p.target.out_size] = p.lora_a.T @ p.lora_b.T
+        updates[slot] = update
+    inputs.write(((2, 2), (None, 1), (0, 1)))
+    x, y = torch.randn(4, 48), torch.randn(4, out)
+    counted, got = _CountOps(), y.clone()
+    with counted:
+        graph.apply(x, got)
+    assert sum(counted.counts.values()) == ops, counted.counts
+    want = y + torch.cat([x[:2] @ updates[2], torch.zeros(1, out), x[3:] @ updates[0]])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
