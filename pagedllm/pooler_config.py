@@ -123,9 +123,14 @@ def _default_pooling_type(config: dict) -> str:
 
 def load_pooler_config(model: str, overrides: dict | None = None) -> PoolerConfig:
     folder = Path(model)
-    config = _read_json(folder / "config.json")
-    text = config.get("text_config") or config
     pooling_type, normalize, dense = None, True, []
+    if folder.suffix.lower() == ".gguf":  # llama.cpp's file: normalized, as llama.cpp's default
+        from pagedllm.checkpoint.gguf.pooling import gguf_pooling
+
+        config, pooling_type = gguf_pooling(folder)
+    else:
+        config = _read_json(folder / "config.json")
+    text = config.get("text_config") or config
     if (folder / "modules.json").is_file():
         pooling_type, normalize, dense = _st_modules(folder)
     overrides = dict(overrides or {})
