@@ -1,41 +1,30 @@
-"""GGUF embedders written by llama.cpp's own converter (tests/pooling/llama_cpp_convert.py) from
+"""GGUF embedders written by llama.cpp's own converter (benchmarks/llama_cpp_convert.py) from
 a tiny random folder: a ``bert`` file against sentence-transformers on that folder, a
 ``nomic-bert`` file against pagedllm on the folder (tested against a float64 computation in
 test_nomic_bert.py), a decoder with ``pooling_type`` in its metadata; the runner type, the pooling
 and the WordPiece tokenizer all come from the file."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from benchmarks.llama_cpp_convert import convert_to_gguf as convert
+from benchmarks.llama_cpp_convert import converter_missing
 from pagedllm import LLM
 from tests.pooling import test_nomic_bert as nomic
 from tests.pooling.st_models import save_st_bert
 
 REPO = Path(__file__).resolve().parents[2]
 STORIES = REPO.parent / "shared" / "models" / "stories260K" / "hf"
-LLAMA_CPP = REPO / ".venv-llama-cpp" / "llama.cpp"
 TEXTS = ["the cat sat on the mat", "a dog", "red cats ran far on a blue mat the end", "s",
          "The Cats, SAT on a MAT! xyz"]
 # F16 rounds each weight to 2^-11 of itself, Q8_0 to 1/254 of its block's largest: a unit vector
 # after 2 layers moves by about that much times a few, per coordinate (bounds with 3x headroom).
 LOOSE = {"f16": (0.99999, 2e-4), "q8_0": (0.9999, 5e-3)}
 
-pytestmark = pytest.mark.skipif(
-    not (LLAMA_CPP / "convert_hf_to_gguf.py").is_file(),
-    reason=f"llama.cpp's converter is not at {LLAMA_CPP}: run bash benchmarks/setup_llama_cpp.sh")
-
-
-def convert(folder: Path, out: Path, outtype: str = "f32") -> Path:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(LLAMA_CPP.parent / "convert-deps"), str(REPO)]))
-    subprocess.run([sys.executable, str(Path(__file__).with_name("llama_cpp_convert.py")), str(LLAMA_CPP),
-                    str(folder), str(out), outtype], check=True, env=env, capture_output=True)
-    return out
+pytestmark = pytest.mark.skipif(converter_missing() is not None, reason=str(converter_missing()))
 
 
 def _cos(a, b) -> float:
