@@ -129,3 +129,28 @@ def test_rank_pooling_is_refused_by_name(tmp_path, stories):
 
     with pytest.raises(UnsupportedModelError, match="pooling type rank"):
         LLM(str(_with_pooling_type(stories, tmp_path / "rank.gguf", 4)))
+
+
+def test_bert_gguf_serves_embeddings(bert):
+    """``pagedllm serve FILE.gguf``: /v1/embeddings answers with sentence-transformers' vectors,
+    and the generation routes say which routes the file's model serves."""
+    import httpx
+    import openai
+    from sentence_transformers import SentenceTransformer
+
+    from pagedllm.engine.async_engine import AsyncLLM
+    from pagedllm.entrypoints.openai.server import build_app
+    from tests.entrypoints.server_utils import ServerThread
+
+    folder, files = bert
+    srv = ServerThread(build_app(AsyncLLM.from_engine_args(str(files["f32"])), ["m"])).start()
+    try:
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0)
+        resp = client.embeddings.create(model="m", input=TEXTS[:2], encoding_format="float")
+        ref = SentenceTransformer(str(folder), device="cpu").encode(TEXTS[:2], convert_to_numpy=True)
+        for d, want in zip(resp.data, ref):
+            assert _cos(d.embedding, want) >= 0.99999 and _max_diff(d.embedding, want) <= 1e-4
+        r = httpx.post(f"{srv.url}/v1/completions", json={"model": "m", "prompt": "a", "max_tokens": 2})
+        assert r.status_code == 400 and "/v1/embeddings" in r.text
+    finally:
+        srv.stop()
