@@ -131,6 +131,15 @@ def test_rank_pooling_is_refused_by_name(tmp_path, stories):
         LLM(str(_with_pooling_type(stories, tmp_path / "rank.gguf", 4)))
 
 
+def test_cross_encoder_gguf_is_refused_by_name(tmp_path):
+    from pagedllm.errors import UnsupportedModelError
+    from tests.pooling.test_cross_encoder import _save
+
+    path = convert(_save(tmp_path, "bert", num_labels=1), tmp_path / "ce.gguf")
+    with pytest.raises(UnsupportedModelError, match="classification head"):
+        LLM(str(path))
+
+
 def test_bert_gguf_serves_embeddings(bert):
     """``pagedllm serve FILE.gguf``: /v1/embeddings answers with sentence-transformers' vectors,
     and the generation routes say which routes the file's model serves."""

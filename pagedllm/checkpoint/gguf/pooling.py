@@ -27,6 +27,10 @@ def is_pooling_gguf(path: str | Path) -> bool:
 def gguf_pooling(path: str | Path) -> tuple[dict, str | None]:
     """(the file's config dict, its pooling type: CLS, MEAN, LAST or None when unwritten)."""
     ckpt = open_gguf(path)
+    if "cls.output.weight" in ckpt.tensors:  # llama.cpp's converter drops BERT's pooler it needs
+        raise UnsupportedModelError(f"{Path(path).name} has a classification head (cls.output: a "
+                                    "cross-encoder or reranker), which pagedllm does not run from GGUF; "
+                                    "serve the Hugging Face folder", "model")
     value = ckpt.get(f"{ckpt.architecture}.pooling_type")
     if value is None or int(value) == _NONE:
         return hf_config(ckpt), None
