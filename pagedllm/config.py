@@ -11,7 +11,6 @@ from pathlib import Path
 
 from pagedllm import envs
 from pagedllm.errors import ValidationError, check_ints
-from pagedllm.runner_type import RUNNER_TYPES
 from pagedllm.speculative_config import SpeculativeConfig
 
 # The demo model lives in the shared folder beside the repository; PAGEDLLM_MODEL overrides it.
@@ -24,6 +23,8 @@ ATTENTION_BACKENDS = ("auto", "torch", "cpu_paged")
 # The values of CacheConfig.kv_cache_dtype, vLLM's names: auto = the model's dtype; fp8 =
 # fp8_e4m3 (pagedllm/layers/attention/kv_cache_dtype.py).
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
+# vLLM's runner argument; runner_type.py resolves auto (kept here: it reads checkpoints, config does not)
+RUNNER_TYPES = ("auto", "generate", "pooling")
 # The values of ModelConfig.quantization: vLLM's names for quantized checkpoints, and pagedllm's
 # round-to-nearest formats for quantizing a full-precision one at load
 # (pagedllm/layers/quantization/).

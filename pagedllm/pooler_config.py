@@ -8,6 +8,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pagedllm.checkpoint.source import is_gguf_path
 from pagedllm.errors import ModelLoadError, ValidationError
 
 POOLING_TYPES = ("CLS", "MEAN", "LAST")
@@ -125,8 +126,12 @@ def load_pooler_config(model: str, config: dict, overrides: dict | None = None) 
     """``config``: the opened checkpoint's (checkpoint/source.py: config.json is read once);
     sentence-transformers' own files are read from the folder ``model``."""
     folder = Path(model)
-    text = config.get("text_config") or config
     pooling_type, normalize, dense = None, True, []
+    if is_gguf_path(folder):  # llama.cpp's file: normalized, as llama.cpp's default
+        from pagedllm.checkpoint.gguf.pooling import gguf_pooling_type
+
+        pooling_type = gguf_pooling_type(folder)
+    text = config.get("text_config") or config
     if (folder / "modules.json").is_file():
         pooling_type, normalize, dense = _st_modules(folder)
     overrides = dict(overrides or {})

@@ -5,17 +5,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pagedllm.checkpoint.source import is_gguf_path
 from pagedllm.hf_config import read_config_json
 
-RUNNER_TYPES = ("auto", "generate", "pooling")
 # Architectures that end in a head other than a language model's.
 _POOLING_SUFFIXES = ("Model", "ForSequenceClassification")
 
 
 def is_pooling_checkpoint(model: str) -> bool:
-    """A *Model or *ForSequenceClassification architecture, or a sentence-transformers folder
-    (modules.json)."""
+    """A *Model or *ForSequenceClassification architecture, a sentence-transformers folder
+    (modules.json), or a GGUF embedder (checkpoint/gguf/pooling.py)."""
     folder = Path(model)
+    if is_gguf_path(folder) and folder.is_file():  # llama.cpp's file: its metadata says
+        from pagedllm.checkpoint.gguf.pooling import is_pooling_gguf
+
+        return is_pooling_gguf(folder)
     if (folder / "modules.json").is_file():
         return True
     try:

@@ -14,7 +14,7 @@ PKG = Path(__file__).resolve().parents[1] / "pagedllm"
 # Package (a folder under pagedllm/, "." for the top-level modules) -> its ceiling in lines.
 BUDGET = {
     ".": 1450,
-    "checkpoint": 2200,
+    "checkpoint": 2420,  # + GGUF embedders: bert and nomic-bert, their WordPiece tokenizer, pooling_type
     "core": 1950,
     "distributed": 300,
     "engine": 3500,

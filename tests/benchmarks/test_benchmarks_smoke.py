@@ -345,3 +345,42 @@ def test_embed(tmp_path, capsys):
     r = json.loads(out.read_text())
     assert r["pagedllm"]["texts_per_s"] > 0 and r["sentence_transformers"]["query_p50_ms"] > 0
     assert r["bulk_ratio"] == r["pagedllm"]["texts_per_s"] / r["sentence_transformers"]["texts_per_s"]
+
+
+def _embed_peer_line(tmp_path, capsys, flags: list[str], name: str) -> None:
+    """The peer's printed figures parse, its ratios are pagedllm's figures over its own, and its
+    vectors are pagedllm's (both float32 on the same weights, normalized)."""
+    from benchmarks import embed
+
+    out = tmp_path / "e.json"
+    embed.main(["--shape", "tiny", "--folder", str(tmp_path), "--num-texts", "6", "--min-len", "8",
+                "--max-len", "40", "--num-queries", "3", "--rounds", "1", "--json", str(out), *flags])
+    line = _one_line(capsys, "embed (tiny")
+    m = re.search(rf"pagedllm ([\d.]+) texts/s .* single query p50 ([\d.]+) ms .* \| {re.escape(name)} ([\d.]+) "
+                  rf"texts/s \(([\d.]+)x\), p50 ([\d.]+) ms \(pagedllm/{re.escape(name)} ([\d.]+)\)", line)
+    assert m, line
+    ours, our_p50, theirs, ratio, their_p50, p50_ratio = map(float, m.groups())
+    _printed_ratio_is(ratio, ours, theirs, 2)
+    _printed_ratio_is(p50_ratio, our_p50, their_p50, 2)
+    r = json.loads(out.read_text())[name]
+    assert r["bulk_ratio"] == json.loads(out.read_text())["pagedllm"]["texts_per_s"] / r["texts_per_s"]
+    assert r["max_abs_diff"] <= 1e-4 and r["min_cosine"] >= 0.99999, r
+
+
+def test_embed_llama_cpp_peer(tmp_path, capsys):
+    from benchmarks.embed import LLAMA_CPP_PYTHON
+    from benchmarks.llama_cpp_convert import converter_missing
+
+    if converter_missing() or not LLAMA_CPP_PYTHON.is_file():
+        pytest.skip(converter_missing() or f"no llama.cpp venv at {LLAMA_CPP_PYTHON}: run "
+                    "benchmarks/setup_llama_cpp.sh")
+    _embed_peer_line(tmp_path, capsys, ["--llama-cpp"], "llama.cpp")
+
+
+@pytest.mark.slow
+def test_embed_vllm_peer(tmp_path, capsys):
+    from benchmarks.common import DEFAULT_VLLM_PYTHON
+
+    if not DEFAULT_VLLM_PYTHON.is_file():
+        pytest.skip(f"no vLLM venv at {DEFAULT_VLLM_PYTHON}: run benchmarks/setup_vllm_cpu.sh")
+    _embed_peer_line(tmp_path, capsys, ["--vllm", "--vllm-eager"], "vllm")

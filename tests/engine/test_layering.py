@@ -173,7 +173,8 @@ RUNNER_LIGHT = {"runner", "runner.base", "runner.fake", "runner.input_batch"}
 # Plain data every layer carries (which adapter a request runs with).
 BASE_MODULES = {"lora.request"}
 ALLOWED = {
-    "base": {"base"},
+    # a .gguf path's runner type and pooling: read from the file's metadata (torch-free)
+    "base": {"base", "checkpoint.gguf.pooling"},
     "core": {"base", "core"},
     "runner_light": {"base", "core.outputs", "core.scheduler_stats", "runner_light"},
     # The tensor-parallel group and its collectives (torch), and the torch-free launch data.

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pagedllm.checkpoint.gguf.encoders import ENCODER_ARCHITECTURES, encoder_config
 from pagedllm.checkpoint.gguf.families import family_fields
 from pagedllm.checkpoint.gguf.quant_types import F32, unpack
 from pagedllm.checkpoint.gguf.reader import ARCHITECTURES, GGUFCheckpoint, open_gguf
@@ -40,6 +41,8 @@ def hf_config(ckpt: GGUFCheckpoint) -> dict:
             raise ModelLoadError(f"{ckpt.path.name} lacks the metadata field {arch}.{name}")
         return value
 
+    if arch in ENCODER_ARCHITECTURES:  # bert, nomic-bert: an embedder's own fields
+        return encoder_config(ckpt, key)
     hidden = int(key("embedding_length", required=True))
     heads = int(key("attention.head_count", required=True))
     embed = ckpt.tensors.get("token_embd.weight")

@@ -23,6 +23,8 @@ import re
 
 import numpy as np
 
+from pagedllm.checkpoint.gguf.encoders import ENCODER_ARCHITECTURES, encoder_hf_name
+
 _GLOBAL = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -71,6 +73,8 @@ def hf_name(gguf_name: str, architecture: str) -> str | None:
     """The HF checkpoint name of a llama.cpp tensor, None for one pagedllm does not know. A
     stacked-experts tensor gets the name ``model.layers.L.mlp.experts.<gate|up|down>_proj.weight``
     (the loader splits it per expert: ``expert_names``)."""
+    if architecture in ENCODER_ARCHITECTURES:
+        return encoder_hf_name(gguf_name, architecture)
     if gguf_name in _GLOBAL:
         return _GLOBAL[gguf_name]
     match = _BLOCK.match(gguf_name)

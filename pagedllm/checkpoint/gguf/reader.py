@@ -27,7 +27,9 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
                  "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM",
                  "olmoe": "OlmoeForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
-                 "qwen3moe": "Qwen3MoeForCausalLM"}
+                 "qwen3moe": "Qwen3MoeForCausalLM",
+                 # encoders (embedders): checkpoint/gguf/encoders.py
+                 "bert": "BertModel", "nomic-bert": "NomicBertModel"}
 
 # gguf-split's shard names: ``<stem>-00001-of-00003.gguf``
 _SHARD = re.compile(r"^(?P<stem>.*)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")

@@ -21,6 +21,10 @@ def load_gguf_tokenizer(path: str | Path) -> Any:
     if "tokenizer.ggml.tokens" not in ckpt.metadata:
         raise ModelLoadError(f"{first.name} carries no tokenizer (no tokenizer.ggml.tokens); pass "
                              "--tokenizer with a Hugging Face tokenizer folder")
+    if ckpt.get("tokenizer.ggml.model") == "bert":  # WordPiece: transformers cannot convert it
+        from pagedllm.checkpoint.gguf.wordpiece import wordpiece_tokenizer
+
+        return wordpiece_tokenizer(ckpt)
     from transformers import AutoTokenizer  # heavy import, kept off the engine's import path
 
     tokenizer = AutoTokenizer.from_pretrained(str(first.parent), gguf_file=first.name)

@@ -367,7 +367,7 @@ def test_unsupported_architecture_names_the_supported(tmp_path):
     path = write_gguf(tmp_path / "m.gguf", _hf_model("llama", num_hidden_layers=1), "gemma",
                       with_tokenizer=False)
     with pytest.raises(UnsupportedModelError,
-                       match="'gemma' is not supported; supported: gemma2, gemma3, granite, llama, "):
+                       match="'gemma' is not supported; supported: bert, gemma2, gemma3, granite, llama, "):
         load_model(str(path), torch.float32, CPU)
     with pytest.raises(UnsupportedModelError, match="gemma"):
         read_gguf_config(path)

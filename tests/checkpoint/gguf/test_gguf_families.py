@@ -262,8 +262,8 @@ def test_unsupported_architecture_is_one_line(tmp_path):
     path, _ = write_family_gguf(tmp_path / "m.gguf", _hf_model(config, architecture), arch, "f32",
                                 metadata, general_architecture="starcoder2")
     with pytest.raises(UnsupportedModelError,
-                       match=r"'starcoder2' is not supported; supported: gemma2, gemma3, granite, "
-                             r"llama, olmo2, olmoe, phi3, qwen2, qwen2moe, qwen3, qwen3moe$"):
+                       match=r"'starcoder2' is not supported; supported: bert, gemma2, gemma3, granite, "
+                             r"llama, nomic-bert, olmo2, olmoe, phi3, qwen2, qwen2moe, qwen3, qwen3moe$"):
         load_model(str(path), torch.float32, CPU)
 
 
