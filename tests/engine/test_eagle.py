@@ -220,11 +220,13 @@ def test_accepted_drafts_match_a_reference_of_the_head(method, tmp_path):
     def draft(tokens: list[int]) -> int:
         return _eagle_draft(head, hf, tokens) if head is not None else _mtp_draft(target, hf, tokens)
 
-    llm = LLM(target, enforce_eager=True, speculative_config=spec)
-    outputs = _run(llm, SMALL_PROMPTS, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
-    expected = _expected_accepted(draft, SMALL_PROMPTS, outputs, 16)
-    assert expected > 0  # the reference agrees with the target sometimes: a real check
-    assert llm.get_metrics()["pagedllm:spec_decode_num_accepted_tokens"] == expected
+    # Whole prompts, then prompts chunked in threes (the head reads each chunk a step later).
+    for engine_args in ({}, {"max_num_batched_tokens": 6, "long_prefill_token_threshold": 3}):
+        llm = LLM(target, enforce_eager=True, speculative_config=spec, **engine_args)
+        outputs = _run(llm, SMALL_PROMPTS, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+        expected = _expected_accepted(draft, SMALL_PROMPTS, outputs, 16)
+        assert expected > 0  # the reference agrees with the target sometimes: a real check
+        assert llm.get_metrics()["pagedllm:spec_decode_num_accepted_tokens"] == expected, engine_args
 
 
 @pytest.mark.parametrize("method", ["eagle3", "mtp"])
