@@ -303,6 +303,7 @@ class Scheduler:
             if req.spec_token_ids and start + n > known:  # the drafts that fit this step
                 spec_tokens[rid] = req.spec_token_ids[:start + n - known]
                 num_drafts = len(spec_tokens[rid])
+                req.spec_token_ids = []  # verified once (async scheduling updates a step later)
             req.num_computed_tokens = start + n
             req.num_sent_tokens = len(all_ids)
             if placeholders and start + n >= known and not req.is_beam and req.pooling_params is None:
