@@ -15,6 +15,11 @@ from pathlib import Path
 _WINDOW_FLAG_DEFAULT_OFF = frozenset({"qwen2", "qwen2_moe", "qwen3", "qwen3_moe"})
 
 
+def is_gguf_path(path: str | Path) -> bool:
+    """llama.cpp's checkpoints are single files (or shards) named ``*.gguf``."""
+    return str(path).lower().endswith(".gguf")
+
+
 def text_config(config: dict) -> dict:
     """The language model's fields: multimodal-style configs nest them under ``text_config``."""
     return config.get("text_config", config)

@@ -8,8 +8,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pagedllm.checkpoint.source import is_gguf_path
 from pagedllm.errors import ModelLoadError, ValidationError
+from pagedllm.hf_config import is_gguf_path
 
 POOLING_TYPES = ("CLS", "MEAN", "LAST")
 # classifier_from_token: a decoder as a yes/no reranker (Qwen3-Reranker): the score is

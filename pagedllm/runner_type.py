@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pagedllm.checkpoint.source import is_gguf_path
-from pagedllm.hf_config import read_config_json
+from pagedllm.hf_config import is_gguf_path, read_config_json
 
 # Architectures that end in a head other than a language model's.
 _POOLING_SUFFIXES = ("Model", "ForSequenceClassification")

@@ -25,7 +25,7 @@ BUDGET = {
     "layers": 3500,
     "lora": 1350,  # + MoE experts (expert_loader.py, expert_format.py)
     "models": 2200,
-    "runner": 2750,
+    "runner": 2800,  # + ngram_drafter.py (n-gram drafts under async scheduling)
     "structured_output": 450,
     "weight_plan": 750,
 }

@@ -14,12 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedllm.errors import ModelLoadError
-from pagedllm.hf_config import read_config_json
-
-
-def is_gguf_path(path: str | Path) -> bool:
-    """llama.cpp's checkpoints are single files (or shards) named ``*.gguf``."""
-    return str(path).lower().endswith(".gguf")
+from pagedllm.hf_config import is_gguf_path, read_config_json
 
 
 class Checkpoint:

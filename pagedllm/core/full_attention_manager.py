@@ -52,10 +52,11 @@ class FullAttentionManager:
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         """Full attention reads every position again: nothing is ever skipped."""
 
-    def fits_in_last_block(self, request_id: str, start: int, num_new_tokens: int) -> bool:
+    def fits_in_last_block(self, request_id: str, start: int, num_new_tokens: int,
+                           read_start: int | None = None) -> bool:
         """The usual decode step, decided in O(1): tokens [start, start + n) land inside the
         request's own (unshared) last block without filling it: nothing to allocate, copy or
-        publish."""
+        publish. ``read_start``: where the step may really start (a window group's concern)."""
         blocks = self.req_to_blocks.get(request_id)
         if not blocks or blocks[-1].ref_cnt != 1:
             return False

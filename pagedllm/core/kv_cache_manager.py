@@ -155,15 +155,17 @@ class KVCacheManager:
         when the pool cannot supply them all."""
         rid = request.request_id
         start = request.num_computed_tokens + num_new_computed_tokens
+        # A window group keeps what the runner may read: from before drafts that may roll back.
+        read_start = start - request.num_drafts_in_flight
         managers = self.managers
         # The usual decode step (this runs for every running request every step): in every group
         # the new tokens land inside the request's own last block. A window group first gives
         # back what fell out of the window: always right, whatever happens to this step.
         if not new_computed_blocks:
             if self.num_groups == 1:
-                if managers[0].fits_in_last_block(rid, start, num_new_tokens):
+                if managers[0].fits_in_last_block(rid, start, num_new_tokens, read_start):
                     return NO_NEW_BLOCKS
-            elif all([m.fits_in_last_block(rid, start, num_new_tokens) for m in managers]):
+            elif all([m.fits_in_last_block(rid, start, num_new_tokens, read_start) for m in managers]):
                 return NO_NEW_BLOCKS  # (a list, not a generator: every group frees its skipped)
         end = start + num_new_tokens
         hits = new_computed_blocks or self._no_hits

@@ -45,7 +45,7 @@ class Request:
         "priority", "cache_salt", "max_tokens", "status", "num_computed_tokens", "num_cached_tokens",
         "stop_reason", "num_preemptions", "block_hashes", "spec_token_ids", "num_skipped_past",
         "num_sent_tokens", "is_beam", "all_token_ids", "num_prompt_tokens", "max_num_tokens",
-        "maybe_stop_ids", "num_output_placeholders", "lora_request", "pooling_params",
+        "maybe_stop_ids", "num_output_placeholders", "num_drafts_in_flight", "lora_request", "pooling_params",
     )
 
     def __init__(
@@ -87,6 +87,9 @@ class Request:
         # Async scheduling: tokens sampled by steps still in flight, not yet appended. The next
         # step may already compute them: the runner feeds in what it sampled itself.
         self.num_output_placeholders = 0
+        # Of those, the draft slots: counted as accepted until their step's update, so the
+        # runner may start up to this many positions before num_computed_tokens.
+        self.num_drafts_in_flight = 0
         # Beam search: the engine, not the sampler, picks this request's next token; the
         # scheduler only reports the step's top-k logprobs once its sequence is computed.
         self.is_beam = False

@@ -125,7 +125,8 @@ class Scheduler:
         """Draft tokens to verify in the next step (never past the length limit)."""
         req = self.requests.get(request_id)
         if req is not None and req.status == RequestStatus.RUNNING:
-            req.spec_token_ids = token_ids[:max(req.max_num_tokens - req.num_tokens - 1, 0)]
+            known = req.num_tokens + req.num_output_placeholders
+            req.spec_token_ids = token_ids[:max(req.max_num_tokens - known - 1, 0)]
 
     # -- schedule() ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -254,6 +255,7 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.spec_token_ids = []
         req.num_output_placeholders = 0  # in flight, lost: recomputed, they come out the same
+        req.num_drafts_in_flight = 0
         req.num_sent_tokens = 0  # the runner drops it; it is resent whole on resume
         req.num_preemptions += 1
         self.waiting.prepend_request(req)
@@ -297,13 +299,18 @@ class Scheduler:
                 add_computed(start)
                 add_tokens(all_ids[req.num_sent_tokens:])
             known = len(all_ids) + req.num_output_placeholders  # tokens in flight are not drafts
+            num_drafts = 0
             if req.spec_token_ids and start + n > known:  # the drafts that fit this step
                 spec_tokens[rid] = req.spec_token_ids[:start + n - known]
+                num_drafts = len(spec_tokens[rid])
+                req.spec_token_ids = []  # verified once (async scheduling updates a step later)
             req.num_computed_tokens = start + n
             req.num_sent_tokens = len(all_ids)
-            if (placeholders and start + n >= len(all_ids) + req.num_output_placeholders and not req.is_beam
-                    and req.pooling_params is None):
-                req.num_output_placeholders += 1  # it samples: one more token in flight
+            if placeholders and start + n >= known and not req.is_beam and req.pooling_params is None:
+                # It samples: one more token in flight, and with drafts as if every draft were
+                # accepted (the update rolls the rejected ones back, the runner already has).
+                req.num_output_placeholders += 1 + num_drafts
+                req.num_drafts_in_flight += num_drafts
         block_copies, replaced = kv.take_block_copies()
         finished, self.finished_req_ids = self.finished_req_ids, set()
         return SchedulerOutput(
@@ -391,8 +398,7 @@ class Scheduler:
         outputs.finished[rid] = ("stop", None)
         self._free_request(req)
 
-    @staticmethod
-    def _update_spec_decode(req: Request, num_drafts: int, num_sampled: int,
+    def _update_spec_decode(self, req: Request, num_drafts: int, num_sampled: int,
                             stats: SchedulerStats, num_verified: int | None = None) -> None:
         """A request had ``num_drafts`` draft slots, verified ``num_verified`` of them (all, when
         None) and sampled ``num_sampled`` tokens (the accepted drafts, then one more): roll back
@@ -402,6 +408,9 @@ class Scheduler:
         # so their slots are rewritten next step.
         req.num_computed_tokens -= num_drafts - num_accepted
         req.spec_token_ids = []
+        if self.async_scheduling:  # the drafts' placeholders: the accepted landed, the rest are gone
+            req.num_output_placeholders -= num_drafts
+            req.num_drafts_in_flight -= num_drafts
         num_drafts = num_drafts if num_verified is None else num_verified
         if num_drafts == 0:
             return

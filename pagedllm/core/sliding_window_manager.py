@@ -77,8 +77,9 @@ class SlidingWindowManager(FullAttentionManager):
         if freed:
             self.block_pool.free_blocks(freed)
 
-    def fits_in_last_block(self, request_id: str, start: int, num_new_tokens: int) -> bool:
-        self.remove_skipped_blocks(request_id, start)
+    def fits_in_last_block(self, request_id: str, start: int, num_new_tokens: int,
+                           read_start: int | None = None) -> bool:
+        self.remove_skipped_blocks(request_id, start if read_start is None else read_start)
         return super().fits_in_last_block(request_id, start, num_new_tokens)
 
     def add_hits(self, request_id: str, hits: list[KVCacheBlock]) -> None:

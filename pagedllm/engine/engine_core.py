@@ -68,7 +68,9 @@ class EngineCore:
         self.parallel_sampling = ParallelSampling(self.scheduler)
         self.beam_search = BeamSearch(self.scheduler)
         self.speculative_config = SpeculativeConfig.from_dict(config.speculative_config)
-        self.proposer = make_proposer(self.speculative_config)
+        async_scheduling = config.scheduler_config.async_scheduling
+        # With async scheduling the runner fills n-gram drafts too: it holds the token in flight.
+        self.proposer = None if async_scheduling else make_proposer(self.speculative_config)
         spec = self.speculative_config
         self.draft_length = (DraftLength(spec.num_speculative_tokens)
                              if spec is not None and spec.uses_draft_model and spec.adaptive_draft_length else None)
@@ -86,11 +88,6 @@ class EngineCore:
         # Steps scheduled whose results are not in yet: at most one more than the step being
         # finished with async scheduling (executed in order on one thread), none without.
         self._in_flight: deque[tuple[SchedulerOutput, Future]] = deque()
-        async_scheduling = config.scheduler_config.async_scheduling
-        if async_scheduling and self.proposer is not None:
-            raise ValidationError("async_scheduling does not work with n-gram speculative decoding: "
-                                  "its drafts need the token in flight; use a draft model or turn "
-                                  "one of them off", "async_scheduling")
         self._max_in_flight = 1 if async_scheduling else 0
         self._execute_thread = (ThreadPoolExecutor(1, thread_name_prefix="pagedllm-execute")
                                 if async_scheduling else None)
@@ -191,17 +188,15 @@ class EngineCore:
         failed = (self.structured_output.release_ready(
             wait_s=0.0 if self.scheduler.has_unfinished_requests() else 0.01)
             if self.structured_output.has_held() else [])
-        # A step verifying drafts yields an unknown number of tokens: nothing is scheduled past
-        # it until its update (a draft model's drafts follow the token in flight, in the runner).
-        drafts_in_flight = bool(self._in_flight) and bool(self._in_flight[-1][0].scheduled_spec_decode_tokens)
-        if (self.scheduler.has_unfinished_requests() or not self._in_flight) and not drafts_in_flight:
+        # A step verifying drafts is scheduled past as if every draft were accepted; its update
+        # rolls the rejected ones back (the runner, which knows first, already has).
+        if self.scheduler.has_unfinished_requests() or not self._in_flight:
             scheduler_output = self.scheduler.schedule()
             scheduler_output.grammar_bitmask = self.structured_output.grammar_bitmask(
                 scheduler_output, self.scheduler.requests)
             self._in_flight.append((scheduler_output, self._launch(scheduler_output)))
         t1 = time.perf_counter()
-        if (len(self._in_flight) <= self._max_in_flight and self.scheduler.has_unfinished_requests()
-                and not drafts_in_flight):
+        if len(self._in_flight) <= self._max_in_flight and self.scheduler.has_unfinished_requests():
             return None  # the first step of a run: nothing has finished yet
         scheduler_output, result = self._in_flight.popleft()
         runner_output = result.result()

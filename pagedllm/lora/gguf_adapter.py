@@ -27,10 +27,6 @@ _KEY = re.compile(r"^blk\.(?P<layer>\d+)\.(?P<proj>[a-z_]+)\.weight\.lora_(?P<si
 _PERMUTED_ARCHITECTURES = {"llama", "granite"}
 
 
-def is_gguf_adapter(path: str) -> bool:
-    return path.lower().endswith(".gguf")
-
-
 def _field(reader, key: str):
     field = reader.fields.get(key)
     return None if field is None else field.contents()

@@ -13,12 +13,13 @@ from torch import nn
 
 from pagedllm.config import LoRAConfig
 from pagedllm.errors import ValidationError
+from pagedllm.hf_config import is_gguf_path
 from pagedllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.layers.fused_moe import FusedMoE
 from pagedllm.layers.kv_cache import attention_layers
 from pagedllm.lora.expert_format import LoRAExperts
 from pagedllm.lora.expert_loader import expert_targets
-from pagedllm.lora.gguf_adapter import is_gguf_adapter, load_gguf_adapter
+from pagedllm.lora.gguf_adapter import load_gguf_adapter
 from pagedllm.lora.graph_weights import GraphLoRAWeights, LoRAGraphInputs
 from pagedllm.lora.lora_format import LoRAFormat
 from pagedllm.lora.mapping import LoRAMapping, build_lora_mapping
@@ -141,7 +142,7 @@ class LoRAManager:
         return model
 
     def _load(self, request: LoRARequest) -> LoRAModel:
-        if is_gguf_adapter(request.lora_path):
+        if is_gguf_path(request.lora_path):
             return load_gguf_adapter(request, self.targets, self.max_lora_rank, self.dtype, self.head_dim)
         return load_peft_adapter(request, self.targets, self.max_lora_rank, self.dtype, self.vocab_target,
                                  self.expert_targets)

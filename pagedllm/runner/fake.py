@@ -119,7 +119,7 @@ class FakeRunner:
                     break
                 context.append(tok)
             sampled.append(out)
-            self.input_batch.append_sampled(state, out)
+            self.input_batch.append_sampled(s, out)
             if state.params.logprobs is not None:  # a fake distribution, led by the chosen token
                 if logprobs is None:
                     logprobs = [None] * len(scheduled)

@@ -40,6 +40,10 @@ class CachedRequestState:
     # has yet to read (runner/eagle.py); None: none kept.
     draft_hidden: object = None
     draft_hidden_start: int = 0
+    # Draft slots the runner rolled back in step ``rolled_back_step`` (rejected or unused): with
+    # async scheduling the next step was scheduled before the scheduler learnt of them.
+    num_rolled_back: int = 0
+    rolled_back_step: int = -1
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -57,6 +61,7 @@ class ScheduledRequest:
     num_tokens: int
     drafts: list[int]
     samples: bool
+    num_slots: int = 0  # the draft slots the scheduler gave it (a drafter may fill fewer)
 
     @property
     def input_ids(self) -> list[int]:
@@ -67,11 +72,13 @@ class ScheduledRequest:
 class InputBatch:
     def __init__(self) -> None:
         self.requests: dict[str, CachedRequestState] = {}
+        self.num_steps = 0
 
     def update_states(self, so: SchedulerOutput) -> list[ScheduledRequest]:
         """Apply the step's diffs, then return the scheduled requests in order, each advanced
         past the tokens it computes this step."""
         requests = self.requests
+        self.num_steps += 1
         for rid in so.finished_req_ids:
             requests.pop(rid, None)
         for rid in so.preempted_req_ids:
@@ -92,10 +99,13 @@ class InputBatch:
                         table.extend(group_blocks)
             if new_ids:
                 _confirm(state, new_ids)
-            if num_computed > state.num_computed_tokens:
+            if num_computed != state.num_computed_tokens and not (
+                    state.rolled_back_step == self.num_steps - 1
+                    and num_computed == state.num_computed_tokens + state.num_rolled_back):
+                # Equal, or (async scheduling) ahead by the drafts rolled back in the step before,
+                # whose outcome the scheduler did not know yet.
                 raise StateMismatchError(f"{rid}: the runner computed {state.num_computed_tokens} "
                                          f"tokens, the scheduler says {num_computed}")
-            state.num_computed_tokens = num_computed  # lower after rejected drafts
         for rid, table in so.replaced_block_tables.items():
             requests[rid].block_ids = [list(t) for t in table]
 
@@ -107,15 +117,22 @@ class InputBatch:
             start = state.num_computed_tokens
             state.num_computed_tokens = start + n
             samples = start + n - len(drafts) >= len(state.token_ids) and state.pooling_params is None
-            scheduled.append(ScheduledRequest(state, start, n, drafts, samples))
+            scheduled.append(ScheduledRequest(state, start, n, drafts, samples, len(drafts)))
         return scheduled
 
-    @staticmethod
-    def append_sampled(state: CachedRequestState, token_ids: list[int]) -> None:
-        """The tokens this runner just sampled for a request: the next step may compute them
-        before the scheduler sends them back."""
+    def append_sampled(self, s: ScheduledRequest, token_ids: list[int]) -> None:
+        """The tokens this runner just sampled for a request (its accepted drafts, then one
+        more): the next step may compute them before the scheduler sends them back. Rejected
+        drafts are rolled back here, so the next step starts after the accepted ones whether or
+        not the scheduler knew when it scheduled it."""
+        state = s.state
         state.token_ids.extend(token_ids)
         state.num_unconfirmed += len(token_ids)
+        if s.num_slots:
+            num_accepted = len(token_ids) - 1
+            state.num_computed_tokens -= len(s.drafts) - num_accepted
+            state.num_rolled_back = s.num_slots - num_accepted
+            state.rolled_back_step = self.num_steps
 
 
 def _confirm(state: CachedRequestState, new_ids: list[int]) -> None:

@@ -34,6 +34,7 @@ from pagedllm.runner.frame_chunks import keep_frame_chunks
 from pagedllm.runner.grammar_bitmask import apply_grammar_bitmask
 from pagedllm.runner.input_batch import CachedRequestState, InputBatch, ScheduledRequest
 from pagedllm.runner.kv_cache_groups import KVCacheGroup, group_layers, layer_placement, plan_kv_tensors
+from pagedllm.runner.ngram_drafter import NgramDrafter
 from pagedllm.runner.sampler import Sampler, SamplingMetadata, compute_topk_logprobs
 from pagedllm.runner.sampling_cache import SamplingMetadataCache
 from pagedllm.runner.spec_decode import verify_drafts
@@ -97,7 +98,9 @@ class ModelRunner:
                              if config.lora_config.enable_lora else None)
         self.vocab_size = self.model.vocab_size
         spec = SpeculativeConfig.from_dict(config.speculative_config)
-        self.drafter = (None if spec is None or not spec.uses_draft_model
+        self.drafter = (NgramDrafter(spec) if spec is not None and spec.method == "ngram"
+                        and config.scheduler_config.async_scheduling
+                        else None if spec is None or not spec.uses_draft_model
                         else EagleProposer(spec, self.model, mc.model, self.dtype, self.device, self.kv_cache_dtype)
                         if spec.reads_target_hidden_states
                         else DraftModel(spec, self.model, mc.model, self.dtype, self.device, self.kv_cache_dtype,
@@ -311,7 +314,7 @@ class ModelRunner:
         for (s, _), (first, _), toks in zip(samplers, groups, outputs):
             i = out.req_id_to_index[s.state.req_id]
             out.sampled_token_ids[i] = toks
-            self.input_batch.append_sampled(s.state, toks)
+            self.input_batch.append_sampled(s, toks)
             if row_logprobs is not None and row_logprobs[first] is not None:
                 if out.logprobs is None:
                     out.logprobs = [None] * len(out.req_ids)

@@ -76,9 +76,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             max_skip_ahead=max_skip_ahead, async_scheduling=async_scheduling,
             sliding_windows=windows)
         # Async scheduling: step N+1 is scheduled and executed before step N's output is applied
-        # (the delayed output), as the engine pipelines them. Drafts need the previous token.
+        # (the delayed output), as the engine pipelines them; a step with drafts is scheduled
+        # past as if all were accepted (drafts proposed from the tokens known, one step behind).
         self.in_flight = None
-        spec_k = 0 if async_scheduling else spec_k
         # n-gram speculative decoding: drafts verified greedily by the FakeRunner.
         self.proposer = NgramProposer(spec_k, 1, 3) if spec_k else None
         self.parallel = ParallelSampling(self.sched)

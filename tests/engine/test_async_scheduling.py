@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 
 from pagedllm import LLM, BeamSearchParams, SamplingParams
-from pagedllm.errors import ValidationError
 
 SETTINGS = [  # (engine arguments): roomy, chunked + prefix hits, tight (preemption)
     {},
@@ -84,12 +83,6 @@ def test_max_tokens_1_and_aborts_leave_nothing(pair, golden_cases, e2e):
     while engine.has_unfinished_requests():  # drains the step still in flight
         assert engine.step() == []
     e2e.assert_engine_idle(llm)
-
-
-def test_async_with_speculative_decoding_is_refused(demo_model_path):
-    spec = {"method": "ngram", "num_speculative_tokens": 2}
-    with pytest.raises(ValidationError, match="speculative"):
-        LLM(demo_model_path, async_scheduling=True, speculative_config=spec)
 
 
 def test_tiny_models_prompt_and_sample_logprobs_identical(tiny_model_dirs, e2e):

@@ -79,6 +79,26 @@ def test_greedy_identical_to_the_target_alone(models, engine_args):
 
 
 @pytest.mark.parametrize("method", ["eagle3", "mtp"])
+def test_chunked_prefill_drafts_as_the_whole_prompt(small_models, method):
+    """The head reads a prefill chunk's hidden states at the start of the next step, and its last
+    chunk's before the first draft: chunked or whole, the prompt gives the same drafts, so the
+    same are accepted (async scheduling verifies in other steps: the same output only)."""
+    target, spec = small_models[method]
+    prompt = [1, 2, 3, 4, 5, 6, 7, 0] * 3 + [1, 2]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    counts = []
+    for engine_args in ({}, {"max_num_batched_tokens": 8, "long_prefill_token_threshold": 5},
+                        {"max_num_batched_tokens": 8, "long_prefill_token_threshold": 5, "async_scheduling": True}):
+        llm = LLM(target, enforce_eager=True, speculative_config=spec, **engine_args)
+        out = _run(llm, [prompt], params)
+        m = llm.get_metrics()
+        counts.append((out, m["pagedllm:spec_decode_num_draft_tokens"], m["pagedllm:spec_decode_num_accepted_tokens"]))
+        assert_idle(llm)
+    assert counts[0][2] > 0 and counts[0] == counts[1]
+    assert counts[2][0] == counts[0][0] and counts[2][2] > 0
+
+
+@pytest.mark.parametrize("method", ["eagle3", "mtp"])
 def test_prefix_hits(small_models, method):
     """The second run of a prompt hits 16 of its 18 tokens: the head reads the KV the first run
     left in those blocks, the same as its own would be, so it drafts and accepts the same."""
@@ -200,11 +220,13 @@ def test_accepted_drafts_match_a_reference_of_the_head(method, tmp_path):
     def draft(tokens: list[int]) -> int:
         return _eagle_draft(head, hf, tokens) if head is not None else _mtp_draft(target, hf, tokens)
 
-    llm = LLM(target, enforce_eager=True, speculative_config=spec)
-    outputs = _run(llm, SMALL_PROMPTS, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
-    expected = _expected_accepted(draft, SMALL_PROMPTS, outputs, 16)
-    assert expected > 0  # the reference agrees with the target sometimes: a real check
-    assert llm.get_metrics()["pagedllm:spec_decode_num_accepted_tokens"] == expected
+    # Whole prompts, then prompts chunked in threes (the head reads each chunk a step later).
+    for engine_args in ({}, {"max_num_batched_tokens": 6, "long_prefill_token_threshold": 3}):
+        llm = LLM(target, enforce_eager=True, speculative_config=spec, **engine_args)
+        outputs = _run(llm, SMALL_PROMPTS, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+        expected = _expected_accepted(draft, SMALL_PROMPTS, outputs, 16)
+        assert expected > 0  # the reference agrees with the target sometimes: a real check
+        assert llm.get_metrics()["pagedllm:spec_decode_num_accepted_tokens"] == expected, engine_args
 
 
 @pytest.mark.parametrize("method", ["eagle3", "mtp"])

@@ -186,8 +186,9 @@ ALLOWED = {
     "lora": {"base", "distributed", "kernels", "layers", "lora"},
     # The model families know nothing of files: checkpoint/ opens and loads them.
     "models": {"base", "distributed", "kernels", "layers", "models"},
-    "runner": {"base", "core.outputs", "core.scheduler_stats", "runner_light", "runner", "kernels",
-               "layers", "models", "distributed", "lora", "checkpoint", "weight_plan"},
+    # core.ngram_proposer: plain Python the runner runs for n-gram drafts under async scheduling.
+    "runner": {"base", "core.outputs", "core.scheduler_stats", "core.ngram_proposer", "runner_light", "runner",
+               "kernels", "layers", "models", "distributed", "lora", "checkpoint", "weight_plan"},
     # Executors join workers into the group: the torch-free launch data and size checks only
     # (parallel_state is imported in the worker, lazily).
     "executor": {"base", "core", "runner_light", "runner", "executor", "distributed", "checkpoint"},
