@@ -49,6 +49,7 @@ from benchmarks.common import (
     rss_bytes,
     write_json,
 )
+from benchmarks.llama_cpp_convert import convert_to_gguf, converter_missing
 
 LLAMA_CPP_VENV = REPO_ROOT / ".venv-llama-cpp"
 _COMMON = dict(vocab_size=32000, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
@@ -83,9 +84,7 @@ def llama_cpp_missing(venv: Path | None = None) -> str | None:
     venv = venv or LLAMA_CPP_VENV
     if not (venv / "bin" / "python").is_file():
         return f"no llama.cpp venv at {venv}"
-    if not (LLAMA_CPP_VENV / "llama.cpp" / "convert_hf_to_gguf.py").is_file():
-        return f"no convert_hf_to_gguf.py under {LLAMA_CPP_VENV}"
-    return None
+    return converter_missing()
 
 
 def prepare(shape: str, types: list[str], by_llama_cpp: bool = True) -> dict[str, Path]:
@@ -118,10 +117,7 @@ def prepare(shape: str, types: list[str], by_llama_cpp: bool = True) -> dict[str
             return _write_with_gguf_package(folder, shape, types)
         for f in TOKENIZER_DIR.iterdir():
             shutil.copy(f, folder / "hf" / f.name)
-        convert = LLAMA_CPP_VENV / "llama.cpp" / "convert_hf_to_gguf.py"
-        env = dict(os.environ, PYTHONPATH=str(LLAMA_CPP_VENV / "convert-deps"))
-        subprocess.run([sys.executable, str(convert), str(folder / "hf"), "--outtype", "f32",
-                        "--outfile", str(folder / "F32.gguf")], check=True, env=env)
+        convert_to_gguf(folder / "hf", folder / "F32.gguf", "f32")
         shutil.rmtree(folder / "hf")
         stamp.write_text(json.dumps(spec))
     if not by_llama_cpp:

@@ -36,13 +36,6 @@ CMAKE_ARGS="$ARCH -DGGML_OPENMP=ON -DLLAMA_CURL=OFF" FORCE_CMAKE=1 \
 "$VENV/bin/python" -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__, \
 'system info:', llama_cpp.llama_print_system_info().decode())"
 
-# llama.cpp's converter (convert_hf_to_gguf.py, with its conversion/ and gguf-py/ folders) from
-# the same sdist, for benchmarks/gguf.py: it runs with pagedllm's python (torch, transformers)
-# plus sentencepiece, which the converter imports, from $VENV/convert-deps.
-SRC="$(mktemp -d)"
-"$VENV/bin/pip" download --no-deps --no-binary :all: -d "$SRC" "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION"
-tar -xzf "$SRC"/llama_cpp_python-*.tar.gz -C "$SRC"
-rm -rf "$VENV/llama.cpp" && mkdir -p "$VENV/llama.cpp"
-cp -r "$SRC"/llama_cpp_python-*/vendor/llama.cpp/{convert_hf_to_gguf.py,conversion,gguf-py} "$VENV/llama.cpp/"
-rm -rf "$SRC"
-"$VENV/bin/pip" install --target "$VENV/convert-deps" sentencepiece
+# llama.cpp's converter from the same sdist, for benchmarks/gguf.py and the GGUF tests.
+VENV="$VENV" LLAMA_CPP_PYTHON_VERSION="$LLAMA_CPP_PYTHON_VERSION" PIP="$VENV/bin/pip" \
+    bash benchmarks/setup_gguf_converter.sh
