@@ -17,7 +17,7 @@ BUDGET = {
     "checkpoint": 2200,
     "core": 1950,
     "distributed": 300,
-    "engine": 3500,
+    "engine": 3540,
     "entrypoints": 6050,
     "executor": 1300,
     "explain": 750,
