@@ -29,7 +29,7 @@ BUDGET = {
     "structured_output": 450,
 }
 # The C++ kernels (kernels/csrc and the runner's arena allocator).
-CPP_BUDGET = 3850  # + unified_attention.cpp
+CPP_BUDGET = 3880  # + unified_attention.cpp, parallel_work.h
 
 
 def count_lines(paths) -> int:
