@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from pagedllm.engine.token_decode import Decode, decode_function
+
 # Prompt tokens kept as left context so the first output token decodes with its leading space.
 _INITIAL_CONTEXT = 5
 
@@ -16,28 +18,30 @@ _INITIAL_CONTEXT = 5
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool = True,
                  stop: list[str] | None = None, include_stop_str_in_output: bool = False,
-                 min_tokens: int = 0) -> None:
+                 min_tokens: int = 0, decode: Decode | None = None) -> None:
         self.min_tokens = min_tokens  # stop strings do not count before this many output tokens
         self.num_output_tokens = 0
         self.tokenizer = tokenizer
+        # ``decode``: the tokenizer's decode call, chosen once per tokenizer (engine/token_decode.py).
+        self._decode = decode or decode_function(tokenizer)
         self.skip_special_tokens = skip_special_tokens
         self.stop = stop or []
         self.include_stop_str_in_output = include_stop_str_in_output
         # While stop strings may still match, hold back this many characters of a stream.
         self.stop_buffer_length = max((len(s) for s in self.stop), default=1) - 1 if self.stop else 0
-        context = self._left_context(tokenizer, prompt_token_ids, skip_special_tokens)
+        context = self._left_context(self._decode, prompt_token_ids, skip_special_tokens)
         self._ids: list[int] = context
         self._prefix_offset = 0
         self._read_offset = len(context)
         self.output_text = ""
 
     @staticmethod
-    def _left_context(tokenizer: Any, prompt_token_ids: list[int], skip: bool) -> list[int]:
+    def _left_context(decode: Decode, prompt_token_ids: list[int], skip: bool) -> list[int]:
         """The last few prompt tokens, starting on a character boundary: a window that began
         inside a character spelled by byte tokens would decode to U+FFFD forever."""
         start = max(0, len(prompt_token_ids) - _INITIAL_CONTEXT)
         lowest = max(0, start - 8)  # a UTF-8 character spans at most 4 byte tokens
-        while start > lowest and tokenizer.decode(
+        while start > lowest and decode(
                 prompt_token_ids[start:], skip_special_tokens=skip).startswith("\ufffd"):
             start -= 1
         return list(prompt_token_ids[start:])
@@ -56,9 +60,8 @@ class IncrementalDetokenizer:
 
     def _decode_next(self) -> str:
         skip = self.skip_special_tokens
-        prefix = self.tokenizer.decode(self._ids[self._prefix_offset:self._read_offset],
-                                       skip_special_tokens=skip)
-        full = self.tokenizer.decode(self._ids[self._prefix_offset:], skip_special_tokens=skip)
+        prefix = self._decode(self._ids[self._prefix_offset:self._read_offset], skip_special_tokens=skip)
+        full = self._decode(self._ids[self._prefix_offset:], skip_special_tokens=skip)
         if full.endswith("\ufffd") or len(full) <= len(prefix):
             return ""  # an incomplete UTF-8 sequence (or nothing new yet): wait for more tokens
         new = full[len(prefix):]

@@ -9,6 +9,7 @@ from typing import Any
 
 from pagedllm.core.outputs import EngineCoreOutputs, FinishedBeam, TokenLogprobs
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.engine.token_decode import decode_function
 from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -58,6 +59,7 @@ class RequestState:
 class OutputProcessor:
     def __init__(self, tokenizer: Any | None) -> None:
         self.tokenizer = tokenizer
+        self._decode = None if tokenizer is None else decode_function(tokenizer)
         self.request_states: dict[str, RequestState] = {}
         self.parents: dict[str, ParentRequest] = {}
         self.beam_searches: dict[str, BeamSearchRequest] = {}
@@ -75,7 +77,8 @@ class OutputProcessor:
             if self.tokenizer is not None and params.detokenize:
                 detok = IncrementalDetokenizer(self.tokenizer, parent.prompt_token_ids,
                                                params.skip_special_tokens, params.stop,
-                                               params.include_stop_str_in_output, params.min_tokens)
+                                               params.include_stop_str_in_output, params.min_tokens,
+                                               self._decode)
             state = RequestState(cid, i, parent, detok,
                                  logprobs=[] if params.logprobs is not None else None,
                                  cumulative_logprob=0.0 if params.logprobs is not None else None)
@@ -207,7 +210,7 @@ class OutputProcessor:
         d: dict[int, Logprob] = {}
         for tok, lp, rank in zip(tl.token_ids, tl.logprobs, tl.ranks):
             if tok not in d:
-                text = self.tokenizer.decode([tok]) if self.tokenizer is not None else None
+                text = self._decode([tok], skip_special_tokens=False) if self._decode is not None else None
                 d[tok] = Logprob(lp, rank, text)
         return d
 

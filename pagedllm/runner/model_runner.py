@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import platform
+from collections.abc import Iterable
 
 import torch
 
@@ -35,8 +36,8 @@ from pagedllm.runner.grammar_bitmask import apply_grammar_bitmask
 from pagedllm.runner.input_batch import CachedRequestState, InputBatch, ScheduledRequest
 from pagedllm.runner.kv_cache_groups import KVCacheGroup, group_layers, layer_placement, plan_kv_tensors
 from pagedllm.runner.ngram_drafter import NgramDrafter
-from pagedllm.runner.sampler import Sampler, SamplingMetadata, compute_topk_logprobs
-from pagedllm.runner.sampling_cache import SamplingMetadataCache
+from pagedllm.runner.sampler import Sampler, compute_topk_logprobs
+from pagedllm.runner.sampling_batch import SamplingBatch, SamplingResult, SamplingRow
 from pagedllm.runner.spec_decode import verify_drafts
 from pagedllm.runner.step_inputs import gather_step_inputs
 from pagedllm.runner_type import resolve_runner_type
@@ -97,6 +98,7 @@ class ModelRunner:
         self.lora_manager = (LoRAManager(self.model, config.lora_config, self.dtype, graph_inputs)
                              if config.lora_config.enable_lora else None)
         self.vocab_size = self.model.vocab_size
+        self._token_types = getattr(self.model, "supports_token_types", False)  # a text pair's second segment
         spec = SpeculativeConfig.from_dict(config.speculative_config)
         self.drafter = (NgramDrafter(spec) if spec is not None and spec.method == "ngram"
                         and config.scheduler_config.async_scheduling
@@ -111,7 +113,8 @@ class ModelRunner:
         self.compiled_base = None if graph_inputs is None or self.compiled is None else \
             graph_inputs.without_adapters(lambda: maybe_compile(self.model, eager, self.device, warmup_tokens=16))
         self.sampler = Sampler()
-        self._sampling_cache = SamplingMetadataCache()
+        # The sampled rows' parameters, per random stream, kept across steps.
+        self._sampling_batches: dict[int, SamplingBatch] = {}
         self.input_batch = InputBatch()
         self.kv_caches: list[torch.Tensor] = []
         self.attn_backend = get_attn_backend(mc.attention_backend, self.device.type)
@@ -247,7 +250,7 @@ class ModelRunner:
     def _token_type_ids(self, segments: list[tuple[int, int]], num_tokens: int) -> torch.Tensor | None:
         """``[T]`` token types, 1 on a text pair's second segment; None when all are 0 or the
         model has no token types."""
-        if not getattr(self.model, "supports_token_types", False) or all(a == b for a, b in segments):
+        if not self._token_types or all(a == b for a, b in segments):
             return None
         types = torch.zeros(num_tokens, dtype=torch.long)
         for a, b in segments:
@@ -283,8 +286,7 @@ class ModelRunner:
             groups.append((len(rows), s.drafts))
             for j in range(len(s.drafts) + 1):
                 rows.append((s.state, s.drafts[:j], row + j))
-        with self._lora_logits([r[0] for r in rows]):
-            logits = self.model.compute_logits(self._hidden_rows(hidden, [r[2] for r in rows]))
+        logits = self._compute_logits(self._hidden_rows(hidden, [r[2] for r in rows]), (r[0] for r in rows))
         md, generators = self._sampling_metadata(rows)
         if grammar_bitmask:
             row_masks: list[bytes | None] = []
@@ -320,10 +322,13 @@ class ModelRunner:
                     out.logprobs = [None] * len(out.req_ids)
                 out.logprobs[i] = [TokenLogprobs(*row_logprobs[first + j]) for j in range(len(toks))]
 
-    def _lora_logits(self, states: list[CachedRequestState]):
-        """The logits rows' adapters, for an adapter that trained the head (lora/vocab_format.py)."""
-        return set_lora_mapping(None if self.lora_manager is None else self.lora_manager.logits_mapping(
-            [s.lora_request for s in states], self.device))
+    def _compute_logits(self, hidden: torch.Tensor, states: Iterable[CachedRequestState]) -> torch.Tensor:
+        """Logits of ``hidden``'s rows under their requests' adapters, for an adapter that trained
+        the head (lora/vocab_format.py); without adapters, the head alone (``states`` unread)."""
+        if self.lora_manager is None:
+            return self.model.compute_logits(hidden)
+        with set_lora_mapping(self.lora_manager.logits_mapping([s.lora_request for s in states], self.device)):
+            return self.model.compute_logits(hidden)
 
     def _hidden_rows(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """``hidden[rows]`` for increasing ``rows``; consecutive ones (every decode step) as a
@@ -340,58 +345,21 @@ class ModelRunner:
         for state, row0, pos0, count in jobs:
             if count <= 0:
                 continue
-            with self._lora_logits([state] * count):
-                logits = self.model.compute_logits(hidden[row0:row0 + count])
+            logits = self._compute_logits(hidden[row0:row0 + count], [state] * count)
             targets = state.token_ids[pos0 + 1:pos0 + 1 + count]
             entries = compute_topk_logprobs(logits, targets, state.params.prompt_logprobs)
             result[state.req_id] = PromptLogprobsChunk(pos0 + 1, [TokenLogprobs(*e) for e in entries])
         return result
 
-    def _sampling_metadata(self, rows: list[tuple[CachedRequestState, list[int], int]], stream: int = 0
-                           ) -> tuple[SamplingMetadata, list[torch.Generator | None]]:
+    def _sampling_metadata(self, rows: list[SamplingRow], stream: int = 0) -> SamplingResult:
         """``stream``: which of a seeded request's random streams its rows draw from (0: the
         sampler's and verifier's; a draft model samples from its own)."""
-        states = [state for state, _, _ in rows]
-        kept = self._sampling_cache.lookup(states, stream)
-        if kept is not None:
-            return kept
-        per_step = False  # a row needs this step's data (generator, min_tokens mask, penalties)
-        params, prompts, outputs = [], [], []
-        generators: list[torch.Generator | None] = []
-        stop_masks: list[frozenset[int]] = []
-        for state, prefix, _ in rows:
-            p = state.params
-            num_output = len(state.token_ids) - state.num_prompt_tokens + len(prefix)
-            params.append(p)
-            if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty:
-                prompts.append(state.token_ids[:state.num_prompt_tokens])
-                outputs.append(state.output_token_ids + prefix)
-                per_step = True
-            else:  # only penalties read the tokens: do not copy them for every row
-                prompts.append(_NO_TOKENS)
-                outputs.append(_NO_TOKENS)
-            if p.seed is not None and not p.sampling_type_greedy:
-                # One stream per (seed, output position): the draw for token i does not depend
-                # on the batch, on earlier steps, or on whether the request was preempted.
-                g = torch.Generator(device=self.device)
-                g.manual_seed(((p.seed * 1_000_003 + num_output) ^ (stream << 48)) % (1 << 63))
-                generators.append(g)
-                per_step = True
-            else:
-                generators.append(None)
-            if num_output < p.min_tokens:
-                ids = p.all_stop_token_ids if p.ignore_eos else (p.all_stop_token_ids | state.eos_token_ids)
-                stop_masks.append(ids)
-                per_step = True
-            else:
-                stop_masks.append(frozenset())
-        md = SamplingMetadata.build(params, prompts, outputs, generators, stop_masks,
-                                    self.vocab_size, self.device)
-        self._sampling_cache.keep(states, stream, None if per_step else (md, generators))
-        return md, generators
+        batch = self._sampling_batches.get(stream)
+        if batch is None:
+            batch = self._sampling_batches[stream] = SamplingBatch(self.vocab_size, self.device, stream)
+        return batch.prepare(rows)
 
 
-_NO_TOKENS: list[int] = []
 
 
 def _keep_freed_memory() -> None:

@@ -13,18 +13,18 @@ from pagedllm.runner import logits_processors
 from pagedllm.runner.logits_processors import apply_top_k_top_p
 from pagedllm.runner.sampler import (
     Sampler,
-    SamplingMetadata,
     apply_logits_processors,
     compute_topk_logprobs,
 )
 from pagedllm.sampling_params import SamplingParams
+from tests.runner.sampling_reference import reference_metadata
 
 NEG_INF = float("-inf")
 
 
 def build(params, vocab_size, prompts=None, outputs=None, generators=None, masks=None, device="cpu"):
     n = len(params)
-    return SamplingMetadata.build(
+    return reference_metadata(
         params,
         prompts if prompts is not None else [[] for _ in range(n)],
         outputs if outputs is not None else [[] for _ in range(n)],

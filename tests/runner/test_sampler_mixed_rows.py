@@ -5,13 +5,14 @@ import torch
 
 from pagedllm.runner.sampler import Sampler, SamplingMetadata
 from pagedllm.sampling_params import SamplingParams
+from tests.runner.sampling_reference import reference_metadata
 
 V = 300
 
 
 def _build(params: list[SamplingParams], generators: list[torch.Generator | None]) -> SamplingMetadata:
     n = len(params)
-    return SamplingMetadata.build(params, [[]] * n, [[]] * n, generators, [frozenset()] * n, V, "cpu")
+    return reference_metadata(params, [[]] * n, [[]] * n, generators, [frozenset()] * n, V, "cpu")
 
 
 def _seeded(seed: int) -> torch.Generator:

@@ -514,7 +514,7 @@ void panels_run(const Panels& w, const QuantizedRows& x, int64_t row0, int64_t M
 template <Codes C, bool OFFSET>
 void panels_gemm(const Panels& w, const QuantizedRows& x, int64_t M, int64_t N, int64_t P,
                  float* yp) {
-  skinny::split_grouped_panels({M}, P, [&](int64_t, int64_t p0, int64_t p1) {
+  skinny::split_grouped_panels({M}, P, N * 4 * w.K4, [&](int64_t, int64_t p0, int64_t p1) {
     panels_run<C, OFFSET>(w, x, 0, M, N, yp, p0, p1);
   });
 }

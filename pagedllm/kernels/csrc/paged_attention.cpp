@@ -41,6 +41,7 @@
 
 #include "isa.h"
 #include "paged_attention_math.h"
+#include "parallel_work.h"
 #include "store_kv.h"
 
 namespace {
@@ -183,7 +184,10 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
   const int64_t* qsl = query_start_loc.const_data_ptr<int64_t>();
   const int64_t* lens = seq_lens.const_data_ptr<int64_t>();
 
-  const int64_t num_threads = at::get_num_threads();
+  // Scores and values: each query row's dot product with every key it may see, twice.
+  int64_t row_keys = 0;
+  for (int64_t r = 0; r < num_reqs; ++r) row_keys += (qsl[r + 1] - qsl[r]) * lens[r];
+  const int64_t num_threads = parallel_work::threads_for(2 * row_keys * num_heads * head_dim);
   const bool windowed = kFeatures && features.window > 0;
   const bool causal = !kFeatures || features.causal;
   // Keys past which the row at position pos sees none (its own position + 1 when causal).

@@ -428,7 +428,7 @@ void quad_panels_gemm(const float* xp, int64_t M, int64_t K, const Experts& ex,
     if (!ex.grouped) return int8gemm::panels_gemm<C, OFFSET>(weight(0), xq, M, N, P, yp);
     const std::vector<int64_t>& start = ex.rows.start;
     const std::vector<int64_t>& rows = ex.rows.rows;
-    return skinny::split_grouped_panels(rows, P, [&](int64_t e, int64_t p0, int64_t p1) {
+    return skinny::split_grouped_panels(rows, P, N * K, [&](int64_t e, int64_t p0, int64_t p1) {
       int8gemm::panels_run<C, OFFSET>(weight(e), xq, start[e], rows[e], N, yp + start[e] * N,
                                       p0, p1);
     });
@@ -461,7 +461,7 @@ void bf16_activations_gemm(const In* xp, int64_t M, int64_t K, const Experts& ex
 #endif
   const skinny::RowGroups& r = ex.rows;
   const bf16gemm::Bf16Tiles xb = bf16gemm::round_rows(xp, K, r.start, r.rows);
-  skinny::split_grouped_panels(r.rows, P, [&](int64_t e, int64_t p0, int64_t p1) {
+  skinny::split_grouped_panels(r.rows, P, N * K, [&](int64_t e, int64_t p0, int64_t p1) {
     bf16gemm::panels_run(codes + e * expert_elems, K, xb, e, r.rows[e], N, yp + r.start[e] * N,
                          p0, p1, bias);
   });

@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "isa.h"
+#include "parallel_work.h"
 
 namespace skinny {
 
@@ -439,14 +440,16 @@ void panels_run(const float* xp, int64_t M, int64_t K, const Source& src, int64_
 constexpr int64_t kRowsPerPanelRead = 10;
 
 template <class Run>
-void split_grouped_panels(const std::vector<int64_t>& rows, int64_t P, const Run& run) {
+void split_grouped_panels(const std::vector<int64_t>& rows, int64_t P, int64_t row_work, const Run& run) {
   const int64_t G = static_cast<int64_t>(rows.size());
   std::vector<int64_t> cost_before(G + 1, 0);  // the cost of groups 0..g-1, all their panels
   for (int64_t g = 0; g < G; ++g)
     cost_before[g + 1] = cost_before[g] + (rows[g] ? P * (kRowsPerPanelRead + rows[g]) : 0);
   const int64_t total = cost_before[G];
   if (total == 0) return;
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), total);
+  int64_t num_rows = 0;
+  for (const int64_t r : rows) num_rows += r;
+  const int64_t threads = std::min<int64_t>(parallel_work::threads_for(num_rows * row_work), total);
   std::atomic<int64_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     for (int64_t t = next++; t < threads; t = next++) {
@@ -469,7 +472,7 @@ template <class SourceOf>
 void grouped_panels_gemm(const float* xp, int64_t K, const std::vector<int64_t>& start,
                          const std::vector<int64_t>& rows, const SourceOf& source, int64_t N,
                          int64_t P, float* yp) {
-  split_grouped_panels(rows, P, [&](int64_t g, int64_t p0, int64_t p1) {
+  split_grouped_panels(rows, P, N * K, [&](int64_t g, int64_t p0, int64_t p1) {
     panels_run(xp + start[g] * K, rows[g], K, source(g), N, yp + start[g] * N, p0, p1);
   });
 }
