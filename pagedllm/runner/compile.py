@@ -33,12 +33,14 @@ import os
 import shutil
 import time
 import types
+import weakref
 from collections.abc import Callable
 
 import torch
 
 from pagedllm import envs
 from pagedllm.kernels.cpu_extension import build_tag
+from pagedllm.runner.compile_release import release_compiled_code
 from pagedllm.runner.loop_threads import loop_threads
 
 logger = logging.getLogger(__name__)
@@ -119,6 +121,8 @@ class CompiledForward:
         # every earlier model's guards.
         shared = type(model).forward
         self._code = shared.__code__.replace()
+        # The copy's compiled graph and tracing state would outlive this engine (compile_release.py).
+        weakref.finalize(self, release_compiled_code, self._code).atexit = False
         own = types.FunctionType(self._code, shared.__globals__, shared.__name__,
                                  shared.__defaults__, shared.__closure__)
         own.__kwdefaults__ = shared.__kwdefaults__

@@ -300,3 +300,28 @@ def test_body_limit_in_anthropic_shape(fake_server):
     assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large"
     r = httpx.post(f"{srv.url}/v1/chat/completions", json=big, timeout=30)
     assert r.status_code == 413 and r.json()["error"]["type"] != "request_too_large"  # OpenAI's shape
+
+
+def test_claude_code_tool_conversation_through_the_sdk(demo_tokenizer):
+    """The same two-turn Bash conversation through the anthropic SDK's beta client (as Claude Code
+    sends it: ?beta=true, betas, streamed), every event parsed into the SDK's final message."""
+    reply = 'Running. <tool_call>{"name": "Bash", "arguments": {"command": "ls"}}</tool_call>'
+    srv = scripted_server(demo_tokenizer, reply)
+    bash = {"name": "Bash", "description": "Run a shell command",
+            "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}
+    messages: list = [{"role": "user", "content": [{"type": "text", "text": "List the files",
+                                                    "cache_control": {"type": "ephemeral"}}]}]
+    client = anthropic.Anthropic(base_url=srv.url, api_key="unused", max_retries=0, timeout=60)
+    try:
+        for turn in range(2):
+            with client.beta.messages.stream(model="demo", max_tokens=32000, tools=[bash], messages=messages,
+                                             system=[{"type": "text", "text": "You are a coding agent."}],
+                                             betas=["claude-code-20250219"]) as stream:
+                final = stream.get_final_message()
+            assert [b.type for b in final.content] == ["text", "tool_use"], turn
+            assert final.stop_reason == "tool_use" and final.content[1].input == {"command": "ls"}
+            messages += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in final.content]},
+                         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": final.content[1].id,
+                                                       "content": "a.txt\nb.txt", "is_error": False}]}]
+    finally:
+        srv.stop()
