@@ -6,9 +6,10 @@ down), written as PEFT folders. Runs, each with one warm-up call:
   mixed:   32 requests, 4 per adapter, in one batch, against the 32 on a base-only engine;
   decode:  batch-1 decode (one request) with one adapter against the base.
 Reported: output tokens/s of each and the ratios adapter / base (targets: >= 0.8 mixed,
->= 0.9 batch-1).
+>= 0.9 batch-1), medians over ``--rounds`` rounds that alternate base and adapters.
 
     python -m benchmarks.lora [--shape qwen2.5-0.5b] [--num-requests 32 --input-len 128 --output-len 64]
+                              [--rounds 3]
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import argparse
 import gc
 import json
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -104,6 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--model-dir", help="where to build the base (default: the bench cache)")
+    parser.add_argument("--rounds", type=int, default=3, help="base and adapter runs, alternated")
     add_engine_args(parser)
     parser.add_argument("--json", metavar="FILE", help="also write the results to this JSON file")
     args = parser.parse_args(argv)
@@ -121,18 +124,25 @@ def main(argv: list[str] | None = None) -> None:
     one = [rng.randrange(3, spec["vocab_size"]) for _ in range(args.input_len)]
     log(f"lora: {args.num_requests} requests x {args.input_len} in / {args.output_len} out over "
         f"{NUM_ADAPTERS} adapters of rank {args.rank}; base {args.shape}")
-    base_run = run(str(base), engine_args(args), prompts, one, args.output_len, None)
-    lora_run = run(str(base), engine_args(args, enable_lora=True, max_loras=NUM_ADAPTERS,
-                                          max_lora_rank=args.rank), prompts, one, args.output_len, loras)
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    lora_kwargs = engine_args(args, enable_lora=True, max_loras=NUM_ADAPTERS, max_lora_rank=args.rank)
+    rounds: dict[str, list[dict]] = {"base": [], "lora": []}
+    for i in range(args.rounds):
+        rounds["base"].append(run(str(base), engine_args(args), prompts, one, args.output_len, None))
+        rounds["lora"].append(run(str(base), lora_kwargs, prompts, one, args.output_len, loras))
+        log(f"round {i + 1}: base {rounds['base'][-1]}, lora {rounds['lora'][-1]}")
+    base_run, lora_run = ({key: statistics.median(r[key] for r in rounds[name]) for key in rounds[name][0]}
+                          for name in ("base", "lora"))
     mixed = lora_run["batch_tok_per_s"] / base_run["batch_tok_per_s"]
     decode = lora_run["decode_tok_per_s"] / base_run["decode_tok_per_s"]
     print(f"lora ({args.shape}, {NUM_ADAPTERS} adapters r{args.rank}): mixed {args.num_requests} req "
           f"{lora_run['batch_tok_per_s']:.1f} tok/s vs base {base_run['batch_tok_per_s']:.1f} "
           f"= {mixed:.2f}x | batch-1 decode {lora_run['decode_tok_per_s']:.1f} vs "
-          f"{base_run['decode_tok_per_s']:.1f} tok/s = {decode:.2f}x", flush=True)
+          f"{base_run['decode_tok_per_s']:.1f} tok/s = {decode:.2f}x (medians of {args.rounds} rounds)", flush=True)
     write_json(args.json, {"benchmark": "lora", "shape": args.shape, "rank": args.rank,
                            "num_requests": args.num_requests, "input_len": args.input_len,
-                           "output_len": args.output_len, "base": base_run, "lora": lora_run,
+                           "output_len": args.output_len, "rounds": rounds, "base": base_run, "lora": lora_run,
                            "mixed_ratio": mixed, "decode_ratio": decode})
 
 
