@@ -11,19 +11,29 @@ target's. Reported: tokens/s against the target alone, the acceptance rate, toke
 verification step t, drafts per step k, and at batch 1 the efficiency: the measured speed-up over
 the ideal t / (1 + k c), c the draft's batch-1 decode step over the target's (docs/speculative.md).
 
+``--llama-cpp`` adds llama.cpp's own speculative decoding on one GGUF pair (the target as an F32
+GGUF, its Q4_0 draft from llama-quantize: benchmarks/llama_cpp_speculative.py): batch-1 decode
+tok/s of each engine with the draft and alone, on those same two files, rounds interleaved.
+
     pagedllm bench speculative_draft [--shape qwen2.5-1.5b] [--batch-sizes 1 8 32] [--num-tokens 128]
+                                     [--pairs q4_0 small self eagle3] [--llama-cpp [--rounds 3]]
 """
 from __future__ import annotations
 
 import argparse
+import gc
+import os
 import random
+import statistics
 import time
 from pathlib import Path
 
+from benchmarks import llama_cpp_speculative as llama_cpp
 from benchmarks.common import CACHE_DIR, add_engine_args, build_random_model, engine_args, log, write_json
 
 _COMMON = dict(vocab_size=32000, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
                rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)
+PAIRS = ("q4_0", "small", "self", "eagle3")  # the drafts of the target, in report order
 SHAPES: dict[str, tuple[dict, dict]] = {  # (target, the smaller draft)
     "qwen2.5-1.5b": (dict(_COMMON, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                           num_attention_heads=12, num_key_value_heads=2),
@@ -96,45 +106,111 @@ def decode(model: str, batch: int, num_tokens: int, llm_kwargs: dict) -> dict:
     t0 = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - t0
-    after = llm.get_metrics()
+    return {"tok_per_s": batch * num_tokens / elapsed, "token_ids": [o.outputs[0].token_ids for o in outputs],
+            **_spec_counts(before, llm.get_metrics())}
+
+
+def _spec_counts(before: dict, after: dict) -> dict:
+    """Acceptance, tokens per verification step and drafts per step between two metric reads."""
     d = {k: after[f"pagedllm:spec_decode_num_{k}"] - before[f"pagedllm:spec_decode_num_{k}"]
          for k in ("drafts", "draft_tokens", "accepted_tokens")}
-    return {"tok_per_s": batch * num_tokens / elapsed, "token_ids": [o.outputs[0].token_ids for o in outputs],
-            "acceptance": d["accepted_tokens"] / max(d["draft_tokens"], 1),
+    return {"acceptance": d["accepted_tokens"] / max(d["draft_tokens"], 1),
             "tokens_per_step": 1 + d["accepted_tokens"] / max(d["drafts"], 1),
             "drafts_per_step": d["draft_tokens"] / max(d["drafts"], 1)}
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="pagedllm bench speculative_draft", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", default="qwen2.5-1.5b", choices=sorted(SHAPES))
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
-    parser.add_argument("--num-tokens", type=int, default=128)
-    parser.add_argument("--num-speculative-tokens", type=int, default=4)
-    parser.add_argument("--model-dir", default=str(CACHE_DIR), help="where the random models are built")
-    parser.add_argument("--json", metavar="FILE", help="also write the results to this JSON file")
-    add_engine_args(parser)
-    args = parser.parse_args(argv)
+# The llama.cpp comparison's prompt. llama-speculative-simple takes text only: llama-tokenize turns
+# it into ids with the GGUF file's vocabulary, and pagedllm is given those ids.
+PROMPT = "The quick brown fox jumps over the lazy dog while the early morning train leaves the station."
 
-    target_fields, draft_fields = SHAPES[args.shape]
-    root = Path(args.model_dir)
-    target = str(build_random_model("Qwen2", target_fields, root / f"bench-spec-{args.shape}", target_fields))
-    # Untied: a random head of its own predicts other tokens than the target (whose tied
-    # embeddings make a random model favour repeating its input).
-    draft_fields = {**draft_fields, "tie_word_embeddings": False}
-    small = str(build_random_model("Qwen2", draft_fields, root / f"bench-spec-{args.shape}-draft", draft_fields))
+
+def decode_steps(model: str, prompt_ids: list[int], num_tokens: int, llm_kwargs: dict) -> dict:
+    """One greedy request of ``num_tokens`` tokens on a fresh engine: the rate of its steps alone,
+    as llama.cpp reports it (the prompt's prefill, timed as a one-token request, taken off; no
+    prefix cache, so both requests prefill). The engine is freed before returning."""
+    from pagedllm import LLM, SamplingParams
+
+    llm = LLM(model, **{**llm_kwargs, "enable_prefix_caching": False})
+    prompt = {"prompt_token_ids": prompt_ids}
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (4, 1, num_tokens)]
+    llm.generate(prompt, params[0], use_tqdm=False)  # warm-up
+    t0 = time.perf_counter()
+    llm.generate(prompt, params[1], use_tqdm=False)
+    prefill_s = time.perf_counter() - t0
+    before = llm.get_metrics()
+    t0 = time.perf_counter()
+    output = llm.generate(prompt, params[2], use_tqdm=False)[0]
+    steps_s = max(time.perf_counter() - t0 - prefill_s, 1e-9)
+    result = {"tok_per_s": (num_tokens - 1) / steps_s, "token_ids": list(output.outputs[0].token_ids),
+              **_spec_counts(before, llm.get_metrics())}
+    del llm, output
+    gc.collect()  # a 1.5B F32 target is 6 GB: never two alive, nor one beside llama.cpp's
+    return result
+
+
+def versus_llama_cpp(target_folder: Path, args: argparse.Namespace) -> dict:
+    """pagedllm and llama.cpp on one GGUF pair at batch 1, each with the Q4_0 draft and alone:
+    ``args.rounds`` rounds, the engines interleaved in each, medians reported."""
+    import torch
+
+    torch.set_num_threads(args.threads)  # llama.cpp gets the same number (-t, OMP_NUM_THREADS)
+    target, draft = llama_cpp.gguf_pair(target_folder, args.threads)
+    ids = llama_cpp.prompt_ids(target, PROMPT)
     k = args.num_speculative_tokens
-    head = str(build_eagle3_head(target_fields, root / f"bench-spec-{args.shape}-eagle3"))
-    pairs = {"q4_0": {"model": target, "quantization": "q4_0"}, "small": {"model": small},
-             "self": {"model": target}, "eagle3": {"method": "eagle3", "model": head}}
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": k}
+    # The HF folder's tokenizer, the one the converter wrote into the file: transformers cannot
+    # rebuild it from the file (a BPE without byte-level pieces, filed under gpt2), and the
+    # prompt comes as ids anyway.
+    base = engine_args(args, max_num_seqs=1, tokenizer=str(target_folder))
+    runs: dict[str, list[dict]] = {"pagedllm_alone": [], "pagedllm_spec": [], "llama_cpp_alone": [],
+                                   "llama_cpp_spec": []}
+    for r in range(args.rounds):
+        runs["pagedllm_alone"].append(decode_steps(str(target), ids, args.num_tokens, base))
+        runs["pagedllm_spec"].append(decode_steps(str(target), ids, args.num_tokens,
+                                                  {**base, "speculative_config": spec}))
+        # llama-bench's context before its steps: the prompt, as in the runs with a draft
+        runs["llama_cpp_alone"].append({"tok_per_s": llama_cpp.target_alone(
+            target, args.num_tokens, len(ids), args.threads)})
+        runs["llama_cpp_spec"].append(llama_cpp.speculative(target, draft, PROMPT, args.num_tokens, k,
+                                                            args.threads))
+        log(f"round {r + 1}/{args.rounds}: " + ", ".join(
+            f"{name} {v[-1]['tok_per_s']:.1f}" for name, v in runs.items()) + " tok/s")
+    med = {name: {key: statistics.median(run[key] for run in v) for key in v[0] if key != "token_ids"}
+           for name, v in runs.items()}
+    agree = all(run["token_ids"] == runs["pagedllm_alone"][0]["token_ids"]
+                for run in runs["pagedllm_alone"] + runs["pagedllm_spec"])
+    return {"target": str(target), "draft": str(draft), "num_speculative_tokens": k,
+            "threads": args.threads, "rounds": args.rounds, "num_tokens": args.num_tokens,
+            "prompt": PROMPT, "prompt_token_ids": ids, "medians": med, "runs": runs,
+            "pagedllm_greedy_agree": agree,
+            "ratio_spec": med["pagedllm_spec"]["tok_per_s"] / med["llama_cpp_spec"]["tok_per_s"],
+            "ratio_alone": med["pagedllm_alone"]["tok_per_s"] / med["llama_cpp_alone"]["tok_per_s"]}
+
+
+def _llama_cpp_line(shape: str, c: dict) -> str:
+    m = c["medians"]
+
+    def engine(name: str) -> str:
+        spec, alone = m[f"{name}_spec"], m[f"{name}_alone"]
+        return (f"{name.replace('_', '.')} {spec['tok_per_s']:.1f} tok/s (acc {spec['acceptance']:.0%}, "
+                f"{spec['tok_per_s'] / alone['tok_per_s']:.2f}x its alone {alone['tok_per_s']:.1f})")
+
+    return (f"speculative_draft {shape} vs llama.cpp (F32 + Q4_0 GGUF, b1, k {c['num_speculative_tokens']}, "
+            f"{c['threads']} threads, median of {c['rounds']}): {engine('pagedllm')} | {engine('llama_cpp')} "
+            f"| pagedllm/llama.cpp {c['ratio_spec']:.2f}x with the draft, {c['ratio_alone']:.2f}x alone")
+
+
+def pair_table(target: str, pairs: dict[str, dict], args: argparse.Namespace) -> list[dict]:
+    """Each pair against the target alone, at each batch size, on pagedllm."""
+    k = args.num_speculative_tokens
     base = engine_args(args, max_num_seqs=max(args.batch_sizes))
     # c: a draft decode step over the target's, each alone at batch 1.
     alone = decode(target, 1, args.num_tokens, base)["tok_per_s"]
     cost = {name: alone / decode(p["model"], 1, args.num_tokens,
                                  {**base, "quantization": p.get("quantization")})["tok_per_s"]
             for name, p in pairs.items() if name != "eagle3"}
-    cost["eagle3"] = _weight_bytes(head) / _weight_bytes(target)  # a decode step reads every weight once
+    if "eagle3" in pairs:  # a decode step reads every weight once
+        cost["eagle3"] = _weight_bytes(pairs["eagle3"]["model"]) / _weight_bytes(target)
     results = []
     for batch in args.batch_sizes:
         plain = decode(target, batch, args.num_tokens, base)
@@ -152,10 +228,57 @@ def main(argv: list[str] | None = None) -> None:
             log(f"batch {batch} draft {name}: {run['tok_per_s']:.1f} vs {plain['tok_per_s']:.1f} tok/s "
                 f"({speedup:.2f}x), acceptance {run['acceptance']:.0%}, {run['tokens_per_step']:.2f} "
                 f"tokens/step, k {run['drafts_per_step']:.1f}, c {cost[name]:.2f}, greedy agree {agree}/{batch}")
-    print("speculative_draft " + args.shape + ": " + " | ".join(
-        f"b{r['batch']} {r['draft']} {r['speedup']:.2f}x (acc {r['acceptance']:.0%}"
-        + (f", eff {r['speedup'] / r['ideal']:.0%}" if r["batch"] == 1 else "") + ")" for r in results), flush=True)
-    write_json(args.json, {"benchmark": "speculative_draft", "shape": args.shape, "results": results})
+    return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="pagedllm bench speculative_draft", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="qwen2.5-1.5b", choices=sorted(SHAPES))
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--num-tokens", type=int, default=128)
+    parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--pairs", nargs="*", default=list(PAIRS), choices=PAIRS,
+                        help="the drafts measured on pagedllm (none: only the llama.cpp comparison)")
+    parser.add_argument("--llama-cpp", action="store_true",
+                        help=f"also llama.cpp's speculative decoding on a GGUF pair (once: {llama_cpp.SETUP})")
+    parser.add_argument("--rounds", type=int, default=3, help="--llama-cpp: interleaved rounds, medians")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                        help="--llama-cpp: the threads of both engines")
+    parser.add_argument("--model-dir", default=str(CACHE_DIR), help="where the random models are built")
+    parser.add_argument("--json", metavar="FILE", help="also write the results to this JSON file")
+    add_engine_args(parser)
+    args = parser.parse_args(argv)
+    if args.llama_cpp and llama_cpp.tools_missing():
+        raise SystemExit(f"--llama-cpp: {llama_cpp.tools_missing()}")
+
+    target_fields, draft_fields = SHAPES[args.shape]
+    root = Path(args.model_dir)
+    target_folder = build_random_model("Qwen2", target_fields, root / f"bench-spec-{args.shape}", target_fields)
+    target = str(target_folder)
+    pairs: dict[str, dict] = {}
+    if "small" in args.pairs:
+        # Untied: a random head of its own predicts other tokens than the target (whose tied
+        # embeddings make a random model favour repeating its input).
+        fields = {**draft_fields, "tie_word_embeddings": False}
+        pairs["small"] = {"model": str(build_random_model("Qwen2", fields, root / f"bench-spec-{args.shape}-draft",
+                                                          fields))}
+    if "eagle3" in args.pairs:
+        pairs["eagle3"] = {"method": "eagle3",
+                           "model": str(build_eagle3_head(target_fields, root / f"bench-spec-{args.shape}-eagle3"))}
+    pairs.update({"q4_0": {"model": target, "quantization": "q4_0"}, "self": {"model": target}})
+    pairs = {name: pairs[name] for name in PAIRS if name in args.pairs}
+    result: dict = {"benchmark": "speculative_draft", "shape": args.shape, "results": []}
+    if pairs:
+        results = result["results"] = pair_table(target, pairs, args)
+        print("speculative_draft " + args.shape + ": " + " | ".join(
+            f"b{r['batch']} {r['draft']} {r['speedup']:.2f}x (acc {r['acceptance']:.0%}"
+            + (f", eff {r['speedup'] / r['ideal']:.0%}" if r["batch"] == 1 else "") + ")" for r in results),
+            flush=True)
+    if args.llama_cpp:
+        result["llama_cpp"] = versus_llama_cpp(target_folder, args)
+        print(_llama_cpp_line(args.shape, result["llama_cpp"]), flush=True)
+    write_json(args.json, result)
 
 
 if __name__ == "__main__":
