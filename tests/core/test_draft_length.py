@@ -13,16 +13,32 @@ def test_a_request_that_accepts_everything_drafts_the_maximum():
     assert lengths.num_tokens("a") == 5
 
 
-def test_a_request_that_rejects_everything_keeps_one_draft_to_measure():
+def test_a_request_that_rejects_everything_pauses_and_probes_with_one_draft():
     lengths = DraftLength(max_num_tokens=5)
     for _ in range(6):
-        lengths.observe("r", lengths.num_tokens("r"), 0)
-    assert lengths.acceptance_rate("r") < 0.2
-    assert lengths.num_tokens("r") == 1
-    for _ in range(8):  # the draft starts to agree: the request drafts more again
         k = lengths.num_tokens("r")
-        lengths.observe("r", k, k)
+        if k:
+            lengths.observe("r", k, 0)
+    assert lengths.acceptance_rate("r") < 0.25
+    ks = [lengths.num_tokens("r") for _ in range(3 * 8)]
+    probes = [i for i, k in enumerate(ks) if k]
+    assert set(ks) == {0, 1} and len(probes) == 3 and probes[1] - probes[0] == probes[2] - probes[1] == 8
+    for _ in range(8 * 8):  # the draft starts to agree: the probes see it, the request drafts more again
+        k = lengths.num_tokens("r")
+        if k:
+            lengths.observe("r", k, k)
     assert lengths.num_tokens("r") == 5
+
+
+def test_a_paused_request_is_forgotten_when_gone():
+    lengths = DraftLength(max_num_tokens=2)
+    for _ in range(3):
+        lengths.observe("r", 2, 0)
+    assert lengths.num_tokens("r") == 0
+    for i in range(100):
+        lengths.observe(f"gone{i}", 2, 1)
+    lengths.retain(set())
+    assert lengths.num_tokens("r") == 2  # the prior again, not paused
 
 
 def test_requests_are_measured_apart_and_forgotten_when_gone():
