@@ -4,11 +4,10 @@ A draft at position j is accepted only if drafts 1..j-1 were, so with a per-toke
 rate a it yields a**j tokens on average, while every position costs a draft forward and a row
 of verification. A request keeps the positions that still pay: the largest k <= the maximum
 with a**k >= ``min_gain``. When not even one position pays, the request pauses: it drafts nothing
-and probes with one draft every ``_PROBE_EVERY`` steps, so the estimate keeps being measured at a
-small cost (a draft that never agrees then costs the target about 1/_PROBE_EVERY of a draft step
-and a verification row, where drafting one token every step cost 0.80x on the 1.5B benchmark
-pair, docs/speculative.md). The rate is estimated per request from its verifications (accepted
-drafts against rejections, older steps decaying), starting from a neutral prior. Plain Python.
+and probes with one draft every ``_PROBE_EVERY`` steps, so the estimate keeps being measured
+cheaply (a draft every step cost a rejecting pair a quarter of its speed: docs/speculative.md).
+The rate is estimated per request from its verifications (accepted drafts against rejections,
+older steps decaying), starting from a neutral prior. Plain Python.
 """
 from __future__ import annotations
 
