@@ -121,6 +121,18 @@ class ServedPeer:
             self.proc.wait()
 
 
+
+def time_decode_steps(generate, max_tokens: int):
+    """(prefill_s, decode_s, output) of one batch-1 request: ``generate(1)`` times the prompt's
+    prefill, then ``generate(max_tokens)`` the same prefill and the steps; the difference is the
+    steps alone, as llama.cpp counts its decode rate."""
+    start = time.perf_counter()
+    generate(1)
+    prefill_s = time.perf_counter() - start
+    start = time.perf_counter()
+    output = generate(max_tokens)
+    return prefill_s, max(time.perf_counter() - start - prefill_s, 1e-9), output
+
 def log(msg: str) -> None:
     """Progress goes to stderr, so stdout carries only the result line."""
     print(msg, file=sys.stderr, flush=True)

@@ -47,6 +47,7 @@ from benchmarks.common import (
     make_workload,
     reset_peak_rss,
     rss_bytes,
+    time_decode_steps,
     write_json,
 )
 from benchmarks.llama_cpp_convert import convert_to_gguf, converter_missing
@@ -237,14 +238,8 @@ class PagedLLM:
         return [list(o.outputs[0].token_ids) for o in outs]
 
     def run_decode(self, prompt: list[int], max_tokens: int) -> dict:
-        start = time.perf_counter()
-        self._generate([prompt], [1])
-        prefill_s = time.perf_counter() - start
-        start = time.perf_counter()
-        ids = self._generate([prompt], [max_tokens])[0]
-        # The same prefill again, then the steps: the difference is the steps alone.
-        return {"prefill_s": prefill_s, "decode_s": time.perf_counter() - start - prefill_s,
-                "token_ids": ids}
+        prefill_s, decode_s, ids = time_decode_steps(lambda n: self._generate([prompt], [n])[0], max_tokens)
+        return {"prefill_s": prefill_s, "decode_s": decode_s, "token_ids": ids}
 
     def run_batch(self, prompts: list[list[int]], max_tokens: list[int]) -> dict:
         start = time.perf_counter()

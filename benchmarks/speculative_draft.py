@@ -29,7 +29,15 @@ import time
 from pathlib import Path
 
 from benchmarks import llama_cpp_speculative as llama_cpp
-from benchmarks.common import CACHE_DIR, add_engine_args, build_random_model, engine_args, log, write_json
+from benchmarks.common import (
+    CACHE_DIR,
+    add_engine_args,
+    build_random_model,
+    engine_args,
+    log,
+    time_decode_steps,
+    write_json,
+)
 
 _COMMON = dict(vocab_size=32000, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
                rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)
@@ -132,18 +140,17 @@ def decode_steps(model: str, prompt_ids: list[int], num_tokens: int, llm_kwargs:
 
     llm = LLM(model, **{**llm_kwargs, "enable_prefix_caching": False})
     prompt = {"prompt_token_ids": prompt_ids}
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (4, 1, num_tokens)]
-    llm.generate(prompt, params[0], use_tqdm=False)  # warm-up
-    t0 = time.perf_counter()
-    llm.generate(prompt, params[1], use_tqdm=False)
-    prefill_s = time.perf_counter() - t0
-    before = llm.get_metrics()
-    t0 = time.perf_counter()
-    output = llm.generate(prompt, params[2], use_tqdm=False)[0]
-    steps_s = max(time.perf_counter() - t0 - prefill_s, 1e-9)
+
+    def generate(max_tokens: int):
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        return llm.generate(prompt, params, use_tqdm=False)[0]
+
+    generate(4)  # warm-up
+    before = llm.get_metrics()  # the one-token request verifies no draft
+    _, steps_s, output = time_decode_steps(generate, num_tokens)
     result = {"tok_per_s": (num_tokens - 1) / steps_s, "token_ids": list(output.outputs[0].token_ids),
               **_spec_counts(before, llm.get_metrics())}
-    del llm, output
+    llm = output = None  # the closure holds the cell, not the engine
     gc.collect()  # a 1.5B F32 target is 6 GB: never two alive, nor one beside llama.cpp's
     return result
 

@@ -47,8 +47,8 @@ class DraftLength:
             self._paused.pop(request_id, None)
             return min(self.max_num_tokens, k)
         waited = self._paused.get(request_id, 0) + 1
-        self._paused[request_id] = 0 if waited >= _PROBE_EVERY else waited
-        return 1 if waited >= _PROBE_EVERY else 0
+        self._paused[request_id] = waited % _PROBE_EVERY  # back to 0 on the probing step
+        return int(waited >= _PROBE_EVERY)
 
     def retain(self, request_ids: Collection[str]) -> None:
         """Forget requests that ended (finished, aborted) once they outnumber the live ones."""
