@@ -1,10 +1,11 @@
-"""Embeddings: pagedllm's pooling runner against sentence-transformers on one random BERT model.
+"""Embeddings: pagedllm's pooling runner against sentence-transformers on one random model.
 
-A random BERT (``--shape bert-base``: 110M, the bge-base / e5-base shape; ``tiny`` for smoke
-runs) saved with sentence-transformers (CLS pooling, Normalize) into ``--folder``, a WordPiece
-vocabulary of made-up words, and ``--num-texts`` texts of ``--min-len``..``--max-len`` tokens
-(random.Random(0)). Both run in this process, float32, the same torch threads, in interleaved
-rounds (one warm-up each):
+A random model saved with sentence-transformers into ``--folder``: ``--shape bert-base`` (110M,
+the bge-base / e5-base shape; CLS pooling, a WordPiece vocabulary of made-up words) or
+``qwen3-0.6b`` (Qwen3-Embedding-0.6B's shape: a Qwen3 decoder, last-token pooling over the end of
+text its word-level tokenizer appends); ``tiny`` and ``qwen3-tiny`` for smoke runs; Normalize
+after each. ``--num-texts`` texts of ``--min-len``..``--max-len`` tokens (random.Random(0)). Both
+run in this process, float32, the same torch threads, in interleaved rounds (one warm-up each):
 
 * bulk indexing: every text at once, texts/s (sentence-transformers: ``encode``, batch 32);
 * single queries: ``--num-queries`` short texts one at a time, p50/p99 latency.
@@ -12,12 +13,12 @@ rounds (one warm-up each):
 Peers in their own venvs (benchmarks/embed_peer.py, the same threads, timed inside the peer):
 ``--llama-cpp``: llama.cpp's embeddings (llama-cpp-python) on the same model as an F32 GGUF file
 written by llama.cpp's own converter; ``--vllm``: vLLM CPU's pooling runner on the same folder.
-After the rounds every peer embeds the first texts once more, and the largest difference from
-pagedllm's vectors is reported (``max_abs_diff``, ``min_cosine``).
+After the rounds sentence-transformers and every peer embed the first texts once more, and the
+largest difference from pagedllm's vectors is reported (``max_abs_diff``, ``min_cosine``).
 
 Prints one line with the ratios (pagedllm's figure over the peer's); ``--json`` writes the figures.
 
-    python -m benchmarks.embed [--shape bert-base --num-texts 1000 --rounds 3] [--llama-cpp] [--vllm]
+    python -m benchmarks.embed [--shape bert-base|qwen3-0.6b --num-texts 1000 --rounds 3] [--llama-cpp] [--vllm]
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import json
 import math
 import os
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -44,36 +46,81 @@ SHAPES = {
     # heads of 32: the smallest head vLLM's CPU attention runs
     "tiny": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 128,
              "vocab_size": 1000},
+    # Qwen3-Embedding-0.6B's shape (its positions cut to what the texts need: vLLM sizes its KV
+    # cache by them)
+    "qwen3-0.6b": {"hidden_size": 1024, "num_hidden_layers": 28, "num_attention_heads": 16,
+                   "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 3072, "vocab_size": 151936,
+                   "max_position_embeddings": 2048, "rope_theta": 1e6, "rms_norm_eps": 1e-6},
+    "qwen3-tiny": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+                   "head_dim": 32, "intermediate_size": 128, "vocab_size": 1000, "max_position_embeddings": 1024},
 }
+BERT_SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+EOS = "<|endoftext|>"  # Qwen3-Embedding's tokenizer appends it: the last token it pools
+
+
+def is_decoder(shape: str) -> bool:
+    return shape.startswith("qwen3")
+
+
+def special_tokens(shape: str) -> int:
+    """The tokens the tokenizer adds to a text: [CLS] and [SEP], or the decoder's end of text."""
+    return 1 if is_decoder(shape) else 2
 
 
 def build_embedder(shape: str, folder: Path) -> Path:
-    """A random sentence-transformers BERT embedder (built once per folder)."""
+    """A random sentence-transformers embedder (built once per folder): BERT with CLS pooling, or
+    a Qwen3 decoder with last-token pooling (Qwen3-Embedding's modules); Normalize after both."""
     out = folder / f"st-{shape}"
     if (out / "modules.json").is_file():
         return out
     import torch
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
-    from transformers import BertConfig, BertModel, BertTokenizerFast
 
-    spec = SHAPES[shape]
     hf = folder / f"hf-{shape}"
     hf.mkdir(parents=True, exist_ok=True)
-    words = [f"w{i}" for i in range(spec["vocab_size"] - 5)]
-    (hf / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]))
     torch.manual_seed(0)
-    BertModel(BertConfig(max_position_embeddings=512, **spec)).save_pretrained(hf)
-    BertTokenizerFast(str(hf / "vocab.txt")).save_pretrained(hf)
-    hidden = spec["hidden_size"]
-    SentenceTransformer(modules=[Transformer(str(hf)), Pooling(hidden, "cls"), Normalize()]).save(str(out))
+    (_save_qwen3 if is_decoder(shape) else _save_bert)(SHAPES[shape], hf)
+    pooling = "lasttoken" if is_decoder(shape) else "cls"
+    st = SentenceTransformer(modules=[Transformer(str(hf)), Pooling(SHAPES[shape]["hidden_size"], pooling),
+                                      Normalize()])
+    st.save(str(out))
+    if is_decoder(shape):  # as Qwen3-Embedding ships: the causal LM's config and names, no LM head
+        for name in ("config.json", "model.safetensors"):
+            shutil.copyfile(hf / name, out / name)
     return out
 
 
-def make_texts(n: int, min_len: int, max_len: int, vocab_size: int, seed: int) -> list[str]:
-    """Texts of min_len..max_len tokens ([CLS] and [SEP] included): one vocabulary word each."""
+def _save_bert(spec: dict, hf: Path) -> None:
+    from transformers import BertConfig, BertModel, BertTokenizerFast
+
+    words = [f"w{i}" for i in range(spec["vocab_size"] - len(BERT_SPECIAL))]
+    (hf / "vocab.txt").write_text("\n".join([*BERT_SPECIAL, *words]))
+    BertModel(BertConfig(max_position_embeddings=512, **spec)).save_pretrained(hf)
+    BertTokenizerFast(str(hf / "vocab.txt")).save_pretrained(hf)
+
+
+def _save_qwen3(spec: dict, hf: Path) -> None:
+    """A Qwen3 causal LM (tied embeddings) and a word-level tokenizer of made-up words that
+    appends the end of text, as Qwen3-Embedding's does."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+    vocab = {EOS: 0, **{f"w{i}": i + 1 for i in range(spec["vocab_size"] - 1)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=EOS))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.post_processor = processors.TemplateProcessing(single=f"$A {EOS}", special_tokens=[(EOS, 0)])
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS, unk_token=EOS).save_pretrained(hf)
+    config = Qwen3Config(tie_word_embeddings=True, bos_token_id=0, eos_token_id=0, pad_token_id=0, **spec)
+    Qwen3ForCausalLM(config).save_pretrained(hf)
+
+
+def make_texts(n: int, min_len: int, max_len: int, vocab_size: int, seed: int, specials: int) -> list[str]:
+    """Texts of min_len..max_len tokens (the tokenizer's ``specials`` included): one made-up word
+    each, the words of every vocabulary (w0 up)."""
     rng = random.Random(seed)
-    return [" ".join(f"w{rng.randrange(vocab_size - 5)}" for _ in range(rng.randint(min_len, max_len) - 2))
+    words = vocab_size - len(BERT_SPECIAL)
+    return [" ".join(f"w{rng.randrange(words)}" for _ in range(rng.randint(min_len, max_len) - specials))
             for _ in range(n)]
 
 
@@ -171,8 +218,9 @@ def main(argv: list[str] | None = None) -> None:
     folder = Path(args.folder or tempfile.mkdtemp(prefix="pagedllm-embed-"))
     model = build_embedder(args.shape, folder)
     vocab = SHAPES[args.shape]["vocab_size"]
-    texts = make_texts(args.num_texts, args.min_len, args.max_len, vocab, seed=0)
-    queries = make_texts(args.num_queries, args.query_len, args.query_len, vocab, seed=1)
+    specials = special_tokens(args.shape)
+    texts = make_texts(args.num_texts, args.min_len, args.max_len, vocab, seed=0, specials=specials)
+    queries = make_texts(args.num_queries, args.query_len, args.query_len, vocab, seed=1, specials=specials)
     log(f"embed: {args.num_texts} texts of {args.min_len}-{args.max_len} tokens, {args.num_queries} queries of "
         f"{args.query_len}; random {args.shape} at {model}")
     import torch
@@ -215,6 +263,7 @@ def _rounds(args, llm, st, remote: dict, texts: list[str], queries: list[str]) -
     p = result["pagedllm"]
     result["bulk_ratio"] = p["texts_per_s"] / result["sentence_transformers"]["texts_per_s"]
     ours = [o.outputs.embedding for o in llm.embed(texts[:NUM_COMPARED])]
+    result["sentence_transformers"].update(agreement(ours, st.encode(texts[:NUM_COMPARED]).tolist()))
     for name, peer in remote.items():
         result[name]["bulk_ratio"] = p["texts_per_s"] / result[name]["texts_per_s"]
         result[name]["p50_ratio"] = p["query_p50_ms"] / result[name]["query_p50_ms"]

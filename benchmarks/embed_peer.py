@@ -4,7 +4,8 @@ its own venv (benchmarks/setup_llama_cpp.sh, benchmarks/setup_vllm_cpu.sh), not 
 ``--engine llama_cpp --model F.gguf``: llama-cpp-python's ``Llama(embedding=True).embed`` on the
 GGUF file (llama.cpp tokenizes; normalized vectors; the file's pooling), sequences packed into
 batches of ``--max-batched-tokens`` tokens. ``--engine vllm --model FOLDER``: vLLM's pooling
-runner, ``LLM(runner="pooling").embed``, on the sentence-transformers folder.
+runner, ``LLM(runner="pooling").embed``, on the sentence-transformers folder, given the token ids
+of the folder's tokenizer (tokenized inside the timing).
 
 The --serve protocol (benchmarks/common.py ServedPeer): one JSON line ``{"ready": true,
 "version", "load_s"}``, then one JSON line per request line, timed in here (no pipe in the timing):
@@ -39,7 +40,16 @@ def vllm_embedder(model: str, threads: int, max_batched_tokens: int, eager: bool
 
     llm = vllm.LLM(model=model, runner="pooling", dtype="float32", seed=0, enforce_eager=eager,
                    max_num_batched_tokens=max_batched_tokens)
-    return (lambda texts: [o.outputs.embedding for o in llm.embed(texts, use_tqdm=False)]), vllm.__version__
+    tokenizer = llm.get_tokenizer()
+
+    # vLLM bounds a text prompt by characters (the longest vocabulary entry per token) before it
+    # tokenizes, which refuses texts the model takes; the model's own tokenizer, timed here, gives
+    # it the token ids every other engine sees
+    def embed(texts: list[str]) -> list:
+        prompts = [{"prompt_token_ids": ids} for ids in tokenizer(texts)["input_ids"]]
+        return [o.outputs.embedding for o in llm.embed(prompts, use_tqdm=False)]
+
+    return embed, vllm.__version__
 
 
 def answer(embed: Callable, job: dict) -> dict:

@@ -335,16 +335,21 @@ def test_gguf_without_llama_cpp_measures_pagedllm_alone(tmp_path, capsys, monkey
         bench.main(["--shape", "tiny", "--type", "Q4_K_M", "--read-bandwidth", "1e10"])
 
 
-def test_embed(tmp_path, capsys):
+@pytest.mark.parametrize("shape", ["tiny", "qwen3-tiny"])
+def test_embed(tmp_path, capsys, shape):
+    """Both shapes (CLS pooling of BERT, last-token pooling of a Qwen3 decoder) give
+    sentence-transformers' vectors on its own folder."""
     from benchmarks import embed
 
     out = tmp_path / "e.json"
-    embed.main(["--shape", "tiny", "--folder", str(tmp_path), "--num-texts", "6", "--min-len", "8",
+    embed.main(["--shape", shape, "--folder", str(tmp_path), "--num-texts", "6", "--min-len", "8",
                 "--max-len", "40", "--num-queries", "3", "--rounds", "1", "--json", str(out)])
-    _one_line(capsys, "embed (tiny")
+    _one_line(capsys, f"embed ({shape}")
     r = json.loads(out.read_text())
     assert r["pagedllm"]["texts_per_s"] > 0 and r["sentence_transformers"]["query_p50_ms"] > 0
     assert r["bulk_ratio"] == r["pagedllm"]["texts_per_s"] / r["sentence_transformers"]["texts_per_s"]
+    st = r["sentence_transformers"]
+    assert st["max_abs_diff"] <= 1e-4 and st["min_cosine"] >= 0.99999, st
 
 
 def _embed_peer_line(tmp_path, capsys, flags: list[str], name: str) -> None:
