@@ -174,7 +174,8 @@ class XLMRobertaModel(BertModel):
 
     @classmethod
     def position_offset_for(cls, config: dict) -> int:
-        return config.get("pad_token_id", 1) + 1
+        # position_offset: a table already cut to the positions read (llama.cpp's GGUF)
+        return config.get("position_offset", config.get("pad_token_id", 1) + 1)
 
 
 class XLMRobertaClassificationHead(nn.Module):

@@ -352,15 +352,15 @@ def test_embed(tmp_path, capsys, shape):
     assert st["max_abs_diff"] <= 1e-4 and st["min_cosine"] >= 0.99999, st
 
 
-def _embed_peer_line(tmp_path, capsys, flags: list[str], name: str) -> None:
+def _embed_peer_line(tmp_path, capsys, flags: list[str], name: str, shape: str = "tiny") -> None:
     """The peer's printed figures parse, its ratios are pagedllm's figures over its own, and its
     vectors are pagedllm's (both float32 on the same weights, normalized)."""
     from benchmarks import embed
 
     out = tmp_path / "e.json"
-    embed.main(["--shape", "tiny", "--folder", str(tmp_path), "--num-texts", "6", "--min-len", "8",
+    embed.main(["--shape", shape, "--folder", str(tmp_path), "--num-texts", "6", "--min-len", "8",
                 "--max-len", "40", "--num-queries", "3", "--rounds", "1", "--json", str(out), *flags])
-    line = _one_line(capsys, "embed (tiny")
+    line = _one_line(capsys, f"embed ({shape}")
     m = re.search(rf"pagedllm ([\d.]+) texts/s .* single query p50 ([\d.]+) ms .* \| {re.escape(name)} ([\d.]+) "
                   rf"texts/s \(([\d.]+)x\), p50 ([\d.]+) ms \(pagedllm/{re.escape(name)} ([\d.]+)\)", line)
     assert m, line
@@ -383,9 +383,10 @@ def test_embed_llama_cpp_peer(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_embed_vllm_peer(tmp_path, capsys):
+@pytest.mark.parametrize("shape", ["tiny", "qwen3-tiny"])
+def test_embed_vllm_peer(tmp_path, capsys, shape):
     from benchmarks.common import DEFAULT_VLLM_PYTHON
 
     if not DEFAULT_VLLM_PYTHON.is_file():
         pytest.skip(f"no vLLM venv at {DEFAULT_VLLM_PYTHON}: run benchmarks/setup_vllm_cpu.sh")
-    _embed_peer_line(tmp_path, capsys, ["--vllm", "--vllm-eager"], "vllm")
+    _embed_peer_line(tmp_path, capsys, ["--vllm", "--vllm-eager"], "vllm", shape)

@@ -131,12 +131,17 @@ def test_rank_pooling_is_refused_by_name(tmp_path, stories):
         LLM(str(_with_pooling_type(stories, tmp_path / "rank.gguf", 4)))
 
 
-def test_cross_encoder_gguf_is_refused_by_name(tmp_path):
+def test_bert_cross_encoder_gguf_is_refused_by_name(tmp_path):
+    """llama.cpp's converter keeps a BERT cross-encoder's classifier but drops the pooler it reads
+    (XLM-R's head is whole: test_gguf_xlm_roberta.py)."""
+    from pagedllm.checkpoint.gguf.reader import open_gguf
     from pagedllm.errors import UnsupportedModelError
     from tests.pooling.test_cross_encoder import _save
 
     path = convert(_save(tmp_path, "bert", num_labels=1), tmp_path / "ce.gguf")
-    with pytest.raises(UnsupportedModelError, match="classification head"):
+    tensors = open_gguf(path).tensors
+    assert "cls.output.weight" in tensors and not any("pooler" in n or n.startswith("cls.weight") for n in tensors)
+    with pytest.raises(UnsupportedModelError, match="BERT cross-encoder without the pooler"):
         LLM(str(path))
 
 

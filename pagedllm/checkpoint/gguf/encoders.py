@@ -5,6 +5,10 @@ tensor names as that model's checkpoint names.
 What the file does not say is llama.cpp's own choice: BERT's GELU (the exact one, as
 transformers' ``gelu``), NomicBERT's SwiGLU with rotary over the whole head and no biases
 (its converter refuses any other NomicBERT), and no position table for NomicBERT.
+
+An XLM-RoBERTa file is a ``bert`` file with a Unigram tokenizer (``tokenizer.ggml.model`` t5):
+its position table lost the ``pad_token_id + 1`` rows XLM-R never reads, so positions count
+from 0; with RoBERTa's classification head (``cls``, ``cls.output``) it is a cross-encoder.
 """
 from __future__ import annotations
 
@@ -41,19 +45,34 @@ _NOMIC_LAYER = {
 }
 _NAMES = {"bert": (_BERT_GLOBAL, _BERT_LAYER, "encoder.layer"),
           "nomic-bert": (_NOMIC_GLOBAL, _NOMIC_LAYER, "encoder.layers")}
+# RoBERTa's classification head (dense, tanh, projection), outside the encoder's prefix
+_ROBERTA_HEAD = {"cls.weight": "classifier.dense.weight", "cls.bias": "classifier.dense.bias",
+                 "cls.output.weight": "classifier.out_proj.weight", "cls.output.bias": "classifier.out_proj.bias"}
 ENCODER_ARCHITECTURES = frozenset(_NAMES)
 _BLOCK = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
 
-def encoder_hf_name(gguf_name: str, architecture: str) -> str | None:
-    """The checkpoint name of an encoder's tensor, None for one pagedllm does not load."""
+def encoder_hf_name(gguf_name: str, architecture: str, model_prefix: str = "") -> str | None:
+    """The checkpoint name of an encoder's tensor, None for one pagedllm does not load;
+    ``model_prefix`` is a classifier's encoder module (``roberta.``)."""
     global_names, layer_names, prefix = _NAMES[architecture]
+    if model_prefix and gguf_name in _ROBERTA_HEAD:
+        return _ROBERTA_HEAD[gguf_name]
     if gguf_name in global_names:
-        return global_names[gguf_name]
+        return model_prefix + global_names[gguf_name]
     match = _BLOCK.match(gguf_name)
     if match is None or match[2] not in layer_names:
         return None
-    return f"{prefix}.{match[1]}.{layer_names[match[2]]}.{match[3]}"
+    return f"{model_prefix}{prefix}.{match[1]}.{layer_names[match[2]]}.{match[3]}"
+
+
+def is_xlm_roberta(ckpt: GGUFCheckpoint) -> bool:
+    return ckpt.architecture == "bert" and ckpt.get("tokenizer.ggml.model") == "t5"
+
+
+def encoder_model_prefix(config: dict) -> str:
+    """Where a classifier keeps its encoder: the checkpoint names' prefix."""
+    return "roberta." if config.get("architectures") == ["XLMRobertaForSequenceClassification"] else ""
 
 
 def encoder_config(ckpt: GGUFCheckpoint, key: Key) -> dict:
@@ -70,6 +89,14 @@ def encoder_config(ckpt: GGUFCheckpoint, key: Key) -> dict:
     layers, inner = int(key("block_count", required=True)), int(key("feed_forward_length", required=True))
     eps = float(key("attention.layer_norm_epsilon", 1e-12))
     context = int(key("context_length", 512))
+    if is_xlm_roberta(ckpt):
+        labels = ckpt.get("bert.classifier.output_labels")
+        head = "cls.output.weight" in ckpt.tensors
+        return {"architectures": ["XLMRobertaForSequenceClassification" if head else "XLMRobertaModel"],
+                "model_type": "xlm-roberta", "hidden_size": hidden, "num_attention_heads": heads,
+                "num_hidden_layers": layers, "intermediate_size": inner, "max_position_embeddings": context,
+                "position_offset": 0, "layer_norm_eps": eps, "hidden_act": "gelu",
+                **({"id2label": dict(enumerate(map(str, labels)))} if head and labels else {}), **shared}
     if ckpt.architecture == "bert":
         return {"architectures": ["BertModel"], "model_type": "bert", "hidden_size": hidden,
                 "num_attention_heads": heads, "num_hidden_layers": layers, "intermediate_size": inner,

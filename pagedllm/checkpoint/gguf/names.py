@@ -69,12 +69,13 @@ CONFIG_TENSORS = frozenset({"rope_freqs.weight", "rope_factors_long.weight",
 EXPERT_PROJECTIONS = {"gate_proj": 0, "up_proj": 1, "down_proj": 2}
 
 
-def hf_name(gguf_name: str, architecture: str) -> str | None:
+def hf_name(gguf_name: str, architecture: str, model_prefix: str = "") -> str | None:
     """The HF checkpoint name of a llama.cpp tensor, None for one pagedllm does not know. A
     stacked-experts tensor gets the name ``model.layers.L.mlp.experts.<gate|up|down>_proj.weight``
-    (the loader splits it per expert: ``expert_names``)."""
+    (the loader splits it per expert: ``expert_names``); ``model_prefix``: an encoder
+    classifier's (encoders.encoder_model_prefix)."""
     if architecture in ENCODER_ARCHITECTURES:
-        return encoder_hf_name(gguf_name, architecture)
+        return encoder_hf_name(gguf_name, architecture, model_prefix)
     if gguf_name in _GLOBAL:
         return _GLOBAL[gguf_name]
     match = _BLOCK.match(gguf_name)

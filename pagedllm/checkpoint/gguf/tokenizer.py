@@ -25,6 +25,10 @@ def load_gguf_tokenizer(path: str | Path) -> Any:
         from pagedllm.checkpoint.gguf.wordpiece import wordpiece_tokenizer
 
         return wordpiece_tokenizer(ckpt)
+    if ckpt.get("tokenizer.ggml.model") == "t5" and ckpt.architecture == "bert":  # XLM-R's Unigram
+        from pagedllm.checkpoint.gguf.unigram import unigram_tokenizer
+
+        return unigram_tokenizer(ckpt)
     from transformers import AutoTokenizer  # heavy import, kept off the engine's import path
 
     tokenizer = AutoTokenizer.from_pretrained(str(first.parent), gguf_file=first.name)

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from pagedllm.checkpoint.gguf.encoders import encoder_model_prefix
 from pagedllm.checkpoint.gguf.names import (
     CONFIG_TENSORS,
     expert_names,
@@ -56,7 +57,7 @@ class GGUFWeights:
         keep = keeps_checkpoint_blocks(model, self.device, only_form=False)
         if keep:
             quantized = {name for t in ckpt.tensors.values() if t.type_id not in FLOAT_TYPES
-                         for name in _hf_names(model, t, ckpt.architecture)}
+                         for name in _hf_names(model, t, ckpt.architecture, encoder_model_prefix(self.config))}
             return plan_quantized_layers(model, expected, quantized, keep)
         if any(t.type_id not in FLOAT_TYPES for t in ckpt.tensors.values()):
             logger.warning("%s: quantized weights dequantized to %s (the quantized kernels run on "
@@ -73,13 +74,13 @@ def stream_gguf(model: nn.Module, ckpt: GGUFCheckpoint, config: dict,
                 plan: dict[str, list[Part]], expected: dict) -> None:
     quantized = QuantizedParts(model)
     unexpected: list[str] = []
-    arch = ckpt.architecture
+    arch, prefix = ckpt.architecture, encoder_model_prefix(config)
     # Float tensors first (norms, biases: the quantized layers' kernel check adds the bias),
     # then the block types, each quantized layer built as soon as its parts are read.
     for tensor in sorted(ckpt.tensors.values(), key=lambda t: t.type_id not in FLOAT_TYPES):
         if tensor.name in CONFIG_TENSORS:
             continue
-        name = hf_name(tensor.name, arch)
+        name = hf_name(tensor.name, arch, prefix)
         if name is not None and is_expert_stack(tensor.name):
             pieces = _experts(model, tensor, name, _read(tensor, arch, config))
         elif name in expected or name in plan:
@@ -136,9 +137,9 @@ def _read(tensor: GGUFTensor, architecture: str, config: dict) -> GroupQuant | n
     return value
 
 
-def _hf_names(model: nn.Module, tensor: GGUFTensor, architecture: str) -> list[str]:
+def _hf_names(model: nn.Module, tensor: GGUFTensor, architecture: str, model_prefix: str) -> list[str]:
     """The HF checkpoint names a GGUF tensor provides: one, or one per expert of a stack."""
-    name = hf_name(tensor.name, architecture)
+    name = hf_name(tensor.name, architecture, model_prefix)
     if name is None:
         return []
     moe_args = getattr(model, "moe_args", None)
