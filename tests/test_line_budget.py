@@ -30,7 +30,7 @@ BUDGET = {
     "weight_plan": 750,
 }
 # The C++ kernels (kernels/csrc and the runner's arena allocator).
-CPP_BUDGET = 4130  # + unified_attention.cpp, parallel_work.h, lora_sgmv.cpp
+CPP_BUDGET = 4140  # + unified_attention.cpp, parallel_work.h, lora_sgmv.cpp
 
 
 def count_lines(paths) -> int:

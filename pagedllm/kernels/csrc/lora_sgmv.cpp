@@ -32,7 +32,9 @@ namespace {
 
 constexpr int64_t kW = isa::kVecFloats;
 constexpr int64_t kShrinkRows = 4;    // rows of one group dotted with one A row at once
+constexpr int64_t kShrinkA = 16;      // A rows per shrink item (one projection at rank 16)
 constexpr int64_t kExpandCols = 64;   // output columns per expand item (a few vectors)
+constexpr int64_t kBlockVecs = kExpandCols / kW;
 
 typedef float vfloat __attribute__((vector_size(kW * sizeof(float))));
 typedef uint16_t vhalf __attribute__((vector_size(kW * sizeof(uint16_t))));
@@ -130,21 +132,29 @@ template <typename XT, typename WT, typename YT>
 void run(const Call& c, const Groups& g, const XT* x, const WT* a, const WT* b, YT* y) {
   const int64_t G = g.slot.size(), PR = c.P * c.R, rows = g.rows.size();
   std::vector<float> shrunk(rows * PR);  // grouped row i's shrunk columns at i * PR
-  // Shrink: one item per (group, A row), each row of the group dotted with it.
-  for_items(G * PR, rows * PR * c.K, [&](int64_t item) {
-    const int64_t gi = item / PR, k = item % PR;
-    const WT* ak = a + (g.slot[gi] * PR + k) * c.K;
-    const int64_t* grows = g.rows.data() + g.start[gi];
-    float* out = shrunk.data() + g.start[gi] * PR + k;
+  // Shrink: one item per (group, tile of kShrinkRows rows, chunk of kShrinkA A rows): the tile's
+  // rows stay in L1 while the chunk streams, so x is read about once per chunk, not once per A row.
+  const int64_t chunks = (PR + kShrinkA - 1) / kShrinkA;
+  std::vector<int64_t> items_before(G + 1, 0);
+  for (int64_t gi = 0; gi < G; ++gi)
+    items_before[gi + 1] = items_before[gi] + (g.count[gi] + kShrinkRows - 1) / kShrinkRows * chunks;
+  for_items(items_before[G], rows * PR * c.K, [&](int64_t item) {
+    const int64_t gi = std::upper_bound(items_before.begin(), items_before.end(), item) -
+                       items_before.begin() - 1;
+    const int64_t local = item - items_before[gi];
+    const int64_t i0 = local / chunks * kShrinkRows, k0 = local % chunks * kShrinkA;
+    const int64_t n = std::min(kShrinkRows, g.count[gi] - i0), k1 = std::min(PR, k0 + kShrinkA);
+    const int64_t* grows = g.rows.data() + g.start[gi] + i0;
+    float* out = shrunk.data() + (g.start[gi] + i0) * PR;
     float dots[kShrinkRows];
-    int64_t i = 0;
-    for (; i + kShrinkRows <= g.count[gi]; i += kShrinkRows) {
-      dot_rows<XT, WT, kShrinkRows>(x, c.K, grows + i, ak, dots);
-      for (int64_t j = 0; j < kShrinkRows; ++j) out[(i + j) * PR] = dots[j];
-    }
-    for (; i < g.count[gi]; ++i) {
-      dot_rows<XT, WT, 1>(x, c.K, grows + i, ak, dots);
-      out[i * PR] = dots[0];
+    for (int64_t k = k0; k < k1; ++k) {
+      const WT* ak = a + (g.slot[gi] * PR + k) * c.K;
+      if (n == kShrinkRows) {
+        dot_rows<XT, WT, kShrinkRows>(x, c.K, grows, ak, dots);
+      } else {
+        for (int64_t j = 0; j < n; ++j) dot_rows<XT, WT, 1>(x, c.K, grows + j, ak, dots + j);
+      }
+      for (int64_t j = 0; j < n; ++j) out[j * PR + k] = dots[j];
     }
   });
   // Expand: one item per (group, projection, block of kExpandCols columns).
@@ -165,6 +175,15 @@ void run(const Call& c, const Groups& g, const XT* x, const WT* a, const WT* b, 
       const float* s = shrunk.data() + (g.start[gi] + i) * PR + j * c.R;
       YT* yt = y + g.rows[g.start[gi] + i] * c.y_stride + c0;
       int64_t col = 0;
+      if (width == kExpandCols) {  // a whole block: kBlockVecs independent sums, not one chain
+        vfloat acc[kBlockVecs] = {};
+        for (int64_t r = 0; r < c.R; ++r)
+          for (int64_t v = 0; v < kBlockVecs; ++v) acc[v] += s[r] * load(bs + r * c.N + v * kW);
+        for (int64_t v = 0; v < kBlockVecs; ++v)
+          for (int64_t e = 0; e < kW; ++e)
+            yt[v * kW + e] = static_cast<YT>(static_cast<float>(yt[v * kW + e]) + acc[v][e]);
+        col = width;
+      }
       for (; col + kW <= width; col += kW) {
         vfloat acc = vfloat{};
         for (int64_t r = 0; r < c.R; ++r) acc += s[r] * load(bs + r * c.N + col);
