@@ -128,10 +128,15 @@ def prepare(shape: str, types: list[str], by_llama_cpp: bool = True) -> dict[str
         path = folder / f"{name}.gguf"
         if not path.is_file():
             log(f"quantizing {shape} to {name} with llama.cpp ...")
-            subprocess.run([str(_peer_python()), str(Path(__file__).with_name("llama_cpp_peer.py")),
-                            "--quantize", str(folder / "F32.gguf"), str(path), name], check=True)
+            quantize(folder / "F32.gguf", path, name)
         paths[name] = path
     return paths
+
+
+def quantize(source: Path, path: Path, type_name: str) -> None:
+    """The GGUF file ``source`` quantized to ``path`` by llama.cpp's own quantizer (FTYPES)."""
+    subprocess.run([str(_peer_python()), str(Path(__file__).with_name("llama_cpp_peer.py")),
+                    "--quantize", str(source), str(path), type_name], check=True)
 
 
 def _write_with_gguf_package(folder: Path, shape: str, types: list[str]) -> dict[str, Path]:

@@ -9,6 +9,7 @@ tokenizer does not read that field. Everything else (names, metadata, types) is 
 """
 from __future__ import annotations
 
+import json
 import os
 import runpy
 import subprocess
@@ -33,6 +34,20 @@ def convert_to_gguf(folder: Path, out: Path, outtype: str = "f32") -> Path:
     subprocess.run([sys.executable, str(Path(__file__)), str(LLAMA_CPP), str(folder), str(out), outtype],
                    check=True, env=env, capture_output=True)
     return out
+
+
+def converter_view(folder: Path, view: Path) -> Path:
+    """``folder`` as the converter should read it: links to its files, and a tokenizer config
+    that names the pad token. The converter reads a Qwen2 model's vocabulary through
+    transformers' Qwen2Tokenizer, which adds its default pad token <|endoftext|> as token 32000
+    when the config names none, one past the model's 32000 rows, and the converter refuses that."""
+    view.mkdir()
+    for f in folder.iterdir():
+        (view / f.name).symlink_to(f.resolve())
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (view / "tokenizer_config.json").unlink()
+    (view / "tokenizer_config.json").write_text(json.dumps({**config, "pad_token": config["eos_token"]}))
+    return view
 
 
 def main() -> None:

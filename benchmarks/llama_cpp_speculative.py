@@ -23,7 +23,7 @@ import subprocess
 from pathlib import Path
 
 from benchmarks.common import REPO_ROOT, log
-from benchmarks.llama_cpp_convert import convert_to_gguf, converter_missing
+from benchmarks.llama_cpp_convert import convert_to_gguf, converter_missing, converter_view
 
 TOOLS_DIR = REPO_ROOT / ".venv-llama-cpp" / "bin"
 TOOLS = ("llama-speculative-simple", "llama-quantize", "llama-bench", "llama-tokenize")
@@ -52,26 +52,12 @@ def gguf_pair(folder: Path, threads: int, tools_dir: Path = TOOLS_DIR) -> tuple[
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     log(f"converting {folder.name} to an F32 GGUF with llama.cpp's converter ...")
-    convert_to_gguf(_converter_view(folder, out / "hf"), target, "f32")
+    convert_to_gguf(converter_view(folder, out / "hf"), target, "f32")
     shutil.rmtree(out / "hf")
     log("quantizing it to Q4_0 with llama-quantize ...")
     _run([str(tools_dir / "llama-quantize"), str(target), str(draft), "Q4_0", str(threads)], threads)
     (out / "pagedllm_bench.json").write_text(stamp)  # last: an interrupted build is redone
     return target, draft
-
-
-def _converter_view(folder: Path, view: Path) -> Path:
-    """``folder`` as the converter should read it: links to its files, and a tokenizer config
-    that names the pad token. The converter reads a Qwen2 model's vocabulary through
-    transformers' Qwen2Tokenizer, which adds its default pad token <|endoftext|> as token 32000
-    when the config names none, one past the model's 32000 rows, and the converter refuses that."""
-    view.mkdir()
-    for f in folder.iterdir():
-        (view / f.name).symlink_to(f.resolve())
-    config = json.loads((folder / "tokenizer_config.json").read_text())
-    (view / "tokenizer_config.json").unlink()
-    (view / "tokenizer_config.json").write_text(json.dumps({**config, "pad_token": config["eos_token"]}))
-    return view
 
 
 def prompt_ids(target: Path, prompt: str, tools_dir: Path = TOOLS_DIR) -> list[int]:

@@ -30,7 +30,7 @@ BUDGET = {
     "weight_plan": 750,
 }
 # The C++ kernels (kernels/csrc and the runner's arena allocator).
-CPP_BUDGET = 3880  # + unified_attention.cpp, parallel_work.h
+CPP_BUDGET = 4140  # + unified_attention.cpp, parallel_work.h, lora_sgmv.cpp
 
 
 def count_lines(paths) -> int:

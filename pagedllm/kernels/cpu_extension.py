@@ -8,6 +8,8 @@
 - ``pagedllm::quant_linear`` (csrc/quant_gemm.cpp): the same kernel over weights held as bf16,
   fp16 or block-quantized panels (layers/quantization/); ``grouped_quant_linear``, over a
   mixture-of-experts layer's experts held so;
+- ``pagedllm::lora_shrink_expand`` (csrc/lora_sgmv.cpp): the adapters' low-rank update of a
+  linear layer for a batch whose rows use different adapters, grouped by adapter (lora/);
 - ``pagedllm::fused_experts`` (csrc/fused_moe.cpp): a mixture-of-experts layer's experts in one
   op, from the routing to each token's weighted sum, over either grouped projection.
 
@@ -42,9 +44,9 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / "paged_attention.cpp", CSRC / "skinny_gemm.cpp", CSRC / "quant_gemm.cpp",
-           CSRC / "fused_moe.cpp", CSRC / "unified_attention.cpp"]  # + the headers
+           CSRC / "fused_moe.cpp", CSRC / "unified_attention.cpp", CSRC / "lora_sgmv.cpp"]  # + the headers
 OPS = ("paged_attention", "skinny_gemm", "packed_linear", "grouped_packed_linear", "quant_linear",
-       "grouped_quant_linear", "fused_experts", "unified_attention")
+       "grouped_quant_linear", "fused_experts", "unified_attention", "lora_shrink_expand")
 # The x86 levels the kernels are tuned for (csrc/isa.h): their -march, and the CPU flags a CPU
 # needs to run a build of that level (the Linux /proc/cpuinfo names).
 ISA_MARCH = {"v3": "x86-64-v3", "v4": "x86-64-v4"}
@@ -220,6 +222,7 @@ def _build(isa: str) -> Any:
     torch.library.register_fake(f"{namespace}::grouped_quant_linear")(_grouped_quant_linear_fake)
     torch.library.register_fake(f"{namespace}::fused_experts")(_fused_experts_fake)
     torch.library.register_fake(f"{namespace}::unified_attention")(_unified_attention_fake)
+    torch.library.register_fake(f"{namespace}::lora_shrink_expand")(_lora_shrink_expand_fake)
     return ops
 
 
@@ -253,6 +256,11 @@ def _grouped_quant_linear_fake(x: torch.Tensor, codes: torch.Tensor, scales: tor
                                offsets: torch.Tensor | None, group_size: int, counts: list[int],
                                out_features: int, narrow_activations: bool = False) -> torch.Tensor:
     return x.new_empty((x.shape[0], out_features))  # x [R, K]: every expert's rows
+
+
+def _lora_shrink_expand_fake(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                             token_slots: torch.Tensor, offsets: list[int], sizes: list[int]) -> None:
+    return None  # adds into y in place
 
 
 def _fused_experts_fake(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,

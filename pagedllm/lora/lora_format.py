@@ -8,13 +8,12 @@ a fused qkv or gate_up layer gets each projection's update in its own columns, a
 exact zeros), so a decode step pays two products per layer whatever the projections.
 A row's result depends on its own adapter only, never on which others share the step.
 
-A step of few rows with several adapters (decode) takes one masked pass instead: every resident
-adapter's A stacked (grouped by projection), each row's shrunk columns of other adapters zeroed,
-then one expand per projection over every adapter's B: a fixed number of products per layer
-whatever the number of adapters.
+A step of few rows with several adapters (decode) takes one grouped pass instead: every resident
+adapter held in one layout (lora/graph_weights.py's ``SlotWeights``, at the highest resident
+rank) and one op that groups the rows by adapter and reads each used adapter's A and B once.
 
-In the compiled forward the layer reads ``graph`` instead (lora/graph_weights.py: static shapes,
-the rows' slots a graph input), never the step's Python mapping.
+In the compiled forward the layer reads ``graph`` instead (the same layout at ``max_lora_rank``,
+static shapes, the rows' slots a graph input), never the step's Python mapping.
 """
 from __future__ import annotations
 
@@ -24,16 +23,13 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.layers.weight_format import WeightFormat
-from pagedllm.lora.graph_weights import GraphLoRAWeights
+from pagedllm.lora.graph_weights import SlotWeights
 from pagedllm.lora.mapping import get_lora_mapping
 from pagedllm.lora.peft_loader import LoRAProjection
 
 # A slot's weights: A^T stacked [in, sum r], the first output column its projections span, and
 # B^T [sum r, span] (each projection's rows and columns only; zeros between them).
-SlotWeights = tuple[torch.Tensor, int, torch.Tensor]
-# Every slot's weights for the masked pass: A [all ranks, in], each column's slot, and per
-# projection (first output column, columns, first shrunk column, their count, B [columns, count]).
-StackedWeights = tuple[torch.Tensor, torch.Tensor, list[tuple[int, int, int, int, torch.Tensor]]]
+HeldSlot = tuple[torch.Tensor, int, torch.Tensor]
 
 
 class LoRAFormat:
@@ -41,10 +37,10 @@ class LoRAFormat:
 
     def __init__(self, base: WeightFormat | None, weight: torch.Tensor | None, num_slots: int) -> None:
         self.base, self.weight = base, weight
-        self.slots: list[SlotWeights | None] = [None] * num_slots
+        self.slots: list[HeldSlot | None] = [None] * num_slots
         self._projections: list[list[LoRAProjection] | None] = [None] * num_slots
-        self._stacked: StackedWeights | None = None  # built at the first masked pass after a change
-        self.graph: GraphLoRAWeights | None = None  # set when the forward is compiled
+        self._stacked: SlotWeights | None = None  # built at the first grouped pass after a change
+        self.graph: SlotWeights | None = None  # set when the forward is compiled
 
     def set_slot(self, slot: int, projections: list[LoRAProjection] | None) -> None:
         """Hold an adapter's projections of this layer in ``slot`` (None: the slot adds nothing)."""
@@ -68,10 +64,10 @@ class LoRAFormat:
         self.slots[slot] = (lora_a.T, start, lora_b_t)
 
     def lora_tensors(self) -> list[torch.Tensor]:
-        """What the slots and the masked pass's stacked copy hold (the memory report)."""
+        """What the slots and the grouped pass's stacked copy hold (the memory report)."""
         held = [t for slot in self.slots if slot is not None for t in (slot[0], slot[2])]
         if self._stacked is not None:
-            held += [self._stacked[0], *(e[4] for e in self._stacked[2])]
+            held += self._stacked.tensors()
         if self.graph is not None:
             held += self.graph.tensors()
         return held
@@ -84,7 +80,8 @@ class LoRAFormat:
         if mapping is None:
             return y
         if mapping.row_slots is not None:
-            return self._apply_masked(x, y, mapping.row_slots)
+            stacked = self._stack()
+            return y if stacked is None else stacked.apply(x, y, mapping.row_slots)
         for slot, rows in mapping.groups:
             held = self.slots[slot]
             if held is None:
@@ -102,34 +99,20 @@ class LoRAFormat:
                 out.index_add_(0, rows, torch.matmul(shrunk, lora_b_t).to(y.dtype))
         return y
 
-    def _apply_masked(self, x: torch.Tensor, y: torch.Tensor, row_slots: torch.Tensor) -> torch.Tensor:
-        stacked = self._stack()
-        if stacked is None:
-            return y
-        lora_a, col_slots, expands = stacked
-        # [rows, all ranks]: each row keeps its own adapter's columns (exact zeros elsewhere).
-        shrunk = (x.to(lora_a.dtype) @ lora_a.T).mul_(row_slots[:, None] == col_slots)
-        for offset, size, first, count, lora_b in expands:
-            y[:, offset:offset + size] += (shrunk[:, first:first + count] @ lora_b.T).to(y.dtype)
-        return y
-
-    def _stack(self) -> StackedWeights | None:
+    def _stack(self) -> SlotWeights | None:
         if self._stacked is None:
-            by_offset: dict[int, list[tuple[int, LoRAProjection]]] = {}
-            for slot, projections in enumerate(self._projections):
-                for p in projections or ():
-                    by_offset.setdefault(p.target.out_offset, []).append((slot, p))
-            if not by_offset:
+            resident = [(slot, p) for slot, projections in enumerate(self._projections)
+                        for p in projections or ()]
+            if not resident:
                 return None
-            parts, col_slots, expands = [], [], []
-            for offset in sorted(by_offset):
-                entries, first = by_offset[offset], len(col_slots)
-                for slot, p in entries:
-                    parts.append(p.lora_a)
-                    col_slots.extend([slot] * p.lora_a.shape[0])
-                expands.append((offset, entries[0][1].target.out_size, first, len(col_slots) - first,
-                                torch.cat([p.lora_b for _, p in entries], dim=1)))
-            self._stacked = (torch.cat(parts), torch.tensor(col_slots, device=parts[0].device), expands)
+            first = resident[0][1]
+            self._stacked = SlotWeights(None, sorted({(p.target.out_offset, p.target.out_size) for _, p in resident}),
+                                        first.lora_a.shape[1], len(self.slots),
+                                        max(p.lora_a.shape[0] for _, p in resident), first.lora_a.dtype,
+                                        first.lora_a.device)
+            for slot, projections in enumerate(self._projections):
+                if projections:
+                    self._stacked.set_slot(slot, projections)
         return self._stacked
 
     def __getattr__(self, name: str) -> Any:

@@ -20,7 +20,7 @@ from pagedllm.layers.kv_cache import attention_layers
 from pagedllm.lora.expert_format import LoRAExperts
 from pagedllm.lora.expert_loader import expert_targets
 from pagedllm.lora.gguf_adapter import load_gguf_adapter
-from pagedllm.lora.graph_weights import GraphLoRAWeights, LoRAGraphInputs
+from pagedllm.lora.graph_weights import LoRAGraphInputs, SlotWeights
 from pagedllm.lora.lora_format import LoRAFormat
 from pagedllm.lora.mapping import LoRAMapping, build_lora_mapping
 from pagedllm.lora.peft_loader import LoRAModel, load_peft_adapter
@@ -52,9 +52,9 @@ class LoRAManager:
             if graph_inputs is not None:
                 spans = sorted({(t.out_offset, t.out_size, t.in_size) for t in self.targets.values()
                                 if t.layer_name == name})
-                fmt.graph = GraphLoRAWeights(graph_inputs, [(o, n) for o, n, _ in spans], spans[0][2],
-                                             self.max_loras, self.max_lora_rank, dtype,
-                                             graph_inputs.token_lora_indices.device)
+                fmt.graph = SlotWeights(graph_inputs, [(o, n) for o, n, _ in spans], spans[0][2],
+                                        self.max_loras, self.max_lora_rank, dtype,
+                                        graph_inputs.token_lora_indices.device)
         self.graph_inputs = graph_inputs
         self.expert_targets = expert_targets(model)
         self.expert_layers: dict[str, LoRAExperts] = {}

@@ -9,9 +9,10 @@ from dataclasses import dataclass
 
 import torch
 
-# Up to this many rows, a step with several adapters runs one pass over every resident adapter
-# (masked to each row's own) instead of a pass per adapter: a decode step's few rows make the
-# per-adapter passes' fixed costs dominate, a long prefill's rows make the masked work dominate.
+# Up to this many rows, a step with several adapters runs one grouped op over the resident
+# adapters (lora/graph_weights.py, each row its own) instead of torch's products per adapter: a
+# decode step's few rows make the per-adapter passes' fixed costs dominate, a long prefill's rows
+# favour torch's matmuls over the op's dot products.
 DENSE_MAX_ROWS = 256
 
 
@@ -19,7 +20,7 @@ DENSE_MAX_ROWS = 256
 class LoRAMapping:
     """``groups``: (slot, the rows that use it) per slot in use this step; rows are None when
     the slot's rows are the whole batch (one adapter alone: no gather, no scatter).
-    ``row_slots``: each row's slot (-1: the base), set when the step takes the one masked pass."""
+    ``row_slots``: each row's slot (-1: the base), set when the step takes the one grouped pass."""
     groups: list[tuple[int, torch.Tensor | None]]
     row_slots: torch.Tensor | None = None
 

@@ -77,10 +77,9 @@ def test_compiled_matches_eager_and_peft_without_recompiling(adapters):
     results = [(prompts, loras, _run(compiled, prompts, loras)) for prompts, loras in _batches(adapters)]
     # One graph for every batch and set of resident adapters: nothing converted or compiled since startup.
     assert counters["frames"]["total"] == frames and counters["stats"]["unique_graphs"] == graphs
-    # Base-only steps run the graph without the adapters' products: NaN slots reach no row there
-    # (the adapters' graph would multiply them by the mask's zeros: NaN).
+    # Base-only steps run the graph without the adapters' term: NaN slots reach no row there.
     for fmt in runner.lora_manager.layers.values():
-        fmt.graph.lora_a_t.fill_(float("nan"))
+        fmt.graph.lora_a.fill_(float("nan"))
     prompts, loras, _ = results[-1]
     assert loras == [None, None] and runner.compiled_base is not None
     results[-1] = (prompts, loras, _run(compiled, prompts, loras))

@@ -71,10 +71,10 @@ def test_each_adapter_alone(engine):
             _check(out, prompt, peft_model, False, f"{arch} {request.lora_name}")
 
 
-@pytest.mark.parametrize("dense_max_rows", [256, 0], ids=["masked", "grouped"])
+@pytest.mark.parametrize("dense_max_rows", [256, 0], ids=["grouped_op", "per_adapter"])
 def test_eight_adapters_mixed_with_base_rows(engine, monkeypatch, dense_max_rows):
-    """Both ways of applying several adapters in a step: one masked pass (few rows) and a pass
-    per adapter (many rows)."""
+    """Both ways of applying several adapters in a step: one grouped op (few rows) and torch's
+    products per adapter (many rows)."""
     monkeypatch.setattr("pagedllm.lora.mapping.DENSE_MAX_ROWS", dense_max_rows)
     arch, llm, adapters = engine
     requests = _requests(adapters)

@@ -66,19 +66,19 @@ def test_one_adapter_adds_two_ops_per_layer(manager, layer):
     assert not torch.equal(base, adapted)  # the adapter did apply
 
 
-@pytest.mark.parametrize("projections, ops", [([(0, 64), (64, 32), (96, 32)], 13), ([(0, 96), (96, 96)], 10),
-                                              ([(0, 64)], 5)], ids=["qkv", "gate_up", "down"])
-def test_compiled_layer_ops_and_values(projections, ops):
+@pytest.mark.parametrize("projections", [[(0, 64), (64, 32), (96, 32)], [(0, 96), (96, 96)], [(0, 64)]],
+                         ids=["qkv", "gate_up", "down"])
+def test_compiled_layer_ops_and_values(projections):
     """The compiled forward's adapter term of one layer (lora/graph_weights.py, run eagerly here to
-    count what the graph holds): one shrink, one mask multiply, one expand-and-add per projection
-    (plus the views that select them), and each row gets its own slot's update only."""
-    from pagedllm.lora.graph_weights import GraphLoRAWeights, LoRAGraphInputs
+    count what the graph holds): one op (pagedllm::lora_shrink_expand) whatever the projections,
+    and each row gets its own slot's update only."""
+    from pagedllm.lora.graph_weights import LoRAGraphInputs, SlotWeights
     from pagedllm.lora.peft_loader import LoRAProjection
     from pagedllm.lora.targets import LoRATarget
 
     torch.manual_seed(0)
     inputs = LoRAGraphInputs(8, torch.device("cpu"))
-    graph = GraphLoRAWeights(inputs, projections, 48, 3, 8, torch.float32, torch.device("cpu"))
+    graph = SlotWeights(inputs, projections, 48, 3, 8, torch.float32, torch.device("cpu"))
     out = sum(size for _, size in projections)
     updates = {}
     for slot, rank in ((0, 4), (2, 8)):
@@ -94,6 +94,6 @@ def test_compiled_layer_ops_and_values(projections, ops):
     counted, got = _CountOps(), y.clone()
     with counted:
         graph.apply(x, got)
-    assert sum(counted.counts.values()) == ops, counted.counts
+    assert dict(counted.counts) == {"pagedllm.lora_shrink_expand": 1}, counted.counts
     want = y + torch.cat([x[:2] @ updates[2], torch.zeros(1, out), x[3:] @ updates[0]])
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
