@@ -18,8 +18,10 @@ import struct
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pagedllm import envs
 from pagedllm.checkpoint.gguf.config import read_gguf_config
@@ -148,10 +150,12 @@ def build_model(name: str = "qwen3-58m", folder: str | Path | None = None) -> Pa
                               stamp=spec)
 
 
-def build_random_model(kind: str, fields: dict, folder: Path, stamp: object) -> Path:
+def build_random_model(kind: str, fields: dict, folder: Path, stamp: object,
+                       edit: Callable[[Any], None] | None = None) -> Path:
     """Build (once: ``stamp`` is compared with the one the folder holds) transformers'
     ``{kind}ForCausalLM`` with random weights (seed 0) from the config ``fields`` into
-    ``folder``, with the benchmark tokenizer; return the folder."""
+    ``folder``, with the benchmark tokenizer; return the folder. ``edit`` may change the
+    model's weights in place before it is saved (the stamp should say how)."""
     stamp_file = folder / "pagedllm_bench.json"
     if stamp_file.is_file() and json.loads(stamp_file.read_text()) == stamp:
         return folder
@@ -164,6 +168,9 @@ def build_random_model(kind: str, fields: dict, folder: Path, stamp: object) -> 
     torch.manual_seed(0)
     config = getattr(transformers, f"{kind}Config")(**fields, dtype="float32")
     model = getattr(transformers, f"{kind}ForCausalLM")(config).eval()
+    if edit is not None:
+        with torch.no_grad():
+            edit(model)
     # Build beside the target and rename, so an interrupted build never leaves a half folder.
     tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -42,7 +42,7 @@ def tools_missing(tools_dir: Path = TOOLS_DIR) -> str | None:
 def gguf_pair(folder: Path, threads: int, tools_dir: Path = TOOLS_DIR) -> tuple[Path, Path]:
     """The random model ``folder`` as an F32 GGUF (F32: the float32 weights pagedllm's target
     holds, bit for bit) and its Q4_0 draft (llama-quantize's default Q4_0 mix, what a user makes:
-    the tied embedding, which is also the output, it keeps in a wider type, Q6_K or Q8_0); made
+    the output head it keeps in a wider type, Q6_K or Q8_0); made
     once beside ``folder``, remade when the model's build stamp changes."""
     out = folder.with_name(folder.name + "-gguf")
     stamp = (folder / "pagedllm_bench.json").read_text()

@@ -1,13 +1,10 @@
 """How many draft tokens each request asks its draft model for, from its measured acceptance.
 
 A draft at position j is accepted only if drafts 1..j-1 were, so with a per-token acceptance
-rate a it yields a**j tokens on average, while every position costs a draft forward and a row
-of verification. A request keeps the positions that still pay: the largest k <= the maximum
-with a**k >= ``min_gain``. When not even one position pays, the request pauses: it drafts nothing
-and probes with one draft every ``_PROBE_EVERY`` steps, so the estimate keeps being measured
-cheaply (a draft every step cost a rejecting pair a quarter of its speed: docs/speculative.md).
-The rate is estimated per request from its verifications (accepted drafts against rejections,
-older steps decaying), starting from a neutral prior. Plain Python.
+rate a (estimated per request, recent verifications weighing most) it yields a**j tokens, while
+each position costs a draft forward and a verification row: a request drafts the largest k <=
+the maximum with a**k >= ``min_gain``. When none pays it pauses, probing with one draft every
+``_PROBE_EVERY`` steps, requests that pause together in different phases (not all on one step).
 """
 from __future__ import annotations
 
@@ -25,6 +22,7 @@ class DraftLength:
         self.min_gain = min_gain
         self._counts: dict[str, tuple[float, float]] = {}  # request id -> (accepted, rejections)
         self._paused: dict[str, int] = {}  # request id -> steps since its last probe
+        self._next_phase = 0  # the next pausing request's steps "since its last probe"
 
     def acceptance_rate(self, request_id: str) -> float:
         accepted, rejected = self._counts.get(request_id, (0.0, 0.0))
@@ -38,15 +36,23 @@ class DraftLength:
         self._counts[request_id] = (accepted * _DECAY + num_accepted,
                                     rejected * _DECAY + (1.0 if num_accepted < num_drafts else 0.0))
 
-    def num_tokens(self, request_id: str) -> int:
+    def plan(self, request_id: str) -> tuple[int, float]:
+        """The drafts that pay for the request (0: paused), and the tokens a step yields with them."""
         a = self.acceptance_rate(request_id)
         if a >= 1.0:
-            return self.max_num_tokens
-        k = int(math.log(self.min_gain) / math.log(a)) if a > 0.0 else 0
+            return self.max_num_tokens, self.max_num_tokens + 1.0
+        k = min(self.max_num_tokens, int(math.log(self.min_gain) / math.log(a))) if a > 0.0 else 0
+        return k, (1.0 - a ** (k + 1)) / (1.0 - a)
+
+    def num_tokens(self, request_id: str, staggered: bool = True) -> int:
+        k = self.plan(request_id)[0]
         if k >= 1:
             self._paused.pop(request_id, None)
-            return min(self.max_num_tokens, k)
-        waited = self._paused.get(request_id, 0) + 1
+            return k
+        waited = self._paused.get(request_id)
+        if waited is None and staggered:  # a new pause starts at the next phase: 0, 1, .., 7, 0, ..
+            waited, self._next_phase = self._next_phase, (self._next_phase + 1) % _PROBE_EVERY
+        waited = (waited or 0) + 1
         self._paused[request_id] = waited % _PROBE_EVERY  # back to 0 on the probing step
         return int(waited >= _PROBE_EVERY)
 

@@ -21,6 +21,7 @@ from typing import Any
 from pagedllm.checkpoint.hub import resolve_model
 from pagedllm.config import EngineConfig
 from pagedllm.core.draft_length import DraftLength
+from pagedllm.core.draft_switch import DraftSwitch
 from pagedllm.core.kv_cache_manager import max_blocks_per_request
 from pagedllm.core.ngram_proposer import NgramProposer
 from pagedllm.core.outputs import DRAFT_PLACEHOLDER, EngineCoreOutputs, EngineCoreRequest, SchedulerOutput
@@ -74,6 +75,9 @@ class EngineCore:
         spec = self.speculative_config
         self.draft_length = (DraftLength(spec.num_speculative_tokens)
                              if spec is not None and spec.uses_draft_model and spec.adaptive_draft_length else None)
+        # Drafting switches itself off where it stops paying, unless the user set where.
+        self.draft_switch = (DraftSwitch() if self.draft_length is not None and spec.disable_by_batch_size is None
+                             else None)
         # Structured outputs: grammars compile off the step loop; requests wait there meanwhile.
         mc = config.model_config
         so_defaults = config.structured_outputs_config or {}
@@ -199,8 +203,11 @@ class EngineCore:
         if len(self._in_flight) <= self._max_in_flight and self.scheduler.has_unfinished_requests():
             return None  # the first step of a run: nothing has finished yet
         scheduler_output, result = self._in_flight.popleft()
-        runner_output = result.result()
+        runner_output, execute_s = result.result()
         t2 = time.perf_counter()
+        if self.draft_switch is not None:
+            self.draft_switch.observe(scheduler_output.total_num_scheduled_tokens, max(
+                map(len, scheduler_output.scheduled_spec_decode_tokens.values()), default=0), execute_s)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         timings = StepTimings(t1 - t0, t2 - t1, time.perf_counter() - t2)
         for observe in self.step_observers:  # the step trace, the dashboard's feed
@@ -215,10 +222,15 @@ class EngineCore:
 
     def _launch(self, scheduler_output: SchedulerOutput) -> Future:
         if self._execute_thread is not None:
-            return self._execute_thread.submit(self.executor.execute_model, scheduler_output)
+            return self._execute_thread.submit(self._execute, scheduler_output)
         done: Future = Future()
-        done.set_result(self.executor.execute_model(scheduler_output))
+        done.set_result(self._execute(scheduler_output))
         return done
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> tuple[Any, float]:
+        """The runner's output and the seconds the step took."""
+        t0 = time.perf_counter()
+        return self.executor.execute_model(scheduler_output), time.perf_counter() - t0
 
     def _share(self, outputs: EngineCoreOutputs, scheduled_drafts: dict[str, list[int]], stalled: bool) -> None:
         """After the scheduler's update: samples fork, beams advance, drafts are proposed."""
@@ -231,24 +243,31 @@ class EngineCore:
 
     def _propose_drafts(self, outputs: EngineCoreOutputs, scheduled_drafts: dict[str, list[int]]) -> None:
         """Each request that got a token gets its next drafts: n-gram ones, or the slots the
-        runner's draft model fills (runner/draft_model.py), as many as its acceptance pays for."""
-        spec, lengths = self.speculative_config, self.draft_length
-        requests = self.scheduler.requests
-        off = spec.disable_by_batch_size is not None and len(requests) >= spec.disable_by_batch_size
+        runner's draft model fills (runner/draft_model.py), as many as its acceptance pays for,
+        and none while drafting does not pay at this batch (core/draft_switch.py)."""
+        spec, lengths, switch = self.speculative_config, self.draft_length, self.draft_switch
+        requests, live = self.scheduler.requests, []
         for rid, new_ids in zip(outputs.req_ids, outputs.new_token_ids):
-            req = requests.get(rid)
             if lengths is not None and rid in scheduled_drafts and new_ids:
                 lengths.observe(rid, len(scheduled_drafts[rid]), len(new_ids) - 1)
-            if not new_ids or rid in outputs.finished or req is None:
-                continue
-            if off:
+            if new_ids and rid not in outputs.finished and rid in requests:
+                live.append(requests[rid])
+        user_off = spec.disable_by_batch_size is not None and len(requests) >= spec.disable_by_batch_size
+        switch_off = switch is not None and not switch.pays(lengths.plan(r.request_id) for r in live)
+        for req in live:
+            rid, params = req.request_id, req.sampling_params
+            # A seeded draw's tokens depend on how many drafts it verified: those follow its own
+            # acceptance only, never the batch, the clock or the other requests' pauses.
+            seeded = params is not None and params.seed is not None and not params.sampling_type_greedy
+            if user_off or (switch_off and not seeded):
                 drafts = []
             elif self.proposer is not None:
                 drafts = self.structured_output.truncate_drafts(rid, self.proposer.propose(req.all_token_ids))
             elif self.structured_output.has_grammar(rid):
                 drafts = []  # the bitmask needs the drafts before the step: served without them
             else:
-                k = lengths.num_tokens(rid) if lengths is not None else spec.num_speculative_tokens
+                k = (lengths.num_tokens(rid, staggered=not seeded) if lengths is not None
+                     else spec.num_speculative_tokens)
                 drafts = [DRAFT_PLACEHOLDER] * k
             self.scheduler.set_draft_tokens(rid, drafts)
         if lengths is not None:
