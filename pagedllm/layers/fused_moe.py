@@ -254,7 +254,7 @@ class FusedMoE(nn.Module):
         if self._experts_in_kernel():
             return self._fused_experts(x, topk_weights, topk_ids)
         if torch.compiler.is_compiling():
-            return torch.ops.pagedllm.fused_moe_experts.default(x, topk_weights, topk_ids, self._op_id)
+            return torch.ops.pagedllm.fused_moe_experts(x, topk_weights, topk_ids, self._op_id)
         return self.apply_experts(x, topk_weights, topk_ids)
 
     def _experts_in_kernel(self) -> bool:
@@ -272,7 +272,7 @@ class FusedMoE(nn.Module):
         # One activations setting serves both projections (the kernel takes one flag).
         narrow = gate_up.activations != "float32" or down.activations != "float32"
         bias_1, bias_2 = self.gate_up_proj_bias, self.down_proj_bias
-        out = torch.ops.pagedllm.fused_experts.default(
+        out = torch.ops.pagedllm.fused_experts(
             x.float(), topk_weights.float(), topk_ids, *gate_up.kernel_args(),
             *down.kernel_args(), None if bias_1 is None else bias_1.float(),
             None if bias_2 is None or self.tp.rank != 0 else bias_2.float(),

@@ -18,7 +18,7 @@ def step_token_type_ids(input_ids: torch.Tensor) -> torch.Tensor | None:
     """``[T]`` token types for ``input_ids``; eagerly None when every row's is 0 (one row of the
     table serves all), compiled always a tensor."""
     if torch.compiler.is_compiling():
-        return torch.ops.pagedllm.token_type_ids.default(input_ids)
+        return torch.ops.pagedllm.token_type_ids(input_ids)
     return get_token_type_ids()
 
 

@@ -207,7 +207,7 @@ class Panels(WeightFormat):
         return cls(padded.view(-1, width, in_features).transpose(1, 2).contiguous(), out_features)
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return torch.ops.pagedllm.packed_linear.default(x, self.packed, self.out_features, bias)
+        return torch.ops.pagedllm.packed_linear(x, self.packed, self.out_features, bias)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         width = self.packed.shape[2]
@@ -252,7 +252,7 @@ class Quantized(WeightFormat):
         qw = self.qweight
         # A bf16 model's x goes to the bf16 path as it is, which returns bf16 y, bias included.
         as_is = self.activations == "bfloat16" and x.dtype == torch.bfloat16
-        y = torch.ops.pagedllm.quant_linear.default(
+        y = torch.ops.pagedllm.quant_linear(
             x if as_is else x.float(), qw.codes, qw.scales, qw.offsets, qw.group_size,
             qw.out_features, None if bias is None else bias.float(), self.activations != "float32")
         return y.to(x.dtype)

@@ -92,10 +92,10 @@ class Attention(nn.Module):
         if torch.compiler.is_compiling():
             # No Python per layer in a compiled step (unified_attention.py).
             if q.device.type == "cpu" and available_on_cpu():
-                return torch.ops.pagedllm.unified_attention.default(
+                return torch.ops.pagedllm.unified_attention(
                     q, k, v, self._op_id, self.scale, self.sliding_window or 0, self.logits_soft_cap or 0.0,
                     self.sinks)
-            return torch.ops.pagedllm.attention.default(q, k, v, self._op_id)
+            return torch.ops.pagedllm.attention(q, k, v, self._op_id)
         return self.attend(q, k, v)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -60,11 +60,11 @@ def set_step(md: AttentionMetadata, has_fresh: list[bool]) -> None:
     if ops is None:
         return
     groups = md.group_metadata or [md]
-    ops.set_attention_step.default([g.block_tables for g in groups], [g.query_start_loc_tensor for g in groups],
+    ops.set_attention_step([g.block_tables for g in groups], [g.query_start_loc_tensor for g in groups],
                            [g.seq_lens_tensor for g in groups], [g.slot_mapping for g in groups], has_fresh)
 
 
 def clear_step() -> None:
     ops = _ops()
     if ops is not None:
-        ops.clear_attention_step.default()
+        ops.clear_attention_step()
