@@ -24,7 +24,7 @@ from pagedllm.core.draft_length import DraftLength
 from pagedllm.core.draft_switch import DraftSwitch
 from pagedllm.core.kv_cache_manager import max_blocks_per_request
 from pagedllm.core.ngram_proposer import NgramProposer
-from pagedllm.core.outputs import DRAFT_PLACEHOLDER, EngineCoreOutputs, EngineCoreRequest, SchedulerOutput
+from pagedllm.core.outputs import DRAFT_PLACEHOLDER, EngineCoreOutputs, EngineCoreRequest, RunnerOutput, SchedulerOutput
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.beam_search import BeamSearch
@@ -40,6 +40,19 @@ from pagedllm.speculative_config import SpeculativeConfig
 from pagedllm.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger("pagedllm")
+
+
+class _Ran:
+    """A step run on the calling thread: its result, read like the execute thread's Future
+    (which would cost a lock and a condition per step for a value already known)."""
+
+    __slots__ = ("_output",)
+
+    def __init__(self, output: tuple[RunnerOutput, float]) -> None:
+        self._output = output
+
+    def result(self) -> tuple[RunnerOutput, float]:
+        return self._output
 
 
 class EngineCore:
@@ -91,7 +104,7 @@ class EngineCore:
             self.step_observers.append(StepTraceWriter.for_config(config, self.scheduler))
         # Steps scheduled whose results are not in yet: at most one more than the step being
         # finished with async scheduling (executed in order on one thread), none without.
-        self._in_flight: deque[tuple[SchedulerOutput, Future]] = deque()
+        self._in_flight: deque[tuple[SchedulerOutput, Future | _Ran]] = deque()
         self._max_in_flight = 1 if async_scheduling else 0
         self._execute_thread = (ThreadPoolExecutor(1, thread_name_prefix="pagedllm-execute")
                                 if async_scheduling else None)
@@ -220,14 +233,12 @@ class EngineCore:
         self.stats.add(outputs.scheduler_stats)
         return outputs
 
-    def _launch(self, scheduler_output: SchedulerOutput) -> Future:
+    def _launch(self, scheduler_output: SchedulerOutput) -> Future | _Ran:
         if self._execute_thread is not None:
             return self._execute_thread.submit(self._execute, scheduler_output)
-        done: Future = Future()
-        done.set_result(self._execute(scheduler_output))
-        return done
+        return _Ran(self._execute(scheduler_output))
 
-    def _execute(self, scheduler_output: SchedulerOutput) -> tuple[Any, float]:
+    def _execute(self, scheduler_output: SchedulerOutput) -> tuple[RunnerOutput, float]:
         """The runner's output and the seconds the step took."""
         t0 = time.perf_counter()
         return self.executor.execute_model(scheduler_output), time.perf_counter() - t0

@@ -202,9 +202,13 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
 
   at::parallel_for(0, num_threads, 1, [&](int64_t, int64_t) {
     const int64_t max_rows = std::max({kMaxRows, kPrefillRows, group});
-    std::vector<float> qs(max_rows * head_dim), acc(max_rows * head_dim), kt(head_dim * kKeyTile);
-    std::vector<float> scores(max_rows * kKeyTile), row_max(max_rows), row_sum(max_rows);
-    std::vector<const C*> slot_of;  // the item's slots in its read order (at their kv head 0)
+    // The thread's scratch lives across calls: a decode step calls this once per layer, and a
+    // tiny model's call is short enough that allocating and zeroing it each time showed.
+    thread_local std::vector<float> qs, acc, kt, scores, row_max, row_sum;
+    auto at_least = [](std::vector<float>& v, int64_t n) { if (static_cast<int64_t>(v.size()) < n) v.resize(n); };
+    at_least(qs, max_rows * head_dim), at_least(acc, max_rows * head_dim), at_least(kt, head_dim * kKeyTile);
+    at_least(scores, max_rows * kKeyTile), at_least(row_max, max_rows), at_least(row_sum, max_rows);
+    thread_local std::vector<const C*> slot_of;  // the item's slots in its read order (at their kv head 0)
     const C* ptrs[kKeyTile];
     // The first element (kv head 0) of the slot holding position pos of a request's table.
     auto slot_at = [&](const int64_t* tbl, int64_t pos) {
