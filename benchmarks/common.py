@@ -17,6 +17,7 @@ import statistics
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -134,6 +135,20 @@ def time_decode_steps(generate, max_tokens: int):
     start = time.perf_counter()
     output = generate(max_tokens)
     return prefill_s, max(time.perf_counter() - start - prefill_s, 1e-9), output
+
+def shared_c_library(name: str, source: str, *link_flags: str, opt: str = "-O2") -> Path:
+    """``source`` built once into <tmp>/pagedllm-<name>-<uid>/<name>.so (the profiling shims that
+    a benchmark loads or preloads: they need no build system, only the machine's C compiler)."""
+    folder = Path(tempfile.gettempdir()) / f"pagedllm-{name}-{os.getuid()}"
+    folder.mkdir(exist_ok=True)
+    lib = folder / f"{name}.so"
+    if not lib.exists():
+        src = folder / f"{name}.c"
+        src.write_text(source)
+        subprocess.run([os.environ.get("CC", "cc"), opt, "-shared", "-fPIC", str(src), "-o", str(lib), *link_flags],
+                       check=True)
+    return lib
+
 
 def log(msg: str) -> None:
     """Progress goes to stderr, so stdout carries only the result line."""

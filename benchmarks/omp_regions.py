@@ -11,8 +11,9 @@ import ctypes
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
+
+from benchmarks.common import shared_c_library
 
 _SOURCE = r"""
 #define _GNU_SOURCE
@@ -31,15 +32,7 @@ _ENV = "PAGEDLLM_OMP_COUNTER"
 
 
 def _shim() -> Path:
-    folder = Path(tempfile.gettempdir()) / f"pagedllm-omp-{os.getuid()}"
-    folder.mkdir(exist_ok=True)
-    lib = folder / "omp_regions.so"
-    if not lib.exists():
-        src = folder / "omp_regions.c"
-        src.write_text(_SOURCE)
-        subprocess.run([os.environ.get("CC", "cc"), "-O2", "-shared", "-fPIC", str(src), "-o", str(lib), "-ldl"],
-                       check=True)
-    return lib
+    return shared_c_library("omp_regions", _SOURCE, "-ldl")
 
 
 def with_counter(argv: list[str]) -> int:

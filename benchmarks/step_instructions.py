@@ -30,7 +30,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.common import log, write_json
+from benchmarks.common import log, shared_c_library, write_json
 from benchmarks.step_cost import DEFAULT_MODEL, PHASES, WARMUP_STEPS, PhaseCounter, _add_requests, instrument
 
 _SOURCE = r"""
@@ -43,14 +43,7 @@ _ENV = "PAGEDLLM_STEP_INSTRUCTIONS"
 
 
 def _client_lib() -> Path:
-    folder = Path(tempfile.gettempdir()) / f"pagedllm-callgrind-{os.getuid()}"
-    folder.mkdir(exist_ok=True)
-    lib = folder / "step_requests.so"
-    if not lib.exists():
-        src = folder / "step_requests.c"
-        src.write_text(_SOURCE)
-        subprocess.run([os.environ.get("CC", "cc"), "-O1", "-shared", "-fPIC", str(src), "-o", str(lib)], check=True)
-    return lib
+    return shared_c_library("step_requests", _SOURCE, opt="-O1")
 
 
 class DumpingCounter(PhaseCounter):
