@@ -45,6 +45,11 @@ def test_score_matches_cross_encoder(tmp_path, arch):
     reference = CrossEncoder(str(folder), device="cpu")
     llm = LLM(str(folder))
     assert llm.llm_engine.runner_type == "pooling"
+    assert_scores_match(llm, reference)
+
+
+def assert_scores_match(llm: LLM, reference) -> None:
+    """Every query's scores within 1e-4 of ``reference`` (a CrossEncoder), in the same order."""
     for query in QUERIES:
         want = reference.predict([(query, d) for d in DOCS])
         got = [o.outputs.score for o in llm.score(query, DOCS)]

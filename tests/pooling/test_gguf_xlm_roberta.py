@@ -17,7 +17,7 @@ import torch
 from benchmarks.llama_cpp_convert import LLAMA_CPP, converter_missing
 from benchmarks.llama_cpp_convert import convert_to_gguf as convert
 from pagedllm import LLM
-from tests.pooling.test_cross_encoder import DOCS, QUERIES
+from tests.pooling.test_cross_encoder import DOCS, QUERIES, assert_scores_match
 
 TEXTS = ["the cat sat on the mat", "a dog", "red cats ran far on a blue mat the end", "s",
          "The Cats, SAT on a MAT!  xyz"]
@@ -100,11 +100,7 @@ def test_xlm_roberta_cross_encoder_gguf_matches_cross_encoder(reranker):
     for text in TEXTS:
         assert tok(text)["input_ids"] == reference.tokenizer(text)["input_ids"], text
     assert tok("a dog", "the cat")["input_ids"] == reference.tokenizer("a dog", "the cat")["input_ids"]
-    for query in QUERIES:
-        want = reference.predict([(query, d) for d in DOCS])
-        got = [o.outputs.score for o in llm.score(query, DOCS)]
-        assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-4
-        assert sorted(range(len(DOCS)), key=lambda i: -got[i]) == sorted(range(len(DOCS)), key=lambda i: -want[i])
+    assert_scores_match(llm, reference)
 
 
 def test_xlm_roberta_cross_encoder_gguf_serves_rerank(reranker):
