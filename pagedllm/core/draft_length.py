@@ -44,8 +44,10 @@ class DraftLength:
         k = min(self.max_num_tokens, int(math.log(self.min_gain) / math.log(a))) if a > 0.0 else 0
         return k, (1.0 - a ** (k + 1)) / (1.0 - a)
 
-    def num_tokens(self, request_id: str, staggered: bool = True) -> int:
-        k = self.plan(request_id)[0]
+    def num_tokens(self, request_id: str, staggered: bool = True, planned: int | None = None) -> int:
+        """The drafts the request asks for this step; ``planned``: its plan's k, when the caller
+        already has it."""
+        k = self.plan(request_id)[0] if planned is None else planned
         if k >= 1:
             self._paused.pop(request_id, None)
             return k

@@ -264,7 +264,8 @@ class EngineCore:
             if new_ids and rid not in outputs.finished and rid in requests:
                 live.append(requests[rid])
         user_off = spec.disable_by_batch_size is not None and len(requests) >= spec.disable_by_batch_size
-        switch_off = switch is not None and not switch.pays(lengths.plan(r.request_id) for r in live)
+        plans = {r.request_id: lengths.plan(r.request_id) for r in live} if lengths is not None else {}
+        switch_off = switch is not None and not switch.pays(plans.values())
         for req in live:
             rid, params = req.request_id, req.sampling_params
             # A seeded draw's tokens depend on how many drafts it verified: those follow its own
@@ -277,7 +278,7 @@ class EngineCore:
             elif self.structured_output.has_grammar(rid):
                 drafts = []  # the bitmask needs the drafts before the step: served without them
             else:
-                k = (lengths.num_tokens(rid, staggered=not seeded) if lengths is not None
+                k = (lengths.num_tokens(rid, staggered=not seeded, planned=plans[rid][0]) if lengths is not None
                      else spec.num_speculative_tokens)
                 drafts = [DRAFT_PLACEHOLDER] * k
             self.scheduler.set_draft_tokens(rid, drafts)
