@@ -4,7 +4,8 @@ A draft at position j is accepted only if drafts 1..j-1 were, so with a per-toke
 rate a (estimated per request, recent verifications weighing most) it yields a**j tokens, while
 each position costs a draft forward and a verification row: a request drafts the largest k <=
 the maximum with a**k >= ``min_gain``. When none pays it pauses, probing with one draft every
-``_PROBE_EVERY`` steps, requests that pause together in different phases (not all on one step).
+``_PROBE_EVERY`` steps, all on a shared clock's steps: a step that runs the draft reads all its
+weights and catches every request up, so probing in turns would pay that on every step.
 """
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ class DraftLength:
         self.max_num_tokens = max_num_tokens
         self.min_gain = min_gain
         self._counts: dict[str, tuple[float, float]] = {}  # request id -> (accepted, rejections)
-        self._paused: dict[str, int] = {}  # request id -> steps since its last probe
-        self._next_phase = 0  # the next pausing request's steps "since its last probe"
+        self._paused: dict[str, int] = {}  # request id -> steps since its last probe (own phase)
+        self._step = 0  # the shared probing clock
 
     def acceptance_rate(self, request_id: str) -> float:
         accepted, rejected = self._counts.get(request_id, (0.0, 0.0))
@@ -44,17 +45,20 @@ class DraftLength:
         k = min(self.max_num_tokens, int(math.log(self.min_gain) / math.log(a))) if a > 0.0 else 0
         return k, (1.0 - a ** (k + 1)) / (1.0 - a)
 
-    def num_tokens(self, request_id: str, staggered: bool = True, planned: int | None = None) -> int:
-        """The drafts the request asks for this step; ``planned``: its plan's k, when the caller
-        already has it."""
+    def new_step(self) -> None:
+        """Advance the shared probing clock: once a step, before the step's ``num_tokens``."""
+        self._step += 1
+
+    def num_tokens(self, request_id: str, own_phase: bool = False, planned: int | None = None) -> int:
+        """This step's drafts (``planned``: the plan's k, if known). ``own_phase``: a paused request
+        probes on its own steps, not the clock's (a seeded draw follows its verifications alone)."""
         k = self.plan(request_id)[0] if planned is None else planned
         if k >= 1:
             self._paused.pop(request_id, None)
             return k
-        waited = self._paused.get(request_id)
-        if waited is None and staggered:  # a new pause starts at the next phase: 0, 1, .., 7, 0, ..
-            waited, self._next_phase = self._next_phase, (self._next_phase + 1) % _PROBE_EVERY
-        waited = (waited or 0) + 1
+        if not own_phase:
+            return int(self._step % _PROBE_EVERY == 0)
+        waited = self._paused.get(request_id, 0) + 1
         self._paused[request_id] = waited % _PROBE_EVERY  # back to 0 on the probing step
         return int(waited >= _PROBE_EVERY)
 

@@ -264,6 +264,8 @@ class EngineCore:
             if new_ids and rid not in outputs.finished and rid in requests:
                 live.append(requests[rid])
         user_off = spec.disable_by_batch_size is not None and len(requests) >= spec.disable_by_batch_size
+        if lengths is not None:
+            lengths.new_step()
         plans = {r.request_id: lengths.plan(r.request_id) for r in live} if lengths is not None else {}
         switch_off = switch is not None and not switch.pays(plans.values())
         for req in live:
@@ -278,7 +280,7 @@ class EngineCore:
             elif self.structured_output.has_grammar(rid):
                 drafts = []  # the bitmask needs the drafts before the step: served without them
             else:
-                k = (lengths.num_tokens(rid, staggered=not seeded, planned=plans[rid][0]) if lengths is not None
+                k = (lengths.num_tokens(rid, own_phase=seeded, planned=plans[rid][0]) if lengths is not None
                      else spec.num_speculative_tokens)
                 drafts = [DRAFT_PLACEHOLDER] * k
             self.scheduler.set_draft_tokens(rid, drafts)
