@@ -45,19 +45,26 @@ class DraftLength:
         k = min(self.max_num_tokens, int(math.log(self.min_gain) / math.log(a))) if a > 0.0 else 0
         return k, (1.0 - a ** (k + 1)) / (1.0 - a)
 
+    def probe_plan(self) -> tuple[int, float]:
+        """A probe's plan at the prior acceptance: what drafting again could find."""
+        a = _PRIOR_ACCEPTED / (_PRIOR_ACCEPTED + _PRIOR_REJECTED)
+        return 1, 1.0 + a
+
     def new_step(self) -> None:
         """Advance the shared probing clock: once a step, before the step's ``num_tokens``."""
         self._step += 1
 
-    def num_tokens(self, request_id: str, own_phase: bool = False, planned: int | None = None) -> int:
+    def num_tokens(self, request_id: str, own_phase: bool = False, planned: int | None = None,
+                   probe: bool = True) -> int:
         """This step's drafts (``planned``: the plan's k, if known). ``own_phase``: a paused request
-        probes on its own steps, not the clock's (a seeded draw follows its verifications alone)."""
+        probes on its own steps, not the clock's (a seeded draw follows its verifications alone);
+        ``probe``: False, the others do not probe this step (core/draft_switch.py)."""
         k = self.plan(request_id)[0] if planned is None else planned
         if k >= 1:
             self._paused.pop(request_id, None)
             return k
         if not own_phase:
-            return int(self._step % _PROBE_EVERY == 0)
+            return int(probe and self._step % _PROBE_EVERY == 0)
         waited = self._paused.get(request_id, 0) + 1
         self._paused[request_id] = waited % _PROBE_EVERY  # back to 0 on the probing step
         return int(waited >= _PROBE_EVERY)

@@ -269,6 +269,9 @@ class EngineCore:
             lengths.new_step()
         plans = {r.request_id: lengths.plan(r.request_id) for r in live} if lengths is not None else {}
         switch_off = switch is not None and not switch.pays(plans.values())
+        # Paused requests probe while a draft at the prior acceptance would pay at this batch: where
+        # the rows are compute, a probe's catch-up of the draft costs more than it could find.
+        probe = switch is None or switch.pays([lengths.probe_plan()] * len(live))
         for req in live:
             rid, params = req.request_id, req.sampling_params
             # A seeded draw's tokens depend on how many drafts it verified: those follow its own
@@ -281,8 +284,8 @@ class EngineCore:
             elif self.structured_output.has_grammar(rid):
                 drafts = []  # the bitmask needs the drafts before the step: served without them
             else:
-                k = (lengths.num_tokens(rid, own_phase=seeded, planned=plans[rid][0]) if lengths is not None
-                     else spec.num_speculative_tokens)
+                k = spec.num_speculative_tokens if lengths is None else lengths.num_tokens(
+                    rid, own_phase=seeded, planned=plans[rid][0], probe=probe)
                 drafts = [DRAFT_PLACEHOLDER] * k
             self.scheduler.set_draft_tokens(rid, drafts)
         if lengths is not None:

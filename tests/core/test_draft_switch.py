@@ -104,3 +104,20 @@ def test_plans_come_from_the_draft_length():
     a = lengths.acceptance_rate("good")
     assert k == 4 and e == pytest.approx(sum(a ** j for j in range(5)))
     assert lengths.plan("bad") == (0, 1.0)
+
+
+def test_paused_requests_probe_only_where_a_draft_at_the_prior_would_pay():
+    """A probe is a bet that the draft agrees again (the prior acceptance): at batch 1 the row is
+    nearly free and the bet is taken; where rows are compute, the probe's verification rows and
+    the draft's catch-up cost more than the bet could win."""
+    lengths = DraftLength(max_num_tokens=4)
+    bandwidth, compute = DraftSwitch(), DraftSwitch()
+    _feed(bandwidth, BANDWIDTH_BOUND, _mixed_steps() * 4)
+    _feed(compute, COMPUTE_BOUND, _mixed_steps() * 4)
+    assert bandwidth.pays([lengths.probe_plan()]) and bandwidth.pays([lengths.probe_plan()] * 32)
+    assert not compute.pays([lengths.probe_plan()] * 32)
+    for _ in range(3):
+        lengths.observe("r", 4, 0)
+    for _ in range(8):
+        lengths.new_step()
+    assert lengths.num_tokens("r", probe=False) == 0 and lengths.num_tokens("r") == 1  # the clock's probing step
