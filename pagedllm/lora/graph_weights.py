@@ -95,11 +95,13 @@ class SlotWeights:
         rank = self.max_rank
         for j, (offset, size) in enumerate(zip(self.offsets, self.sizes)):
             out = y.narrow(1, offset, size)
-            update = shrunk[:, j * rank:(j + 1) * rank] @ self.lora_b[slot, :, offset:offset + size]
-            if rows is None:
-                out.add_(update.to(y.dtype))
+            part, lora_b = shrunk[:, j * rank:(j + 1) * rank], self.lora_b[slot, :, offset:offset + size]
+            if rows is None and y.dtype == lora_b.dtype:
+                out.addmm_(part, lora_b)  # the expand and the add in one op, into y's columns
+            elif rows is None:
+                out.add_((part @ lora_b).to(y.dtype))
             else:
-                out.index_add_(0, rows, update.to(y.dtype))
+                out.index_add_(0, rows, (part @ lora_b).to(y.dtype))
         return y
 
     def apply(self, x: torch.Tensor, y: torch.Tensor, token_slots: torch.Tensor | None = None) -> torch.Tensor:
