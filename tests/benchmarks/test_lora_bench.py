@@ -36,6 +36,26 @@ def test_the_requests_spread_over_the_adapters():
     assert lora.leading_agreement([[1, 2, 3], [4, 5], [6]], [[1, 2, 9], [4, 5], [7]]) == [2, 2, 0]
 
 
+@pytest.mark.slow  # llama.cpp converts and quantizes the base
+def test_lora_bench_on_a_q4_k_m_base(tmp_path, capsys):
+    """``--base-format q4_k_m``: the tiny base written by llama.cpp's converter and quantizer,
+    both engines on that file, the same PEFT adapters."""
+    from benchmarks.gguf import llama_cpp_missing
+
+    missing = llama_cpp_missing()
+    if missing:
+        pytest.skip(missing)
+    out = tmp_path / "lora.json"
+    lora.main([*TINY, "--model-dir", str(tmp_path / "models"), "--json", str(out), "--rounds", "1",
+               "--base-format", "q4_k_m"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("lora (tiny Q4_K_M, 8 adapters r16)"), lines
+    result = json.loads(out.read_text())
+    assert result["base_format"] == "q4_k_m" and result["decode_ratio"] > 0 and result["mixed_ratio"] > 0
+    assert (tmp_path / "models" / "base-Q4_K_M.gguf").is_file()
+    assert not (tmp_path / "models" / "base-F32.gguf").exists()
+
+
 def test_vllm_refuses_a_quantized_base(tmp_path):
     with pytest.raises(SystemExit, match="float32 base only"):
         lora.main([*TINY, "--model-dir", str(tmp_path / "models"), "--base-format", "q4_k_m", "--vllm"])
