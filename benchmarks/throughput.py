@@ -171,19 +171,22 @@ class VllmPeer(ServedPeer):
     in-process engines'. While it waits it blocks on stdin; the CPU it uses then (which would
     disturb the other engines' runs) is measured from /proc and reported as idle_cpu_share.
 
-    mode: "compile" (vLLM's default torch.compile) or "eager" (enforce_eager=True).
+    mode: "compile" (vLLM's default torch.compile) or "eager" (enforce_eager=True). ``warmup``:
+    the warm-up requests (default: ``_warmup_workload``'s). ``lora``: adapters for the requests,
+    as vllm_peer.py reads them (its "lora" entry).
     """
 
     def __init__(self, model: str, workload: Workload, vocab_size: int, python: str, dtype: str,
-                 mode: str = "compile") -> None:
+                 mode: str = "compile", warmup: Workload | None = None, lora: dict | None = None) -> None:
         require_vllm_python(python)
         self.mode = mode
         self._tmp = tempfile.TemporaryDirectory()  # cleaned up by close()
         wfile = Path(self._tmp.name) / "workload.json"
-        warm = _warmup_workload(workload, vocab_size)
+        warm = warmup or _warmup_workload(workload, vocab_size)
         wfile.write_text(json.dumps({"prompts": workload.prompts, "output_lens": workload.output_lens,
                                      "warmup_prompts": warm.prompts,
-                                     "warmup_output_lens": warm.output_lens}))
+                                     "warmup_output_lens": warm.output_lens,
+                                     **({"lora": lora} if lora else {})}))
         cmd = [python, str(VLLM_PEER), "--serve", "--model", str(Path(model).resolve()),
                "--workload-file", str(wfile), "--dtype", dtype, "--mode", mode]
         # The peer's stdout carries only its JSON lines; vLLM's logs come through on stderr.

@@ -1,12 +1,16 @@
-"""The vLLM peer of the throughput benchmark; runs inside the vLLM venv, not pagedllm's.
+"""The vLLM peer of the throughput and LoRA benchmarks; runs inside the vLLM venv, not pagedllm's.
 
-``throughput --vllm`` writes its workload to a JSON file ({"prompts": [[ids]], "output_lens": [n],
-"warmup_prompts": ..., "warmup_output_lens": ...})
-and runs this file with the venv made by benchmarks/setup_vllm_cpu.sh, with
-VLLM_CPU_OMP_THREADS_BIND, VLLM_CPU_KVCACHE_SPACE and VLLM_ENABLE_V1_MULTIPROCESSING set. Here
-vLLM runs the same protocol as pagedllm: one warm-up call on other prompts, then timed generate()
-calls of every request at once, greedy, ignore_eos, prompts given as token ids. vLLM's prefix
-cache is reset before every timed call, so each one computes the whole workload.
+``throughput --vllm`` (and ``lora --vllm``) writes its workload to a JSON file ({"prompts":
+[[ids]], "output_lens": [n], "warmup_prompts": ..., "warmup_output_lens": ..., and for adapters
+"lora": {"paths": [PEFT folder], "max_lora_rank": r, "adapters": [index into paths, or null for
+the base, per prompt], "warmup_adapters": [the same per warm-up prompt]}}) and runs this file
+with the venv made by benchmarks/setup_vllm_cpu.sh, with VLLM_CPU_OMP_THREADS_BIND,
+VLLM_CPU_KVCACHE_SPACE and VLLM_ENABLE_V1_MULTIPROCESSING set. Here vLLM runs the same protocol
+as pagedllm: one warm-up call on other prompts, then timed generate() calls of every request at
+once, greedy, ignore_eos, prompts given as token ids. vLLM's prefix cache is reset before every
+timed call, so each one computes the whole workload. With "lora",
+vLLM starts with enable_lora (max_loras = the number of folders, max_lora_rank) and each request
+carries its adapter's LoRARequest (vLLM's CPU platform then turns its compilation off).
 
 Two ways to run it:
   --serve (what the benchmark uses): load, warm up, print one JSON line {"ready": true,
@@ -115,10 +119,20 @@ def main(argv: list[str] | None = None) -> None:
     prompts, output_lens = work["prompts"], work["output_lens"]
     max_len = max(len(p) + o for p, o in zip(prompts + work["warmup_prompts"],
                                              output_lens + work["warmup_output_lens"]))
+    lora = work.get("lora")
+    lora_args = {} if lora is None else {"enable_lora": True, "max_loras": len(lora["paths"]),
+                                         "max_lora_rank": lora["max_lora_rank"]}
     t0 = time.perf_counter()
     llm = LLM(model=args.model, dtype=args.dtype, seed=0, max_model_len=max_len,
-              enforce_eager=args.mode == "eager")
+              enforce_eager=args.mode == "eager", **lora_args)
     load_s = time.perf_counter() - t0
+
+    def adapters(indices: list[int | None] | None) -> list | None:
+        if indices is None:
+            return None
+        from vllm.lora.request import LoRARequest
+
+        return [None if i is None else LoRARequest(f"adapter{i}", i + 1, lora["paths"][i]) for i in indices]
 
     def requests(ids: list[list[int]]) -> list:
         return [TokensPrompt(prompt_token_ids=p) for p in ids]
@@ -127,13 +141,15 @@ def main(argv: list[str] | None = None) -> None:
         return [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for o in lens]
 
     # Warm-up: the same requests pagedllm warms up with (other tokens, short outputs).
-    llm.generate(requests(work["warmup_prompts"]), params(work["warmup_output_lens"]), use_tqdm=False)
+    llm.generate(requests(work["warmup_prompts"]), params(work["warmup_output_lens"]), use_tqdm=False,
+                 lora_request=adapters(lora and lora["warmup_adapters"]))
 
     def run_once() -> dict:
         if not llm.reset_prefix_cache():  # so a repeat recomputes every prompt
             raise SystemExit("vllm_peer: vLLM refused to reset its prefix cache")
         t0 = time.perf_counter()
-        outputs = llm.generate(requests(prompts), params(output_lens), use_tqdm=False)
+        outputs = llm.generate(requests(prompts), params(output_lens), use_tqdm=False,
+                               lora_request=adapters(lora and lora["adapters"]))
         elapsed = time.perf_counter() - t0
         token_ids = [list(o.outputs[0].token_ids) for o in outputs]
         got = [len(t) for t in token_ids]

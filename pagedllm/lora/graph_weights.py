@@ -1,6 +1,5 @@
-"""Every resident adapter slot of one layer in one layout, and the update that reads it: the
-compiled forward's adapter term, and the eager forward's for a step of few rows with several
-adapters (lora/lora_format.py).
+"""Every resident adapter slot of one layer in one layout, and the updates that read it: the
+compiled forward's adapter term and every eager step's (lora/lora_format.py).
 
 ``SlotWeights`` holds one layer's slots at one rank each (zeros past an adapter's rank and for a
 projection it does not train, the scaling folded into B): A [slots, projections * rank, in] and
@@ -11,6 +10,8 @@ a slot copies into them in place, so the shapes never change (a compiled graph r
 used slot's A and B read once, the others not at all (vLLM's punica shrink and expand, the SGMV
 idea). On a CPU without the C++ kernels, ``_masked_shrink_expand`` computes the same with torch's
 ops: every slot's shrink, each row's other slots zeroed, one expand per projection.
+``apply_slot`` adds one slot's update to its rows with torch's matmuls on that slot's tensors
+(an eager long prefill's many rows per adapter, where a GEMM beats the op's dot products).
 
 In the compiled forward, ``LoRAGraphInputs.token_lora_indices`` holds each token row's slot (-1:
 the base), a graph input written in place by the runner before the forward pass when the batch's
@@ -80,8 +81,28 @@ class SlotWeights:
             self.lora_a[slot, j * self.max_rank:j * self.max_rank + rank].copy_(p.lora_a)
             self.lora_b[slot, :rank, p.target.out_offset:p.target.out_offset + p.target.out_size].copy_(p.lora_b.T)
 
+    def fits(self, projections: list[LoRAProjection]) -> bool:
+        """Whether ``projections`` fit these shapes (the rank, the projections)."""
+        return all(p.target.out_offset in self.index and p.lora_a.shape[0] <= self.max_rank for p in projections)
+
     def tensors(self) -> list[torch.Tensor]:
         return [self.lora_a, self.lora_b]
+
+    def apply_slot(self, x: torch.Tensor, y: torch.Tensor, slot: int, rows: torch.Tensor | None) -> torch.Tensor:
+        """y plus slot ``slot``'s update on ``rows`` of x and y (None: every row), in place."""
+        xs = x if rows is None else x.index_select(0, rows)
+        shrunk = (xs if xs.dtype == self.lora_a.dtype else xs.to(self.lora_a.dtype)) @ self.lora_a[slot].T
+        rank = self.max_rank
+        for j, (offset, size) in enumerate(zip(self.offsets, self.sizes)):
+            out = y.narrow(1, offset, size)
+            part, lora_b = shrunk[:, j * rank:(j + 1) * rank], self.lora_b[slot, :, offset:offset + size]
+            if rows is None and y.dtype == lora_b.dtype:
+                out.addmm_(part, lora_b)  # the expand and the add in one op, into y's columns
+            elif rows is None:
+                out.add_((part @ lora_b).to(y.dtype))
+            else:
+                out.index_add_(0, rows, (part @ lora_b).to(y.dtype))
+        return y
 
     def apply(self, x: torch.Tensor, y: torch.Tensor, token_slots: torch.Tensor | None = None) -> torch.Tensor:
         """y (the base product, [T, out]) plus each row's own slot's update, in place;

@@ -1,19 +1,18 @@
 """LoRAFormat: a layer's weight format with the adapters' updates added to its product.
 
 The base product runs once for the whole batch through the format the layer already had (any
-of layers/weight_format.py, or the plain ``weight``); then each adapter slot in use this step
-adds ``(x A^T) B^T`` to its own rows: one shrink over every projection the adapter trains in
-this layer (A's stacked), then one expand into the columns they span (the B's laid block-diagonal:
-a fused qkv or gate_up layer gets each projection's update in its own columns, an untrained one
-exact zeros), so a decode step pays two products per layer whatever the projections.
-A row's result depends on its own adapter only, never on which others share the step.
+of layers/weight_format.py, or the plain ``weight``); then the rows that use an adapter get its
+update ``(x A^T) B^T``. Every resident adapter of the layer is held once, in one layout
+(lora/graph_weights.py's ``SlotWeights``: the compiled forward's, at ``max_lora_rank``, or, in an
+eager engine, one at the highest resident rank), which serves every step:
 
-A step of few rows with several adapters (decode) takes one grouped pass instead: every resident
-adapter held in one layout (lora/graph_weights.py's ``SlotWeights``, at the highest resident
-rank) and one op that groups the rows by adapter and reads each used adapter's A and B once.
+- up to ``DENSE_MAX_ROWS`` rows (decode, short prefills; one adapter or several): one grouped op
+  that groups the rows by adapter and reads each used adapter's A and B once;
+- more rows (a long prefill): per adapter in use, torch's matmuls on its slot of the same tensors.
 
-In the compiled forward the layer reads ``graph`` instead (the same layout at ``max_lora_rank``,
-static shapes, the rows' slots a graph input), never the step's Python mapping.
+A row's result depends on its own adapter only, never on which others share the step. In the
+compiled forward the layer reads ``graph`` itself (the rows' slots a graph input), never the
+step's Python mapping.
 """
 from __future__ import annotations
 
@@ -27,76 +26,45 @@ from pagedllm.lora.graph_weights import SlotWeights
 from pagedllm.lora.mapping import get_lora_mapping
 from pagedllm.lora.peft_loader import LoRAProjection
 
-# A slot's weights: A^T stacked [in, sum r], the first output column its projections span, and
-# B^T [sum r, span] (each projection's rows and columns only; zeros between them).
-HeldSlot = tuple[torch.Tensor, int, torch.Tensor]
-
 
 class LoRAFormat:
     """Wraps ``base`` (None: ``weight`` with ``F.linear``); anything but ``apply`` is the base's."""
 
     def __init__(self, base: WeightFormat | None, weight: torch.Tensor | None, num_slots: int) -> None:
         self.base, self.weight = base, weight
-        self.slots: list[HeldSlot | None] = [None] * num_slots
         self._projections: list[list[LoRAProjection] | None] = [None] * num_slots
-        self._stacked: SlotWeights | None = None  # built at the first grouped pass after a change
+        self._stacked: SlotWeights | None = None  # an eager engine's slots, built at the first step
         self.graph: SlotWeights | None = None  # set when the forward is compiled
 
     def set_slot(self, slot: int, projections: list[LoRAProjection] | None) -> None:
         """Hold an adapter's projections of this layer in ``slot`` (None: the slot adds nothing)."""
-        self._projections[slot], self._stacked = projections or None, None
+        self._projections[slot] = projections or None
         if self.graph is not None:
             self.graph.set_slot(slot, projections)
-        if not projections:
-            self.slots[slot] = None
-            return
-        start = min(p.target.out_offset for p in projections)
-        span = max(p.target.out_offset + p.target.out_size for p in projections) - start
-        ranks = [p.lora_a.shape[0] for p in projections]
-        lora_b_t = projections[0].lora_b.new_zeros(sum(ranks), span)
-        first = 0
-        for p, rank in zip(projections, ranks):
-            offset = p.target.out_offset - start
-            lora_b_t[first:first + rank, offset:offset + p.target.out_size] = p.lora_b.T
-            first += rank
-        lora_a = projections[0].lora_a if len(projections) == 1 else torch.cat(
-            [p.lora_a for p in projections])
-        self.slots[slot] = (lora_a.T, start, lora_b_t)
+        elif self._stacked is not None:
+            if projections and self._stacked.fits(projections):
+                self._stacked.set_slot(slot, projections)
+            else:  # laid out again at the next step, at the highest rank then resident
+                self._stacked = None
 
     def lora_tensors(self) -> list[torch.Tensor]:
-        """What the slots and the grouped pass's stacked copy hold (the memory report)."""
-        held = [t for slot in self.slots if slot is not None for t in (slot[0], slot[2])]
-        if self._stacked is not None:
-            held += self._stacked.tensors()
-        if self.graph is not None:
-            held += self.graph.tensors()
-        return held
+        """What the slots hold (the memory report)."""
+        weights = self.graph or self._stacked
+        return [] if weights is None else weights.tensors()
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         y = F.linear(x, self.weight, bias) if self.base is None else self.base.apply(x, bias)
         if torch.compiler.is_compiling():
             return y if self.graph is None or not self.graph.inputs.traced else self.graph.apply(x, y)
         mapping = get_lora_mapping()
-        if mapping is None:
+        weights = None if mapping is None else self.graph or self._stack()
+        if weights is None:
             return y
         if mapping.row_slots is not None:
-            stacked = self._stack()
-            return y if stacked is None else stacked.apply(x, y, mapping.row_slots)
+            return weights.apply(x, y, mapping.row_slots)
         for slot, rows in mapping.groups:
-            held = self.slots[slot]
-            if held is None:
-                continue
-            lora_a_t, start, lora_b_t = held
-            xs = x if rows is None else x.index_select(0, rows)
-            shrunk = torch.matmul(xs if xs.dtype == lora_a_t.dtype else xs.to(lora_a_t.dtype), lora_a_t)
-            out = y if start == 0 and lora_b_t.shape[1] == y.shape[1] else \
-                y[:, start:start + lora_b_t.shape[1]]
-            if rows is None and y.dtype == lora_b_t.dtype:
-                out.addmm_(shrunk, lora_b_t)  # the expand and the add in one op
-            elif rows is None:
-                out += torch.matmul(shrunk, lora_b_t).to(y.dtype)
-            else:
-                out.index_add_(0, rows, torch.matmul(shrunk, lora_b_t).to(y.dtype))
+            if self._projections[slot]:
+                weights.apply_slot(x, y, slot, rows)
         return y
 
     def _stack(self) -> SlotWeights | None:
@@ -106,13 +74,16 @@ class LoRAFormat:
             if not resident:
                 return None
             first = resident[0][1]
-            self._stacked = SlotWeights(None, sorted({(p.target.out_offset, p.target.out_size) for _, p in resident}),
-                                        first.lora_a.shape[1], len(self.slots),
-                                        max(p.lora_a.shape[0] for _, p in resident), first.lora_a.dtype,
-                                        first.lora_a.device)
-            for slot, projections in enumerate(self._projections):
-                if projections:
-                    self._stacked.set_slot(slot, projections)
+            projections = sorted({(p.target.out_offset, p.target.out_size) for _, p in resident})
+            # Built during a forward pass, yet refilled in place when an adapter is added or removed
+            # outside one: plain tensors, not inference ones.
+            with torch.inference_mode(False):
+                self._stacked = SlotWeights(None, projections, first.lora_a.shape[1], len(self._projections),
+                                            max(p.lora_a.shape[0] for _, p in resident), first.lora_a.dtype,
+                                            first.lora_a.device)
+                for slot, held in enumerate(self._projections):
+                    if held:
+                        self._stacked.set_slot(slot, held)
         return self._stacked
 
     def __getattr__(self, name: str) -> Any:

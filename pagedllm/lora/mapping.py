@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
-# Up to this many rows, a step with several adapters runs one grouped op over the resident
-# adapters (lora/graph_weights.py, each row its own) instead of torch's products per adapter: a
-# decode step's few rows make the per-adapter passes' fixed costs dominate, a long prefill's rows
+# Up to this many rows, a step with adapters runs one grouped op over the resident adapters
+# (lora/graph_weights.py, each row its own) instead of torch's products per adapter: a decode
+# step's few rows make the per-adapter passes' fixed costs dominate, a long prefill's rows
 # favour torch's matmuls over the op's dot products.
 DENSE_MAX_ROWS = 256
 
@@ -37,7 +37,7 @@ def build_lora_mapping(row_slots: list[tuple[int | None, int]], device: torch.de
         row += count
     if not rows_of:
         return None
-    if len(rows_of) > 1 and row <= DENSE_MAX_ROWS:
+    if row <= DENSE_MAX_ROWS:
         slots = [-1] * row
         for slot, rows in rows_of.items():
             for r in rows:

@@ -1,6 +1,7 @@
 """A decode step's adapter cost in ops (counted, not timed): the step's mapping is built once
-and reused while the batch's adapters stay the same, and each adapted layer adds one shrink and
-one fused expand-and-add whatever the projections it trains (a fused qkv: one expand, not three)."""
+and reused while the batch's adapters stay the same, and each adapted layer adds one op (the
+grouped shrink and expand) whatever the projections it trains and however many adapters the
+step uses."""
 from __future__ import annotations
 
 import collections
@@ -51,18 +52,20 @@ def test_mapping_is_built_once_while_the_batch_is_the_same(manager):
 
 @pytest.mark.parametrize("layer", ["model.layers.0.self_attn.qkv_proj", "model.layers.0.mlp.gate_up_proj",
                                    "model.layers.1.mlp.down_proj"])
-def test_one_adapter_adds_two_ops_per_layer(manager, layer):
+def test_one_adapter_adds_one_op_per_layer(manager, layer):
     fmt = manager.layers[layer]
     x = torch.randn(1, manager.targets[layer.replace("qkv_proj", "q_proj").replace(
         "gate_up_proj", "gate_proj")].full_in)
     mapping = manager.step_mapping([(LoRARequest("a", 1), 1)], torch.device("cpu"))
+    with set_lora_mapping(mapping):
+        fmt.apply(x, None)  # the first step after the adapters changed lays out their slots
     base_ops, lora_ops = _CountOps(), _CountOps()
     with base_ops:
         base = fmt.apply(x, None)
     with lora_ops, set_lora_mapping(mapping):
         adapted = fmt.apply(x, None)
     added = lora_ops.counts - base_ops.counts
-    assert sum(added.values()) == 2, added
+    assert dict(added) == {"pagedllm.lora_shrink_expand": 1}, added
     assert not torch.equal(base, adapted)  # the adapter did apply
 
 
@@ -97,3 +100,26 @@ def test_compiled_layer_ops_and_values(projections):
     assert dict(counted.counts) == {"pagedllm.lora_shrink_expand": 1}, counted.counts
     want = y + torch.cat([x[:2] @ updates[2], torch.zeros(1, out), x[3:] @ updates[0]])
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_one_layout_serves_every_row_count(manager, monkeypatch):
+    """A layer holds its adapters once (one SlotWeights: an A and a B tensor), and both ways of
+    applying them read it: the grouped op (few rows) and torch's matmuls per adapter (many rows)
+    give each row its own adapter's update, the base rows none."""
+    from pagedllm.lora.mapping import build_lora_mapping
+
+    fmt = manager.layers["model.layers.0.self_attn.qkv_proj"]
+    a, b = manager.slot_of[1], manager.slot_of[2]
+    x = torch.randn(6, manager.targets["model.layers.0.self_attn.q_proj"].full_in)
+    batch = [(a, 2), (None, 1), (b, 3)]
+    base = fmt.apply(x, None)
+    with set_lora_mapping(build_lora_mapping(batch, torch.device("cpu"))):
+        grouped = fmt.apply(x, None)
+    monkeypatch.setattr("pagedllm.lora.mapping.DENSE_MAX_ROWS", 0)
+    mapping = build_lora_mapping(batch, torch.device("cpu"))
+    assert mapping.row_slots is None and len(mapping.groups) == 2
+    with set_lora_mapping(mapping):
+        per_adapter = fmt.apply(x, None)
+    torch.testing.assert_close(per_adapter, grouped, rtol=1e-5, atol=1e-5)
+    assert torch.equal(grouped[2], base[2]) and not torch.equal(grouped[[0, 1, 3, 4, 5]], base[[0, 1, 3, 4, 5]])
+    assert len(fmt.lora_tensors()) == 2
