@@ -13,9 +13,9 @@ PKG = Path(__file__).resolve().parents[1] / "pagedllm"
 
 # Package (a folder under pagedllm/, "." for the top-level modules) -> its ceiling in lines.
 BUDGET = {
-    ".": 1450,
+    ".": 1465,  # + a generator that pools too: serves_pooling, max_pooling_tokens_while_decoding (issue 56)
     "checkpoint": 2420,  # + GGUF embedders: bert and nomic-bert, their WordPiece tokenizer, pooling_type
-    "core": 2035,  # + draft_switch.py: speculation switches itself off from the measured step cost (issue 57)
+    "core": 2070,  # + pooling inputs on a generator: chunked like prompts, capped while generation runs (issue 56)
     "distributed": 300,
     "engine": 3560,  # + timing each step for the draft switch (issue 57), a synchronous step without a Future
     "entrypoints": 6050,

@@ -93,8 +93,8 @@ class Request:
         # Beam search: the engine, not the sampler, picks this request's next token; the
         # scheduler only reports the step's top-k logprobs once its sequence is computed.
         self.is_beam = False
-        # A pooling request runs its whole prompt in one step, reads no prefix-cache hit and
-        # finishes with its vector; it has no ``sampling_params`` (None).
+        # A pooling request runs its prompt (an encoder's whole in one step), reads no
+        # prefix-cache hit and finishes with its vector; it has no ``sampling_params`` (None).
         self.pooling_params = pooling_params
         self.num_prompt_tokens = len(self.prompt_token_ids)
         # A plain attribute, not a property: it is read on the per-step hot path. A sequence
