@@ -204,7 +204,7 @@ class Scheduler:
         while a generation request runs (each of its steps then grows by at most that many
         tokens), else the whole budget."""
         cap = self.max_pooling_tokens_while_decoding
-        if cap and self.pooling_chunks and any(r.pooling_params is None for r in self.running):
+        if self.pooling_chunks and cap and any(r.pooling_params is None for r in self.running):
             return cap
         return self.max_num_batched_tokens
 

@@ -66,6 +66,7 @@ def _interleaved(engine) -> tuple[dict[str, list[int]], dict[str, list[float]], 
     return tokens, vectors, schedules
 
 
+@pytest.mark.slow
 def test_generation_and_embeddings_share_steps_with_their_own_results(model):
     mixed = LLM(model, pooler_config=POOLER, max_num_batched_tokens=16, max_pooling_tokens_while_decoding=CAP)
     engine = mixed.llm_engine
@@ -101,6 +102,7 @@ def test_generation_and_embeddings_share_steps_with_their_own_results(model):
     assert not engine.has_unfinished_requests()
 
 
+@pytest.mark.slow
 def test_server_answers_completions_and_embeddings_from_one_engine():
     from pagedllm.engine.async_engine import AsyncLLM
     from pagedllm.entrypoints.openai.server import build_app
