@@ -111,6 +111,7 @@ class Request:
         self.max_num_tokens = min(self.num_prompt_tokens + self.max_tokens, max_model_len)
         sp = self.sampling_params
         if sp is None:  # a pooling request samples nothing, so nothing stops it
+            self.max_num_tokens = self.num_prompt_tokens + 1  # every input position is computed
             self.maybe_stop_ids = frozenset()
             return
         eos = frozenset() if sp.ignore_eos else frozenset(self.eos_token_ids)

@@ -153,3 +153,12 @@ def test_without_pooling_chunks_the_cap_never_applies():
     sched.update_from_output(so, runner_output({"g": [5]}))
     sched.add_request(pooling_request("p", list(range(1, 11))))
     assert sched.schedule().num_scheduled_tokens == {"g": 1, "p": 10}
+
+
+def test_a_chunked_input_of_the_whole_model_length_finishes():
+    sched = make_scheduler(max_model_len=16, max_num_batched_tokens=8, pooling_chunks=True)
+    prompt = list(range(1, 17))  # max_model_len tokens: nothing is sampled after them
+    sched.add_request(pooling_request("p", prompt))
+    _, vectors, schedules = _run(sched, make_runner(sched), steps=5)
+    assert schedules == [{"p": 8}, {"p": 8}] and vectors == {"p": fake_pooled(prompt)}
+    assert_all_free(sched)
