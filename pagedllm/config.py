@@ -143,12 +143,13 @@ class SchedulerConfig:
     async_scheduling: bool = _doc(
         "Schedule step N+1 while step N runs (its sampled tokens are in flight: the runner "
         "feeds them in itself), hiding the Python work behind the model.", default=False)
-    # A CPU step costs a fixed part (every weight read once) plus a part per token: the default
-    # is about a tenth of that fixed part in tokens (docs/pooling.md).
+    # A CPU decode step costs a fixed part (every weight read once, the step's Python) plus a
+    # part per token, and one token of compute is already about a tenth of a small batch's
+    # step: the default lets one pooling token ride along (docs/pooling.md).
     max_pooling_tokens_while_decoding: int = _doc(
         "A generator that also pools (started with a pooler_config): most embedding-input "
         "tokens in a step while generation requests run, so each of their steps grows by at "
-        "most that many tokens (0: no cap; docs/pooling.md).", default=8)
+        "most that many tokens (0: no cap; docs/pooling.md).", default=1)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

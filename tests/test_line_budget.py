@@ -13,7 +13,7 @@ PKG = Path(__file__).resolve().parents[1] / "pagedllm"
 
 # Package (a folder under pagedllm/, "." for the top-level modules) -> its ceiling in lines.
 BUDGET = {
-    ".": 1465,  # + a generator that pools too: serves_pooling, max_pooling_tokens_while_decoding (issue 56)
+    ".": 1475,  # + a generator that pools too: serves_pooling, max_pooling_tokens_while_decoding and why its default (issue 56)
     "checkpoint": 2420,  # + GGUF embedders: bert and nomic-bert, their WordPiece tokenizer, pooling_type
     "core": 2070,  # + pooling inputs on a generator: chunked like prompts, capped while generation runs (issue 56)
     "distributed": 300,
