@@ -19,6 +19,9 @@ largest difference from pagedllm's vectors is reported (``max_abs_diff``, ``min_
 Prints one line with the ratios (pagedllm's figure over the peer's); ``--json`` writes the figures.
 
     python -m benchmarks.embed [--shape bert-base|qwen3-0.6b --num-texts 1000 --rounds 3] [--llama-cpp] [--vllm]
+
+``--mixed``: embeddings beside generation on one server, generation's inter-token latency with
+and without them (benchmarks/embed_mixed.py; its own arguments).
 """
 from __future__ import annotations
 
@@ -193,6 +196,11 @@ def agreement(ours: list[list[float]], theirs: list[list[float]]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--mixed" in argv:  # embeddings beside generation on one server: benchmarks/embed_mixed.py
+        from benchmarks import embed_mixed
+
+        return embed_mixed.main([a for a in argv if a != "--mixed"])
     parser = argparse.ArgumentParser(prog="pagedllm bench embed", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="bert-base")

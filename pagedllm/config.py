@@ -143,6 +143,13 @@ class SchedulerConfig:
     async_scheduling: bool = _doc(
         "Schedule step N+1 while step N runs (its sampled tokens are in flight: the runner "
         "feeds them in itself), hiding the Python work behind the model.", default=False)
+    # A CPU decode step costs a fixed part (every weight read once, the step's Python) plus a
+    # part per token, and one token of compute is already about a tenth of a small batch's
+    # step: the default lets one pooling token ride along (docs/pooling.md).
+    max_pooling_tokens_while_decoding: int = _doc(
+        "A generator that also pools (started with a pooler_config): most embedding-input "
+        "tokens in a step while generation requests run, so each of their steps grows by at "
+        "most that many tokens (0: no cap; docs/pooling.md).", default=1)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -157,6 +164,9 @@ class SchedulerConfig:
                 "scheduling_policy")
         if self.max_skip_ahead < 0:
             raise ValidationError("max_skip_ahead must be >= 0", "max_skip_ahead")
+        if self.max_pooling_tokens_while_decoding < 0:
+            raise ValidationError("max_pooling_tokens_while_decoding must be >= 0",
+                                  "max_pooling_tokens_while_decoding")
 
 
 # The keys of EngineConfig.structured_outputs_config (vLLM's StructuredOutputsConfig has more;
@@ -248,6 +258,9 @@ class EngineConfig:
                 check_ints(getattr(part, f.name), f.name)
         check_ints(list((self.speculative_config or {}).values()), "speculative_config")
         SpeculativeConfig.from_dict(self.speculative_config)  # a bad key is refused here, by name
+        if self.speculative_config and self.pooler_config is not None:
+            raise ValidationError("pooler_config does not combine with speculative_config: pooling "
+                                  "requests have no drafts to verify; drop one", "pooler_config")
         so = self.structured_outputs_config
         if so is None:
             return

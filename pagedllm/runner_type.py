@@ -33,3 +33,9 @@ def resolve_runner_type(runner: str, model: str) -> str:
     if runner != "auto":
         return runner
     return "pooling" if is_pooling_checkpoint(model) else "generate"
+
+
+def serves_pooling(runner_type: str, pooler_config: dict | None) -> bool:
+    """A pooling model, or a generator started with a ``pooler_config``: it pools too (as
+    llama.cpp's server with ``--embeddings`` on a chat model), in the same steps as generation."""
+    return runner_type == "pooling" or pooler_config is not None

@@ -38,10 +38,10 @@ def validate_request(request: Request, max_model_len: int, kv: KVCacheManager) -
             f"the KV cache more memory", "max_tokens")
 
 
-def validate_pooling_request(request: Request, max_model_len: int, max_num_batched_tokens: int,
+def validate_pooling_request(request: Request, max_model_len: int, max_num_batched_tokens: int | None,
                              kv: KVCacheManager) -> None:
-    """A pooling request runs its whole input in one step: it must fit the model's length, the
-    step's token budget (it is never chunked) and the empty cache."""
+    """A pooling input must fit the model's length and the empty cache, and, where it runs in one
+    step (an encoder's: ``max_num_batched_tokens`` given), the step's token budget."""
     num_prompt = request.num_prompt_tokens
     if num_prompt == 0:
         raise ValidationError("the input is empty; give at least one token", "input")
@@ -49,7 +49,7 @@ def validate_pooling_request(request: Request, max_model_len: int, max_num_batch
         raise ValidationError(
             f"the input has {num_prompt} tokens but this model's maximum length is {max_model_len}; "
             f"shorten it or set truncate_prompt_tokens", "input")
-    if num_prompt > max_num_batched_tokens:
+    if max_num_batched_tokens is not None and num_prompt > max_num_batched_tokens:
         raise ValidationError(
             f"the input has {num_prompt} tokens but max_num_batched_tokens is "
             f"{max_num_batched_tokens} (a pooling input runs in one step); shorten it or raise "

@@ -31,7 +31,7 @@ class EngineCoreRequest:
     cache_salt: str | None = None
     beam_search_params: BeamSearchParams | None = None
     lora_request: LoRARequest | None = None
-    # A pooling request: one forward over the whole prompt, its output a vector.
+    # A pooling request: its output a vector, pooled from the prompt's hidden states.
     pooling_params: PoolingParams | None = None
 
 
@@ -129,7 +129,7 @@ class RunnerOutput:
     # Per request, None or one TokenLogprobs per sampled token (SamplingParams.logprobs).
     logprobs: list[list[TokenLogprobs] | None] | None = None
     prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
-    # Pooling requests computed this step: req_id -> its vector (the pooler's output).
+    # Pooling requests whose input ended this step: req_id -> its vector (the pooler's output).
     pooler_output: dict[str, list[float]] = field(default_factory=dict)
     # Requests that verified fewer drafts than they had slots (a draft model below draft_p_min).
     num_draft_tokens: dict[str, int] | None = None

@@ -93,8 +93,8 @@ class Request:
         # Beam search: the engine, not the sampler, picks this request's next token; the
         # scheduler only reports the step's top-k logprobs once its sequence is computed.
         self.is_beam = False
-        # A pooling request runs its whole prompt in one step, reads no prefix-cache hit and
-        # finishes with its vector; it has no ``sampling_params`` (None).
+        # A pooling request runs its prompt (an encoder's whole in one step), reads no
+        # prefix-cache hit and finishes with its vector; it has no ``sampling_params`` (None).
         self.pooling_params = pooling_params
         self.num_prompt_tokens = len(self.prompt_token_ids)
         # A plain attribute, not a property: it is read on the per-step hot path. A sequence
@@ -111,6 +111,7 @@ class Request:
         self.max_num_tokens = min(self.num_prompt_tokens + self.max_tokens, max_model_len)
         sp = self.sampling_params
         if sp is None:  # a pooling request samples nothing, so nothing stops it
+            self.max_num_tokens = self.num_prompt_tokens + 1  # every input position is computed
             self.maybe_stop_ids = frozenset()
             return
         eos = frozenset() if sp.ignore_eos else frozenset(self.eos_token_ids)

@@ -8,6 +8,11 @@ waiting request never preempts anyone.
 
 Sequences that share KV (parallel samples, beams) enter through ``fork``; drafts through
 ``set_draft_tokens``. The schedule loop itself treats every running request alike.
+
+A pooling request's output is a vector. An encoder's input runs whole in one step; on a
+generator that also pools (``pooling_chunks``) it is a prompt like any other, chunked, and while
+generation requests run, pooling inputs share a step only up to
+``max_pooling_tokens_while_decoding`` tokens: the decodes' inter-token latency stays bounded.
 """
 from __future__ import annotations
 
@@ -39,10 +44,13 @@ _NO_IDS: list[list[int]] = []
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, num_blocks: int, block_size: int,
                  max_model_len: int, enable_caching: bool = True,
-                 sliding_windows: tuple[int | None, ...] = (None,), max_loras: int = 0) -> None:
+                 sliding_windows: tuple[int | None, ...] = (None,), max_loras: int = 0,
+                 pooling_chunks: bool = False) -> None:
         """``sliding_windows``: each KV cache group's window (None: full attention), as the
         runner grouped the model's layers; one full-attention group by default. ``max_loras``:
-        most LoRA adapters running at once (the worker's slots); 0: no adapters."""
+        most LoRA adapters running at once (the worker's slots); 0: no adapters.
+        ``pooling_chunks``: pooling inputs may run over several steps (a generator's decoder
+        keeps their KV like a prompt's); False: each runs whole in one step (an encoder)."""
         self.max_loras = max_loras
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
@@ -50,6 +58,8 @@ class Scheduler:
         self.policy = scheduler_config.scheduling_policy
         self.max_skip_ahead = scheduler_config.max_skip_ahead
         self.async_scheduling = scheduler_config.async_scheduling
+        self.pooling_chunks = pooling_chunks
+        self.max_pooling_tokens_while_decoding = scheduler_config.max_pooling_tokens_while_decoding
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.kv_cache_manager = KVCacheManager(num_blocks, block_size, enable_caching, sliding_windows,
@@ -74,7 +84,8 @@ class Scheduler:
     def validate(self, request: Request) -> None:
         """Raise ValidationError unless ``request`` could run alone in the empty cache."""
         if request.pooling_params is not None:
-            validate_pooling_request(request, self.max_model_len, self.max_num_batched_tokens,
+            validate_pooling_request(request, self.max_model_len,
+                                     None if self.pooling_chunks else self.max_num_batched_tokens,
                                      self.kv_cache_manager)
         else:
             validate_request(request, self.max_model_len, self.kv_cache_manager)
@@ -132,6 +143,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         kv = self.kv_cache_manager
         budget = self.max_num_batched_tokens
+        pooling_budget = self._pooling_budget()
         num_scheduled: dict[str, int] = {}
         new_block_ids: dict[str, list[list[int]]] = {}  # per request, per KV cache group
         preempted: dict[str, str] = {}  # victim -> the running request that needed its blocks
@@ -153,7 +165,12 @@ class Scheduler:
             n = end - req.num_computed_tokens
             if n <= 0:
                 continue
-            if n > 1:  # one token always fits: the budget left is positive, a threshold >= 1
+            if req.pooling_params is not None:  # a chunked pooling input: its own budget too
+                n = self._num_new_tokens(n, min(budget, pooling_budget))
+                if n == 0:
+                    continue
+                pooling_budget -= n
+            elif n > 1:  # one token always fits: the budget left is positive, a threshold >= 1
                 n = self._num_new_tokens(n, budget)
             while (new_blocks := kv.allocate_slots(req, n)) is None:
                 victim = self._pick_victim()
@@ -171,7 +188,7 @@ class Scheduler:
                 budget -= n
 
         # 2. Then waiting requests, unless this step had to preempt (memory is tight).
-        skipped = [] if preempted else self._schedule_waiting(budget, num_scheduled)
+        skipped = [] if preempted else self._schedule_waiting(budget, pooling_budget, num_scheduled)
         return self._update_after_schedule(num_scheduled, new_block_ids, preempted, skipped)
 
     def _num_new_tokens(self, n: int, budget: int) -> int:
@@ -182,13 +199,23 @@ class Scheduler:
             n = threshold
         return n if n < budget else budget
 
+    def _pooling_budget(self) -> int:
+        """The tokens pooling inputs may take this step: ``max_pooling_tokens_while_decoding``
+        while a generation request runs (each of its steps then grows by at most that many
+        tokens), else the whole budget."""
+        cap = self.max_pooling_tokens_while_decoding
+        if self.pooling_chunks and cap and any(r.pooling_params is None for r in self.running):
+            return cap
+        return self.max_num_batched_tokens
+
     def _pick_victim(self) -> Request:
         """FCFS: the most recently admitted; priority: the worst (priority, arrival)."""
         return self.running[-1] if self.policy == "fcfs" else max(self.running)
 
-    def _schedule_waiting(self, budget: int, num_scheduled: dict[str, int]) -> list[str]:
+    def _schedule_waiting(self, budget: int, pooling_budget: int, num_scheduled: dict[str, int]) -> list[str]:
         """Admit waiting requests in queue order while budget, sequence slots and blocks last;
-        returns the ids of those that did not fit and were skipped.
+        returns the ids of those that did not fit and were skipped (a pooling input with no
+        pooling budget left, or an adapter with no slot, is skipped the same way).
 
         Bounded skip-ahead: when the head does not fit in the KV cache, later requests may be
         admitted past it, each admission counting against every request it passes; once one
@@ -204,8 +231,8 @@ class Scheduler:
             req = self.waiting.pop_request()
             blocked = self._lora_blocked(req, loras)
             if not blocked:
-                hit_blocks, num_hit, n = self._admission_size(req, budget)
-            if blocked or n > budget or kv.allocate_slots(req, n, num_hit, hit_blocks) is None:
+                hit_blocks, num_hit, n = self._admission_size(req, budget, pooling_budget)
+            if blocked or not 0 < n <= budget or kv.allocate_slots(req, n, num_hit, hit_blocks) is None:
                 skipped.append(req)
                 if len(skipped) > self.max_skip_ahead or any(
                         s.num_skipped_past >= self.max_skip_ahead for s in skipped):
@@ -223,17 +250,22 @@ class Scheduler:
                 loras.add(req.lora_request.lora_int_id)
             num_scheduled[req.request_id] = n
             budget -= n
+            if req.pooling_params is not None:
+                pooling_budget -= n
             if any(s.num_skipped_past >= self.max_skip_ahead for s in skipped):
                 break  # a skipped request has been passed often enough: it goes next
         if skipped:
             self.waiting.prepend_requests(skipped)
         return [r.request_id for r in skipped]
 
-    def _admission_size(self, req: Request, budget: int) -> tuple[list | None, int, int]:
+    def _admission_size(self, req: Request, budget: int, pooling_budget: int) -> tuple[list | None, int, int]:
         """A waiting request's prefix hit (blocks, tokens) and the tokens it would run now. A
-        pooling request is never chunked and takes no hit: its pooler reads every position."""
+        pooling request takes no hit (its pooler reads every position's hidden state) and runs
+        whole unless ``pooling_chunks``."""
         if req.pooling_params is not None:
-            return None, 0, req.num_tokens
+            if not self.pooling_chunks:
+                return None, 0, req.num_tokens
+            return None, 0, self._num_new_tokens(req.num_tokens, min(budget, pooling_budget))
         hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(req)
         return hit_blocks, num_hit, self._num_new_tokens(req.num_tokens - num_hit, budget)
 
@@ -348,9 +380,8 @@ class Scheduler:
             req = requests.get(rid)
             if req is None or req.status is not running_status:
                 continue  # aborted (or finished) after it was scheduled
-            if req.pooling_params is not None:  # its one step is done: it finishes with its vector
-                self._finish_pooling(req, runner_output.pooler_output, outputs)
-                any_finished = True
+            if req.pooling_params is not None:
+                any_finished |= self._finish_pooling(req, runner_output.pooler_output, outputs)
                 continue
             new_logprobs = logprobs[runner_output.req_id_to_index[rid]] if logprobs else None
             if req.num_output_placeholders and new_ids:
@@ -390,13 +421,17 @@ class Scheduler:
         return outputs
 
     def _finish_pooling(self, req: Request, pooler_output: dict[str, list[float]],
-                        outputs: EngineCoreOutputs) -> None:
+                        outputs: EngineCoreOutputs) -> bool:
+        """Finish a pooling request with its vector if the runner pooled it (its input's last
+        chunk ran this step); whether it finished."""
         rid = req.request_id
-        assert rid in pooler_output, f"{rid}: the runner pooled nothing for a pooling request"
+        if rid not in pooler_output:
+            return False
         outputs.pooler_output[rid] = pooler_output[rid]
         req.status = RequestStatus.FINISHED_STOPPED
         outputs.finished[rid] = ("stop", None)
         self._free_request(req)
+        return True
 
     def _update_spec_decode(self, req: Request, num_drafts: int, num_sampled: int,
                             stats: SchedulerStats, num_verified: int | None = None) -> None:

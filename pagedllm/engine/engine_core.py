@@ -36,6 +36,7 @@ from pagedllm.errors import ValidationError
 from pagedllm.executor import create_executor
 from pagedllm.lora.request import LoRARequest
 from pagedllm.runner.base import Runner
+from pagedllm.runner_type import resolve_runner_type
 from pagedllm.speculative_config import SpeculativeConfig
 from pagedllm.structured_output.manager import StructuredOutputManager
 
@@ -73,10 +74,14 @@ class EngineCore:
         self.num_blocks = num_blocks
         logger.info("KV cache: %d blocks of %d tokens (%d tokens); max_model_len %d",
                     num_blocks, cc.block_size, num_blocks * cc.block_size, max_model_len)
-        lc = config.lora_config
+        lc, mc = config.lora_config, config.model_config
+        # A generator that pools too chunks its pooling inputs like prompts (an encoder cannot).
+        pooling_chunks = (config.pooler_config is not None
+                          and resolve_runner_type(mc.runner, mc.model) == "generate")
         self.scheduler = Scheduler(config.scheduler_config, num_blocks, cc.block_size,
                                    max_model_len, cc.enable_prefix_caching, self.kv_cache_groups,
-                                   max_loras=lc.max_loras if lc.enable_lora else 0)
+                                   max_loras=lc.max_loras if lc.enable_lora else 0,
+                                   pooling_chunks=pooling_chunks)
         self.loras: dict[int, LoRARequest] = {}  # the adapters every rank holds, by lora_int_id
         # Sharing, at its own level above the scheduler's one rule.
         self.parallel_sampling = ParallelSampling(self.scheduler)

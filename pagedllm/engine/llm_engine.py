@@ -34,7 +34,7 @@ from pagedllm.outputs import RequestMetrics, RequestOutput
 from pagedllm.pooler_config import load_pooler_config
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.runner.base import Runner
-from pagedllm.runner_type import resolve_runner_type
+from pagedllm.runner_type import resolve_runner_type, serves_pooling
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedllm")
@@ -89,8 +89,9 @@ class LLMEngine:
         self.input_processor = InputProcessor(tokenizer, self.model_info.vocab_size)
         self.output_processor = OutputProcessor(tokenizer)
         self.runner_type = resolve_runner_type(mc.runner, mc.model)
+        # A pooling model, or a generator started with a pooler_config: it serves both.
         pooler_config = (load_pooler_config(mc.model, open_checkpoint(mc.model).config, config.pooler_config)
-                         if self.runner_type == "pooling" else None)
+                         if serves_pooling(self.runner_type, config.pooler_config) else None)
         self.pooling = PoolingFrontend(tokenizer, self.input_processor, self.max_model_len, pooler_config)
         self.num_prompt_tokens = 0  # prompt tokens of the requests received
         self.num_requests_finished = 0

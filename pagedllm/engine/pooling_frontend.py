@@ -33,14 +33,14 @@ class PoolingFrontend:
         self.tokenizer = tokenizer
         self.input_processor = input_processor
         self.max_model_len = max_model_len
-        self.pooler_config = pooler_config  # None: a generator
+        self.pooler_config = pooler_config  # None: a generator that does not pool
         self.pending: dict[str, _Pending] = {}
 
     def check_pooling_model(self) -> PoolerConfig:
         if self.pooler_config is None:
             raise ValidationError(f"this model generates text: it serves {GENERATE_ROUTES}, not "
                                   f"embeddings or scores (start it with runner='pooling' to pool "
-                                  f"its hidden states)", "model")
+                                  f"its hidden states, or with a pooler_config to serve both)", "model")
         return self.pooler_config
 
     def make_request(self, request_id: str, prompt: PromptType, params: PoolingParams,

@@ -116,7 +116,9 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: frozenset[str] = froz
                             'most one space between JSON tokens.')
     group.add_argument("--pooler-config", dest="pooler_config", type=_json_dict, default=argparse.SUPPRESS,
                        help='A pooling model\'s pooler as a JSON object (vLLM\'s), e.g. '
-                            '\'{"pooling_type": "MEAN", "normalize": true}\'; unset: the checkpoint\'s.')
+                            '\'{"pooling_type": "MEAN", "normalize": true}\'; unset: the checkpoint\'s. '
+                            'On a generator: serve embeddings too, in the same steps (\'{}\': its '
+                            'default pooling; docs/pooling.md).')
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

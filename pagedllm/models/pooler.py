@@ -80,27 +80,35 @@ class Pooler(nn.Module):
         if config.classifier_from_token:
             self.classify = YesNoClassifier(model, token_ids(config.classifier_from_token, model_path))
 
-    def _pool(self, hidden: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
-        """``[T, hidden]`` and each request's rows ``(first, count)`` -> ``[B, hidden]``."""
+    def carry(self, rows: torch.Tensor) -> torch.Tensor:
+        """What a chunk of an input, not its last, keeps for the pooler: every row for mean
+        pooling, the first for CLS (the input's first row comes first), none for the last
+        token. A copy: the step's hidden states are not kept."""
+        kind = self.config.pooling_type
+        return (rows if kind == "MEAN" else rows[:1] if kind == "CLS" else rows[:0]).clone()
+
+    def _pool(self, inputs: list[torch.Tensor]) -> torch.Tensor:
+        """Each request's rows ``[n, hidden]`` -> ``[B, hidden]``."""
         kind = self.config.pooling_type
         if kind == "CLS":
-            return hidden[[first for first, _ in spans]]
+            return torch.stack([rows[0] for rows in inputs])
         if kind == "LAST":
-            return hidden[[first + count - 1 for first, count in spans]]
-        return torch.stack([hidden[first:first + count].mean(dim=0) for first, count in spans])
+            return torch.stack([rows[-1] for rows in inputs])
+        return torch.stack([rows.mean(dim=0) for rows in inputs])
 
     @torch.inference_mode()
-    def forward(self, hidden: torch.Tensor, spans: list[tuple[int, int]],
-                params: list[PoolingParams]) -> list[list[float]]:
-        pooled = self._pool(hidden, spans).float()
+    def forward(self, inputs: list[torch.Tensor], params: list[PoolingParams]) -> list[list[float]]:
+        """``inputs``: each request's hidden rows (its whole input), in ``params``' order."""
+        pooled = self._pool(inputs).float()
+        dtype = inputs[0].dtype
         tasks = {p.task for p in params}
         results: list[list[float]] = [[] for _ in params]
         if tasks & {"classify", "score"}:
             if self.classify is None:
                 raise ModelLoadError("this model has no classification head: it can embed, not classify or score")
-            logits = self.classify(pooled.to(hidden.dtype)).float()
+            logits = self.classify(pooled.to(dtype)).float()
         if tasks & {"embed"}:
-            embedded = pooled.to(hidden.dtype)
+            embedded = pooled.to(dtype)
             for dense in self.dense:
                 embedded = dense(embedded)
             embedded = embedded.float()

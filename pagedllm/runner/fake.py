@@ -37,6 +37,12 @@ def fake_generate(prompt_token_ids: list[int], max_tokens: int, vocab_size: int,
     return out
 
 
+def fake_pooled(token_ids: list[int]) -> list[float]:
+    """A pooling request's vector: a function of its whole input only, so chunking cannot
+    change it (the test oracle)."""
+    return [float(len(token_ids)), float(sum(token_ids)), float(token_ids[0]), float(token_ids[-1])]
+
+
 def grammar_choice(mask: bytes, row: int, num_rows: int, token: int) -> int:
     """Structured outputs: ``token`` if row ``row`` of the packed bitmask allows it, else an
     allowed token picked from it deterministically (so a grammar is followed, not stalled on
@@ -99,12 +105,15 @@ class FakeRunner:
 
         sampled: list[list[int]] = []
         logprobs: list[list[TokenLogprobs] | None] | None = None
+        pooled: dict[str, list[float]] = {}
         for s in scheduled:
             state = s.state
             if self.verify_kv:
                 self._verify(state, s.start, s.start + s.num_tokens - len(s.drafts))
             if not s.samples:
-                sampled.append([])  # partial prefill: nothing to sample
+                sampled.append([])  # partial prefill or a pooling input: nothing to sample
+                if s.pools:
+                    pooled[state.req_id] = fake_pooled(state.token_ids)
                 continue
             # Greedy verification of drafts against the deterministic "model".
             context = list(state.token_ids)
@@ -125,7 +134,8 @@ class FakeRunner:
                     logprobs = [None] * len(scheduled)
                 logprobs[len(sampled) - 1] = [self._fake_logprobs(t, state.params.logprobs) for t in out]
         req_ids = list(so.num_scheduled_tokens)
-        return RunnerOutput(req_ids, {rid: i for i, rid in enumerate(req_ids)}, sampled, logprobs)
+        return RunnerOutput(req_ids, {rid: i for i, rid in enumerate(req_ids)}, sampled, logprobs,
+                            pooler_output=pooled)
 
     def _fake_logprobs(self, token: int, k: int) -> TokenLogprobs:
         """The chosen token most likely, then the next ids in the vocabulary, each one less likely

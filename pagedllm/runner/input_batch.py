@@ -7,7 +7,7 @@ bookkeeping too. Plain Python: no torch.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pagedllm.core.outputs import SchedulerOutput
 from pagedllm.lora.request import LoRARequest
@@ -34,6 +34,8 @@ class CachedRequestState:
     num_unconfirmed: int = 0
     lora_request: LoRARequest | None = None
     pooling_params: PoolingParams | None = None  # a pooling request: pooled, never sampled
+    # A chunked pooling input: what its earlier chunks left for the pooler (hidden rows).
+    pooling_carry: list = field(default_factory=list)
     # Positions whose KV the draft model holds (runner/draft_model.py).
     num_draft_computed: int = 0
     # The target's hidden rows from position draft_hidden_start that an EAGLE-3 or MTP head
@@ -62,6 +64,11 @@ class ScheduledRequest:
     drafts: list[int]
     samples: bool
     num_slots: int = 0  # the draft slots the scheduler gave it (a drafter may fill fewer)
+
+    @property
+    def pools(self) -> bool:
+        """A pooling request whose input ends this step (an earlier chunk only computes KV)."""
+        return self.state.pooling_params is not None and self.start + self.num_tokens >= len(self.state.token_ids)
 
     @property
     def input_ids(self) -> list[int]:

@@ -41,7 +41,7 @@ from pagedllm.runner.sampler import Sampler, compute_topk_logprobs
 from pagedllm.runner.sampling_batch import SamplingBatch, SamplingResult, SamplingRow
 from pagedllm.runner.spec_decode import verify_drafts
 from pagedllm.runner.step_inputs import gather_step_inputs
-from pagedllm.runner_type import resolve_runner_type
+from pagedllm.runner_type import resolve_runner_type, serves_pooling
 from pagedllm.speculative_config import SpeculativeConfig
 from pagedllm.utils import cdiv
 from pagedllm.weight_plan.plan import plan_weights
@@ -74,10 +74,12 @@ class ModelRunner:
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache_config.kv_cache_dtype, self.dtype)
         torch.manual_seed(mc.seed)
         self.model, self.hf_config = load_model(mc.model, self.dtype, self.device, mc.quantization)
-        # A pooling model's step ends in the pooler instead of the sampler.
+        # A pooling model's step ends in the pooler instead of the sampler; a generator that
+        # pools too ends in both, each for its own rows.
         self.pooler = (Pooler(load_pooler_config(mc.model, self.hf_config, config.pooler_config), self.model,
                               self.dtype, self.device, mc.tokenizer or mc.model)
-                       if resolve_runner_type(mc.runner, mc.model) == "pooling" else None)
+                       if serves_pooling(resolve_runner_type(mc.runner, mc.model), config.pooler_config)
+                       else None)
         # Every layer's weight format, decided once (weight_plan/plan.py), before the forward
         # compiles: layer name -> format, bytes, and each quantized or 16-bit format's activations.
         self._weight_table, self.activations = plan_weights(self.model, self.hf_config, self.device,
@@ -226,10 +228,23 @@ class ModelRunner:
         if step.samplers:
             self._sample(hidden, step.samplers, out, so.grammar_bitmask, draft_probs)
         if step.poolers:
-            vectors = self.pooler(hidden, [(row0, n) for _, row0, n, _ in step.poolers],
-                                  [p[3] for p in step.poolers])
-            out.pooler_output = {rid: vec for (rid, _, _, _), vec in zip(step.poolers, vectors)}
+            self._pool(hidden, step.poolers, out)
         return out
+
+    def _pool(self, hidden: torch.Tensor, poolers: list[tuple[ScheduledRequest, int]], out: RunnerOutput) -> None:
+        """The vector of each pooling request whose input ends this step; a chunk before the
+        last keeps the rows the pooler will read (``Pooler.carry``)."""
+        states, inputs = [], []
+        for s, row0 in poolers:
+            rows, carried = hidden[row0:row0 + s.num_tokens], s.state.pooling_carry
+            if not s.pools:
+                carried.append(self.pooler.carry(rows))
+                continue
+            states.append(s.state)
+            inputs.append(torch.cat([*carried, rows]) if carried else rows)
+        if states:
+            vectors = self.pooler(inputs, [st.pooling_params for st in states])
+            out.pooler_output = {st.req_id: vec for st, vec in zip(states, vectors)}
 
     @property
     def weight_table(self) -> list[WeightRow]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagedllm.pooling_params import PoolingParams
 from pagedllm.runner.input_batch import CachedRequestState, ScheduledRequest
 
 
@@ -16,8 +15,8 @@ class StepInputs:
     num_computed: list[int] = field(default_factory=list)
     block_tables: list[list[list[int]]] = field(default_factory=list)  # one table per KV cache group
     samplers: list[tuple[ScheduledRequest, int]] = field(default_factory=list)  # (request, its logits row)
-    # (request, first row, rows, params) of the pooling requests whose input ends this step.
-    poolers: list[tuple[str, int, int, PoolingParams]] = field(default_factory=list)
+    # (request, its first row) of the pooling requests: pooled where the input ends this step.
+    poolers: list[tuple[ScheduledRequest, int]] = field(default_factory=list)
     token_type_starts: list[tuple[int, int]] = field(default_factory=list)  # rows [a, b) of a pair's second segment
     # (state, first row, first position, count): rows whose logits score prompt tokens.
     prompt_logprob_jobs: list[tuple[CachedRequestState, int, int, int]] = field(default_factory=list)
@@ -44,6 +43,6 @@ def gather_step_inputs(scheduled: list[ScheduledRequest]) -> StepInputs:
         if s.samples:
             step.samplers.append((s, row0 + n_real - 1))
         elif state.pooling_params is not None:
-            step.poolers.append((state.req_id, row0, n, state.pooling_params))
+            step.poolers.append((s, row0))
             step.token_type_starts.append((row0 + (state.pooling_params.token_type_start or n), row0 + n))
     return step

@@ -390,3 +390,24 @@ def test_embed_vllm_peer(tmp_path, capsys, shape):
     if not DEFAULT_VLLM_PYTHON.is_file():
         pytest.skip(f"no vLLM venv at {DEFAULT_VLLM_PYTHON}: run benchmarks/setup_vllm_cpu.sh")
     _embed_peer_line(tmp_path, capsys, ["--vllm", "--vllm-eager"], "vllm", shape)
+
+
+def test_embed_mixed(tiny_model, tmp_path, capsys):
+    """One server generating and embedding: the streams' tokens all arrive, their gaps are
+    measured alone and mixed, embeddings come back, and the ratio is the figures' ratio."""
+    from benchmarks import embed
+
+    out = tmp_path / "m.json"
+    embed.main(["--mixed", "--model", tiny_model, "--server", "inprocess", "--rounds", "1", "--num-gen", "2",
+                "--prompt-len", "8", "--max-tokens", "12", "--embed-concurrency", "2", "--embed-min-len", "8",
+                "--embed-max-len", "40", "--num-embed-inputs", "4", "--max-pooling-tokens-while-decoding", "4",
+                "--json", str(out), *SMALL_KV])
+    line = _one_line(capsys, "embed --mixed (")
+    r = json.loads(out.read_text())
+    assert r["output_tokens"] == 2 * 2 * 12  # both phases, every stream to max_tokens
+    for phase in ("alone", "mixed"):
+        assert 0 < r[phase]["num_itl"] <= 2 * 11
+        assert 0 < r[phase]["itl_p50_ms"] <= r[phase]["itl_p99_ms"]
+    assert r["embeddings_returned"] >= 2 and r["embed_tokens"] <= 40 * r["embeddings"]
+    assert r["p99_ratio"] == pytest.approx(r["mixed"]["itl_p99_ms"] / r["alone"]["itl_p99_ms"])
+    assert f"p99 ratio {r['p99_ratio']:.3f}" in line

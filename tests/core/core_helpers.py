@@ -28,10 +28,10 @@ def make_request(rid: str, prompt: list[int], max_tokens: int | None = 8, *,
 
 def make_scheduler(num_blocks: int = 10, block_size: int = BLOCK_SIZE, max_model_len: int = 64,
                    enable_caching: bool = True, sliding_windows: tuple[int | None, ...] = (None,),
-                   **sched_kwargs) -> Scheduler:
+                   pooling_chunks: bool = False, **sched_kwargs) -> Scheduler:
     sched_kwargs.setdefault("max_num_batched_tokens", 64)
     return Scheduler(SchedulerConfig(**sched_kwargs), num_blocks, block_size, max_model_len,
-                     enable_caching, sliding_windows)
+                     enable_caching, sliding_windows, pooling_chunks=pooling_chunks)
 
 
 def make_runner(sched: Scheduler, vocab_size: int = VOCAB) -> FakeRunner:

@@ -520,3 +520,40 @@ def test_a_beam_search_aborted_as_it_ends_yields_nothing():
     outs, _ = op.process_outputs(EngineCoreOutputs(finished_beams={"c": [FinishedBeam([3, 4], -1.0, -0.5, "length")]}))
     assert [(o.request_id, o.outputs[0].token_ids, o.beam_scores) for o in outs] == [("c", [3, 4], [-0.5])]
     assert not op.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_generator_that_pools_runs_both_kinds_in_shared_steps(async_scheduling):
+    """pooler_config on a generator: pooling inputs chunked beside decodes (at most the cap
+    of them in a step that decodes), each request with the result it gets alone, nothing left."""
+    from pagedllm.pooling_outputs import PoolingRequestOutput
+    from pagedllm.pooling_params import PoolingParams
+    from pagedllm.runner.fake import fake_pooled
+
+    if not TOKENIZER_DIR.is_dir():
+        pytest.skip("demo model (its config.json) not present")
+    config = EngineConfig(
+        ModelConfig(model=str(TOKENIZER_DIR), max_model_len=64),
+        CacheConfig(block_size=4, num_gpu_blocks_override=64),
+        SchedulerConfig(max_num_batched_tokens=16, max_pooling_tokens_while_decoding=3,
+                        async_scheduling=async_scheduling), pooler_config={})
+    engine = LLMEngine(config, runner=FakeRunner(vocab_size=VOCAB), load_tokenizer=False,
+                       model_info=ModelInfo(vocab_size=VOCAB, max_position_embeddings=128, eos_token_ids=EOS))
+    schedules = []
+    engine.step_observers.append(lambda so, outs, t: schedules.append(dict(so.num_scheduled_tokens)))
+    sp = SamplingParams(max_tokens=10, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
+    gens = prompts(3, seed=1)
+    inputs = prompts(4, seed=2, lo=10, hi=40)  # most longer than a step's budget
+    for i, p in enumerate(gens):
+        engine.add_request(f"g{i}", {"prompt_token_ids": p}, sp)
+    for i, p in enumerate(inputs):
+        engine.add_pooling_request(f"e{i}", {"prompt_token_ids": p}, PoolingParams(task="embed"))
+    final = run(engine)
+    assert {rid: list(o.outputs[0].token_ids) for rid, o in final.items() if rid.startswith("g")} == \
+        {f"g{i}": expected(p, sp) for i, p in enumerate(gens)}
+    vectors = {rid: o.outputs.data for rid, o in final.items() if isinstance(o, PoolingRequestOutput)}
+    assert vectors == {f"e{i}": fake_pooled(p) for i, p in enumerate(inputs)}
+    decoding = [s for s in schedules if any(r.startswith("g") and n == 1 for r, n in s.items())]
+    assert decoding and all(sum(n for r, n in s.items() if r.startswith("e")) <= 3 for s in decoding)
+    assert not engine.pooling.pending
+    assert_idle(engine)
