@@ -27,7 +27,6 @@ per build of the kernels under torch's default (``use_own_inductor_cache``).
 """
 from __future__ import annotations
 
-import functools
 import importlib.util
 import logging
 import os
@@ -102,9 +101,8 @@ class CompiledForward:
         self.model = model
         self.compile_seconds = 0.0
         self._warm = False
-        # Once warm: the compiled graph called on the tensors it reads, or else the bytecode
-        # dynamo made of forward, either without dynamo (__call__).
-        self._call: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        # Once warm: the compiled graph called on the tensors it reads, without dynamo (__call__).
+        self._call: GraphCall | None = None
         # fullgraph: a graph break would be a silent slowdown (and a second graph); fail loudly.
         # dynamic=False: only the token dimension is symbolic, marked per call below.
         # No size/alignment asserts: the generated wrapper checks every output of every opaque op
@@ -128,8 +126,13 @@ class CompiledForward:
                                  shared.__defaults__, shared.__closure__)
         own.__kwdefaults__ = shared.__kwdefaults__
         self._cpp_wrapper = device.type == "cpu"
+        # realize_opcount_threshold: a value that several loops read (the residual stream, the
+        # embedding's rows, rope's cos and sin) is computed once into a buffer when its
+        # expression has over 4 ops; inductor's CPU default (50) had the first layers' loops
+        # each redo the embedding lookup and the residual adds, and every layer's loop redo
+        # cos and sin per element (docs/step_cost.md, sixth change).
         options: dict[str, object] = {"size_asserts": False, "alignment_asserts": False,
-                                      "cpp_wrapper": self._cpp_wrapper}
+                                      "cpp_wrapper": self._cpp_wrapper, "realize_opcount_threshold": 4}
         # A tiny model's fused loops on one thread: no parallel region per loop (loop_threads.py).
         self.loop_threads = loop_threads(model) if device.type == "cpu" else None
         if self.loop_threads is not None:
@@ -143,17 +146,16 @@ class CompiledForward:
         # tensor the graph reads, each reached through the module tree, a visible share of a
         # batch-1 decode step (docs/cpu_kernels.md#the-compiled-graph), and so does the bytecode
         # dynamo made of forward, which passes them to the graph. So the warm forward calls the
-        # graph itself on the tensors it reads (graph_call.py), or, where the bytecode does more
-        # than that (a hook keeping a layer's input), the bytecode, as vLLM's compile wrapper
-        # does; tests/runner/test_compile.py holds it to eager and checks nothing recompiles.
+        # graph itself on the tensors it reads (graph_call.py); tests/runner/test_compile.py
+        # holds it to eager and checks nothing recompiles.
         if self._call is not None:
             return self._call(input_ids, positions)
         # Every step's tensors are new objects: the mark must be on each (a flag on the tensor).
         _mark_tokens_unbacked(input_ids, positions)
         if not self._warm:
             return self._forward(input_ids, positions)
-        # Warm, but dynamo made more than one graph while warming up: only the guards that tell
-        # the graphs apart.
+        # Warm, but no GraphCall (dynamo made more than one graph while warming up, or its
+        # bytecode does more than call the graph): only the guards that tell graphs apart.
         with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
             return self._forward(input_ids, positions)
 
@@ -181,12 +183,10 @@ class CompiledForward:
             # forward's globals: where dynamo put the compiled graph that the bytecode calls.
             self._call = GraphCall.capture(made[0], forward.__globals__, self.model, device,
                                            tensor_counts=self._cpp_wrapper)
-            if self._call is None:
-                logger.info("torch.compile: the warm forward runs dynamo's bytecode (it does more "
-                            "than call the graph on tensors the model holds)")
-                self._call = functools.partial(types.FunctionType(
-                    made[0], forward.__globals__, forward.__name__, forward.__defaults__,
-                    forward.__closure__), self.model)
+        if self._call is None:
+            logger.info("torch.compile: the warm forward goes through dynamo (%s)",
+                        "several graphs" if len(made) != 1 else
+                        "the bytecode does more than call the graph on tensors the model holds")
         self.compile_seconds = time.perf_counter() - start
         return self.compile_seconds
 
