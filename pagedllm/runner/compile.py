@@ -41,6 +41,7 @@ import torch
 from pagedllm import envs
 from pagedllm.kernels.cpu_extension import build_tag
 from pagedllm.runner.compile_release import release_compiled_code
+from pagedllm.runner.graph_call import GraphCall
 from pagedllm.runner.loop_threads import loop_threads
 
 logger = logging.getLogger(__name__)
@@ -100,10 +101,8 @@ class CompiledForward:
         self.model = model
         self.compile_seconds = 0.0
         self._warm = False
-        # Once warm: the bytecode dynamo made of ``forward`` for this model (it calls the
-        # compiled graph), as a function of (model, input_ids, positions), called without dynamo
-        # (see __call__).
-        self._direct: Callable[..., torch.Tensor] | None = None
+        # Once warm: the compiled graph called on the tensors it reads, without dynamo (__call__).
+        self._call: GraphCall | None = None
         # fullgraph: a graph break would be a silent slowdown (and a second graph); fail loudly.
         # dynamic=False: only the token dimension is symbolic, marked per call below.
         # No size/alignment asserts: the generated wrapper checks every output of every opaque op
@@ -126,8 +125,14 @@ class CompiledForward:
         own = types.FunctionType(self._code, shared.__globals__, shared.__name__,
                                  shared.__defaults__, shared.__closure__)
         own.__kwdefaults__ = shared.__kwdefaults__
+        self._cpp_wrapper = device.type == "cpu"
+        # realize_opcount_threshold: a value that several loops read (the residual stream, the
+        # embedding's rows, rope's cos and sin) is computed once into a buffer when its
+        # expression has over 4 ops; inductor's CPU default (50) had the first layers' loops
+        # each redo the embedding lookup and the residual adds, and every layer's loop redo
+        # cos and sin per element (docs/step_cost.md, sixth change).
         options: dict[str, object] = {"size_asserts": False, "alignment_asserts": False,
-                                      "cpp_wrapper": device.type == "cpu"}
+                                      "cpp_wrapper": self._cpp_wrapper, "realize_opcount_threshold": 4}
         # A tiny model's fused loops on one thread: no parallel region per loop (loop_threads.py).
         self.loop_threads = loop_threads(model) if device.type == "cpu" else None
         if self.loop_threads is not None:
@@ -139,17 +144,18 @@ class CompiledForward:
         # Once warm, the one graph serves every step: dynamo's guards would only confirm it. Even
         # the "differentiating" guards that skip_guard_eval_unsafe keeps check every weight
         # tensor the graph reads, each reached through the module tree, a visible share of a
-        # batch-1 decode step (docs/cpu_kernels.md#the-compiled-graph). So the warm forward calls
-        # dynamo's bytecode for it directly, as vLLM's compile wrapper does;
-        # tests/runner/test_compile.py holds it to eager and checks nothing recompiles.
-        if self._direct is not None:
-            return self._direct(self.model, input_ids, positions)
+        # batch-1 decode step (docs/cpu_kernels.md#the-compiled-graph), and so does the bytecode
+        # dynamo made of forward, which passes them to the graph. So the warm forward calls the
+        # graph itself on the tensors it reads (graph_call.py); tests/runner/test_compile.py
+        # holds it to eager and checks nothing recompiles.
+        if self._call is not None:
+            return self._call(input_ids, positions)
         # Every step's tensors are new objects: the mark must be on each (a flag on the tensor).
         _mark_tokens_unbacked(input_ids, positions)
         if not self._warm:
             return self._forward(input_ids, positions)
-        # Warm, but without the bytecode (dynamo made more than one graph while warming up):
-        # only the guards that tell the graphs apart.
+        # Warm, but no GraphCall (dynamo made more than one graph while warming up, or its
+        # bytecode does more than call the graph): only the guards that tell graphs apart.
         with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
             return self._forward(input_ids, positions)
 
@@ -175,8 +181,12 @@ class CompiledForward:
         self._warm = True
         if len(made) == 1:  # one graph for both token counts, as the mark promises
             # forward's globals: where dynamo put the compiled graph that the bytecode calls.
-            self._direct = types.FunctionType(made[0], forward.__globals__, forward.__name__,
-                                              forward.__defaults__, forward.__closure__)
+            self._call = GraphCall.capture(made[0], forward.__globals__, self.model, device,
+                                           tensor_counts=self._cpp_wrapper)
+        if self._call is None:
+            logger.info("torch.compile: the warm forward goes through dynamo (%s)",
+                        "several graphs" if len(made) != 1 else
+                        "the bytecode does more than call the graph on tensors the model holds")
         self.compile_seconds = time.perf_counter() - start
         return self.compile_seconds
 

@@ -16,6 +16,7 @@ from test_lora_generate import _check, _params, _prompts
 
 from pagedllm import LLM, LoRARequest
 from pagedllm.runner.compile import compile_disabled_reason
+from pagedllm.runner.graph_call import GraphCall
 
 pytestmark = pytest.mark.slow
 EAGER_TOL = 1e-5
@@ -69,7 +70,8 @@ def test_compiled_matches_eager_and_peft_without_recompiling(adapters):
     base, quantization, adapters = adapters
     compiled = _engine(base, quantization, enforce_eager=False)
     runner = compiled.llm_engine.executor.runner
-    assert runner.compiled is not None
+    # The graph called on the slots' tensors it reads, found once: filling a slot writes into them.
+    assert isinstance(runner.compiled._call, GraphCall) and isinstance(runner.compiled_base._call, GraphCall)
     if quantization is not None:  # the wrapped layers' base is quantized
         assert {fmt.name for fmt in runner.lora_manager.layers.values()} == {quantization[:2]}
     counters = torch._dynamo.utils.counters

@@ -21,6 +21,7 @@ from pagedllm.layers.linear import Linear
 from pagedllm.layers.weight_format import Panels, Quantized
 from pagedllm.runner import compile as compile_mod
 from pagedllm.runner.compile import compile_disabled_reason
+from pagedllm.runner.graph_call import GraphCall
 
 SHARED_MODELS = Path(__file__).resolve().parents[2].parent / "shared" / "models"
 DEMO_MODEL = SHARED_MODELS / "stories260K" / "hf"
@@ -128,15 +129,15 @@ def _engines(model: str) -> tuple[LLM, LLM]:
 
 def _recording(runner, sizes: set[int]) -> None:
     """Record the token count of every compiled call (still through the compiled code: the warm
-    forward calls the bytecode dynamo made of it directly)."""
-    inner = runner.compiled._direct
+    forward calls the graph directly, runner/graph_call.py)."""
+    inner = runner.compiled._call
     assert inner is not None
 
-    def direct(model, input_ids, positions):
+    def call(input_ids, positions):
         sizes.add(int(input_ids.shape[0]))
-        return inner(model, input_ids, positions)
+        return inner(input_ids, positions)
 
-    runner.compiled._direct = direct
+    runner.compiled._call = call
 
 
 def _compare_outputs(compiled: LLM, eager: LLM, vocab_size: int) -> set[int]:
@@ -180,6 +181,7 @@ def _compare(model: str, vocab_size: int) -> None:
     # The compiled forward multiplies through the packed weights, as eager does: every linear
     # of the decoder is packed (_engines forces it), and the graph calls each as the opaque op
     # (counted below).
+    assert isinstance(runner.compiled._call, GraphCall)  # the warm forward calls the graph itself
     linears = [m for m in runner.model.model.modules() if isinstance(m, Linear)]
     assert linears and all(isinstance(m.weight_format, Panels) and m.weight is None for m in linears)
     _compare_outputs(compiled, eager, vocab_size)
@@ -201,6 +203,7 @@ def test_compiled_matches_eager_quantized_moe(tmp_path):
     assert runner.compiled is not None
     assert any(isinstance(getattr(m, "weight_format", None), Quantized)
                for m in runner.model.modules())
+    assert isinstance(runner.compiled._call, GraphCall)  # its codes and scales found where the layers hold them
     _compare_outputs(compiled, eager, 32000)
 
 
@@ -227,7 +230,7 @@ def test_every_model_compiles_its_own_forward():
         for model in models:
             compiled = CompiledForward(model, CPU)
             compiled.warmup(4, CPU)
-            assert compiled._direct is not None  # one graph for every token count
+            assert compiled._call is not None  # one graph for every token count, called directly
             with torch.inference_mode():
                 torch.testing.assert_close(compiled(ids, positions), model(ids, positions),
                                            rtol=TOL, atol=TOL)
