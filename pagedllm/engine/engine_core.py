@@ -223,7 +223,7 @@ class EngineCore:
         scheduler_output, result = self._in_flight.popleft()
         runner_output, execute_s = result.result()
         t2 = time.perf_counter()
-        if self.draft_switch is not None:
+        if self.draft_switch is not None and not scheduler_output.num_scheduled_prompt_tokens:
             self.draft_switch.observe(scheduler_output.total_num_scheduled_tokens, max(
                 map(len, scheduler_output.scheduled_spec_decode_tokens.values()), default=0), execute_s,
                 runner_output.draft_seconds)

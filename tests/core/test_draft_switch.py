@@ -70,15 +70,19 @@ def test_batch_one_alone_tells_what_a_draft_costs():
         assert switch.pays([(k, e)]) == expected
 
 
-def test_the_plain_step_is_predicted_when_every_recent_step_drafted():
-    """32 requests that all draft 3-4 tokens every step after one prefill: the plain step is
-    never seen, yet the fit predicts it, and switches off where the rows are compute."""
+def test_a_batch_that_always_drafts_measures_a_plain_step_then_decides():
+    """32 requests that all draft 3-4 tokens every step: their n vary too little to extrapolate
+    the plain step, so the switch runs one, then decides where the rows are compute."""
     plan = (4, 3.3)  # acceptance ~0.75
-    steps = [(32 * 16, 0)] + [(32 + sum(ks), max(ks)) for ks in ([3] * 32, [4] * 32, [3, 4] * 16)] * 7
+    drafting = [(32 + sum(ks), max(ks)) for ks in ([3] * 32, [4] * 32, [3, 4] * 16)] * 7
     for machine, pays in ((COMPUTE_BOUND, False), (BANDWIDTH_BOUND, True)):
         switch = DraftSwitch()
-        _feed(switch, machine, steps, noise=0.03)
+        _feed(switch, machine, drafting, noise=0.03)
+        assert not switch.pays([plan] * 32)  # no plain step measured: the next one runs plain
+        _feed(switch, machine, [(32, 0)], noise=0.03)
         assert switch.pays([plan] * 32) == pays
+        _feed(switch, machine, drafting[:20] if pays else [(32, 0)] * 20, noise=0.03)
+        assert switch.pays([plan] * 32) == pays  # ~24 steps before the next measuring step
 
 
 def test_paused_requests_add_no_cost():
