@@ -133,7 +133,6 @@ class RunnerOutput:
     pooler_output: dict[str, list[float]] = field(default_factory=dict)
     # Requests that verified fewer drafts than they had slots (a draft model below draft_p_min).
     num_draft_tokens: dict[str, int] | None = None
-    draft_seconds: float = 0.0  # the draft model's share of the step (core/draft_switch.py)
 
     @classmethod
     def empty(cls) -> "RunnerOutput":

@@ -223,10 +223,9 @@ class EngineCore:
         scheduler_output, result = self._in_flight.popleft()
         runner_output, execute_s = result.result()
         t2 = time.perf_counter()
-        if self.draft_switch is not None and not scheduler_output.num_scheduled_prompt_tokens:
+        if self.draft_switch is not None:
             self.draft_switch.observe(scheduler_output.total_num_scheduled_tokens, max(
-                map(len, scheduler_output.scheduled_spec_decode_tokens.values()), default=0), execute_s,
-                runner_output.draft_seconds)
+                map(len, scheduler_output.scheduled_spec_decode_tokens.values()), default=0), execute_s)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         timings = StepTimings(t1 - t0, t2 - t1, time.perf_counter() - t2)
         for observe in self.step_observers:  # the step trace, the dashboard's feed

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ctypes
 import platform
-import time
 from collections.abc import Iterable
 
 import torch
@@ -192,11 +191,8 @@ class ModelRunner:
             return RunnerOutput.empty()
         draft_probs: dict[str, torch.Tensor | None] = {}
         num_drafts: dict[str, int] = {}  # requests whose draft model filled fewer slots
-        draft_s = 0.0
         if self.drafter is not None and not self.drafter.can_skip(scheduled):  # fills the slots, keeps q
-            t0 = time.perf_counter()
             qs = self.drafter.propose(scheduled, self._attention_metadata, self._sampling_metadata)
-            draft_s = time.perf_counter() - t0
             draft_probs = {s.state.req_id: q for s, q in zip(scheduled, qs)}
             slots = so.scheduled_spec_decode_tokens
             num_drafts = {s.state.req_id: len(s.drafts) for s in scheduled
@@ -221,8 +217,7 @@ class ModelRunner:
 
         req_ids = [s.state.req_id for s in scheduled]
         out = RunnerOutput(req_ids=req_ids, req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
-                           sampled_token_ids=[[] for _ in req_ids], num_draft_tokens=num_drafts or None,
-                           draft_seconds=draft_s)
+                           sampled_token_ids=[[] for _ in req_ids], num_draft_tokens=num_drafts or None)
         if step.prompt_logprob_jobs:
             out.prompt_logprobs = self._prompt_logprobs(hidden, step.prompt_logprob_jobs)
         if step.samplers:

@@ -16,9 +16,8 @@ COMPUTE_BOUND = (0.02, 0.004, 0.005)  # every row costs: rejected drafts are rea
 def _feed(switch: DraftSwitch, machine, steps, noise: float = 0.0, seed: int = 0) -> None:
     rng = random.Random(seed)
     fixed, per_token, per_forward = machine
-    for n, f in steps:  # the runner times its draft model apart
-        scale = 1 + noise * rng.uniform(-1, 1)
-        switch.observe(n, f, (fixed + per_token * n + per_forward * f) * scale, per_forward * f * scale)
+    for n, f in steps:
+        switch.observe(n, f, (fixed + per_token * n + per_forward * f) * (1 + noise * rng.uniform(-1, 1)))
 
 
 def _mixed_steps(batches=(1, 4, 8, 16, 32), k: int = 4):
@@ -59,30 +58,14 @@ def test_a_bandwidth_bound_step_pays_for_drafts_at_every_batch_here():
 
 
 def test_batch_one_alone_tells_what_a_draft_costs():
-    """At batch 1 the tokens scored are 1 + the drafts, so n and F move together: the draft's
-    own seconds split their costs."""
+    """At batch 1 the tokens scored are 1 + the drafts, so n and F move together: the fit
+    cannot split their costs, but the decision needs only their sum."""
     switch = DraftSwitch()
     _feed(switch, BANDWIDTH_BOUND, [(1 + d, d) for d in (0, 1, 4, 2, 3)] * 6)
-    assert switch.costs() == pytest.approx(BANDWIDTH_BOUND, rel=1e-6)
     fixed, per_token, per_forward = BANDWIDTH_BOUND
     for k, e in ((4, 1.3), (4, 3.0), (1, 1.1), (1, 1.5)):
         expected = e * (fixed + per_token) >= fixed + per_token * (1 + k) + per_forward * k
         assert switch.pays([(k, e)]) == expected
-
-
-def test_a_batch_that_always_drafts_measures_a_plain_step_then_decides():
-    """32 requests that all draft 3-4 tokens every step: their n vary too little to extrapolate
-    the plain step, so the switch runs one, then decides where the rows are compute."""
-    plan = (4, 3.3)  # acceptance ~0.75
-    drafting = [(32 + sum(ks), max(ks)) for ks in ([3] * 32, [4] * 32, [3, 4] * 16)] * 7
-    for machine, pays in ((COMPUTE_BOUND, False), (BANDWIDTH_BOUND, True)):
-        switch = DraftSwitch()
-        _feed(switch, machine, drafting, noise=0.03)
-        assert not switch.pays([plan] * 32)  # no plain step measured: the next one runs plain
-        _feed(switch, machine, [(32, 0)], noise=0.03)
-        assert switch.pays([plan] * 32) == pays
-        _feed(switch, machine, drafting[:20] if pays else [(32, 0)] * 20, noise=0.03)
-        assert switch.pays([plan] * 32) == pays  # ~24 steps before the next measuring step
 
 
 def test_paused_requests_add_no_cost():
