@@ -81,3 +81,23 @@ def save_st_bert(folder: Path, pooling: str = "cls", dense: int | None = 16, nor
         cfg["is_matryoshka"] = True
         (out / "config.json").write_text(json.dumps(cfg))
     return out
+
+
+def save_tiny_qwen3(folder: Path, **overrides):
+    """A tiny random Qwen3ForCausalLM (seed 0) saved into ``folder`` with the demo model's
+    tokenizer (its 512 ids): a decoder to embed or rerank with. Returns the transformers model."""
+    import shutil
+
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from pagedllm.config import DEFAULT_MODEL_DIR
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(**{**dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                max_position_embeddings=256, tie_word_embeddings=False), **overrides})
+    model = Qwen3ForCausalLM(cfg).eval()
+    model.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(DEFAULT_MODEL_DIR / name, folder / name)
+    return model

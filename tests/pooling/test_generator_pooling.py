@@ -3,8 +3,6 @@ requests in the same steps and token budget, each with the result it gets alone;
 answers /v1/completions and /v1/embeddings from one engine."""
 from __future__ import annotations
 
-import shutil
-
 import httpx
 import pytest
 import torch
@@ -14,6 +12,7 @@ from pagedllm.config import DEFAULT_MODEL_DIR
 from pagedllm.pooling_outputs import PoolingRequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+from tests.pooling.st_models import save_tiny_qwen3
 
 pytestmark = pytest.mark.skipif(not DEFAULT_MODEL_DIR.is_dir(), reason="demo model not present")
 
@@ -27,16 +26,8 @@ CAP = 5  # max_pooling_tokens_while_decoding
 
 @pytest.fixture(scope="module")
 def qwen3(tmp_path_factory):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
     folder = tmp_path_factory.mktemp("qwen3")
-    torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-                      tie_word_embeddings=False, initializer_range=0.1)
-    Qwen3ForCausalLM(cfg).eval().save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(DEFAULT_MODEL_DIR / name, folder / name)
+    save_tiny_qwen3(folder, initializer_range=0.1)
     return folder
 
 

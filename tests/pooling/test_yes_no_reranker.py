@@ -2,31 +2,20 @@
 of two tokens at the last position, against transformers' logits."""
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 
 from pagedllm import LLM
 from pagedllm.config import DEFAULT_MODEL_DIR
+from tests.pooling.st_models import save_tiny_qwen3
 
 pytestmark = pytest.mark.skipif(not DEFAULT_MODEL_DIR.is_dir(), reason="demo model (its tokenizer) not present")
 
 
 @pytest.fixture(scope="module")
 def qwen3(tmp_path_factory):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
     folder = tmp_path_factory.mktemp("qwen3")
-    torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-                      tie_word_embeddings=False)
-    model = Qwen3ForCausalLM(cfg).eval()
-    model.save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(DEFAULT_MODEL_DIR / name, folder / name)
-    return folder, model
+    return folder, save_tiny_qwen3(folder)
 
 
 def test_yes_no_scores_match_transformers(qwen3):
